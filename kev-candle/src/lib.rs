@@ -1,0 +1,1 @@
+//! kev-candle

@@ -1,0 +1,571 @@
+//! Record encoding (KEV.md §2): token ids, segments and the positions the pointer head reads.
+//!
+//! Each text piece (the formatted state, each formatted prompt, each formatted option) is tokenized
+//! **on its own**, without special tokens, and the pieces are concatenated with the marker ids in
+//! between. Positions are therefore exact and independent of neighbouring text, which is what makes
+//! the prefix form (state once, branches batched) equal to the row form:
+//!
+//! ```text
+//! state    = tok(template.state.format(state))                     segment 0
+//! branch_j = tok(template.question.format(prompt_j))
+//!            ++ for each option i: tok(template.option.format(option_i)) ++ [OPTION]
+//!            ++ [DECIDE]                                            segment j+1
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use tokenizers::Tokenizer;
+
+use crate::error::{Error, Result};
+use crate::record::Record;
+use crate::template::Template;
+
+/// Where one question's branch sits in an [`Encoding`] and where its markers are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BranchPositions {
+    /// Index in [`Encoding::ids`] where the branch begins.
+    pub start: usize,
+    /// Number of tokens in the branch.
+    pub len: usize,
+    /// Position of `[DECIDE]` relative to the branch start (always `len - 1`).
+    pub decide: usize,
+    /// Positions of the `[OPTION]` markers relative to the branch start, one per option, in order.
+    pub opts: Vec<usize>,
+}
+
+/// A whole record encoded: the state followed by every branch, with segment ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Encoding {
+    /// State ids, then each branch's ids in question order.
+    pub ids: Vec<u32>,
+    /// Segment of each id: 0 for the state, `j + 1` for question `j`'s branch.
+    pub segments: Vec<u32>,
+    /// Number of state tokens (the state is `ids[..state_len]`).
+    pub state_len: usize,
+    /// One entry per question, in order.
+    pub branches: Vec<BranchPositions>,
+}
+
+/// One question's branch, as run after the state: `state ++ ids` is the row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    /// The branch ids.
+    pub ids: Vec<u32>,
+    /// Position of `[DECIDE]` in `ids`.
+    pub decide: usize,
+    /// Positions of the `[OPTION]` markers in `ids`.
+    pub opts: Vec<usize>,
+}
+
+impl Encoding {
+    /// The state ids.
+    pub fn state_ids(&self) -> &[u32] {
+        &self.ids[..self.state_len]
+    }
+
+    /// Branch `j`'s ids.
+    pub fn branch_ids(&self, j: usize) -> &[u32] {
+        let b = &self.branches[j];
+        &self.ids[b.start..b.start + b.len]
+    }
+
+    /// Length of the longest branch (0 for no branches).
+    pub fn longest_branch(&self) -> usize {
+        self.branches.iter().map(|b| b.len).max().unwrap_or(0)
+    }
+
+    /// Splits into the state ids and one [`Row`] per question; same as [`Encoder::rows_of`].
+    pub fn rows(&self) -> (Vec<u32>, Vec<Row>) {
+        let rows = self
+            .branches
+            .iter()
+            .map(|b| Row {
+                ids: self.ids[b.start..b.start + b.len].to_vec(),
+                decide: b.decide,
+                opts: b.opts.clone(),
+            })
+            .collect();
+        (self.state_ids().to_vec(), rows)
+    }
+}
+
+/// Encodes records with a tokenizer and a template; cheap to share between threads.
+#[derive(Debug, Clone)]
+pub struct Encoder {
+    tokenizer: Tokenizer,
+    template: Template,
+    max_tokens: usize,
+    tokenizer_path: PathBuf,
+    option_id: u32,
+    decide_id: u32,
+}
+
+impl Encoder {
+    /// Builds an encoder. `tokenizer_path` names the tokenizer in errors.
+    ///
+    /// Checks the template ([`Error::InvalidArgument`] naming `template.<field>`; a template loaded
+    /// with a checkpoint was already checked with the `kev.json` path), `max_tokens > 0`, and that
+    /// each marker is a token that encodes, without special tokens, to exactly its own single id
+    /// ([`Error::MissingMarker`] otherwise).
+    pub fn new(
+        tokenizer: Tokenizer,
+        template: Template,
+        max_tokens: usize,
+        tokenizer_path: &Path,
+    ) -> Result<Self> {
+        template
+            .check()
+            .map_err(|(field, message)| Error::invalid_argument(field, message))?;
+        if max_tokens == 0 {
+            return Err(Error::invalid_argument("max_tokens", "must be positive"));
+        }
+        let option_id = marker_id(&tokenizer, &template.option_marker, tokenizer_path)?;
+        let decide_id = marker_id(&tokenizer, &template.decide_marker, tokenizer_path)?;
+        Ok(Encoder {
+            tokenizer,
+            template,
+            max_tokens,
+            tokenizer_path: tokenizer_path.to_path_buf(),
+            option_id,
+            decide_id,
+        })
+    }
+
+    /// Loads `tokenizer.json` from `path` and builds an encoder (see [`Encoder::new`]).
+    pub fn from_file(
+        path: impl AsRef<Path>,
+        template: Template,
+        max_tokens: usize,
+    ) -> Result<Self> {
+        let path = path.as_ref();
+        if !path.is_file() {
+            return Err(Error::MissingFile {
+                path: path.to_path_buf(),
+                hint: "a Hugging Face `tokenizer.json` is required".to_owned(),
+            });
+        }
+        let tokenizer = Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
+            path: Some(path.to_path_buf()),
+            message: format!("cannot load: {e}"),
+        })?;
+        Encoder::new(tokenizer, template, max_tokens, path)
+    }
+
+    /// The `[OPTION]` marker id.
+    pub fn option_id(&self) -> u32 {
+        self.option_id
+    }
+
+    /// The `[DECIDE]` marker id.
+    pub fn decide_id(&self) -> u32 {
+        self.decide_id
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The template.
+    pub fn template(&self) -> &Template {
+        &self.template
+    }
+
+    /// The most tokens a record may need (state plus its longest branch).
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// The tokenizer file named in errors.
+    pub fn tokenizer_path(&self) -> &Path {
+        &self.tokenizer_path
+    }
+
+    /// Encodes a record (KEV.md §2). `line` is the record's input line, used in errors.
+    ///
+    /// Validates the record first ([`Record::validate`]). Errors: [`Error::Record`] when a text
+    /// contains a marker token (it would corrupt the positions), [`Error::TooLong`] when the state
+    /// plus the longest branch exceeds `max_tokens` (never truncated), [`Error::Tokenizer`] when the
+    /// tokenizer fails.
+    pub fn encode(&self, record: &Record, line: Option<usize>) -> Result<Encoding> {
+        record.validate_at(line)?;
+        let ctx = Ctx {
+            line,
+            id: record.id.as_deref(),
+        };
+        let mut ids = self.piece(&self.template.format_state(&record.state), "state", ctx)?;
+        let state_len = ids.len();
+        let mut segments = vec![0u32; state_len];
+        let mut branches = Vec::with_capacity(record.questions.len());
+        for (j, q) in record.questions.iter().enumerate() {
+            let start = ids.len();
+            let mut branch = self.piece(
+                &self.template.format_question(&q.prompt),
+                &format!("questions[{j}].prompt"),
+                ctx,
+            )?;
+            let mut opts = Vec::with_capacity(q.options.len());
+            for (i, option) in q.options.iter().enumerate() {
+                let field = format!("questions[{j}].options[{i}]");
+                branch.extend(self.piece(&self.template.format_option(option), &field, ctx)?);
+                opts.push(branch.len());
+                branch.push(self.option_id);
+            }
+            let decide = branch.len();
+            branch.push(self.decide_id);
+            let segment = u32::try_from(j + 1)
+                .map_err(|_| Error::record(line, ctx.id, "questions", "too many questions"))?;
+            segments.extend(std::iter::repeat_n(segment, branch.len()));
+            branches.push(BranchPositions {
+                start,
+                len: branch.len(),
+                decide,
+                opts,
+            });
+            ids.extend(branch);
+        }
+        let encoding = Encoding {
+            ids,
+            segments,
+            state_len,
+            branches,
+        };
+        let tokens = state_len + encoding.longest_branch();
+        if tokens > self.max_tokens {
+            return Err(Error::TooLong {
+                line,
+                id: record.id.clone(),
+                tokens,
+                max_tokens: self.max_tokens,
+            });
+        }
+        Ok(encoding)
+    }
+
+    /// Tokenizes a state alone, exactly as [`Encoder::encode`] does (for prefix reuse and
+    /// checks). Errors as for the state of a record.
+    pub fn encode_state(&self, state: &str) -> Result<Vec<u32>> {
+        self.piece(
+            &self.template.format_state(state),
+            "state",
+            Ctx {
+                line: None,
+                id: None,
+            },
+        )
+    }
+
+    /// Splits an encoding into the state ids and one [`Row`] per question (the Python runtime's
+    /// split); same as [`Encoding::rows`].
+    pub fn rows_of(encoding: &Encoding) -> (Vec<u32>, Vec<Row>) {
+        encoding.rows()
+    }
+
+    /// Tokenizes one formatted piece without special tokens and refuses marker ids in it.
+    fn piece(&self, text: &str, field: &str, ctx: Ctx<'_>) -> Result<Vec<u32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer {
+                path: Some(self.tokenizer_path.clone()),
+                message: format!(
+                    "cannot encode field `{field}` of record{}{}: {e}",
+                    ctx.line
+                        .map(|l| format!(" at line {l}"))
+                        .unwrap_or_default(),
+                    ctx.id.map(|i| format!(" (`{i}`)")).unwrap_or_default(),
+                ),
+            })?;
+        let ids = enc.get_ids();
+        for (id, marker) in [
+            (self.option_id, &self.template.option_marker),
+            (self.decide_id, &self.template.decide_marker),
+        ] {
+            if ids.contains(&id) {
+                return Err(Error::record(
+                    ctx.line,
+                    ctx.id,
+                    field,
+                    format!(
+                        "contains the marker token `{marker}`, which would corrupt the positions"
+                    ),
+                ));
+            }
+        }
+        Ok(ids.to_vec())
+    }
+}
+
+/// Where a piece comes from, for errors.
+#[derive(Clone, Copy)]
+struct Ctx<'a> {
+    line: Option<usize>,
+    id: Option<&'a str>,
+}
+
+/// The id of `marker`, which must be a token that encodes to exactly itself.
+fn marker_id(tokenizer: &Tokenizer, marker: &str, path: &Path) -> Result<u32> {
+    let missing = || Error::MissingMarker {
+        marker: marker.to_owned(),
+        path: path.to_path_buf(),
+    };
+    let id = tokenizer.token_to_id(marker).ok_or_else(missing)?;
+    let enc = tokenizer.encode(marker, false).map_err(|_| missing())?;
+    if enc.get_ids() != [id] {
+        return Err(missing());
+    }
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Question;
+
+    /// A word-level tokenizer (whitespace/punctuation split) with the two markers as special
+    /// tokens and `<|im_start|>` as a special token.
+    pub(crate) const TOKENIZER_JSON: &str = r#"{
+      "version": "1.0", "truncation": null, "padding": null,
+      "added_tokens": [
+        {"id": 0, "content": "<|kev_option|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+        {"id": 1, "content": "<|kev_decide|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+        {"id": 2, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+      ],
+      "normalizer": null,
+      "pre_tokenizer": {"type": "Whitespace"},
+      "post_processor": null,
+      "decoder": null,
+      "model": {"type": "WordLevel", "unk_token": "[UNK]",
+                "vocab": {"<|kev_option|>": 0, "<|kev_decide|>": 1, "<|im_start|>": 2, "[UNK]": 3,
+                          "user": 4, "-": 5, "a": 6, "b": 7, "c": 8, "which": 9, "?": 10,
+                          "the": 11, "state": 12, "yes": 13, "no": 14, "ab-": 15}}
+    }"#;
+
+    fn tokenizer() -> Tokenizer {
+        TOKENIZER_JSON.parse().unwrap()
+    }
+
+    fn template() -> Template {
+        Template {
+            state: "<|im_start|>user {state}".into(),
+            question: "{prompt}".into(),
+            option: "- {option}".into(),
+            option_marker: "<|kev_option|>".into(),
+            decide_marker: "<|kev_decide|>".into(),
+        }
+    }
+
+    fn encoder(max_tokens: usize) -> Encoder {
+        Encoder::new(tokenizer(), template(), max_tokens, Path::new("tok.json")).unwrap()
+    }
+
+    fn record(state: &str, questions: &[(&str, &[&str])]) -> Record {
+        Record {
+            id: Some("r1".into()),
+            state: state.into(),
+            questions: questions
+                .iter()
+                .map(|(p, opts)| Question {
+                    id: None,
+                    prompt: (*p).into(),
+                    options: opts.iter().map(|o| (*o).to_string()).collect(),
+                    answer: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn positions_follow_kev_md() {
+        let enc = encoder(100);
+        assert_eq!((enc.option_id(), enc.decide_id()), (0, 1));
+        let r = record(
+            "the state",
+            &[("which ?", &["a", "b", "c"]), ("yes", &["no"])],
+        );
+        let e = enc.encode(&r, None).unwrap();
+        // state: <|im_start|> user the state
+        assert_eq!(e.state_len, 4);
+        assert_eq!(e.state_ids(), &[2, 4, 11, 12]);
+        // branch 0: which ? | - a OPT | - b OPT | - c OPT | DECIDE
+        let b0 = &e.branches[0];
+        assert_eq!(e.branch_ids(0), &[9, 10, 5, 6, 0, 5, 7, 0, 5, 8, 0, 1]);
+        assert_eq!((b0.start, b0.len, b0.decide), (4, 12, 11));
+        assert_eq!(b0.opts, vec![4, 7, 10]);
+        // branch 1: yes | - no OPT | DECIDE
+        let b1 = &e.branches[1];
+        assert_eq!((b1.start, b1.len, b1.decide), (16, 5, 4));
+        assert_eq!(b1.opts, vec![3]);
+        assert_eq!(e.ids.len(), 21);
+        assert_eq!(e.segments.len(), e.ids.len());
+        assert_eq!(&e.segments[..4], &[0; 4]);
+        assert_eq!(&e.segments[4..16], &[1; 12]);
+        assert_eq!(&e.segments[16..], &[2; 5]);
+        for (j, b) in e.branches.iter().enumerate() {
+            let ids = e.branch_ids(j);
+            assert_eq!(b.decide, b.len - 1, "decide is the last branch token");
+            assert_eq!(ids[b.decide], enc.decide_id());
+            assert!(b.opts.iter().all(|&p| ids[p] == enc.option_id()));
+        }
+    }
+
+    #[test]
+    fn rows_of_splits_state_and_branches() {
+        let enc = encoder(100);
+        let r = record("the state", &[("which ?", &["a", "b"]), ("yes", &["no"])]);
+        let e = enc.encode(&r, None).unwrap();
+        let (state, rows) = Encoder::rows_of(&e);
+        assert_eq!(state, vec![2, 4, 11, 12]);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(
+            rows[0],
+            Row {
+                ids: vec![9, 10, 5, 6, 0, 5, 7, 0, 1],
+                decide: 8,
+                opts: vec![4, 7]
+            }
+        );
+        assert_eq!(
+            rows[1],
+            Row {
+                ids: vec![13, 5, 14, 0, 1],
+                decide: 4,
+                opts: vec![3]
+            }
+        );
+        // One question alone encodes to the same row as among several.
+        let alone = enc
+            .encode(&record("the state", &[("yes", &["no"])]), None)
+            .unwrap();
+        assert_eq!(Encoder::rows_of(&alone).1[0], rows[1]);
+        assert_eq!(enc.encode_state("the state").unwrap(), state);
+    }
+
+    #[test]
+    fn empty_state_still_formats() {
+        let enc = encoder(100);
+        let e = enc.encode(&record("", &[("yes", &["no"])]), None).unwrap();
+        assert_eq!(e.state_ids(), &[2, 4]);
+    }
+
+    #[test]
+    fn too_long_is_an_error_not_a_truncation() {
+        let r = record(
+            "the state",
+            &[("which ?", &["a", "b", "c"]), ("yes", &["no"])],
+        );
+        // 4 state tokens + 12 in the longest branch.
+        assert!(encoder(16).encode(&r, Some(3)).is_ok());
+        match encoder(15).encode(&r, Some(3)).unwrap_err() {
+            e @ Error::TooLong { .. } => {
+                let msg = e.to_string();
+                assert!(msg.starts_with("record at line 3 (`r1`)"), "{msg}");
+                let Error::TooLong {
+                    line,
+                    id,
+                    tokens,
+                    max_tokens,
+                } = e
+                else {
+                    unreachable!()
+                };
+                assert_eq!(
+                    (line, id.as_deref(), tokens, max_tokens),
+                    (Some(3), Some("r1"), 16, 15)
+                );
+            }
+            e => panic!("{e:?}"),
+        }
+    }
+
+    #[test]
+    fn marker_in_user_text_is_a_record_error() {
+        let enc = encoder(100);
+        let r = record("the state", &[("which ?", &["a", "b <|kev_decide|>"])]);
+        match enc.encode(&r, Some(2)).unwrap_err() {
+            Error::Record {
+                line,
+                id,
+                field,
+                message,
+            } => {
+                assert_eq!((line, id.as_deref()), (Some(2), Some("r1")));
+                assert_eq!(field, "questions[0].options[1]");
+                assert!(message.contains("<|kev_decide|>"));
+            }
+            e => panic!("{e:?}"),
+        }
+        let r = record("<|kev_option|>", &[("which ?", &["a"])]);
+        assert!(
+            matches!(enc.encode(&r, None), Err(Error::Record { field, .. }) if field == "state")
+        );
+    }
+
+    #[test]
+    fn invalid_record_is_refused_before_encoding() {
+        let r = record("s", &[("which ?", &[])]);
+        assert!(matches!(
+            encoder(100).encode(&r, Some(9)),
+            Err(Error::Record { line: Some(9), field, .. }) if field == "questions[0].options"
+        ));
+    }
+
+    #[test]
+    fn missing_marker() {
+        for marker in ["<|kev_nope|>", "a b", "ab-"] {
+            let t = Template {
+                option_marker: marker.into(),
+                ..template()
+            };
+            match Encoder::new(tokenizer(), t, 10, Path::new("tok.json")).unwrap_err() {
+                e @ Error::MissingMarker { .. } => {
+                    assert!(e.to_string().contains(marker), "{e}");
+                    let Error::MissingMarker { marker: m, path } = e else {
+                        unreachable!()
+                    };
+                    assert_eq!(
+                        (m.as_str(), path.as_path()),
+                        (marker, Path::new("tok.json"))
+                    );
+                }
+                e => panic!("{marker}: {e:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn bad_template_or_max_tokens() {
+        let t = Template {
+            question: "{state}".into(),
+            ..template()
+        };
+        assert!(matches!(
+            Encoder::new(tokenizer(), t, 10, Path::new("tok.json")),
+            Err(Error::InvalidArgument { name, .. }) if name == "template.question"
+        ));
+        assert!(matches!(
+            Encoder::new(tokenizer(), template(), 0, Path::new("tok.json")),
+            Err(Error::InvalidArgument { name, .. }) if name == "max_tokens"
+        ));
+    }
+
+    #[test]
+    fn from_file_loads_and_reports_bad_files() {
+        let dir = std::env::temp_dir().join(format!("kev-core-encoding-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, TOKENIZER_JSON).unwrap();
+        let enc = Encoder::from_file(&path, template(), 10).unwrap();
+        assert_eq!(enc.decide_id(), 1);
+        std::fs::write(&path, "{}").unwrap();
+        assert!(matches!(
+            Encoder::from_file(&path, template(), 10),
+            Err(Error::Tokenizer { path: Some(p), .. }) if p == path
+        ));
+        assert!(matches!(
+            Encoder::from_file(dir.join("nope.json"), template(), 10),
+            Err(Error::MissingFile { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,255 @@
+//! Load options (KEV.md §6): backend, dtype and LoRA scale.
+//!
+//! These are plain values with no device behind them: `kev-core` has no tensor backend. The
+//! backend crate resolves `Auto` (Metal on Apple Silicon, CUDA where built and present, else CPU;
+//! f32 on CPU and bf16 on GPUs) once, where the model is loaded.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Backend {
+    /// Metal on Apple Silicon, CUDA where built and present, else CPU. The default.
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// The CUDA device with this ordinal.
+    Cuda(usize),
+    /// The Metal device with this ordinal.
+    Metal(usize),
+}
+
+impl FromStr for Backend {
+    type Err = Error;
+
+    /// Parses `auto`, `cpu`, `cuda`, `cuda:N`, `metal`, `metal:N` (case-insensitive; no ordinal
+    /// means device 0).
+    fn from_str(s: &str) -> Result<Self> {
+        let lower = s.trim().to_ascii_lowercase();
+        let (kind, ordinal) = match lower.split_once(':') {
+            Some((k, n)) => {
+                let n = n.trim().parse::<usize>().map_err(|_| {
+                    Error::invalid_argument(
+                        "backend",
+                        format!(
+                            "`{s}`: the device ordinal after `:` must be a non-negative integer"
+                        ),
+                    )
+                })?;
+                (k.trim(), Some(n))
+            }
+            None => (lower.as_str(), None),
+        };
+        match (kind, ordinal) {
+            ("auto", None) => Ok(Backend::Auto),
+            ("cpu", None) => Ok(Backend::Cpu),
+            ("cuda", n) => Ok(Backend::Cuda(n.unwrap_or(0))),
+            ("metal", n) => Ok(Backend::Metal(n.unwrap_or(0))),
+            ("auto" | "cpu", Some(_)) => Err(Error::invalid_argument(
+                "backend",
+                format!("`{s}`: `{kind}` takes no device ordinal"),
+            )),
+            _ => Err(Error::invalid_argument(
+                "backend",
+                format!("`{s}`: expected `auto`, `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`"),
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    /// `auto`, `cpu`, `cuda:N`, `metal:N` (parses back with [`FromStr`]).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Backend::Auto => f.write_str("auto"),
+            Backend::Cpu => f.write_str("cpu"),
+            Backend::Cuda(n) => write!(f, "cuda:{n}"),
+            Backend::Metal(n) => write!(f, "metal:{n}"),
+        }
+    }
+}
+
+/// The floating-point type of the backbone weights and activations (the pointer head and the
+/// DeltaNet recurrent state are always f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DType {
+    /// f32 on the CPU, bf16 on GPUs. The default.
+    #[default]
+    Auto,
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    BF16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl FromStr for DType {
+    type Err = Error;
+
+    /// Parses `auto`, `f32`, `bf16`, `f16` (case-insensitive).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DType::Auto),
+            "f32" => Ok(DType::F32),
+            "bf16" => Ok(DType::BF16),
+            "f16" => Ok(DType::F16),
+            _ => Err(Error::invalid_argument(
+                "dtype",
+                format!("`{s}`: expected `auto`, `f32`, `bf16` or `f16`"),
+            )),
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    /// `auto`, `f32`, `bf16`, `f16` (parses back with [`FromStr`]).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::Auto => "auto",
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        })
+    }
+}
+
+/// How to load a Kev checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadOptions {
+    /// Where the model runs. By default, [`Backend::Auto`].
+    pub backend: Backend,
+    /// Backbone dtype. By default, [`DType::Auto`].
+    pub dtype: DType,
+    /// LoRA interpolation (WiSE-FT, KEV.md §5): `W' = W + ΔW · lora_scale`, and trained token rows
+    /// `(1 − s)·row + s·new_row`. 0 is the base model, 1 the adapter; any finite value is
+    /// accepted. Ignored without an adapter. By default, 1.0.
+    pub lora_scale: f64,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            backend: Backend::Auto,
+            dtype: DType::Auto,
+            lora_scale: 1.0,
+        }
+    }
+}
+
+impl LoadOptions {
+    /// The defaults: auto backend, auto dtype, LoRA scale 1.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets [`LoadOptions::backend`].
+    #[must_use]
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Sets [`LoadOptions::dtype`].
+    #[must_use]
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Sets [`LoadOptions::lora_scale`].
+    #[must_use]
+    pub fn with_lora_scale(mut self, lora_scale: f64) -> Self {
+        self.lora_scale = lora_scale;
+        self
+    }
+
+    /// Checks the options: `lora_scale` must be finite ([`Error::InvalidArgument`] otherwise).
+    pub fn validate(&self) -> Result<()> {
+        if !self.lora_scale.is_finite() {
+            return Err(Error::invalid_argument(
+                "lora_scale",
+                format!("must be a finite number, got {}", self.lora_scale),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_parses_and_round_trips() {
+        let cases = [
+            ("auto", Backend::Auto),
+            ("cpu", Backend::Cpu),
+            ("CPU", Backend::Cpu),
+            ("cuda", Backend::Cuda(0)),
+            ("cuda:1", Backend::Cuda(1)),
+            ("metal", Backend::Metal(0)),
+            ("metal:0", Backend::Metal(0)),
+        ];
+        for (s, b) in cases {
+            assert_eq!(s.parse::<Backend>().unwrap(), b, "{s}");
+            assert_eq!(b.to_string().parse::<Backend>().unwrap(), b);
+        }
+        assert_eq!(Backend::Cuda(1).to_string(), "cuda:1");
+    }
+
+    #[test]
+    fn backend_errors() {
+        for bad in ["gpu", "cuda:x", "cuda:-1", "cpu:0", ""] {
+            match bad.parse::<Backend>() {
+                Err(Error::InvalidArgument { name, message }) => {
+                    assert_eq!(name, "backend");
+                    assert!(message.contains(&format!("`{bad}`")), "{message}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn dtype_parses_and_round_trips() {
+        for (s, d) in [
+            ("auto", DType::Auto),
+            ("f32", DType::F32),
+            ("bf16", DType::BF16),
+            ("F16", DType::F16),
+        ] {
+            assert_eq!(s.parse::<DType>().unwrap(), d);
+            assert_eq!(d.to_string().parse::<DType>().unwrap(), d);
+        }
+        assert!(
+            matches!("f64".parse::<DType>(), Err(Error::InvalidArgument { name, .. }) if name == "dtype")
+        );
+    }
+
+    #[test]
+    fn load_options() {
+        let o = LoadOptions::default();
+        assert_eq!(o.lora_scale, 1.0);
+        assert_eq!(o.backend, Backend::Auto);
+        o.validate().unwrap();
+        let o = o
+            .with_backend(Backend::Cpu)
+            .with_dtype(DType::F32)
+            .with_lora_scale(0.5);
+        assert_eq!(
+            (o.backend, o.dtype, o.lora_scale),
+            (Backend::Cpu, DType::F32, 0.5)
+        );
+        for bad in [f64::NAN, f64::INFINITY] {
+            assert!(matches!(
+                LoadOptions::new().with_lora_scale(bad).validate(),
+                Err(Error::InvalidArgument { name, .. }) if name == "lora_scale"
+            ));
+        }
+    }
+}

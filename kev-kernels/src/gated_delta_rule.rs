@@ -1,0 +1,239 @@
+//! The gated delta rule (Gated DeltaNet recurrence), QWEN35.md §3 step 7 / §8.1.
+//!
+//! Per batch row b and value head h, with the state `S: [Dk, Dv]` (f32) and for each step t:
+//! ```text
+//! q ← l2norm(q)/√Dk,  k ← l2norm(k)                 (eps 1e-6 on Σx², as HF and FLA)
+//! S ← exp(g_t)·S                                     (g_t ≤ 0 is the log decay)
+//! δ ← β_t·(v_t − Sᵀk)
+//! S ← S + k ⊗ δ
+//! o_t = Sᵀq
+//! ```
+//! Value head h reads key head `h / (Hv/Hk)` (repeat-interleave, the HF checkpoint order).
+//! The state is updated **in place** so a layer cache can continue from it; steps at or past a
+//! row's length (right padding of a batch) are skipped: the state is left untouched and the
+//! output is zero.
+
+use std::sync::Mutex;
+
+use candle_core::{
+    bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor, D,
+};
+use rayon::prelude::*;
+
+use crate::cpu::{as_f32, from_f32};
+
+/// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA).
+const L2NORM_EPS: f32 = 1e-6;
+
+/// Head counts and sizes of one Gated DeltaNet layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdrDims {
+    /// Number of query/key heads (Hk).
+    pub num_k_heads: usize,
+    /// Number of value heads (Hv), a multiple of Hk: one recurrent state per value head.
+    pub num_v_heads: usize,
+    /// Query/key head size (Dk).
+    pub head_k_dim: usize,
+    /// Value head size (Dv).
+    pub head_v_dim: usize,
+}
+
+impl GdrDims {
+    /// Channels of the packed `[q | k | v]` input: 2·Hk·Dk + Hv·Dv.
+    pub fn channels(&self) -> usize {
+        2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+    }
+}
+
+struct GatedDeltaRule {
+    dims: GdrDims,
+    b_sz: usize,
+    seq_len: usize,
+    lengths: Option<Vec<usize>>,
+    out_dtype: DType,
+    /// The op has one in-place destination (the state) and returns `o` through this slot.
+    out: Mutex<Option<CpuStorage>>,
+}
+
+impl InplaceOp3 for GatedDeltaRule {
+    fn name(&self) -> &'static str {
+        "gated-delta-rule"
+    }
+
+    fn cpu_fwd(
+        &self,
+        state: &mut CpuStorage,
+        sl: &Layout,
+        qkv: &CpuStorage,
+        ql: &Layout,
+        gb: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let GdrDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } =
+            self.dims;
+        let (b_sz, seq_len) = (self.b_sz, self.seq_len);
+        let channels = self.dims.channels();
+        let qkv = as_f32(qkv, ql, "gated-delta-rule qkv")?;
+        let gb = as_f32(gb, gl, "gated-delta-rule gates")?;
+        let Some((s_start, s_end)) = sl.contiguous_offsets() else {
+            bail!("gated-delta-rule: state must be contiguous")
+        };
+        let CpuStorage::F32(state) = state else { bail!("gated-delta-rule: state must be f32") };
+        let state = &mut state[s_start..s_end];
+        let group = hv / hk;
+        let scale = 1.0 / (dk as f32).sqrt();
+
+        let outs: Vec<Vec<f32>> = state
+            .par_chunks_mut(dk * dv)
+            .enumerate()
+            .map(|(bh, s)| {
+                let (b, h) = (bh / hv, bh % hv);
+                let kh = h / group;
+                let len = self.lengths.as_ref().map_or(seq_len, |l| l[b].min(seq_len));
+                let mut o = vec![0f32; seq_len * dv];
+                let (mut q, mut k, mut kv) = (vec![0f32; dk], vec![0f32; dk], vec![0f32; dv]);
+                for t in 0..len {
+                    let row = &qkv[(b * seq_len + t) * channels..][..channels];
+                    l2_normalize(&row[kh * dk..][..dk], scale, &mut q);
+                    l2_normalize(&row[(hk + kh) * dk..][..dk], 1.0, &mut k);
+                    let v = &row[2 * hk * dk + h * dv..][..dv];
+                    let gate = &gb[((b * seq_len + t) * hv + h) * 2..];
+                    let (decay, beta) = (gate[0].exp(), gate[1]);
+                    // Pass 1: decay the state and read it with k.
+                    kv.iter_mut().for_each(|x| *x = 0.0);
+                    for (i, s_row) in s.chunks_exact_mut(dv).enumerate() {
+                        for (sj, kvj) in s_row.iter_mut().zip(kv.iter_mut()) {
+                            *sj *= decay;
+                            *kvj += *sj * k[i];
+                        }
+                    }
+                    // Pass 2: rank-1 update with δ (kept in `kv`), then read with q.
+                    kv.iter_mut().zip(v).for_each(|(x, vj)| *x = (vj - *x) * beta);
+                    let o_t = &mut o[t * dv..][..dv];
+                    for (i, s_row) in s.chunks_exact_mut(dv).enumerate() {
+                        for ((sj, dj), oj) in s_row.iter_mut().zip(kv.iter()).zip(o_t.iter_mut()) {
+                            *sj += k[i] * dj;
+                            *oj += *sj * q[i];
+                        }
+                    }
+                }
+                o
+            })
+            .collect();
+
+        let mut out = vec![0f32; b_sz * seq_len * hv * dv];
+        for (bh, o) in outs.iter().enumerate() {
+            let (b, h) = (bh / hv, bh % hv);
+            for t in 0..seq_len {
+                out[((b * seq_len + t) * hv + h) * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
+            }
+        }
+        *self.out.lock().expect("gated-delta-rule output slot poisoned") =
+            Some(from_f32(out, self.out_dtype)?);
+        Ok(())
+    }
+}
+
+fn l2_normalize(x: &[f32], scale: f32, out: &mut [f32]) {
+    let sum_sq: f32 = x.iter().map(|v| v * v).sum();
+    let inv = scale / (sum_sq + L2NORM_EPS).sqrt();
+    out.iter_mut().zip(x).for_each(|(o, v)| *o = v * inv);
+}
+
+fn check(qkv: &Tensor, gb: &Tensor, state: &Tensor, dims: GdrDims) -> Result<(usize, usize)> {
+    let (b_sz, seq_len, channels) = qkv.dims3()?;
+    let GdrDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } = dims;
+    if hk == 0 || hv % hk != 0 || channels != dims.channels() {
+        bail!("gated-delta-rule: qkv {:?} does not match {dims:?}", qkv.dims())
+    }
+    if gb.dims() != [b_sz, seq_len, hv, 2] || gb.dtype() != DType::F32 {
+        bail!("gated-delta-rule: gates must be f32 [{b_sz}, {seq_len}, {hv}, 2], got {:?} {:?}", gb.dtype(), gb.dims())
+    }
+    if state.dims() != [b_sz, hv, dk, dv] || state.dtype() != DType::F32 {
+        bail!("gated-delta-rule: state must be f32 [{b_sz}, {hv}, {dk}, {dv}], got {:?} {:?}", state.dtype(), state.dims())
+    }
+    if !state.is_contiguous() {
+        bail!("gated-delta-rule: state must be contiguous (it is updated in place)")
+    }
+    Ok((b_sz, seq_len))
+}
+
+/// Runs the gated delta rule over `T` steps and returns `o`.
+///
+/// - `qkv`: `[B, T, 2·Hk·Dk + Hv·Dv]`, the conv output packed as `[q | k | v]`, heads contiguous
+///   inside each part (any float dtype; read as f32);
+/// - `gb`: `[B, T, Hv, 2]` f32, `(g, β)` per step and value head, g the log decay;
+/// - `state`: `[B, Hv, Dk, Dv]` f32, contiguous, **updated in place** (own its storage: a tensor
+///   clone shares it);
+/// - `lengths`: per-row number of real steps (right padding beyond it is ignored), or `None`.
+///
+/// Returns `o: [B, T, Hv, Dv]` in the dtype of `qkv`.
+pub fn gated_delta_rule(
+    qkv: &Tensor,
+    gb: &Tensor,
+    state: &Tensor,
+    dims: GdrDims,
+    lengths: Option<&[usize]>,
+) -> Result<Tensor> {
+    let (b_sz, seq_len) = check(qkv, gb, state, dims)?;
+    if let Some(l) = lengths {
+        if l.len() != b_sz {
+            bail!("gated-delta-rule: {} lengths for a batch of {b_sz}", l.len())
+        }
+    }
+    let op = GatedDeltaRule {
+        dims,
+        b_sz,
+        seq_len,
+        lengths: lengths.map(<[usize]>::to_vec),
+        out_dtype: qkv.dtype(),
+        out: Mutex::new(None),
+    };
+    state.inplace_op3(&qkv.contiguous()?, &gb.contiguous()?, &op)?;
+    let out = op.out.into_inner().expect("gated-delta-rule output slot poisoned");
+    let Some(out) = out else { bail!("gated-delta-rule: the op produced no output") };
+    let shape = Shape::from((b_sz, seq_len, dims.num_v_heads, dims.head_v_dim));
+    Ok(Tensor::from((Storage::Cpu(out), shape)))
+}
+
+/// The same recurrence with plain tensor ops, one step at a time (the test reference).
+/// Returns `(o, new_state)` and leaves `state` untouched; `lengths` is not supported.
+pub fn gated_delta_rule_ref(
+    qkv: &Tensor,
+    gb: &Tensor,
+    state: &Tensor,
+    dims: GdrDims,
+) -> Result<(Tensor, Tensor)> {
+    let (b_sz, seq_len) = check(qkv, gb, state, dims)?;
+    let GdrDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } = dims;
+    let x = qkv.to_dtype(DType::F32)?;
+    let l2 = |t: Tensor| -> Result<Tensor> {
+        let n = (t.sqr()?.sum_keepdim(D::Minus1)? + L2NORM_EPS as f64)?.sqrt()?;
+        t.broadcast_div(&n)
+    };
+    let group = hv / hk;
+    let expand = |t: Tensor| -> Result<Tensor> {
+        // [B, T, Hk, Dk] -> [B, T, Hv, Dk], value head h reading key head h / group.
+        t.unsqueeze(3)?.repeat((1, 1, 1, group, 1))?.reshape((b_sz, seq_len, hv, dk))
+    };
+    let q = expand((l2(x.narrow(2, 0, hk * dk)?.reshape((b_sz, seq_len, hk, dk))?)?
+        / (dk as f64).sqrt())?)?;
+    let k = expand(l2(x.narrow(2, hk * dk, hk * dk)?.reshape((b_sz, seq_len, hk, dk))?)?)?;
+    let v = x.narrow(2, 2 * hk * dk, hv * dv)?.reshape((b_sz, seq_len, hv, dv))?;
+    let mut s = state.clone();
+    let mut outs = Vec::with_capacity(seq_len);
+    for t in 0..seq_len {
+        let step = |x: &Tensor| x.narrow(1, t, 1).and_then(|x| x.squeeze(1));
+        let (q_t, k_t, v_t) = (step(&q)?, step(&k)?, step(&v)?);
+        let gb_t = step(gb)?;
+        let decay = gb_t.narrow(D::Minus1, 0, 1)?.exp()?.unsqueeze(D::Minus1)?; // [B,Hv,1,1]
+        let beta = gb_t.narrow(D::Minus1, 1, 1)?; // [B,Hv,1]
+        s = s.broadcast_mul(&decay)?;
+        let kv = s.broadcast_mul(&k_t.unsqueeze(D::Minus1)?)?.sum(2)?; // [B,Hv,Dv]
+        let delta = (v_t - kv)?.broadcast_mul(&beta)?;
+        s = (s + k_t.unsqueeze(D::Minus1)?.broadcast_mul(&delta.unsqueeze(2)?)?)?;
+        outs.push(s.broadcast_mul(&q_t.unsqueeze(D::Minus1)?)?.sum(2)?);
+    }
+    let o = Tensor::stack(&outs, 1)?.to_dtype(qkv.dtype())?;
+    Ok((o, s))
+}

@@ -1,0 +1,18 @@
+//! Kev's own candle ops for the Gated DeltaNet layers of Qwen3.5.
+//!
+//! Two ops, each a candle custom op with a CPU implementation (GPU implementations arrive behind
+//! the `cuda` / `metal` features) and a plain tensor-op reference (`*_ref`) for tests:
+//!
+//! - [`gated_delta_rule`]: the gated delta rule recurrence over a persistent f32 state that is
+//!   updated **in place**, with the q/k l2-normalisation and query scaling fused in.
+//! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
+//!   with its K−1 previous inputs so that a run can continue from a cache.
+//!
+//! Neither op knows anything about Qwen: shapes and head counts are explicit arguments.
+
+mod causal_conv1d;
+mod cpu;
+mod gated_delta_rule;
+
+pub use causal_conv1d::{causal_conv1d, causal_conv1d_ref};
+pub use gated_delta_rule::{gated_delta_rule, gated_delta_rule_ref, GdrDims};
