@@ -207,13 +207,15 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
             }
             ids
         }
-        Some(v) => return Err(fault(
-            "trainable_token_indices",
-            format!(
+        Some(v) => {
+            return Err(fault(
+                "trainable_token_indices",
+                format!(
                 "must be a list of token ids or an object `{{\"embed_tokens\": [...]}}`, found {}",
                 json::type_name(v)
             ),
-        )),
+            ))
+        }
     };
 
     Ok(AdapterConfig {

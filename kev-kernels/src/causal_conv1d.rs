@@ -4,6 +4,7 @@
 //! of times slower (CANDLE.md §5.3). The caller prepends the K−1 cached inputs (zeros at the start
 //! of a sequence), so the op itself is stateless and continuation is exact.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 

@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result};
 
 /// The elements of a contiguous float storage as f32 (borrowed when it already is f32).
