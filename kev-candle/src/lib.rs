@@ -1,1 +1,10 @@
-//! kev-candle
+//! `kev-candle`: the Kev runtime on candle — the Qwen3.5 backbone, LoRA folding, the pointer
+//! head, prefix caches and the [`DecisionModel`].
+//!
+//! Weights are read once (adapter folded in f32 on the CPU, rounded once to the backbone dtype);
+//! the model is immutable afterwards and all state lives in explicit [`qwen35::Cache`] values, so
+//! one model serves many threads.
+
+pub mod lora;
+pub mod qwen35;
+pub mod weights;

@@ -1,0 +1,119 @@
+//! Gated DeltaNet (QWEN35.md §3): projections, causal depthwise conv + SiLU over `[q | k | v]`,
+//! gates in f32, the gated delta rule over an f32 state (kev-kernels), gated RMSNorm, `out_proj`.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::Linear;
+use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
+
+use super::norm::GatedRmsNorm;
+use super::{linear, Config};
+use crate::weights::Weights;
+
+/// One Gated DeltaNet layer.
+pub struct GatedDeltaNet {
+    in_proj_qkv: Linear,
+    in_proj_z: Linear,
+    in_proj_b: Linear,
+    in_proj_a: Linear,
+    /// `[C, K]` (the checkpoint's `[C, 1, K]` squeezed).
+    conv1d: Tensor,
+    /// `-exp(A_log)` in f32, `[Hv]`.
+    neg_a: Tensor,
+    /// f32 `[Hv]`.
+    dt_bias: Tensor,
+    norm: GatedRmsNorm,
+    out_proj: Linear,
+    dims: GdrDims,
+    kernel: usize,
+}
+
+impl GatedDeltaNet {
+    /// Loads `layers.{i}.linear_attn.*`.
+    pub fn new(cfg: &Config, w: &Weights, prefix: &str) -> kev_core::Result<Self> {
+        let h = cfg.hidden_size;
+        let (hv, dv) = (cfg.linear_num_value_heads, cfg.linear_value_head_dim);
+        let c = cfg.linear_conv_dim();
+        let k = cfg.linear_conv_kernel_dim;
+        let ctx = |what: &str| {
+            let key = format!("{prefix}.{what}");
+            move |e| kev_core::Error::backend(format!("`{key}`"), e)
+        };
+        let conv1d = w.get(&format!("{prefix}.conv1d.weight"), &[c, 1, k])?;
+        let conv1d = conv1d.squeeze(1).map_err(ctx("conv1d.weight"))?;
+        // HF computes `-A_log.float().exp()` from the parameter as held in the backbone dtype.
+        let a_log = w.get(&format!("{prefix}.A_log"), &[hv])?;
+        let neg_a = a_log.to_dtype(DType::F32).and_then(|a| a.exp()).and_then(|a| a.neg());
+        let dt_bias = w.get(&format!("{prefix}.dt_bias"), &[hv])?.to_dtype(DType::F32);
+        Ok(Self {
+            in_proj_qkv: linear(w, &format!("{prefix}.in_proj_qkv"), h, c)?,
+            in_proj_z: linear(w, &format!("{prefix}.in_proj_z"), h, hv * dv)?,
+            in_proj_b: linear(w, &format!("{prefix}.in_proj_b"), h, hv)?,
+            in_proj_a: linear(w, &format!("{prefix}.in_proj_a"), h, hv)?,
+            conv1d,
+            neg_a: neg_a.map_err(ctx("A_log"))?,
+            dt_bias: dt_bias.map_err(ctx("dt_bias"))?,
+            norm: GatedRmsNorm::new(w.get(&format!("{prefix}.norm.weight"), &[dv])?, cfg.rms_norm_eps),
+            out_proj: linear(w, &format!("{prefix}.out_proj"), hv * dv, h)?,
+            dims: GdrDims {
+                num_k_heads: cfg.linear_num_key_heads,
+                num_v_heads: hv,
+                head_k_dim: cfg.linear_key_head_dim,
+                head_v_dim: dv,
+            },
+            kernel: k,
+        })
+    }
+
+    /// `xs: [B, T, H]` whose first `lengths[b]` steps are real. `conv` (`[B, K−1, C]`) is
+    /// replaced by the window at each row's end; `state` (`[B, Hv, Dk, Dv]` f32) is updated in place.
+    pub fn forward(
+        &self,
+        xs: &Tensor,
+        conv: &mut Tensor,
+        state: &Tensor,
+        lengths: &[usize],
+    ) -> Result<Tensor> {
+        let (b_sz, seq_len, _) = xs.dims3()?;
+        let GdrDims { num_v_heads: hv, head_v_dim: dv, .. } = self.dims;
+        let qkv = self.in_proj_qkv.forward(xs)?;
+        let z = self.in_proj_z.forward(xs)?.reshape((b_sz, seq_len, hv, dv))?;
+        let b = self.in_proj_b.forward(xs)?;
+        let a = self.in_proj_a.forward(xs)?;
+
+        let window = Tensor::cat(&[&*conv, &qkv], 1)?; // [B, K−1+T, C]
+        let mixed = causal_conv1d(&window, &self.conv1d)?;
+        *conv = self.next_window(&window, lengths)?;
+
+        // β = sigmoid(b) in the activation dtype (as HF), g = −exp(A_log)·softplus(a + dt_bias) in f32.
+        let beta = candle_nn::ops::sigmoid(&b)?.to_dtype(DType::F32)?;
+        let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?
+            .broadcast_mul(&self.neg_a)?;
+        let gb = Tensor::stack(&[&g, &beta], D::Minus1)?; // [B, T, Hv, 2]
+
+        let lengths = (lengths.iter().any(|&l| l != seq_len)).then_some(lengths);
+        let o = gated_delta_rule(&mixed, &gb, state, self.dims, lengths)?; // [B, T, Hv, Dv]
+        let o = self.norm.forward(&o, &z)?.reshape((b_sz, seq_len, hv * dv))?;
+        self.out_proj.forward(&o)
+    }
+
+    /// The last K−1 raw inputs before each row's end (`lengths[b]` real steps).
+    fn next_window(&self, window: &Tensor, lengths: &[usize]) -> Result<Tensor> {
+        let keep = self.kernel - 1;
+        let seq_len = window.dim(1)? - keep;
+        if lengths.iter().all(|&l| l == seq_len) {
+            return window.narrow(1, seq_len, keep)?.contiguous();
+        }
+        let rows = lengths
+            .iter()
+            .enumerate()
+            .map(|(b, &l)| window.narrow(0, b, 1)?.narrow(1, l, keep))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&rows, 0)
+    }
+}
+
+/// `softplus(x) = max(x, 0) + log(1 + exp(−|x|))`: stable for any x (torch switches to `x`
+/// above 20; the difference there is below f32 resolution).
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
+}

@@ -1,0 +1,194 @@
+//! The Qwen3.5 text backbone: embeddings, decoder layers, final norm (no lm_head: Kev reads
+//! hidden states).
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::Embedding;
+
+use super::attention::Attention;
+use super::cache::{Cache, LayerCache};
+use super::deltanet::GatedDeltaNet;
+use super::mlp::Mlp;
+use super::norm::ZeroCenteredRmsNorm;
+use super::rope::Rope;
+use super::{Config, LayerType};
+use crate::weights::Weights;
+
+enum Mixer {
+    Attention(Attention),
+    DeltaNet(GatedDeltaNet),
+}
+
+struct DecoderLayer {
+    input_layernorm: ZeroCenteredRmsNorm,
+    mixer: Mixer,
+    post_attention_layernorm: ZeroCenteredRmsNorm,
+    mlp: Mlp,
+}
+
+/// Inputs every layer of one forward shares.
+struct Step<'a> {
+    rope: &'a Rope,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Option<Tensor>,
+    lengths: &'a [usize],
+}
+
+impl DecoderLayer {
+    fn new(cfg: &Config, w: &Weights, i: usize) -> kev_core::Result<Self> {
+        let prefix = format!("layers.{i}");
+        let norm = |name: &str| -> kev_core::Result<ZeroCenteredRmsNorm> {
+            let key = format!("{prefix}.{name}.weight");
+            ZeroCenteredRmsNorm::new(&w.get(&key, &[cfg.hidden_size])?, cfg.rms_norm_eps)
+                .map_err(|e| kev_core::Error::backend(format!("`{key}`"), e))
+        };
+        let mixer = match cfg.layer_types[i] {
+            LayerType::FullAttention => {
+                Mixer::Attention(Attention::new(cfg, w, &format!("{prefix}.self_attn"))?)
+            }
+            LayerType::LinearAttention => {
+                Mixer::DeltaNet(GatedDeltaNet::new(cfg, w, &format!("{prefix}.linear_attn"))?)
+            }
+        };
+        Ok(Self {
+            input_layernorm: norm("input_layernorm")?,
+            mixer,
+            post_attention_layernorm: norm("post_attention_layernorm")?,
+            mlp: Mlp::new(cfg, w, &format!("{prefix}.mlp"))?,
+        })
+    }
+
+    fn forward(&self, xs: &Tensor, cache: &mut LayerCache, step: &Step) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(xs)?;
+        let h = match (&self.mixer, cache) {
+            (Mixer::Attention(attn), LayerCache::Attention { k, v }) => {
+                let mask = step.mask.as_ref().expect("mask is built when attention layers exist");
+                attn.forward(&h, step.rope, &step.cos, &step.sin, mask, k, v)?
+            }
+            (Mixer::DeltaNet(gdn), LayerCache::DeltaNet { conv, state }) => {
+                gdn.forward(&h, conv, state, step.lengths)?
+            }
+            _ => candle_core::bail!("cache layer kind does not match the model layer"),
+        };
+        let xs = (xs + h)?;
+        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&xs)?)?;
+        xs + h
+    }
+}
+
+/// The text backbone.
+pub struct Model {
+    cfg: Config,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: ZeroCenteredRmsNorm,
+    rope: Rope,
+    dtype: DType,
+    device: Device,
+}
+
+impl Model {
+    /// Builds the model from `weights` (names relative to the text model).
+    pub fn new(cfg: &Config, w: &Weights) -> kev_core::Result<Self> {
+        let embed = w.get("embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(cfg, w, i))
+            .collect::<kev_core::Result<Vec<_>>>()?;
+        let norm = ZeroCenteredRmsNorm::new(&w.get("norm.weight", &[cfg.hidden_size])?, cfg.rms_norm_eps)
+            .map_err(|e| kev_core::Error::backend("`norm.weight`", e))?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed_tokens: Embedding::new(embed, cfg.hidden_size),
+            layers,
+            norm,
+            rope: Rope::new(cfg.rope_theta, cfg.rotary_dim),
+            dtype: w.dtype(),
+            device: w.device().clone(),
+        })
+    }
+
+    /// The config the model was built from.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The activation dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// An empty cache for `b_sz` rows.
+    pub fn new_cache(&self, b_sz: usize) -> Result<Cache> {
+        Cache::new(&self.cfg, b_sz, self.dtype, &self.device)
+    }
+
+    /// Runs `ids: [B, T]` (u32) after what `cache` holds; row b has `lengths[b]` real tokens,
+    /// the rest is right padding (`None`: all real). Returns the final-norm hidden states
+    /// `[B, T, H]` and updates `cache`.
+    pub fn forward(&self, ids: &Tensor, cache: &mut Cache, lengths: Option<&[usize]>) -> Result<Tensor> {
+        self.run(ids, cache, lengths, None)
+    }
+
+    /// Like [`Model::forward`], also returning each decoder layer's output (for parity tests).
+    pub fn forward_with_layers(
+        &self,
+        ids: &Tensor,
+        cache: &mut Cache,
+        lengths: Option<&[usize]>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut outs = Vec::with_capacity(self.layers.len());
+        let final_ = self.run(ids, cache, lengths, Some(&mut outs))?;
+        Ok((final_, outs))
+    }
+
+    fn run(
+        &self,
+        ids: &Tensor,
+        cache: &mut Cache,
+        lengths: Option<&[usize]>,
+        mut layer_outs: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
+        let (b_sz, seq_len) = ids.dims2()?;
+        if cache.batch_size() != b_sz {
+            candle_core::bail!("cache has {} rows for a batch of {b_sz}", cache.batch_size())
+        }
+        let full = vec![seq_len; b_sz];
+        let lengths = lengths.unwrap_or(&full);
+        if lengths.len() != b_sz || lengths.iter().any(|&l| l > seq_len) {
+            candle_core::bail!("lengths {lengths:?} do not fit ids {:?}", ids.dims())
+        }
+        let (cos, sin) = self.rope.cos_sin(cache.seen(), seq_len, self.dtype, &self.device)?;
+        let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
+        let mask = has_attention.then(|| self.mask(cache, seq_len)).transpose()?;
+        let step = Step { rope: &self.rope, cos, sin, mask, lengths };
+        let mut xs = self.embed_tokens.forward(ids)?;
+        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            xs = layer.forward(&xs, layer_cache, &step)?;
+            if let Some(outs) = layer_outs.as_mut() {
+                outs.push(xs.clone());
+            }
+        }
+        cache.advance(seq_len, lengths);
+        self.norm.forward(&xs)
+    }
+
+    /// Additive f32 mask `[B, 1, 1, T, S+T]`: cached keys are visible where real, new keys
+    /// causally. Pads after a row's real tokens are only ever seen by later pads.
+    fn mask(&self, cache: &Cache, seq_len: usize) -> Result<Tensor> {
+        let kv_len = cache.kv_len();
+        let width = kv_len + seq_len;
+        let mut m = Vec::with_capacity(cache.batch_size() * seq_len * width);
+        for valid in &cache.key_valid {
+            for t in 0..seq_len {
+                m.extend(valid.iter().map(|&ok| if ok { 0f32 } else { f32::NEG_INFINITY }));
+                m.extend((0..seq_len).map(|s| if s <= t { 0f32 } else { f32::NEG_INFINITY }));
+            }
+        }
+        Tensor::from_vec(m, (cache.batch_size(), 1, 1, seq_len, width), &self.device)
+    }
+}
