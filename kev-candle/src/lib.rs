@@ -8,3 +8,9 @@
 pub mod lora;
 pub mod qwen35;
 pub mod weights;
+pub mod decision;
+pub mod device;
+pub mod head;
+
+pub use decision::{DecisionModel, Prefix};
+pub use head::PointerHead;

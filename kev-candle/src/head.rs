@@ -1,0 +1,82 @@
+//! The pointer head (KEV.md §3), always f32, on the backbone's device:
+//! `q = Wq·h_decide + bq`, `k_i = Wk·h_opt_i + bk`, `logit_i = q·k_i / (√dim · temperature)`.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, D};
+use kev_core::{Error, Result};
+
+/// The head's weights and settings.
+pub struct PointerHead {
+    q_weight: Tensor,
+    q_bias: Tensor,
+    k_weight: Tensor,
+    k_bias: Tensor,
+    dim: usize,
+    temperature: f64,
+}
+
+impl PointerHead {
+    /// Reads `q.weight [dim, H]`, `q.bias [dim]`, `k.weight [dim, H]`, `k.bias [dim]` from `path`.
+    pub fn load(path: &Path, dim: usize, hidden: usize, temperature: f64, device: &Device) -> Result<Self> {
+        let tensors = candle_core::safetensors::load(path, &Device::Cpu)
+            .map_err(|e| Error::backend(format!("reading head `{}`", path.display()), e))?;
+        let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            let t = tensors.get(name).ok_or_else(|| Error::Tensor {
+                name: name.to_string(),
+                message: format!("missing from head `{}`", path.display()),
+            })?;
+            if t.dims() != shape {
+                return Err(Error::Tensor {
+                    name: name.to_string(),
+                    message: format!("expected shape {shape:?} (head dim {dim}, hidden {hidden}), found {:?} in `{}`", t.dims(), path.display()),
+                });
+            }
+            t.to_dtype(DType::F32)
+                .and_then(|t| t.to_device(device))
+                .map_err(|e| Error::backend(format!("head tensor `{name}`"), e))
+        };
+        if let Some(extra) = tensors.keys().find(|k| !["q.weight", "q.bias", "k.weight", "k.bias"].contains(&k.as_str())) {
+            return Err(Error::Tensor { name: extra.clone(), message: format!("unexpected tensor in head `{}`", path.display()) });
+        }
+        Ok(Self {
+            q_weight: get("q.weight", &[dim, hidden])?,
+            q_bias: get("q.bias", &[dim])?,
+            k_weight: get("k.weight", &[dim, hidden])?,
+            k_bias: get("k.bias", &[dim])?,
+            dim,
+            temperature,
+        })
+    }
+
+    /// The projection size.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The softmax temperature.
+    pub fn temperature(&self) -> f64 {
+        self.temperature
+    }
+
+    /// `h_decide: [N, H]` (one per question), `h_opts: [M, H]` (all options), `owner[i]`: the
+    /// question of option i. Returns the M logits (f32) in option order.
+    pub fn logits(&self, h_decide: &Tensor, h_opts: &Tensor, owner: &[u32]) -> candle_core::Result<Vec<f32>> {
+        let h_decide = h_decide.to_dtype(DType::F32)?;
+        let h_opts = h_opts.to_dtype(DType::F32)?;
+        let q = h_decide.matmul(&self.q_weight.t()?)?.broadcast_add(&self.q_bias)?;
+        let k = h_opts.matmul(&self.k_weight.t()?)?.broadcast_add(&self.k_bias)?;
+        let owner = Tensor::new(owner, q.device())?;
+        let q = q.index_select(&owner, 0)?;
+        let logits = (q * k)?.sum(D::Minus1)? / ((self.dim as f64).sqrt() * self.temperature);
+        logits?.to_vec1::<f32>()
+    }
+}
+
+/// Softmax of one question's logits (f64 internally, as stable as torch's f32 softmax).
+pub fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f64> = logits.iter().map(|&l| f64::from(l - max).exp()).collect();
+    let sum: f64 = exps.iter().sum();
+    exps.iter().map(|e| (e / sum) as f32).collect()
+}
