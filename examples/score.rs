@@ -86,12 +86,21 @@ fn main() -> ExitCode {
 }
 
 fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 fn run(args: Args) -> Result<()> {
-    let checkpoint = args.checkpoint.clone().unwrap_or_else(|| Path::new(ROOT).join("tests/fixtures/kev-small"));
-    let records_path = args.records.clone().unwrap_or_else(|| Path::new(ROOT).join("tests/fixtures/records.jsonl"));
+    let checkpoint = args
+        .checkpoint
+        .clone()
+        .unwrap_or_else(|| Path::new(ROOT).join("tests/fixtures/kev-small"));
+    let records_path = args
+        .records
+        .clone()
+        .unwrap_or_else(|| Path::new(ROOT).join("tests/fixtures/records.jsonl"));
 
     let started = Instant::now();
     let options = LoadOptions::default()
@@ -109,14 +118,21 @@ fn run(args: Args) -> Result<()> {
     );
 
     let records = read_records(&records_path, &model, args.skip_invalid)?;
-    let progress = progress_bar(records.len(), args.records.as_deref() != Some(Path::new("-")));
+    let progress = progress_bar(
+        records.len(),
+        args.records.as_deref() != Some(Path::new("-")),
+    );
     let started = Instant::now();
     let mut lines = Vec::with_capacity(records.len());
     let mut metrics = Metrics::default();
     for chunk in records.chunks(args.batch_size as usize) {
         let batch: Vec<Record> = chunk.iter().map(|(_, r)| r.clone()).collect();
         let probs = model.probs_batch(&batch).with_context(|| {
-            format!("scoring records at lines {}..={}", chunk[0].0, chunk[chunk.len() - 1].0)
+            format!(
+                "scoring records at lines {}..={}",
+                chunk[0].0,
+                chunk[chunk.len() - 1].0
+            )
         })?;
         for (record, probs) in batch.iter().zip(&probs) {
             lines.push(format_record(record, probs, &mut metrics)?);
@@ -127,7 +143,11 @@ fn run(args: Args) -> Result<()> {
     let elapsed = started.elapsed().as_secs_f64();
     write_output(&args.out, &lines)?;
 
-    eprintln!("records: {}, questions: {}", records.len(), metrics.questions);
+    eprintln!(
+        "records: {}, questions: {}",
+        records.len(),
+        metrics.questions
+    );
     if metrics.answered > 0 {
         eprintln!(
             "accuracy: {:.4} ({} / {} answered questions), mean log-loss: {:.4}",
@@ -137,16 +157,25 @@ fn run(args: Args) -> Result<()> {
             metrics.log_loss / metrics.answered as f64
         );
     }
-    eprintln!("{:.2} records/s ({:.2} s scoring)", records.len() as f64 / elapsed.max(1e-9), elapsed);
+    eprintln!(
+        "{:.2} records/s ({:.2} s scoring)",
+        records.len() as f64 / elapsed.max(1e-9),
+        elapsed
+    );
     Ok(())
 }
 
 /// Reads and encodes every record first, so an invalid one stops the run before any output.
-fn read_records(path: &Path, model: &DecisionModel, skip_invalid: bool) -> Result<Vec<(usize, Record)>> {
+fn read_records(
+    path: &Path,
+    model: &DecisionModel,
+    skip_invalid: bool,
+) -> Result<Vec<(usize, Record)>> {
     let reader: Box<dyn BufRead> = if path == Path::new("-") {
         Box::new(BufReader::new(std::io::stdin()))
     } else {
-        let file = std::fs::File::open(path).with_context(|| format!("opening records `{}`", path.display()))?;
+        let file = std::fs::File::open(path)
+            .with_context(|| format!("opening records `{}`", path.display()))?;
         Box::new(BufReader::new(file))
     };
     let mut records = Vec::new();
@@ -171,16 +200,27 @@ fn read_records(path: &Path, model: &DecisionModel, skip_invalid: bool) -> Resul
 fn format_record(record: &Record, probs: &[Vec<f32>], metrics: &mut Metrics) -> Result<String> {
     let mut questions = Vec::with_capacity(record.questions.len());
     for (q, p) in record.questions.iter().zip(probs) {
-        let argmax = p.iter().enumerate().fold(0, |best, (i, x)| if *x > p[best] { i } else { best });
+        let argmax = p
+            .iter()
+            .enumerate()
+            .fold(0, |best, (i, x)| if *x > p[best] { i } else { best });
         metrics.questions += 1;
         if let Some(answer) = q.answer {
             metrics.answered += 1;
             metrics.correct += usize::from(argmax == answer);
             metrics.log_loss -= f64::from(p[answer].max(1e-12)).ln();
         }
-        questions.push(QuestionOut { id: q.id.as_deref(), probs: p, argmax, option: &q.options[argmax] });
+        questions.push(QuestionOut {
+            id: q.id.as_deref(),
+            probs: p,
+            argmax,
+            option: &q.options[argmax],
+        });
     }
-    let out = RecordOut { id: record.id.as_deref(), questions };
+    let out = RecordOut {
+        id: record.id.as_deref(),
+        questions,
+    };
     Ok(serde_json::to_string(&out)?)
 }
 
@@ -193,7 +233,9 @@ fn write_output(out: &Path, lines: &[String]) -> Result<()> {
         }
         return Ok(stdout.flush()?);
     }
-    let Some(name) = out.file_name() else { bail!("`--out {}` is not a file path", out.display()) };
+    let Some(name) = out.file_name() else {
+        bail!("`--out {}` is not a file path", out.display())
+    };
     let tmp = out.with_file_name(format!(".{}.partial", name.to_string_lossy()));
     let write = || -> std::io::Result<()> {
         let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
@@ -203,10 +245,11 @@ fn write_output(out: &Path, lines: &[String]) -> Result<()> {
         f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
         std::fs::rename(&tmp, out)
     };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        e
-    }).with_context(|| format!("writing `{}`", out.display()))
+    write()
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+        .with_context(|| format!("writing `{}`", out.display()))
 }
 
 fn progress_bar(len: usize, from_file: bool) -> ProgressBar {
@@ -214,7 +257,9 @@ fn progress_bar(len: usize, from_file: bool) -> ProgressBar {
     if !from_file || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
-    if let Ok(style) = ProgressStyle::with_template("{bar:40} {pos}/{len} records {per_sec} eta {eta}") {
+    if let Ok(style) =
+        ProgressStyle::with_template("{bar:40} {pos}/{len} records {per_sec} eta {eta}")
+    {
         bar.set_style(style);
     }
     bar

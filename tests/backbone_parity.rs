@@ -39,10 +39,22 @@ fn every_layer_matches_transformers() {
             let (final_, layers) = model.forward_with_layers(&ids, &mut cache, None).unwrap();
             for (i, h) in layers.iter().enumerate() {
                 let what = format!("{base} len {n} layer {i}");
-                check(&what, &h.squeeze(0).unwrap(), &refs[&format!("len{n}.layer{i}")], TOL_HIDDEN_F32).unwrap();
+                check(
+                    &what,
+                    &h.squeeze(0).unwrap(),
+                    &refs[&format!("len{n}.layer{i}")],
+                    TOL_HIDDEN_F32,
+                )
+                .unwrap();
             }
             let what = format!("{base} len {n} final");
-            check(&what, &final_.squeeze(0).unwrap(), &refs[&format!("len{n}.final")], TOL_HIDDEN_F32).unwrap();
+            check(
+                &what,
+                &final_.squeeze(0).unwrap(),
+                &refs[&format!("len{n}.final")],
+                TOL_HIDDEN_F32,
+            )
+            .unwrap();
         }
     }
 }
@@ -55,10 +67,20 @@ fn prefix_then_continuation_matches_transformers() {
         for (p, n) in CONTINUATIONS {
             let ids = ids_of(&refs[&format!("cont{p}_{n}.ids")]);
             let mut cache = model.new_cache(1).unwrap();
-            model.forward(&ids.narrow(1, 0, p).unwrap(), &mut cache, None).unwrap();
-            let cont = model.forward(&ids.narrow(1, p, n - p).unwrap(), &mut cache, None).unwrap();
+            model
+                .forward(&ids.narrow(1, 0, p).unwrap(), &mut cache, None)
+                .unwrap();
+            let cont = model
+                .forward(&ids.narrow(1, p, n - p).unwrap(), &mut cache, None)
+                .unwrap();
             let what = format!("{base} prefix {p} + {}", n - p);
-            check(&what, &cont.squeeze(0).unwrap(), &refs[&format!("cont{p}_{n}.final")], TOL_HIDDEN_F32).unwrap();
+            check(
+                &what,
+                &cont.squeeze(0).unwrap(),
+                &refs[&format!("cont{p}_{n}.final")],
+                TOL_HIDDEN_F32,
+            )
+            .unwrap();
         }
     }
 }
@@ -70,13 +92,18 @@ fn padded_batch_rows_equal_single_rows() {
     let refs = reference();
     let model = load("base-mm");
     let ids = ids_of(&refs["len200.ids"]);
-    let (a, b) = (ids.narrow(1, 0, 65).unwrap(), ids.narrow(1, 100, 40).unwrap());
+    let (a, b) = (
+        ids.narrow(1, 0, 65).unwrap(),
+        ids.narrow(1, 100, 40).unwrap(),
+    );
     let pad = Tensor::zeros((1, 25), DType::U32, &Device::Cpu).unwrap();
     let batch = Tensor::cat(&[a.clone(), Tensor::cat(&[&b, &pad], 1).unwrap()], 0).unwrap();
     let mut cache = model.new_cache(2).unwrap();
     let hs = model.forward(&batch, &mut cache, Some(&[65, 40])).unwrap();
     let tail = ids.narrow(1, 180, 7).unwrap();
-    let next = model.forward(&Tensor::cat(&[&tail, &tail], 0).unwrap(), &mut cache, None).unwrap();
+    let next = model
+        .forward(&Tensor::cat(&[&tail, &tail], 0).unwrap(), &mut cache, None)
+        .unwrap();
     for (row, single) in [(0, &a), (1, &b)] {
         let len = single.dim(1).unwrap();
         let mut c = model.new_cache(1).unwrap();
@@ -84,6 +111,12 @@ fn padded_batch_rows_equal_single_rows() {
         let h_next = model.forward(&tail, &mut c, None).unwrap();
         let ours = hs.narrow(0, row, 1).unwrap().narrow(1, 0, len).unwrap();
         check(&format!("padded row {row}"), &ours, &h, 1e-5).unwrap();
-        check(&format!("padded row {row} continued"), &next.narrow(0, row, 1).unwrap(), &h_next, 1e-5).unwrap();
+        check(
+            &format!("padded row {row} continued"),
+            &next.narrow(0, row, 1).unwrap(),
+            &h_next,
+            1e-5,
+        )
+        .unwrap();
     }
 }

@@ -44,7 +44,9 @@ fn reference(ckpt: &str) -> BTreeMap<String, Vec<RefRecord>> {
 }
 
 fn load(ckpt: &str, scale: f64, dtype: DType) -> DecisionModel {
-    let opts = LoadOptions::default().with_lora_scale(scale).with_dtype(dtype);
+    let opts = LoadOptions::default()
+        .with_lora_scale(scale)
+        .with_dtype(dtype);
     DecisionModel::load(fixture(ckpt), &opts).unwrap()
 }
 
@@ -66,7 +68,9 @@ fn compare(ours: &[Vec<Vec<f32>>], reference: &[RefRecord], logits: bool) -> (f3
 }
 
 fn argmax(v: &[f32]) -> usize {
-    v.iter().enumerate().fold(0, |best, (i, x)| if *x > v[best] { i } else { best })
+    v.iter()
+        .enumerate()
+        .fold(0, |best, (i, x)| if *x > v[best] { i } else { best })
 }
 
 #[test]
@@ -77,7 +81,12 @@ fn encoding_matches_reference() {
         let (state, rows) = model.encode(rec).unwrap().rows();
         assert_eq!(state, r.state_ids, "state ids of {:?}", rec.id);
         for (row, rr) in rows.iter().zip(&r.rows) {
-            assert_eq!((&row.ids, row.decide, &row.opts), (&rr.ids, rr.decide, &rr.opts), "{:?}", rec.id);
+            assert_eq!(
+                (&row.ids, row.decide, &row.opts),
+                (&rr.ids, rr.decide, &rr.opts),
+                "{:?}",
+                rec.id
+            );
         }
     }
 }
@@ -92,14 +101,24 @@ fn f32_probabilities_match_reference_for_every_checkpoint_and_scale() {
             let prefix: Vec<_> = recs.iter().map(|r| model.probs(r).unwrap()).collect();
             let rows: Vec<_> = recs
                 .iter()
-                .map(|r| model.forward_rows(r).unwrap().iter().map(|l| kev_candle::head::softmax(l)).collect())
+                .map(|r| {
+                    model
+                        .forward_rows(r)
+                        .unwrap()
+                        .iter()
+                        .map(|l| kev_candle::head::softmax(l))
+                        .collect()
+                })
                 .collect();
             let logits: Vec<_> = recs.iter().map(|r| model.forward(r).unwrap()).collect();
             let (dp, flips) = compare(&prefix, want, false);
             let (dr, flips_r) = compare(&rows, want, false);
             let (dl, _) = compare(&logits, want, true);
             println!("{ckpt} lora_scale {scale}: prefix form max|Δp| {dp:.2e} flips {flips}; row form max|Δp| {dr:.2e} flips {flips_r}; max|Δlogit| {dl:.2e}");
-            assert!(dp <= TOL_PROBS_F32 && dr <= TOL_PROBS_F32, "{ckpt} {scale}: {dp:e} / {dr:e}");
+            assert!(
+                dp <= TOL_PROBS_F32 && dr <= TOL_PROBS_F32,
+                "{ckpt} {scale}: {dp:e} / {dr:e}"
+            );
             assert_eq!(flips + flips_r, 0);
         }
     }
@@ -111,9 +130,17 @@ fn prefix_form_equals_row_form_and_one_question_equals_many() {
     let mut worst = 0f32;
     for rec in records() {
         let whole = model.probs(&rec).unwrap();
-        let rows: Vec<Vec<f32>> = model.forward_rows(&rec).unwrap().iter().map(|l| kev_candle::head::softmax(l)).collect();
+        let rows: Vec<Vec<f32>> = model
+            .forward_rows(&rec)
+            .unwrap()
+            .iter()
+            .map(|l| kev_candle::head::softmax(l))
+            .collect();
         for (j, q) in rec.questions.iter().enumerate() {
-            let alone = Record { questions: vec![q.clone()], ..rec.clone() };
+            let alone = Record {
+                questions: vec![q.clone()],
+                ..rec.clone()
+            };
             let p = model.probs(&alone).unwrap().remove(0);
             for ((a, b), c) in p.iter().zip(&whole[j]).zip(&rows[j]) {
                 worst = worst.max((a - b).abs()).max((b - c).abs());
@@ -133,7 +160,11 @@ fn prefix_is_reused_and_checked() {
     let (p2, prefix) = model.probs_and_prefix(r2).unwrap();
     assert_eq!(p2, model.probs(r2).unwrap());
     let reused = model.probs_with_prefix(r3, &prefix).unwrap();
-    assert_eq!(reused, model.probs(r3).unwrap(), "reusing a prefix changes nothing");
+    assert_eq!(
+        reused,
+        model.probs(r3).unwrap(),
+        "reusing a prefix changes nothing"
+    );
     // The prefix is not consumed or altered by use.
     assert_eq!(model.probs_with_prefix(r2, &prefix).unwrap(), p2);
     let err = model.probs_with_prefix(&recs[0], &prefix).unwrap_err();
@@ -148,11 +179,20 @@ fn batch_equals_one_by_one() {
     let batch = model.probs_batch(&recs).unwrap();
     let mut worst = 0f32;
     for (rec, b) in recs.iter().zip(&batch) {
-        for (x, y) in model.probs(rec).unwrap().iter().flatten().zip(b.iter().flatten()) {
+        for (x, y) in model
+            .probs(rec)
+            .unwrap()
+            .iter()
+            .flatten()
+            .zip(b.iter().flatten())
+        {
             worst = worst.max((x - y).abs());
         }
     }
-    println!("batch of {} records vs one by one: max|Δp| {worst:.2e}", recs.len());
+    println!(
+        "batch of {} records vs one by one: max|Δp| {worst:.2e}",
+        recs.len()
+    );
     assert!(worst <= TOL_FORMS_F32, "{worst:e}");
 }
 
@@ -163,7 +203,13 @@ fn threads_share_one_model() {
     let single: Vec<_> = recs.iter().map(|r| model.probs(r).unwrap()).collect();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..3)
-            .map(|_| s.spawn(|| recs.iter().map(|r| model.probs(r).unwrap()).collect::<Vec<_>>()))
+            .map(|_| {
+                s.spawn(|| {
+                    recs.iter()
+                        .map(|r| model.probs(r).unwrap())
+                        .collect::<Vec<_>>()
+                })
+            })
             .collect();
         for h in handles {
             assert_eq!(h.join().unwrap(), single);

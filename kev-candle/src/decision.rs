@@ -70,24 +70,47 @@ impl DecisionModel {
             .map_err(|e| Error::io(&checkpoint.base.config, e))?;
         let cfg = Config::from_json(&config_text)
             .map_err(|m| Error::config(&checkpoint.base.config, "text_config", m))?;
-        let adapter = match (checkpoint.adapter_config_path(), checkpoint.adapter_weights_path()) {
+        let adapter = match (
+            checkpoint.adapter_config_path(),
+            checkpoint.adapter_weights_path(),
+        ) {
             (Some(c), Some(w)) => Some(Adapter::load(&c, &w)?),
             _ => None,
         };
-        let weights = Weights::open(&checkpoint.base.weights, adapter, options.lora_scale, dtype, device.clone())?;
+        let weights = Weights::open(
+            &checkpoint.base.weights,
+            adapter,
+            options.lora_scale,
+            dtype,
+            device.clone(),
+        )?;
         let model = Model::new(&cfg, &weights)?;
         let head_cfg = &checkpoint.config.head;
-        let head = PointerHead::load(&checkpoint.head_path, head_cfg.dim, cfg.hidden_size, head_cfg.temperature, &device)?;
+        let head = PointerHead::load(
+            &checkpoint.head_path,
+            head_cfg.dim,
+            cfg.hidden_size,
+            head_cfg.temperature,
+            &device,
+        )?;
         let encoder = checkpoint.encoder()?;
         let vocab = encoder.tokenizer().get_vocab_size(true);
         if vocab > cfg.vocab_size {
             return Err(Error::config(
                 &checkpoint.base.config,
                 "vocab_size",
-                format!("the tokenizer has {vocab} tokens but the model only {} embeddings", cfg.vocab_size),
+                format!(
+                    "the tokenizer has {vocab} tokens but the model only {} embeddings",
+                    cfg.vocab_size
+                ),
             ));
         }
-        Ok(Self { model, head, encoder, checkpoint })
+        Ok(Self {
+            model,
+            head,
+            encoder,
+            checkpoint,
+        })
     }
 
     /// The checkpoint this model was loaded from.
@@ -171,11 +194,18 @@ impl DecisionModel {
     /// Runs `record.state` once into a prefix.
     pub fn prefix(&self, state: &str) -> Result<Prefix> {
         let state_ids = self.encoder.encode_state(state)?;
-        let mut cache = self.model.new_cache(1).map_err(backend_err("prefix cache"))?;
+        let mut cache = self
+            .model
+            .new_cache(1)
+            .map_err(backend_err("prefix cache"))?;
         if !state_ids.is_empty() {
             self.run(std::slice::from_ref(&state_ids), &mut cache)?;
         }
-        Ok(Prefix { state: state.to_string(), state_ids, cache })
+        Ok(Prefix {
+            state: state.to_string(),
+            state_ids,
+            cache,
+        })
     }
 
     /// Probabilities for many records at once: all states as one padded batch, then all branches
@@ -189,11 +219,18 @@ impl DecisionModel {
             .map(|r| self.encode(r).map(|e| e.rows()))
             .collect::<Result<_>>()?;
         let states: Vec<Vec<u32>> = encoded.iter().map(|(s, _)| s.clone()).collect();
-        let mut cache = self.model.new_cache(states.len()).map_err(backend_err("batch cache"))?;
+        let mut cache = self
+            .model
+            .new_cache(states.len())
+            .map_err(backend_err("batch cache"))?;
         if states.iter().any(|s| !s.is_empty()) {
             self.run(&states, &mut cache)?;
         }
-        let owners: Vec<usize> = encoded.iter().enumerate().flat_map(|(i, (_, rows))| vec![i; rows.len()]).collect();
+        let owners: Vec<usize> = encoded
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (_, rows))| vec![i; rows.len()])
+            .collect();
         let rows: Vec<Row> = encoded.into_iter().flat_map(|(_, rows)| rows).collect();
         let logits = self.branches(&cache, &owners, &rows)?;
         let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); records.len()];
@@ -203,7 +240,11 @@ impl DecisionModel {
         Ok(out)
     }
 
-    fn logits_and_prefix(&self, record: &Record, given: Option<&Prefix>) -> Result<(Vec<Vec<f32>>, Option<Prefix>)> {
+    fn logits_and_prefix(
+        &self,
+        record: &Record,
+        given: Option<&Prefix>,
+    ) -> Result<(Vec<Vec<f32>>, Option<Prefix>)> {
         let (state, rows) = self.encode(record)?.rows();
         let computed = match given {
             Some(prefix) => {
@@ -229,7 +270,9 @@ impl DecisionModel {
     /// Runs `rows` as one right-padded batch, row i continuing row `owners[i]` of `cache`, and
     /// returns each row's logits.
     fn branches(&self, cache: &Cache, owners: &[usize], rows: &[Row]) -> Result<Vec<Vec<f32>>> {
-        let mut branch_cache = cache.select_rows(owners).map_err(backend_err("copying the prefix cache"))?;
+        let mut branch_cache = cache
+            .select_rows(owners)
+            .map_err(backend_err("copying the prefix cache"))?;
         let ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
         let hidden = self.run(&ids, &mut branch_cache)?;
         self.read_head(&hidden, rows)
@@ -241,9 +284,14 @@ impl DecisionModel {
         let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
         let flat: Vec<u32> = seqs
             .iter()
-            .flat_map(|s| s.iter().copied().chain(std::iter::repeat_n(PAD_ID, width - s.len())))
+            .flat_map(|s| {
+                s.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(PAD_ID, width - s.len()))
+            })
             .collect();
-        let ids = Tensor::from_vec(flat, (seqs.len(), width), self.device()).map_err(backend_err("token ids"))?;
+        let ids = Tensor::from_vec(flat, (seqs.len(), width), self.device())
+            .map_err(backend_err("token ids"))?;
         let padded = lengths.iter().any(|&l| l != width);
         self.model
             .forward(&ids, cache, padded.then_some(lengths.as_slice()))
@@ -255,7 +303,11 @@ impl DecisionModel {
         let err = backend_err("pointer head");
         let (_, width, h) = hidden.dims3().map_err(&err)?;
         let flat = hidden.reshape(((), h)).map_err(&err)?;
-        let decide: Vec<u32> = rows.iter().enumerate().map(|(i, r)| (i * width + r.decide) as u32).collect();
+        let decide: Vec<u32> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (i * width + r.decide) as u32)
+            .collect();
         let mut opts = Vec::new();
         let mut owner = Vec::new();
         for (i, r) in rows.iter().enumerate() {
@@ -266,7 +318,14 @@ impl DecisionModel {
             let n = idx.len();
             flat.index_select(&Tensor::from_vec(idx, n, self.device())?, 0)
         };
-        let logits = self.head.logits(&pick(decide).map_err(&err)?, &pick(opts).map_err(&err)?, &owner).map_err(&err)?;
+        let logits = self
+            .head
+            .logits(
+                &pick(decide).map_err(&err)?,
+                &pick(opts).map_err(&err)?,
+                &owner,
+            )
+            .map_err(&err)?;
         let mut out = Vec::with_capacity(rows.len());
         let mut at = 0;
         for r in rows {

@@ -7,7 +7,9 @@ use kev_core::{Backend, Error, Result};
 
 /// The candle device for `backend`.
 pub fn select_device(backend: Backend) -> Result<Device> {
-    let dev_err = |what: &str, e: candle_core::Error| Error::Device { message: format!("{what}: {e}") };
+    let dev_err = |what: &str, e: candle_core::Error| Error::Device {
+        message: format!("{what}: {e}"),
+    };
     match backend {
         Backend::Cpu => Ok(Device::Cpu),
         Backend::Cuda(i) => {

@@ -18,7 +18,13 @@ pub struct PointerHead {
 
 impl PointerHead {
     /// Reads `q.weight [dim, H]`, `q.bias [dim]`, `k.weight [dim, H]`, `k.bias [dim]` from `path`.
-    pub fn load(path: &Path, dim: usize, hidden: usize, temperature: f64, device: &Device) -> Result<Self> {
+    pub fn load(
+        path: &Path,
+        dim: usize,
+        hidden: usize,
+        temperature: f64,
+        device: &Device,
+    ) -> Result<Self> {
         let tensors = candle_core::safetensors::load(path, &Device::Cpu)
             .map_err(|e| Error::backend(format!("reading head `{}`", path.display()), e))?;
         let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
@@ -36,8 +42,14 @@ impl PointerHead {
                 .and_then(|t| t.to_device(device))
                 .map_err(|e| Error::backend(format!("head tensor `{name}`"), e))
         };
-        if let Some(extra) = tensors.keys().find(|k| !["q.weight", "q.bias", "k.weight", "k.bias"].contains(&k.as_str())) {
-            return Err(Error::Tensor { name: extra.clone(), message: format!("unexpected tensor in head `{}`", path.display()) });
+        if let Some(extra) = tensors
+            .keys()
+            .find(|k| !["q.weight", "q.bias", "k.weight", "k.bias"].contains(&k.as_str()))
+        {
+            return Err(Error::Tensor {
+                name: extra.clone(),
+                message: format!("unexpected tensor in head `{}`", path.display()),
+            });
         }
         Ok(Self {
             q_weight: get("q.weight", &[dim, hidden])?,
@@ -61,11 +73,20 @@ impl PointerHead {
 
     /// `h_decide: [N, H]` (one per question), `h_opts: [M, H]` (all options), `owner[i]`: the
     /// question of option i. Returns the M logits (f32) in option order.
-    pub fn logits(&self, h_decide: &Tensor, h_opts: &Tensor, owner: &[u32]) -> candle_core::Result<Vec<f32>> {
+    pub fn logits(
+        &self,
+        h_decide: &Tensor,
+        h_opts: &Tensor,
+        owner: &[u32],
+    ) -> candle_core::Result<Vec<f32>> {
         let h_decide = h_decide.to_dtype(DType::F32)?;
         let h_opts = h_opts.to_dtype(DType::F32)?;
-        let q = h_decide.matmul(&self.q_weight.t()?)?.broadcast_add(&self.q_bias)?;
-        let k = h_opts.matmul(&self.k_weight.t()?)?.broadcast_add(&self.k_bias)?;
+        let q = h_decide
+            .matmul(&self.q_weight.t()?)?
+            .broadcast_add(&self.q_bias)?;
+        let k = h_opts
+            .matmul(&self.k_weight.t()?)?
+            .broadcast_add(&self.k_bias)?;
         let owner = Tensor::new(owner, q.device())?;
         let q = q.index_select(&owner, 0)?;
         let logits = (q * k)?.sum(D::Minus1)? / ((self.dim as f64).sqrt() * self.temperature);

@@ -5,12 +5,12 @@
 //! the model is immutable afterwards and all state lives in explicit [`qwen35::Cache`] values, so
 //! one model serves many threads.
 
-pub mod lora;
-pub mod qwen35;
-pub mod weights;
 pub mod decision;
 pub mod device;
 pub mod head;
+pub mod lora;
+pub mod qwen35;
+pub mod weights;
 
 pub use decision::{DecisionModel, Prefix};
 pub use head::PointerHead;

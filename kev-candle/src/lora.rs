@@ -38,7 +38,10 @@ pub struct Adapter {
 }
 
 fn tensor_err(name: &str, message: impl Into<String>) -> Error {
-    Error::Tensor { name: name.to_string(), message: message.into() }
+    Error::Tensor {
+        name: name.to_string(),
+        message: message.into(),
+    }
 }
 
 impl Adapter {
@@ -52,9 +55,22 @@ impl Adapter {
         for (key, tensor) in tensors {
             let rest = PREFIXES
                 .iter()
-                .find_map(|p| key.strip_prefix(p).filter(|r| r.starts_with("layers.") || r.starts_with("embed_tokens.")))
-                .ok_or_else(|| tensor_err(&key, format!("adapter tensor in `{}` matches no base weight (unknown prefix)", weights_path.display())))?;
-            let tensor = tensor.to_dtype(DType::F32).map_err(|e| Error::backend(format!("adapter tensor `{key}`"), e))?;
+                .find_map(|p| {
+                    key.strip_prefix(p)
+                        .filter(|r| r.starts_with("layers.") || r.starts_with("embed_tokens."))
+                })
+                .ok_or_else(|| {
+                    tensor_err(
+                        &key,
+                        format!(
+                            "adapter tensor in `{}` matches no base weight (unknown prefix)",
+                            weights_path.display()
+                        ),
+                    )
+                })?;
+            let tensor = tensor
+                .to_dtype(DType::F32)
+                .map_err(|e| Error::backend(format!("adapter tensor `{key}`"), e))?;
             if rest == TOKENS_KEY {
                 let ids = config.trainable_token_indices.clone();
                 let dims = tensor.dims().to_vec();
@@ -67,28 +83,54 @@ impl Adapter {
             } else if let Some(module) = rest.strip_suffix(".lora_B.weight") {
                 halves.entry(module.to_string()).or_default().1 = Some(tensor);
             } else {
-                return Err(tensor_err(&key, "adapter tensor is neither `lora_A`, `lora_B` nor trained token rows"));
+                return Err(tensor_err(
+                    &key,
+                    "adapter tensor is neither `lora_A`, `lora_B` nor trained token rows",
+                ));
             }
         }
         if tokens.is_none() && !config.trainable_token_indices.is_empty() {
             return Err(Error::Adapter {
                 path: weights_path.to_path_buf(),
-                message: format!("the config lists `trainable_token_indices` but `{TOKENS_KEY}` is missing"),
+                message: format!(
+                    "the config lists `trainable_token_indices` but `{TOKENS_KEY}` is missing"
+                ),
             });
         }
         let mut pairs = HashMap::new();
         for (module, (a, b)) in halves {
             let (Some(a), Some(b)) = (a, b) else {
-                return Err(tensor_err(&module, "LoRA module has only one of `lora_A` / `lora_B`"));
+                return Err(tensor_err(
+                    &module,
+                    "LoRA module has only one of `lora_A` / `lora_B`",
+                ));
             };
             let r = config.rank(&module);
             let (ra, rb) = (a.dims()[0], b.dims().get(1).copied().unwrap_or(0));
             if a.rank() != 2 || b.rank() != 2 || ra != rb || ra != r {
-                return Err(tensor_err(&module, format!("LoRA shapes A {:?}, B {:?} do not agree with rank {r}", a.dims(), b.dims())));
+                return Err(tensor_err(
+                    &module,
+                    format!(
+                        "LoRA shapes A {:?}, B {:?} do not agree with rank {r}",
+                        a.dims(),
+                        b.dims()
+                    ),
+                ));
             }
-            pairs.insert(format!("{module}.weight"), LoraPair { a, b, scaling: config.scaling(&module) });
+            pairs.insert(
+                format!("{module}.weight"),
+                LoraPair {
+                    a,
+                    b,
+                    scaling: config.scaling(&module),
+                },
+            );
         }
-        Ok(Self { path: weights_path.to_path_buf(), pairs, tokens })
+        Ok(Self {
+            path: weights_path.to_path_buf(),
+            pairs,
+            tokens,
+        })
     }
 
     /// The base weight names this adapter modifies (for the up-front coverage check).
@@ -107,10 +149,14 @@ impl Adapter {
         if let Some(pair) = self.pairs.get(name) {
             let (out_f, in_f) = weight.dims2().map_err(ctx)?;
             if pair.b.dims()[0] != out_f || pair.a.dims()[1] != in_f {
-                return Err(tensor_err(name, format!(
-                    "LoRA A {:?} · B {:?} does not fit base weight [{out_f}, {in_f}]",
-                    pair.a.dims(), pair.b.dims()
-                )));
+                return Err(tensor_err(
+                    name,
+                    format!(
+                        "LoRA A {:?} · B {:?} does not fit base weight [{out_f}, {in_f}]",
+                        pair.a.dims(),
+                        pair.b.dims()
+                    ),
+                ));
             }
             let delta = pair.b.matmul(&pair.a).map_err(ctx)?;
             return (weight + (delta * (pair.scaling * lora_scale)).map_err(ctx)?).map_err(ctx);
@@ -128,14 +174,23 @@ fn replace_rows(name: &str, weight: Tensor, ids: &[u32], rows: &Tensor, s: f64) 
     let ctx = |e| Error::backend(format!("trained token rows of `{name}`"), e);
     let (vocab, hidden) = weight.dims2().map_err(ctx)?;
     if rows.dims() != [ids.len(), hidden] {
-        return Err(tensor_err(name, format!("trained token rows {:?} do not fit embeddings [{vocab}, {hidden}]", rows.dims())));
+        return Err(tensor_err(
+            name,
+            format!(
+                "trained token rows {:?} do not fit embeddings [{vocab}, {hidden}]",
+                rows.dims()
+            ),
+        ));
     }
     let mut table = weight.to_vec2::<f32>().map_err(ctx)?;
     let new_rows = rows.to_vec2::<f32>().map_err(ctx)?;
     for (&id, new_row) in ids.iter().zip(&new_rows) {
-        let row = table
-            .get_mut(id as usize)
-            .ok_or_else(|| tensor_err(name, format!("trainable token id {id} is outside the vocabulary of {vocab}")))?;
+        let row = table.get_mut(id as usize).ok_or_else(|| {
+            tensor_err(
+                name,
+                format!("trainable token id {id} is outside the vocabulary of {vocab}"),
+            )
+        })?;
         for (x, n) in row.iter_mut().zip(new_row) {
             *x = ((1.0 - s) * f64::from(*x) + s * f64::from(*n)) as f32;
         }

@@ -35,9 +35,8 @@ impl Weights {
     ) -> Result<Self> {
         // SAFETY: the files are mapped read-only; like every mmap-based loader, we rely on them not
         // being truncated while the model is loading (weights are copied out during `get`).
-        let st = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| {
-            Error::backend(format!("reading safetensors {}", list(files)), e)
-        })?;
+        let st = unsafe { MmapedSafetensors::multi(files) }
+            .map_err(|e| Error::backend(format!("reading safetensors {}", list(files)), e))?;
         let names: Vec<String> = st.tensors().into_iter().map(|(n, _)| n).collect();
         let prefix = LAYOUTS
             .into_iter()
@@ -54,16 +53,27 @@ impl Weights {
                     },
                 }
             })?;
-        let weights = Self { files: files.to_vec(), st, prefix, adapter, lora_scale, dtype, device };
+        let weights = Self {
+            files: files.to_vec(),
+            st,
+            prefix,
+            adapter,
+            lora_scale,
+            dtype,
+            device,
+        };
         if let Some(adapter) = &weights.adapter {
             for target in adapter.targets() {
-                weights.st.get(&format!("{prefix}{target}")).map_err(|_| Error::Tensor {
-                    name: target.to_string(),
-                    message: format!(
-                        "adapter `{}` modifies a weight the base does not have",
-                        adapter.path().display()
-                    ),
-                })?;
+                weights
+                    .st
+                    .get(&format!("{prefix}{target}"))
+                    .map_err(|_| Error::Tensor {
+                        name: target.to_string(),
+                        message: format!(
+                            "adapter `{}` modifies a weight the base does not have",
+                            adapter.path().display()
+                        ),
+                    })?;
             }
         }
         Ok(weights)
@@ -105,10 +115,13 @@ impl Weights {
     /// The stored tensor as f32 on the CPU.
     fn raw(&self, name: &str) -> Result<Tensor> {
         let full = format!("{}{name}", self.prefix);
-        let t = self.st.load(&full, &Device::Cpu).map_err(|_| Error::Tensor {
-            name: full.clone(),
-            message: format!("missing from {}", list(&self.files)),
-        })?;
+        let t = self
+            .st
+            .load(&full, &Device::Cpu)
+            .map_err(|_| Error::Tensor {
+                name: full.clone(),
+                message: format!("missing from {}", list(&self.files)),
+            })?;
         t.to_dtype(DType::F32).map_err(|e| self.err(name, e))
     }
 

@@ -80,7 +80,9 @@ pub fn causal_conv1d_ref(xs: &Tensor, weight: &Tensor) -> Result<Tensor> {
     let seq_len = xs.dim(1)? + 1 - k;
     let xs32 = xs.to_dtype(candle_core::DType::F32)?;
     let w32 = weight.to_dtype(candle_core::DType::F32)?;
-    let mut acc = xs32.narrow(1, 0, seq_len)?.broadcast_mul(&w32.narrow(D::Minus1, 0, 1)?.t()?)?;
+    let mut acc = xs32
+        .narrow(1, 0, seq_len)?
+        .broadcast_mul(&w32.narrow(D::Minus1, 0, 1)?.t()?)?;
     for j in 1..k {
         let tap = w32.narrow(D::Minus1, j, 1)?.t()?;
         acc = (acc + xs32.narrow(1, j, seq_len)?.broadcast_mul(&tap)?)?;

@@ -15,9 +15,7 @@
 
 use std::sync::Mutex;
 
-use candle_core::{
-    bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor, D,
-};
+use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
@@ -69,8 +67,12 @@ impl InplaceOp3 for GatedDeltaRule {
         gb: &CpuStorage,
         gl: &Layout,
     ) -> Result<()> {
-        let GdrDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } =
-            self.dims;
+        let GdrDims {
+            num_k_heads: hk,
+            num_v_heads: hv,
+            head_k_dim: dk,
+            head_v_dim: dv,
+        } = self.dims;
         let (b_sz, seq_len) = (self.b_sz, self.seq_len);
         let channels = self.dims.channels();
         let qkv = as_f32(qkv, ql, "gated-delta-rule qkv")?;
@@ -78,7 +80,9 @@ impl InplaceOp3 for GatedDeltaRule {
         let Some((s_start, s_end)) = sl.contiguous_offsets() else {
             bail!("gated-delta-rule: state must be contiguous")
         };
-        let CpuStorage::F32(state) = state else { bail!("gated-delta-rule: state must be f32") };
+        let CpuStorage::F32(state) = state else {
+            bail!("gated-delta-rule: state must be f32")
+        };
         let state = &mut state[s_start..s_end];
         let group = hv / hk;
         let scale = 1.0 / (dk as f32).sqrt();
@@ -108,7 +112,9 @@ impl InplaceOp3 for GatedDeltaRule {
                         }
                     }
                     // Pass 2: rank-1 update with δ (kept in `kv`), then read with q.
-                    kv.iter_mut().zip(v).for_each(|(x, vj)| *x = (vj - *x) * beta);
+                    kv.iter_mut()
+                        .zip(v)
+                        .for_each(|(x, vj)| *x = (vj - *x) * beta);
                     let o_t = &mut o[t * dv..][..dv];
                     for (i, s_row) in s.chunks_exact_mut(dv).enumerate() {
                         for ((sj, dj), oj) in s_row.iter_mut().zip(kv.iter()).zip(o_t.iter_mut()) {
@@ -128,8 +134,10 @@ impl InplaceOp3 for GatedDeltaRule {
                 out[((b * seq_len + t) * hv + h) * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
             }
         }
-        *self.out.lock().expect("gated-delta-rule output slot poisoned") =
-            Some(from_f32(out, self.out_dtype)?);
+        *self
+            .out
+            .lock()
+            .expect("gated-delta-rule output slot poisoned") = Some(from_f32(out, self.out_dtype)?);
         Ok(())
     }
 }
@@ -142,15 +150,31 @@ fn l2_normalize(x: &[f32], scale: f32, out: &mut [f32]) {
 
 fn check(qkv: &Tensor, gb: &Tensor, state: &Tensor, dims: GdrDims) -> Result<(usize, usize)> {
     let (b_sz, seq_len, channels) = qkv.dims3()?;
-    let GdrDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } = dims;
+    let GdrDims {
+        num_k_heads: hk,
+        num_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+    } = dims;
     if hk == 0 || hv % hk != 0 || channels != dims.channels() {
-        bail!("gated-delta-rule: qkv {:?} does not match {dims:?}", qkv.dims())
+        bail!(
+            "gated-delta-rule: qkv {:?} does not match {dims:?}",
+            qkv.dims()
+        )
     }
     if gb.dims() != [b_sz, seq_len, hv, 2] || gb.dtype() != DType::F32 {
-        bail!("gated-delta-rule: gates must be f32 [{b_sz}, {seq_len}, {hv}, 2], got {:?} {:?}", gb.dtype(), gb.dims())
+        bail!(
+            "gated-delta-rule: gates must be f32 [{b_sz}, {seq_len}, {hv}, 2], got {:?} {:?}",
+            gb.dtype(),
+            gb.dims()
+        )
     }
     if state.dims() != [b_sz, hv, dk, dv] || state.dtype() != DType::F32 {
-        bail!("gated-delta-rule: state must be f32 [{b_sz}, {hv}, {dk}, {dv}], got {:?} {:?}", state.dtype(), state.dims())
+        bail!(
+            "gated-delta-rule: state must be f32 [{b_sz}, {hv}, {dk}, {dv}], got {:?} {:?}",
+            state.dtype(),
+            state.dims()
+        )
     }
     if !state.is_contiguous() {
         bail!("gated-delta-rule: state must be contiguous (it is updated in place)")
@@ -178,7 +202,10 @@ pub fn gated_delta_rule(
     let (b_sz, seq_len) = check(qkv, gb, state, dims)?;
     if let Some(l) = lengths {
         if l.len() != b_sz {
-            bail!("gated-delta-rule: {} lengths for a batch of {b_sz}", l.len())
+            bail!(
+                "gated-delta-rule: {} lengths for a batch of {b_sz}",
+                l.len()
+            )
         }
     }
     let op = GatedDeltaRule {
@@ -190,8 +217,13 @@ pub fn gated_delta_rule(
         out: Mutex::new(None),
     };
     state.inplace_op3(&qkv.contiguous()?, &gb.contiguous()?, &op)?;
-    let out = op.out.into_inner().expect("gated-delta-rule output slot poisoned");
-    let Some(out) = out else { bail!("gated-delta-rule: the op produced no output") };
+    let out = op
+        .out
+        .into_inner()
+        .expect("gated-delta-rule output slot poisoned");
+    let Some(out) = out else {
+        bail!("gated-delta-rule: the op produced no output")
+    };
     let shape = Shape::from((b_sz, seq_len, dims.num_v_heads, dims.head_v_dim));
     Ok(Tensor::from((Storage::Cpu(out), shape)))
 }
@@ -205,7 +237,12 @@ pub fn gated_delta_rule_ref(
     dims: GdrDims,
 ) -> Result<(Tensor, Tensor)> {
     let (b_sz, seq_len) = check(qkv, gb, state, dims)?;
-    let GdrDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv } = dims;
+    let GdrDims {
+        num_k_heads: hk,
+        num_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+    } = dims;
     let x = qkv.to_dtype(DType::F32)?;
     let l2 = |t: Tensor| -> Result<Tensor> {
         let n = (t.sqr()?.sum_keepdim(D::Minus1)? + L2NORM_EPS as f64)?.sqrt()?;
@@ -214,12 +251,19 @@ pub fn gated_delta_rule_ref(
     let group = hv / hk;
     let expand = |t: Tensor| -> Result<Tensor> {
         // [B, T, Hk, Dk] -> [B, T, Hv, Dk], value head h reading key head h / group.
-        t.unsqueeze(3)?.repeat((1, 1, 1, group, 1))?.reshape((b_sz, seq_len, hv, dk))
+        t.unsqueeze(3)?
+            .repeat((1, 1, 1, group, 1))?
+            .reshape((b_sz, seq_len, hv, dk))
     };
-    let q = expand((l2(x.narrow(2, 0, hk * dk)?.reshape((b_sz, seq_len, hk, dk))?)?
-        / (dk as f64).sqrt())?)?;
-    let k = expand(l2(x.narrow(2, hk * dk, hk * dk)?.reshape((b_sz, seq_len, hk, dk))?)?)?;
-    let v = x.narrow(2, 2 * hk * dk, hv * dv)?.reshape((b_sz, seq_len, hv, dv))?;
+    let q = expand(
+        (l2(x.narrow(2, 0, hk * dk)?.reshape((b_sz, seq_len, hk, dk))?)? / (dk as f64).sqrt())?,
+    )?;
+    let k = expand(l2(x
+        .narrow(2, hk * dk, hk * dk)?
+        .reshape((b_sz, seq_len, hk, dk))?)?)?;
+    let v = x
+        .narrow(2, 2 * hk * dk, hv * dv)?
+        .reshape((b_sz, seq_len, hv, dv))?;
     let mut s = state.clone();
     let mut outs = Vec::with_capacity(seq_len);
     for t in 0..seq_len {
@@ -231,7 +275,9 @@ pub fn gated_delta_rule_ref(
         s = s.broadcast_mul(&decay)?;
         let kv = s.broadcast_mul(&k_t.unsqueeze(D::Minus1)?)?.sum(2)?; // [B,Hv,Dv]
         let delta = (v_t - kv)?.broadcast_mul(&beta)?;
-        s = (s + k_t.unsqueeze(D::Minus1)?.broadcast_mul(&delta.unsqueeze(2)?)?)?;
+        s = (s + k_t
+            .unsqueeze(D::Minus1)?
+            .broadcast_mul(&delta.unsqueeze(2)?)?)?;
         outs.push(s.broadcast_mul(&q_t.unsqueeze(D::Minus1)?)?.sum(2)?);
     }
     let o = Tensor::stack(&outs, 1)?.to_dtype(qkv.dtype())?;

@@ -1,7 +1,9 @@
 //! The CPU ops against their tensor-op references, and "two chunks == whole".
 
 use candle_core::{DType, Device, Result, Tensor, D};
-use kev_kernels::{causal_conv1d, causal_conv1d_ref, gated_delta_rule, gated_delta_rule_ref, GdrDims};
+use kev_kernels::{
+    causal_conv1d, causal_conv1d_ref, gated_delta_rule, gated_delta_rule_ref, GdrDims,
+};
 
 /// f32 op vs f32 reference on unit-scale data: same math, different summation order.
 const TOL_F32: f32 = 1e-5;
@@ -9,7 +11,9 @@ const TOL_F32: f32 = 1e-5;
 /// Deterministic, non-trivial inputs (no RNG dependency): a patterned sine.
 fn patterned(shape: &[usize], salt: f32, scale: f32) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|i| ((i as f32 * 0.7311 + salt).sin() * scale)).collect();
+    let v: Vec<f32> = (0..n)
+        .map(|i| (i as f32 * 0.7311 + salt).sin() * scale)
+        .collect();
     Tensor::from_vec(v, shape, &Device::Cpu)
 }
 
@@ -20,7 +24,11 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, usize)> {
     let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let mut worst = (0f32, 0usize);
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let d = if x.is_nan() || y.is_nan() { f32::INFINITY } else { (x - y).abs() };
+        let d = if x.is_nan() || y.is_nan() {
+            f32::INFINITY
+        } else {
+            (x - y).abs()
+        };
         if d > worst.0 {
             worst = (d, i);
         }
@@ -31,7 +39,10 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, usize)> {
 fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) -> Result<()> {
     let (d, i) = max_diff(a, b)?;
     println!("{what}: max |Δ| = {d:.2e} at {i}");
-    assert!(d <= tol, "{what}: max |Δ| = {d:e} at flat index {i} exceeds {tol:e}");
+    assert!(
+        d <= tol,
+        "{what}: max |Δ| = {d:e} at flat index {i} exceeds {tol:e}"
+    );
     Ok(())
 }
 
@@ -46,18 +57,43 @@ fn gdr_inputs(c: &Case, salt: f32) -> Result<(Tensor, Tensor, Tensor)> {
     let hv = c.dims.num_v_heads;
     // g ≤ 0 (log decay in [−2, 0]) and β in (0, 1).
     let g = (patterned(&[c.b, c.t, hv, 1], salt + 1.0, 1.0)?.abs()? * -2.0)?;
-    let beta = ((patterned(&[c.b, c.t, hv, 1], salt + 2.0, 3.0)?.neg()?.exp()? + 1.0)?.recip())?;
+    let beta = ((patterned(&[c.b, c.t, hv, 1], salt + 2.0, 3.0)?
+        .neg()?
+        .exp()?
+        + 1.0)?
+        .recip())?;
     let gb = Tensor::cat(&[g, beta], D::Minus1)?;
-    let state = patterned(&[c.b, hv, c.dims.head_k_dim, c.dims.head_v_dim], salt + 3.0, 0.5)?;
+    let state = patterned(
+        &[c.b, hv, c.dims.head_k_dim, c.dims.head_v_dim],
+        salt + 3.0,
+        0.5,
+    )?;
     Ok((qkv, gb, state))
 }
 
 fn cases() -> Vec<Case> {
-    let dims = |hk, hv, dk, dv| GdrDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv };
+    let dims = |hk, hv, dk, dv| GdrDims {
+        num_k_heads: hk,
+        num_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+    };
     vec![
-        Case { b: 1, t: 1, dims: dims(1, 1, 8, 8) },
-        Case { b: 2, t: 7, dims: dims(2, 4, 32, 16) },
-        Case { b: 3, t: 65, dims: dims(2, 2, 16, 24) },
+        Case {
+            b: 1,
+            t: 1,
+            dims: dims(1, 1, 8, 8),
+        },
+        Case {
+            b: 2,
+            t: 7,
+            dims: dims(2, 4, 32, 16),
+        },
+        Case {
+            b: 3,
+            t: 65,
+            dims: dims(2, 2, 16, 24),
+        },
     ]
 }
 
@@ -82,8 +118,20 @@ fn gated_delta_rule_two_chunks_equal_whole() -> Result<()> {
     let whole_state = state.copy()?;
     let whole = gated_delta_rule(&qkv, &gb, &whole_state, c.dims, None)?;
     let split_state = state.copy()?;
-    let first = gated_delta_rule(&qkv.narrow(1, 0, 40)?, &gb.narrow(1, 0, 40)?, &split_state, c.dims, None)?;
-    let second = gated_delta_rule(&qkv.narrow(1, 40, 25)?, &gb.narrow(1, 40, 25)?, &split_state, c.dims, None)?;
+    let first = gated_delta_rule(
+        &qkv.narrow(1, 0, 40)?,
+        &gb.narrow(1, 0, 40)?,
+        &split_state,
+        c.dims,
+        None,
+    )?;
+    let second = gated_delta_rule(
+        &qkv.narrow(1, 40, 25)?,
+        &gb.narrow(1, 40, 25)?,
+        &split_state,
+        c.dims,
+        None,
+    )?;
     let split = Tensor::cat(&[first, second], 1)?;
     // Identical arithmetic in the same order: exact.
     assert_close("gdr split output", &split, &whole, 0.0)?;
@@ -99,10 +147,31 @@ fn gated_delta_rule_lengths_freeze_padded_rows() -> Result<()> {
     let o = gated_delta_rule(&qkv, &gb, &padded, c.dims, Some(&[7, 3]))?;
     // Row 1 with only its 3 real steps.
     let short = state.narrow(0, 1, 1)?.copy()?;
-    let o_short = gated_delta_rule(&qkv.narrow(0, 1, 1)?.narrow(1, 0, 3)?, &gb.narrow(0, 1, 1)?.narrow(1, 0, 3)?, &short, c.dims, None)?;
-    assert_close("gdr padded row state", &padded.narrow(0, 1, 1)?, &short, 0.0)?;
-    assert_close("gdr padded row output", &o.narrow(0, 1, 1)?.narrow(1, 0, 3)?, &o_short, 0.0)?;
-    let tail = o.narrow(0, 1, 1)?.narrow(1, 3, 4)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let o_short = gated_delta_rule(
+        &qkv.narrow(0, 1, 1)?.narrow(1, 0, 3)?,
+        &gb.narrow(0, 1, 1)?.narrow(1, 0, 3)?,
+        &short,
+        c.dims,
+        None,
+    )?;
+    assert_close(
+        "gdr padded row state",
+        &padded.narrow(0, 1, 1)?,
+        &short,
+        0.0,
+    )?;
+    assert_close(
+        "gdr padded row output",
+        &o.narrow(0, 1, 1)?.narrow(1, 0, 3)?,
+        &o_short,
+        0.0,
+    )?;
+    let tail = o
+        .narrow(0, 1, 1)?
+        .narrow(1, 3, 4)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
     assert_eq!(tail, 0.0, "padded steps must output zero");
     Ok(())
 }
@@ -127,7 +196,14 @@ fn gated_delta_rule_bf16_input_reads_as_f32() -> Result<()> {
 fn gated_delta_rule_rejects_bad_shapes() -> Result<()> {
     let c = &cases()[1];
     let (qkv, gb, state) = gdr_inputs(c, 0.1)?;
-    let err = gated_delta_rule(&qkv.narrow(2, 1, c.dims.channels() - 1)?, &gb, &state, c.dims, None).unwrap_err();
+    let err = gated_delta_rule(
+        &qkv.narrow(2, 1, c.dims.channels() - 1)?,
+        &gb,
+        &state,
+        c.dims,
+        None,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("gated-delta-rule"), "{err}");
     let err = gated_delta_rule(&qkv, &gb, &state.to_dtype(DType::F16)?, c.dims, None).unwrap_err();
     assert!(err.to_string().contains("state must be f32"), "{err}");
@@ -136,17 +212,31 @@ fn gated_delta_rule_rejects_bad_shapes() -> Result<()> {
 
 #[test]
 fn causal_conv1d_matches_reference_and_continues() -> Result<()> {
-    for &(b, t, ch, k) in &[(1usize, 1usize, 8usize, 4usize), (2, 9, 24, 4), (3, 70, 40, 3)] {
+    for &(b, t, ch, k) in &[
+        (1usize, 1usize, 8usize, 4usize),
+        (2, 9, 24, 4),
+        (3, 70, 40, 3),
+    ] {
         let x = patterned(&[b, k - 1 + t, ch], 0.4, 2.0)?;
         let w = patterned(&[ch, k], 1.7, 0.5)?;
         let y = causal_conv1d(&x, &w)?;
         let y_ref = causal_conv1d_ref(&x, &w)?;
-        assert_close(&format!("conv b={b} t={t} c={ch} k={k}"), &y, &y_ref, TOL_F32)?;
+        assert_close(
+            &format!("conv b={b} t={t} c={ch} k={k}"),
+            &y,
+            &y_ref,
+            TOL_F32,
+        )?;
         if t > 2 {
             // Continuation: the second half fed with the K−1 inputs before it.
             let cut = t / 2;
             let second = causal_conv1d(&x.narrow(1, cut, k - 1 + t - cut)?, &w)?;
-            assert_close("conv continuation", &second, &y.narrow(1, cut, t - cut)?, 0.0)?;
+            assert_close(
+                "conv continuation",
+                &second,
+                &y.narrow(1, cut, t - cut)?,
+                0.0,
+            )?;
         }
     }
     let x = patterned(&[1, 6, 8], 0.4, 2.0)?.to_dtype(DType::BF16)?;

@@ -19,7 +19,9 @@ pub const TOL_FORMS_F32: f32 = 1e-5;
 
 /// `tests/fixtures/<rel>`.
 pub fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(rel)
 }
 
 /// Max |a − b| and max |a − b| / (|b| + 1e-3), with the flat index of the worst absolute error.
@@ -34,12 +36,31 @@ pub struct Diff {
 pub fn diff(ours: &Tensor, reference: &Tensor) -> Result<Diff> {
     assert_eq!(ours.dims(), reference.dims(), "shapes differ");
     let a = ours.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let b = reference.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let mut d = Diff { max_abs: 0.0, max_rel: 0.0, index: 0, ours: 0.0, reference: 0.0 };
+    let b = reference
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let mut d = Diff {
+        max_abs: 0.0,
+        max_rel: 0.0,
+        index: 0,
+        ours: 0.0,
+        reference: 0.0,
+    };
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let abs = if x.is_nan() || y.is_nan() { f32::INFINITY } else { (x - y).abs() };
+        let abs = if x.is_nan() || y.is_nan() {
+            f32::INFINITY
+        } else {
+            (x - y).abs()
+        };
         if abs > d.max_abs || (i == 0 && abs.is_infinite()) {
-            d = Diff { max_abs: abs, index: i, ours: *x, reference: *y, ..d };
+            d = Diff {
+                max_abs: abs,
+                index: i,
+                ours: *x,
+                reference: *y,
+                ..d
+            };
         }
         d.max_rel = d.max_rel.max(abs / (y.abs() + 1e-3));
     }
@@ -56,7 +77,10 @@ pub fn check(what: &str, ours: &Tensor, reference: &Tensor, tol: f32) -> Result<
     assert!(
         d.max_abs <= tol,
         "{what}: max |Δ| = {:e} at flat index {} (ours {}, reference {}) exceeds {tol:e}",
-        d.max_abs, d.index, d.ours, d.reference
+        d.max_abs,
+        d.index,
+        d.ours,
+        d.reference
     );
     Ok(d)
 }

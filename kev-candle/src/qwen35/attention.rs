@@ -5,7 +5,7 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Linear;
 
 use super::norm::ZeroCenteredRmsNorm;
-use super::rope::Rope;
+use super::rope::Rotation;
 use super::{linear, Config};
 use crate::weights::Weights;
 
@@ -46,29 +46,32 @@ impl Attention {
         })
     }
 
-    /// `xs: [B, T, H]`; `cos`/`sin`: `[B, 1, T, rotary_dim]`; `mask`: additive f32
+    /// `xs: [B, T, H]`; `rotation`: this step's RoPE; `mask`: additive f32
     /// `[B, 1, 1, T, S+T]` over cached and new keys. Appends this step's K/V to `k_cache`/`v_cache`.
     pub fn forward(
         &self,
         xs: &Tensor,
-        rope: &Rope,
-        cos: &Tensor,
-        sin: &Tensor,
+        rotation: &Rotation,
         mask: &Tensor,
         k_cache: &mut Option<Tensor>,
         v_cache: &mut Option<Tensor>,
     ) -> Result<Tensor> {
         let (b_sz, seq_len, _) = xs.dims3()?;
         let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q_gate = self.q_proj.forward(xs)?.reshape((b_sz, seq_len, nq, 2 * hd))?;
+        let q_gate = self
+            .q_proj
+            .forward(xs)?
+            .reshape((b_sz, seq_len, nq, 2 * hd))?;
         let q = self.q_norm.forward(&q_gate.narrow(D::Minus1, 0, hd)?)?;
-        let gate = q_gate.narrow(D::Minus1, hd, hd)?.reshape((b_sz, seq_len, nq * hd))?;
+        let gate = q_gate
+            .narrow(D::Minus1, hd, hd)?
+            .reshape((b_sz, seq_len, nq * hd))?;
         let k = self.k_proj.forward(xs)?.reshape((b_sz, seq_len, nkv, hd))?;
         let k = self.k_norm.forward(&k)?;
         let v = self.v_proj.forward(xs)?.reshape((b_sz, seq_len, nkv, hd))?;
 
-        let q = rope.apply(&q.transpose(1, 2)?, cos, sin)?; // [B, Hq, T, hd]
-        let k = rope.apply(&k.transpose(1, 2)?, cos, sin)?.contiguous()?; // [B, Hkv, T, hd]
+        let q = rotation.apply(&q.transpose(1, 2)?)?; // [B, Hq, T, hd]
+        let k = rotation.apply(&k.transpose(1, 2)?)?.contiguous()?; // [B, Hkv, T, hd]
         let v = v.transpose(1, 2)?.contiguous()?;
         let k = match k_cache.take() {
             Some(old) => Tensor::cat(&[&old, &k], 2)?,

@@ -96,9 +96,10 @@ impl Cache {
                     k: k.as_ref().map(pick).transpose()?,
                     v: v.as_ref().map(pick).transpose()?,
                 }),
-                LayerCache::DeltaNet { conv, state } => {
-                    Ok(LayerCache::DeltaNet { conv: pick(conv)?, state: pick(state)? })
-                }
+                LayerCache::DeltaNet { conv, state } => Ok(LayerCache::DeltaNet {
+                    conv: pick(conv)?,
+                    state: pick(state)?,
+                }),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {

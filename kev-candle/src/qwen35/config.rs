@@ -146,25 +146,34 @@ impl Config {
         let rope = raw.rope_parameters.as_ref();
         if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref()) {
             if kind != "default" {
-                return Err(format!("`rope_parameters.rope_type` is `{kind}`; only `default` is supported"));
+                return Err(format!(
+                    "`rope_parameters.rope_type` is `{kind}`; only `default` is supported"
+                ));
             }
         }
-        let rope_theta = rope.and_then(|r| r.rope_theta).or(raw.rope_theta).unwrap_or(10_000_000.0);
+        let rope_theta = rope
+            .and_then(|r| r.rope_theta)
+            .or(raw.rope_theta)
+            .unwrap_or(10_000_000.0);
         let factor = rope
             .and_then(|r| r.partial_rotary_factor)
             .or(raw.partial_rotary_factor)
             .unwrap_or(0.25);
         let rotary_dim = (raw.head_dim as f64 * factor) as usize;
-        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > raw.head_dim {
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > raw.head_dim {
             return Err(format!(
                 "`partial_rotary_factor` {factor} gives rotary dim {rotary_dim} for head_dim {}",
                 raw.head_dim
             ));
         }
         let heads_ok = raw.num_key_value_heads > 0
-            && raw.num_attention_heads % raw.num_key_value_heads == 0
+            && raw
+                .num_attention_heads
+                .is_multiple_of(raw.num_key_value_heads)
             && raw.linear_num_key_heads > 0
-            && raw.linear_num_value_heads % raw.linear_num_key_heads == 0;
+            && raw
+                .linear_num_value_heads
+                .is_multiple_of(raw.linear_num_key_heads);
         if !heads_ok {
             return Err("head counts must divide: attention heads by kv heads, linear value heads by linear key heads".into());
         }
@@ -211,7 +220,15 @@ mod tests {
     fn interval_builds_layer_pattern() {
         let cfg = Config::from_json(&format!("{TEXT}, \"rope_theta\": 1e6}}")).unwrap();
         use LayerType::*;
-        assert_eq!(cfg.layer_types, vec![LinearAttention, LinearAttention, LinearAttention, FullAttention]);
+        assert_eq!(
+            cfg.layer_types,
+            vec![
+                LinearAttention,
+                LinearAttention,
+                LinearAttention,
+                FullAttention
+            ]
+        );
         assert_eq!(cfg.rope_theta, 1e6);
         assert_eq!(cfg.rotary_dim, 8);
     }
@@ -227,7 +244,8 @@ mod tests {
 
     #[test]
     fn layer_types_length_mismatch_is_an_error() {
-        let err = Config::from_json(&format!("{TEXT}, \"layer_types\": [\"full_attention\"]}}")).unwrap_err();
+        let err = Config::from_json(&format!("{TEXT}, \"layer_types\": [\"full_attention\"]}}"))
+            .unwrap_err();
         assert!(err.contains("`layer_types` has 1 entries"), "{err}");
     }
 }

@@ -42,8 +42,13 @@ impl GatedDeltaNet {
         let conv1d = conv1d.squeeze(1).map_err(ctx("conv1d.weight"))?;
         // HF computes `-A_log.float().exp()` from the parameter as held in the backbone dtype.
         let a_log = w.get(&format!("{prefix}.A_log"), &[hv])?;
-        let neg_a = a_log.to_dtype(DType::F32).and_then(|a| a.exp()).and_then(|a| a.neg());
-        let dt_bias = w.get(&format!("{prefix}.dt_bias"), &[hv])?.to_dtype(DType::F32);
+        let neg_a = a_log
+            .to_dtype(DType::F32)
+            .and_then(|a| a.exp())
+            .and_then(|a| a.neg());
+        let dt_bias = w
+            .get(&format!("{prefix}.dt_bias"), &[hv])?
+            .to_dtype(DType::F32);
         Ok(Self {
             in_proj_qkv: linear(w, &format!("{prefix}.in_proj_qkv"), h, c)?,
             in_proj_z: linear(w, &format!("{prefix}.in_proj_z"), h, hv * dv)?,
@@ -52,7 +57,10 @@ impl GatedDeltaNet {
             conv1d,
             neg_a: neg_a.map_err(ctx("A_log"))?,
             dt_bias: dt_bias.map_err(ctx("dt_bias"))?,
-            norm: GatedRmsNorm::new(w.get(&format!("{prefix}.norm.weight"), &[dv])?, cfg.rms_norm_eps),
+            norm: GatedRmsNorm::new(
+                w.get(&format!("{prefix}.norm.weight"), &[dv])?,
+                cfg.rms_norm_eps,
+            ),
             out_proj: linear(w, &format!("{prefix}.out_proj"), hv * dv, h)?,
             dims: GdrDims {
                 num_k_heads: cfg.linear_num_key_heads,
@@ -74,9 +82,16 @@ impl GatedDeltaNet {
         lengths: &[usize],
     ) -> Result<Tensor> {
         let (b_sz, seq_len, _) = xs.dims3()?;
-        let GdrDims { num_v_heads: hv, head_v_dim: dv, .. } = self.dims;
+        let GdrDims {
+            num_v_heads: hv,
+            head_v_dim: dv,
+            ..
+        } = self.dims;
         let qkv = self.in_proj_qkv.forward(xs)?;
-        let z = self.in_proj_z.forward(xs)?.reshape((b_sz, seq_len, hv, dv))?;
+        let z = self
+            .in_proj_z
+            .forward(xs)?
+            .reshape((b_sz, seq_len, hv, dv))?;
         let b = self.in_proj_b.forward(xs)?;
         let a = self.in_proj_a.forward(xs)?;
 
@@ -92,7 +107,10 @@ impl GatedDeltaNet {
 
         let lengths = (lengths.iter().any(|&l| l != seq_len)).then_some(lengths);
         let o = gated_delta_rule(&mixed, &gb, state, self.dims, lengths)?; // [B, T, Hv, Dv]
-        let o = self.norm.forward(&o, &z)?.reshape((b_sz, seq_len, hv * dv))?;
+        let o = self
+            .norm
+            .forward(&o, &z)?
+            .reshape((b_sz, seq_len, hv * dv))?;
         self.out_proj.forward(&o)
     }
 

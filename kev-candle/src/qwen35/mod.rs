@@ -20,5 +20,8 @@ use crate::weights::Weights;
 
 /// A bias-free linear layer `{prefix}.weight: [out, in]`.
 fn linear(w: &Weights, prefix: &str, in_dim: usize, out_dim: usize) -> kev_core::Result<Linear> {
-    Ok(Linear::new(w.get(&format!("{prefix}.weight"), &[out_dim, in_dim])?, None))
+    Ok(Linear::new(
+        w.get(&format!("{prefix}.weight"), &[out_dim, in_dim])?,
+        None,
+    ))
 }

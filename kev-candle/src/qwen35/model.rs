@@ -9,7 +9,7 @@ use super::cache::{Cache, LayerCache};
 use super::deltanet::GatedDeltaNet;
 use super::mlp::Mlp;
 use super::norm::ZeroCenteredRmsNorm;
-use super::rope::Rope;
+use super::rope::{Rope, Rotation};
 use super::{Config, LayerType};
 use crate::weights::Weights;
 
@@ -27,9 +27,7 @@ struct DecoderLayer {
 
 /// Inputs every layer of one forward shares.
 struct Step<'a> {
-    rope: &'a Rope,
-    cos: Tensor,
-    sin: Tensor,
+    rotation: Rotation,
     mask: Option<Tensor>,
     lengths: &'a [usize],
 }
@@ -46,9 +44,11 @@ impl DecoderLayer {
             LayerType::FullAttention => {
                 Mixer::Attention(Attention::new(cfg, w, &format!("{prefix}.self_attn"))?)
             }
-            LayerType::LinearAttention => {
-                Mixer::DeltaNet(GatedDeltaNet::new(cfg, w, &format!("{prefix}.linear_attn"))?)
-            }
+            LayerType::LinearAttention => Mixer::DeltaNet(GatedDeltaNet::new(
+                cfg,
+                w,
+                &format!("{prefix}.linear_attn"),
+            )?),
         };
         Ok(Self {
             input_layernorm: norm("input_layernorm")?,
@@ -62,8 +62,11 @@ impl DecoderLayer {
         let h = self.input_layernorm.forward(xs)?;
         let h = match (&self.mixer, cache) {
             (Mixer::Attention(attn), LayerCache::Attention { k, v }) => {
-                let mask = step.mask.as_ref().expect("mask is built when attention layers exist");
-                attn.forward(&h, step.rope, &step.cos, &step.sin, mask, k, v)?
+                let mask = step
+                    .mask
+                    .as_ref()
+                    .expect("mask is built when attention layers exist");
+                attn.forward(&h, &step.rotation, mask, k, v)?
             }
             (Mixer::DeltaNet(gdn), LayerCache::DeltaNet { conv, state }) => {
                 gdn.forward(&h, conv, state, step.lengths)?
@@ -71,7 +74,9 @@ impl DecoderLayer {
             _ => candle_core::bail!("cache layer kind does not match the model layer"),
         };
         let xs = (xs + h)?;
-        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&xs)?)?;
+        let h = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&xs)?)?;
         xs + h
     }
 }
@@ -94,8 +99,9 @@ impl Model {
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::new(cfg, w, i))
             .collect::<kev_core::Result<Vec<_>>>()?;
-        let norm = ZeroCenteredRmsNorm::new(&w.get("norm.weight", &[cfg.hidden_size])?, cfg.rms_norm_eps)
-            .map_err(|e| kev_core::Error::backend("`norm.weight`", e))?;
+        let norm =
+            ZeroCenteredRmsNorm::new(&w.get("norm.weight", &[cfg.hidden_size])?, cfg.rms_norm_eps)
+                .map_err(|e| kev_core::Error::backend("`norm.weight`", e))?;
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens: Embedding::new(embed, cfg.hidden_size),
@@ -130,7 +136,12 @@ impl Model {
     /// Runs `ids: [B, T]` (u32) after what `cache` holds; row b has `lengths[b]` real tokens,
     /// the rest is right padding (`None`: all real). Returns the final-norm hidden states
     /// `[B, T, H]` and updates `cache`.
-    pub fn forward(&self, ids: &Tensor, cache: &mut Cache, lengths: Option<&[usize]>) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        ids: &Tensor,
+        cache: &mut Cache,
+        lengths: Option<&[usize]>,
+    ) -> Result<Tensor> {
         self.run(ids, cache, lengths, None)
     }
 
@@ -155,17 +166,28 @@ impl Model {
     ) -> Result<Tensor> {
         let (b_sz, seq_len) = ids.dims2()?;
         if cache.batch_size() != b_sz {
-            candle_core::bail!("cache has {} rows for a batch of {b_sz}", cache.batch_size())
+            candle_core::bail!(
+                "cache has {} rows for a batch of {b_sz}",
+                cache.batch_size()
+            )
         }
         let full = vec![seq_len; b_sz];
         let lengths = lengths.unwrap_or(&full);
         if lengths.len() != b_sz || lengths.iter().any(|&l| l > seq_len) {
             candle_core::bail!("lengths {lengths:?} do not fit ids {:?}", ids.dims())
         }
-        let (cos, sin) = self.rope.cos_sin(cache.seen(), seq_len, self.dtype, &self.device)?;
+        let rotation = self
+            .rope
+            .at(cache.seen(), seq_len, self.dtype, &self.device)?;
         let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
-        let mask = has_attention.then(|| self.mask(cache, seq_len)).transpose()?;
-        let step = Step { rope: &self.rope, cos, sin, mask, lengths };
+        let mask = has_attention
+            .then(|| self.mask(cache, seq_len))
+            .transpose()?;
+        let step = Step {
+            rotation,
+            mask,
+            lengths,
+        };
         let mut xs = self.embed_tokens.forward(ids)?;
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             xs = layer.forward(&xs, layer_cache, &step)?;
@@ -185,7 +207,11 @@ impl Model {
         let mut m = Vec::with_capacity(cache.batch_size() * seq_len * width);
         for valid in &cache.key_valid {
             for t in 0..seq_len {
-                m.extend(valid.iter().map(|&ok| if ok { 0f32 } else { f32::NEG_INFINITY }));
+                m.extend(
+                    valid
+                        .iter()
+                        .map(|&ok| if ok { 0f32 } else { f32::NEG_INFINITY }),
+                );
                 m.extend((0..seq_len).map(|s| if s <= t { 0f32 } else { f32::NEG_INFINITY }));
             }
         }

@@ -12,7 +12,10 @@ pub struct ZeroCenteredRmsNorm {
 impl ZeroCenteredRmsNorm {
     /// `weight` in the backbone dtype (as HF holds it), `[dim]`.
     pub fn new(weight: &Tensor, eps: f64) -> Result<Self> {
-        Ok(Self { one_plus_w: (weight.to_dtype(DType::F32)? + 1.0)?, eps })
+        Ok(Self {
+            one_plus_w: (weight.to_dtype(DType::F32)? + 1.0)?,
+            eps,
+        })
     }
 
     /// Normalises over the last dim.

@@ -16,17 +16,20 @@ impl Rope {
         let inv_freq = (0..rotary_dim / 2)
             .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
             .collect();
-        Self { inv_freq, rotary_dim }
+        Self {
+            inv_freq,
+            rotary_dim,
+        }
     }
 
-    /// cos and sin `[B, 1, T, rotary_dim]` in `dtype` for per-row positions `start[b] + t`.
-    pub fn cos_sin(
+    /// The rotation for per-row positions `start[b] + t`, t < `seq_len`, in `dtype`.
+    pub fn at(
         &self,
         start: &[usize],
         seq_len: usize,
         dtype: DType,
         device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<Rotation> {
         let half = self.inv_freq.len();
         let n = start.len() * seq_len * self.rotary_dim;
         let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
@@ -47,11 +50,25 @@ impl Rope {
         let shape = (start.len(), 1, seq_len, self.rotary_dim);
         let cos = Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?;
-        Ok((cos, sin))
+        Ok(Rotation {
+            cos,
+            sin,
+            rotary_dim: self.rotary_dim,
+        })
     }
+}
 
-    /// Rotates the first `rotary_dim` dims of `xs: [B, H, T, head_dim]`.
-    pub fn apply(&self, xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+/// cos and sin `[B, 1, T, rotary_dim]` for one forward's positions.
+pub struct Rotation {
+    cos: Tensor,
+    sin: Tensor,
+    rotary_dim: usize,
+}
+
+impl Rotation {
+    /// Rotates the first `rotary_dim` dims of `xs: [B, H, T, head_dim]` (in its dtype, as HF).
+    pub fn apply(&self, xs: &Tensor) -> Result<Tensor> {
+        let (cos, sin) = (&self.cos, &self.sin);
         let head_dim = xs.dim(D::Minus1)?;
         let rot = xs.narrow(D::Minus1, 0, self.rotary_dim)?;
         let half = self.rotary_dim / 2;
