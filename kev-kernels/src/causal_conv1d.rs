@@ -10,8 +10,9 @@ use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
 
-struct CausalConv1d {
-    kernel: usize,
+/// The op; `kernel` is K (the weight's second dim).
+pub(crate) struct CausalConv1d {
+    pub(crate) kernel: usize,
 }
 
 impl CustomOp2 for CausalConv1d {
@@ -47,6 +48,28 @@ impl CustomOp2 for CausalConv1d {
             });
         let storage = from_f32(out, xs.dtype())?;
         Ok((storage, Shape::from((b_sz, seq_len, channels))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::causal_conv1d(self, xs, xl, ws, wl)
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        xs: &candle_core::MetalStorage,
+        xl: &Layout,
+        ws: &candle_core::MetalStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        crate::metal::causal_conv1d(self, xs, xl, ws, wl)
     }
 }
 

@@ -43,14 +43,27 @@ impl GdrDims {
     }
 }
 
-struct GatedDeltaRule {
-    dims: GdrDims,
-    b_sz: usize,
-    seq_len: usize,
-    lengths: Option<Vec<usize>>,
-    out_dtype: DType,
-    /// The op has one in-place destination (the state) and returns `o` through this slot.
-    out: Mutex<Option<CpuStorage>>,
+/// The op: one in-place destination (the state), `o` handed back through `out`.
+/// Fields are what every backend's kernel needs.
+pub(crate) struct GatedDeltaRule {
+    pub(crate) dims: GdrDims,
+    pub(crate) b_sz: usize,
+    pub(crate) seq_len: usize,
+    /// Real steps per row (`seq_len` where the row is not padded).
+    pub(crate) lengths: Vec<u32>,
+    /// dtype of `o` (the dtype of `qkv`).
+    pub(crate) out_dtype: DType,
+    pub(crate) out: Mutex<Option<Storage>>,
+}
+
+impl GatedDeltaRule {
+    /// Hands `o` back to the wrapper.
+    pub(crate) fn set_output(&self, storage: Storage) {
+        *self
+            .out
+            .lock()
+            .expect("gated-delta-rule output slot poisoned") = Some(storage);
+    }
 }
 
 impl InplaceOp3 for GatedDeltaRule {
@@ -93,7 +106,7 @@ impl InplaceOp3 for GatedDeltaRule {
             .map(|(bh, s)| {
                 let (b, h) = (bh / hv, bh % hv);
                 let kh = h / group;
-                let len = self.lengths.as_ref().map_or(seq_len, |l| l[b].min(seq_len));
+                let len = (self.lengths[b] as usize).min(seq_len);
                 let mut o = vec![0f32; seq_len * dv];
                 let (mut q, mut k, mut kv) = (vec![0f32; dk], vec![0f32; dk], vec![0f32; dv]);
                 for t in 0..len {
@@ -212,7 +225,10 @@ pub fn gated_delta_rule(
         dims,
         b_sz,
         seq_len,
-        lengths: lengths.map(<[usize]>::to_vec),
+        lengths: match lengths {
+            Some(l) => l.iter().map(|&x| x.min(seq_len) as u32).collect(),
+            None => vec![seq_len as u32; b_sz],
+        },
         out_dtype: qkv.dtype(),
         out: Mutex::new(None),
     };
@@ -225,7 +241,7 @@ pub fn gated_delta_rule(
         bail!("gated-delta-rule: the op produced no output")
     };
     let shape = Shape::from((b_sz, seq_len, dims.num_v_heads, dims.head_v_dim));
-    Ok(Tensor::from((Storage::Cpu(out), shape)))
+    Ok(Tensor::from((out, shape)))
 }
 
 /// The same recurrence with plain tensor ops, one step at a time (the test reference).

@@ -12,7 +12,11 @@
 
 mod causal_conv1d;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod gated_delta_rule;
+#[cfg(feature = "metal")]
+mod metal;
 
 pub use causal_conv1d::{causal_conv1d, causal_conv1d_ref};
 pub use gated_delta_rule::{gated_delta_rule, gated_delta_rule_ref, GdrDims};
