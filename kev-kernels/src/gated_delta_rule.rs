@@ -147,11 +147,34 @@ impl InplaceOp3 for GatedDeltaRule {
                 out[((b * seq_len + t) * hv + h) * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
             }
         }
-        *self
-            .out
-            .lock()
-            .expect("gated-delta-rule output slot poisoned") = Some(from_f32(out, self.out_dtype)?);
+        self.set_output(Storage::Cpu(from_f32(out, self.out_dtype)?));
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        state: &mut candle_core::CudaStorage,
+        sl: &Layout,
+        qkv: &candle_core::CudaStorage,
+        ql: &Layout,
+        gb: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        crate::cuda::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        state: &mut candle_core::MetalStorage,
+        sl: &Layout,
+        qkv: &candle_core::MetalStorage,
+        ql: &Layout,
+        gb: &candle_core::MetalStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        crate::metal::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
     }
 }
 
