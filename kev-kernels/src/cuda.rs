@@ -1,28 +1,228 @@
-//! CUDA implementations of the ops (work in progress: being written).
+//! CUDA implementations of the ops. The kernels (`kernels/ops.cu`) are compiled once per
+//! process with NVRTC, so building needs no nvcc for our own code and head sizes stay runtime
+//! values; see the source for grids, ownership and layouts.
 
-use candle_core::{bail, CUDAStorage, Layout, Result, Shape};
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
 use crate::causal_conv1d::CausalConv1d;
 use crate::gated_delta_rule::GatedDeltaRule;
 
+const SOURCE: &str = include_str!("kernels/ops.cu");
+const MODULE: &str = "kev_ops";
+/// Warps per block of the recurrence kernel (`WARPS` in ops.cu): 4 state columns per block.
+const GDR_WARPS: usize = 4;
+const CONV_BLOCK: u32 = 256;
+
+/// The PTX of `ops.cu`, compiled on first use.
+fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    let compiled = PTX.get_or_init(|| {
+        let opts = CompileOptions {
+            name: Some("ops.cu".into()),
+            ..Default::default()
+        };
+        compile_ptx_with_opts(SOURCE, opts)
+            .map(|p| p.to_src())
+            .map_err(|e| e.to_string())
+    });
+    match compiled {
+        Ok(p) => Ok(p.as_str()),
+        Err(e) => bail!("compiling kev-kernels ops.cu with NVRTC: {e}"),
+    }
+}
+
+fn tag(dtype: DType, op: &str) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => bail!("{op}: unsupported dtype {other:?} on CUDA"),
+    })
+}
+
+fn contiguous(l: &Layout, what: &str) -> Result<(usize, usize)> {
+    match l.contiguous_offsets() {
+        Some(r) => Ok(r),
+        None => bail!("{what} must be contiguous"),
+    }
+}
+
 pub(crate) fn gated_delta_rule(
-    _op: &GatedDeltaRule,
-    _state: &mut CUDAStorage,
-    _sl: &Layout,
-    _qkv: &CUDAStorage,
-    _ql: &Layout,
-    _gb: &CUDAStorage,
-    _gl: &Layout,
+    op: &GatedDeltaRule,
+    state: &mut CudaStorage,
+    sl: &Layout,
+    qkv: &CudaStorage,
+    ql: &Layout,
+    gb: &CudaStorage,
+    gl: &Layout,
 ) -> Result<()> {
-    bail!("gated-delta-rule: CUDA kernel not written yet")
+    let dev = qkv.device().clone();
+    let dims = op.dims;
+    let nk = dims.head_k_dim.div_ceil(32).next_power_of_two();
+    if nk > 8 {
+        bail!(
+            "gated-delta-rule: head_k_dim {} > 256 is not supported on CUDA",
+            dims.head_k_dim
+        )
+    }
+    let name = format!("gdr_{}_nk{nk}", tag(qkv.dtype(), "gated-delta-rule")?);
+    let func = dev.get_or_load_custom_func(&name, MODULE, ptx()?)?;
+    let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
+    let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
+    let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
+    let lengths = dev.clone_htod(&op.lengths)?;
+    let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
+    let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
+    let n_out = op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            dims.head_v_dim.div_ceil(GDR_WARPS) as u32,
+            (op.b_sz * dims.num_v_heads) as u32,
+            1,
+        ),
+        block_dim: ((32 * GDR_WARPS) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let ints = [
+        op.seq_len,
+        dims.num_k_heads,
+        dims.num_v_heads,
+        dims.head_k_dim,
+        dims.head_v_dim,
+    ]
+    .map(|x| x as i32);
+    fn run<T: CudaDType + DeviceRepr>(
+        dev: &CudaDevice,
+        func: &candle_core::cuda_backend::CudaFunc,
+        qkv: &CudaStorage,
+        range: (usize, usize),
+        gb: &candle_core::cuda_backend::cudarc::driver::CudaView<f32>,
+        st: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<f32>,
+        lengths: &candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+        n_out: usize,
+        ints: [i32; 5],
+        cfg: LaunchConfig,
+    ) -> Result<CudaStorage> {
+        let x = qkv.as_cuda_slice::<T>()?.slice(range.0..range.1);
+        // SAFETY: every element of `out` is written by the kernel (real steps and padding alike).
+        let out = unsafe { dev.alloc::<T>(n_out) }?;
+        let mut b = func.builder();
+        b.arg(&x).arg(gb).arg(st).arg(&out).arg(lengths);
+        for v in &ints {
+            b.arg(v);
+        }
+        // SAFETY: argument types and order match `gdr_*` in ops.cu; buffers are sized by the
+        // wrapper's shape checks.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+    let out = match qkv.dtype() {
+        DType::F32 => run::<f32>(
+            &dev,
+            &func,
+            qkv,
+            (q0, q1),
+            &gb,
+            &mut st,
+            &lengths,
+            n_out,
+            ints,
+            cfg,
+        )?,
+        DType::BF16 => run::<half::bf16>(
+            &dev,
+            &func,
+            qkv,
+            (q0, q1),
+            &gb,
+            &mut st,
+            &lengths,
+            n_out,
+            ints,
+            cfg,
+        )?,
+        DType::F16 => run::<half::f16>(
+            &dev,
+            &func,
+            qkv,
+            (q0, q1),
+            &gb,
+            &mut st,
+            &lengths,
+            n_out,
+            ints,
+            cfg,
+        )?,
+        other => bail!("gated-delta-rule: unsupported dtype {other:?} on CUDA"),
+    };
+    op.set_output(candle_core::Storage::Cuda(out));
+    Ok(())
 }
 
 pub(crate) fn causal_conv1d(
-    _op: &CausalConv1d,
-    _xs: &CUDAStorage,
-    _xl: &Layout,
-    _ws: &CUDAStorage,
-    _wl: &Layout,
-) -> Result<(CUDAStorage, Shape)> {
-    bail!("causal-conv1d: CUDA kernel not written yet")
+    op: &CausalConv1d,
+    xs: &CudaStorage,
+    xl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = xs.device().clone();
+    if xs.dtype() != ws.dtype() {
+        bail!(
+            "causal-conv1d: input {:?} and weight {:?} dtypes differ",
+            xs.dtype(),
+            ws.dtype()
+        )
+    }
+    let (b_sz, padded, channels) = xl.shape().dims3()?;
+    let k = op.kernel;
+    let seq_len = padded + 1 - k;
+    let name = format!("conv_{}", tag(xs.dtype(), "causal-conv1d")?);
+    let func = dev.get_or_load_custom_func(&name, MODULE, ptx()?)?;
+    let (x0, x1) = contiguous(xl, "causal-conv1d input")?;
+    let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
+    let n = b_sz * seq_len * channels;
+    let cfg = LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(CONV_BLOCK).clamp(1, 65535 * 4), 1, 1),
+        block_dim: (CONV_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    fn run<T: CudaDType + DeviceRepr>(
+        dev: &CudaDevice,
+        func: &candle_core::cuda_backend::CudaFunc,
+        xs: &CudaStorage,
+        ws: &CudaStorage,
+        xr: (usize, usize),
+        wr: (usize, usize),
+        n: usize,
+        ints: [i32; 4],
+        cfg: LaunchConfig,
+    ) -> Result<CudaStorage> {
+        let x = xs.as_cuda_slice::<T>()?.slice(xr.0..xr.1);
+        let w = ws.as_cuda_slice::<T>()?.slice(wr.0..wr.1);
+        // SAFETY: the grid-stride loop writes every output element.
+        let y = unsafe { dev.alloc::<T>(n) }?;
+        let mut b = func.builder();
+        b.arg(&x).arg(&w).arg(&y);
+        for v in &ints {
+            b.arg(v);
+        }
+        // SAFETY: argument types and order match `conv_*` in ops.cu.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    }
+    let ints = [b_sz, seq_len, channels, k].map(|x| x as i32);
+    let y = match xs.dtype() {
+        DType::F32 => run::<f32>(&dev, &func, xs, ws, (x0, x1), (w0, w1), n, ints, cfg)?,
+        DType::BF16 => run::<half::bf16>(&dev, &func, xs, ws, (x0, x1), (w0, w1), n, ints, cfg)?,
+        DType::F16 => run::<half::f16>(&dev, &func, xs, ws, (x0, x1), (w0, w1), n, ints, cfg)?,
+        other => bail!("causal-conv1d: unsupported dtype {other:?} on CUDA"),
+    };
+    Ok((y, Shape::from((b_sz, seq_len, channels))))
 }

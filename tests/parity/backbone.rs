@@ -2,10 +2,8 @@
 //! every layer and the final norm, whole sequences and prefix + continuation, both checkpoint
 //! layouts (multimodal single file; text-only sharded).
 
-mod common;
-
+use crate::common::{check, device, fixture, TOL_HIDDEN_F32};
 use candle_core::{DType, Device, Tensor};
-use common::{check, fixture, TOL_HIDDEN_F32};
 use kev_candle::qwen35::{Config, Model};
 use kev_candle::weights::Weights;
 use kev_core::BaseFiles;
@@ -13,7 +11,7 @@ use kev_core::BaseFiles;
 fn load(base: &str) -> Model {
     let files = BaseFiles::from_local(&fixture(base)).expect("fixture base resolves");
     let cfg = Config::from_json(&std::fs::read_to_string(&files.config).unwrap()).unwrap();
-    let w = Weights::open(&files.weights, None, 1.0, DType::F32, Device::Cpu).unwrap();
+    let w = Weights::open(&files.weights, None, 1.0, DType::F32, device()).unwrap();
     Model::new(&cfg, &w).unwrap()
 }
 
@@ -22,7 +20,12 @@ fn reference() -> std::collections::HashMap<String, Tensor> {
 }
 
 fn ids_of(t: &Tensor) -> Tensor {
-    t.to_dtype(DType::U32).unwrap().unsqueeze(0).unwrap()
+    t.to_dtype(DType::U32)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .to_device(&device())
+        .unwrap()
 }
 
 const LENGTHS: [usize; 7] = [1, 2, 3, 63, 64, 65, 200];
@@ -96,7 +99,7 @@ fn padded_batch_rows_equal_single_rows() {
         ids.narrow(1, 0, 65).unwrap(),
         ids.narrow(1, 100, 40).unwrap(),
     );
-    let pad = Tensor::zeros((1, 25), DType::U32, &Device::Cpu).unwrap();
+    let pad = Tensor::zeros((1, 25), DType::U32, &device()).unwrap();
     let batch = Tensor::cat(&[a.clone(), Tensor::cat(&[&b, &pad], 1).unwrap()], 0).unwrap();
     let mut cache = model.new_cache(2).unwrap();
     let hs = model.forward(&batch, &mut cache, Some(&[65, 40])).unwrap();

@@ -17,11 +17,31 @@ pub const TOL_PROBS_F32: f32 = 1e-5;
 /// relative gives ~1e-5 on a logit and a few 1e-6 on a probability (measured up to 4e-6).
 pub const TOL_FORMS_F32: f32 = 1e-5;
 
-/// `tests/fixtures/<rel>`.
+/// `tests/fixtures/<rel>`: from the source tree, or relative to the working directory when the
+/// test binary runs elsewhere (a GPU machine with a copy of the repository).
 pub fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(rel)
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let root = if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("tests/fixtures")
+    };
+    root.join(rel)
+}
+
+/// The backend under test: `KEV_TEST_BACKEND` = `cpu` (default), `cuda[:i]` or `metal[:i]`.
+pub fn backend() -> kev::Backend {
+    match std::env::var("KEV_TEST_BACKEND") {
+        Ok(b) => b
+            .parse()
+            .expect("KEV_TEST_BACKEND: cpu, cuda[:i] or metal[:i]"),
+        Err(_) => kev::Backend::Cpu,
+    }
+}
+
+/// The candle device of [`backend`].
+pub fn device() -> candle_core::Device {
+    kev_candle::device::select_device(backend()).expect("the test backend is available")
 }
 
 /// Max |a − b| and max |a − b| / (|b| + 1e-3), with the flat index of the worst absolute error.
@@ -69,6 +89,10 @@ pub fn diff(ours: &Tensor, reference: &Tensor) -> Result<Diff> {
 
 /// Prints the figures and fails beyond `tol`.
 pub fn check(what: &str, ours: &Tensor, reference: &Tensor, tol: f32) -> Result<Diff> {
+    let (ours, reference) = (
+        &ours.to_device(&candle_core::Device::Cpu)?,
+        &reference.to_device(&candle_core::Device::Cpu)?,
+    );
     let d = diff(ours, reference)?;
     println!(
         "{what:<40} max|Δ| {:.2e}  max rel {:.2e}",

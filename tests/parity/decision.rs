@@ -2,12 +2,10 @@
 //! encoding, row form, prefix form, lora_scale 1.0 / 0.5 / 0.0, rsLoRA, trained tokens, one
 //! question alone vs among several, prefix reuse, batched records, and reduced precision.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::io::BufReader;
 
-use common::{fixture, TOL_FORMS_F32, TOL_PROBS_F32};
+use crate::common::{backend, fixture, TOL_FORMS_F32, TOL_PROBS_F32};
 use kev::{DType, DecisionModel, JsonlRecords, LoadOptions, Record};
 use serde::Deserialize;
 
@@ -46,7 +44,8 @@ fn reference(ckpt: &str) -> BTreeMap<String, Vec<RefRecord>> {
 fn load(ckpt: &str, scale: f64, dtype: DType) -> DecisionModel {
     let opts = LoadOptions::default()
         .with_lora_scale(scale)
-        .with_dtype(dtype);
+        .with_dtype(dtype)
+        .with_backend(backend());
     DecisionModel::load(fixture(ckpt), &opts).unwrap()
 }
 

@@ -1,0 +1,116 @@
+//! The kernels on the test device against the CPU implementation (itself tested against the
+//! tensor-op reference in kev-kernels/tests/ops.rs): output and final state, f32 and bf16,
+//! padded rows, and "two chunks == whole".
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
+
+use crate::common::{check, device};
+
+fn patterned(shape: &[usize], salt: f32, scale: f32, dev: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| (i as f32 * 0.7311 + salt).sin() * scale)
+        .collect();
+    Tensor::from_vec(v, shape, dev)
+}
+
+/// (qkv, gates, state) on `dev`.
+fn inputs(b: usize, t: usize, dims: GdrDims, dev: &Device) -> Result<(Tensor, Tensor, Tensor)> {
+    let hv = dims.num_v_heads;
+    let qkv = patterned(&[b, t, dims.channels()], 0.3, 1.0, dev)?;
+    let g = (patterned(&[b, t, hv, 1], 1.3, 1.0, dev)?.abs()? * -2.0)?;
+    let beta = candle_nn::ops::sigmoid(&patterned(&[b, t, hv, 1], 2.3, 3.0, dev)?)?;
+    let state = patterned(&[b, hv, dims.head_k_dim, dims.head_v_dim], 3.3, 0.5, dev)?;
+    Ok((qkv, Tensor::cat(&[g, beta], D::Minus1)?, state))
+}
+
+fn dims(hk: usize, hv: usize, dk: usize, dv: usize) -> GdrDims {
+    GdrDims {
+        num_k_heads: hk,
+        num_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+    }
+}
+
+#[test]
+fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
+    let dev = device();
+    // The test model's shape, a real 4B-like head shape, and T not a multiple of anything.
+    for (b, t, d, lengths) in [
+        (1, 1, dims(2, 4, 32, 16), None),
+        (2, 37, dims(2, 4, 32, 16), Some(vec![37usize, 30])),
+        (1, 70, dims(2, 4, 128, 128), None),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let (qkv, gb, state) = inputs(b, t, d, &Device::Cpu)?;
+            let qkv = qkv.to_dtype(dtype)?;
+            let s_cpu = state.copy()?;
+            let o_cpu = gated_delta_rule(&qkv, &gb, &s_cpu, d, lengths.as_deref())?;
+            let s_dev = state.to_device(&dev)?;
+            let o_dev = gated_delta_rule(
+                &qkv.to_device(&dev)?,
+                &gb.to_device(&dev)?,
+                &s_dev,
+                d,
+                lengths.as_deref(),
+            )?;
+            let tag = format!(
+                "gdr {dtype:?} b={b} t={t} dk={} dv={}",
+                d.head_k_dim, d.head_v_dim
+            );
+            // f32: same math, other summation order. bf16: o is rounded once to bf16 (2^-8 rel.).
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+            check(&format!("{tag} output"), &o_dev, &o_cpu, tol)?;
+            check(&format!("{tag} state"), &s_dev, &s_cpu, 1e-5)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gated_delta_rule_on_device_continues_exactly() -> Result<()> {
+    let dev = device();
+    let d = dims(2, 4, 32, 16);
+    let (qkv, gb, state) = inputs(1, 65, d, &dev)?;
+    let whole_state = state.copy()?;
+    let whole = gated_delta_rule(&qkv, &gb, &whole_state, d, None)?;
+    let split_state = state.copy()?;
+    let a = gated_delta_rule(
+        &qkv.narrow(1, 0, 40)?,
+        &gb.narrow(1, 0, 40)?,
+        &split_state,
+        d,
+        None,
+    )?;
+    let b = gated_delta_rule(
+        &qkv.narrow(1, 40, 25)?,
+        &gb.narrow(1, 40, 25)?,
+        &split_state,
+        d,
+        None,
+    )?;
+    check(
+        "gdr device split output",
+        &Tensor::cat(&[a, b], 1)?,
+        &whole,
+        1e-6,
+    )?;
+    check("gdr device split state", &split_state, &whole_state, 1e-6)?;
+    Ok(())
+}
+
+#[test]
+fn causal_conv1d_on_device_matches_cpu() -> Result<()> {
+    let dev = device();
+    for dtype in [DType::F32, DType::BF16] {
+        let x = patterned(&[2, 3 + 45, 96], 0.4, 2.0, &Device::Cpu)?.to_dtype(dtype)?;
+        let w = patterned(&[96, 4], 1.7, 0.5, &Device::Cpu)?.to_dtype(dtype)?;
+        let y_cpu = causal_conv1d(&x, &w)?;
+        let y_dev = causal_conv1d(&x.to_device(&dev)?, &w.to_device(&dev)?)?;
+        let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+        check(&format!("conv {dtype:?}"), &y_dev, &y_cpu, tol)?;
+    }
+    Ok(())
+}
