@@ -70,7 +70,7 @@ def question(tok, rng, j, branch_tokens, n_options):
     opt_id_tokens = 1  # each option is followed by one [OPTION]
     options = []
     for i in range(n_options):
-        options.append(exact(tok, TEMPLATE["option"], 3 + rng.randrange(3), rng, "option"))
+        options.append(exact(tok, TEMPLATE["option"], 4 + rng.randrange(3), rng, "option"))
     used = sum(len(piece_ids(tok, TEMPLATE["option"].format(option=o))) + opt_id_tokens for o in options) + 1
     prompt_tokens = branch_tokens - used
     prompt = exact(tok, TEMPLATE["question"], prompt_tokens, rng, "prompt")
