@@ -1,0 +1,268 @@
+"""The transformers peer of examples/bench.rs: same checkpoint, records, forms and figures.
+
+    python bench/peers.py --checkpoint bench/.cache/kev-0.8b --records bench/.cache/records/one.jsonl \
+        --device cpu --dtype f32 --form both --repeats 3 --threads 2
+
+Loads the base's text model (`Qwen3_5TextModel`) from the multimodal files by hand (config from
+`text_config`, weights `model.language_model.*` renamed, vision / MTP tensors skipped), applies the
+PEFT adapter and merges it, and reads a torch pointer head (f32), scoring with Kev's encoding
+(KEV.md §2). Forms (`--form`, comma-separated, `both` = row,prefix, `all` = row,prefix,batch):
+
+  row     per question, the causal row `state ++ branch_j` alone (batch 1): the reference form
+  prefix  per record, the state once with a cache, the cache replicated per question
+          (`reorder_cache` with repeated indices: conv + recurrent states and K/V), then the
+          record's branches as one batch
+  batch   all records of the file: states as one batch, the cache replicated per question, then
+          all branches as one batch (states must have equal lengths: no left padding here)
+
+One JSON line per (records file, form) on stdout: latency median / min over --repeats after
+--warmup, records/s, tokens/s (encoded tokens: state + branches), computed tokens/s (row form
+recomputes the state per question), model FLOPs (bench/common.py) and TFLOP/s, peak memory
+(GPU: torch's max allocated; CPU: VmHWM, reset per workload where the kernel allows), load time,
+and the first record's probabilities (a parity check against Kev). `fla` says whether
+flash-linear-attention was importable, i.e. whether transformers' Qwen3.5 took its kernels.
+"""
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import encode, flops, peak_rss_mib, read_jsonl, reset_peak_rss, segments  # noqa: E402
+
+
+def available(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_base(ckpt, kev):
+    base = kev.get("base", "base")
+    if base.startswith("hf:"):
+        raise SystemExit("peers.py reads local bases only (kev.json `base` must be a folder)")
+    p = Path(base)
+    return p if p.is_absolute() else ckpt / p
+
+
+def load_text_weights(base, device, dtype):
+    """Text-model tensors named as in Qwen3_5TextModel, cast to `dtype` (as from_pretrained does)."""
+    from safetensors import safe_open
+
+    index = base / "model.safetensors.index.json"
+    if (base / "model.safetensors").is_file():
+        files = [base / "model.safetensors"]
+    elif index.is_file():
+        files = sorted({base / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(base.glob("*.safetensors"))
+    sd = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            for k in st.keys():
+                if k.startswith("model.language_model."):
+                    name = k[len("model.language_model."):]
+                elif k.startswith("model.") and not k.startswith("model.visual."):
+                    name = k[len("model."):]
+                else:
+                    continue  # model.visual.*, mtp.*, lm_head.weight
+                sd[name] = st.get_tensor(k).to(dtype)
+    return sd
+
+
+def load(ckpt, device, dtype, attn):
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    kev = json.loads((ckpt / "kev.json").read_text())
+    base = resolve_base(ckpt, kev)
+    cfg_json = json.loads((base / "config.json").read_text())
+    tc = dict(cfg_json.get("text_config", cfg_json))
+    tc.pop("architectures", None)
+    cfg = Qwen3_5TextConfig(**tc)
+    cfg._attn_implementation = attn
+    with torch.device("meta"):
+        model = m.Qwen3_5TextModel(cfg)
+    sd = load_text_weights(base, device, dtype)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise SystemExit(f"weights do not match Qwen3_5TextModel: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    del sd
+    model.rotary_emb = m.Qwen3_5TextRotaryEmbedding(config=cfg).to(device)  # non-persistent buffers
+    model.eval()
+    if kev.get("adapter"):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(ckpt / kev["adapter"])).merge_and_unload()
+        model.eval()
+    from safetensors.torch import load_file
+
+    head = {k: v.to(device=device, dtype=torch.float32)
+            for k, v in load_file(str(ckpt / kev["head"]["file"])).items()}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    return model, head, kev, tok, tc
+
+
+def head_probs(head, kev, h, decide, opts):
+    """h: [T, H]; KEV.md §3 pointer head in f32."""
+    dim, temp = kev["head"]["dim"], kev["head"].get("temperature", 1.0)
+    hd = h[decide].float()
+    ho = h[opts].float()
+    q = head["q.weight"] @ hd + head["q.bias"]
+    k = ho @ head["k.weight"].T + head["k.bias"]
+    return torch.softmax((k @ q) / (dim ** 0.5 * temp), -1)
+
+
+def replicate(cache, index):
+    """Each cache row -> the rows in `index` (conv and recurrent states, K and V)."""
+    cache.reorder_cache(index)
+    return cache
+
+
+class Scorer:
+    def __init__(self, model, head, kev, device):
+        self.model, self.head, self.kev, self.device = model, head, kev, device
+
+    def ids(self, rows):
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def row(self, enc):
+        out = []
+        for state, rows in enc:
+            probs = []
+            for r in rows:
+                h = self.model(input_ids=self.ids([state + r["ids"]]), use_cache=False).last_hidden_state[0]
+                off = len(state)
+                probs.append(head_probs(self.head, self.kev, h, off + r["decide"], [off + o for o in r["opts"]]))
+            out.append(probs)
+        return out
+
+    def branches(self, cache, owners, rows):
+        width = max(len(r["ids"]) for r in rows)
+        ids = self.ids([r["ids"] + [0] * (width - len(r["ids"])) for r in rows])  # right pad: causal, never read
+        cache = replicate(cache, torch.tensor(owners, device=self.device))
+        h = self.model(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
+        return [head_probs(self.head, self.kev, h[i], r["decide"], r["opts"]) for i, r in enumerate(rows)]
+
+    def prefix(self, enc):
+        out = []
+        for state, rows in enc:
+            cache = self.model(input_ids=self.ids([state]), use_cache=True).past_key_values
+            out.append(self.branches(cache, [0] * len(rows), rows))
+        return out
+
+    def batch(self, enc):
+        if len({len(s) for s, _ in enc}) != 1:
+            raise SystemExit("--form batch needs states of equal length (no left padding here)")
+        cache = self.model(input_ids=self.ids([s for s, _ in enc]), use_cache=True).past_key_values
+        owners = [i for i, (_, rows) in enumerate(enc) for _ in rows]
+        probs = self.branches(cache, owners, [r for _, rows in enc for r in rows])
+        out, at = [], 0
+        for _, rows in enc:
+            out.append(probs[at:at + len(rows)])
+            at += len(rows)
+        return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--records", required=True, action="append", help="JSONL workload (repeatable)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--form", default="both", help="row, prefix, batch (comma-separated), both, all")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--attn", default="sdpa", help="transformers attention implementation")
+    ap.add_argument("--label", default="", help="free text copied into every line")
+    args = ap.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    forms = {"both": ["row", "prefix"], "all": ["row", "prefix", "batch"]}.get(args.form, args.form.split(","))
+    device = torch.device(args.device)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    ckpt = Path(args.checkpoint)
+    fla = available("fla") and available("fla.ops.gated_delta_rule")
+    common = {"impl": "transformers", "fla": "yes" if fla else "no",
+              "causal_conv1d": "yes" if available("causal_conv1d") else "no",
+              "checkpoint": ckpt.name, "device": args.device, "dtype": args.dtype, "attn": args.attn,
+              "threads": torch.get_num_threads(), "torch": torch.__version__}
+    import transformers
+
+    common["transformers"] = transformers.__version__
+    if args.label:
+        common["label"] = args.label
+    print(f"transformers peer: fla: {common['fla']}, causal_conv1d: {common['causal_conv1d']}, "
+          f"{args.device} {args.dtype}, {common['threads']} threads", file=sys.stderr)
+
+    torch.set_grad_enabled(False)
+    sync(device)
+    t0 = time.perf_counter()
+    model, head, kev, tok, tc = load(ckpt, device, dtype, args.attn)
+    sync(device)
+    load_s = time.perf_counter() - t0
+    print(f"loaded {ckpt} in {load_s:.2f} s", file=sys.stderr)
+    scorer = Scorer(model, head, kev, device)
+
+    for path in args.records:
+        recs = read_jsonl(path)
+        enc = [encode(tok, r, kev["template"]) for r in recs]
+        tokens = sum(len(s) + sum(len(r["ids"]) for r in rows) for s, rows in enc)
+        questions = sum(len(rows) for _, rows in enc)
+        for form in forms:
+            run = getattr(scorer, form)
+            segs = segments(enc, form)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            rss_reset = reset_peak_rss()
+            times = []
+            with torch.inference_mode():
+                for i in range(args.warmup + args.repeats):
+                    sync(device)
+                    t = time.perf_counter()
+                    probs = run(enc)
+                    sync(device)
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t)
+            med = statistics.median(times)
+            fl = flops(tc, segs)
+            line = dict(common)
+            line.update({
+                "workload": Path(path).stem, "form": form, "records": len(recs), "questions": questions,
+                "tokens": tokens, "computed_tokens": sum(n for _, n in segs),
+                "warmup": args.warmup, "repeats": args.repeats,
+                "latency_ms_median": med * 1e3, "latency_ms_min": min(times) * 1e3,
+                "records_per_s": len(recs) / med, "tok_per_s": tokens / med,
+                "computed_tok_per_s": sum(n for _, n in segs) / med,
+                "gflop": fl / 1e9, "tflop_per_s": fl / med / 1e12,
+                "peak_rss_mib": round(peak_rss_mib(), 1), "peak_rss_reset": rss_reset,
+                "load_s": load_s,
+                "first_probs": [[round(float(x), 6) for x in p] for p in probs[0]],
+            })
+            if device.type == "cuda":
+                line["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+                line["peak_gpu_reserved_mib"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
+            print(json.dumps(line), flush=True)
+            print(f"{Path(path).stem} {form}: median {med * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms",
+                  file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
