@@ -19,8 +19,8 @@ Layout (KEV.md §4, QWEN35.md §1-2):
                                 the embedding rows beyond it are simply never used)
 
 Weights are seeded normal(0, 0.02) (zero-centred norm weights: small; the gated norm weight
-around 1; A_log = log U(1, 16); conv std 0.2), generated a tensor (and, for big ones, a slice) at
-a time, one shard in memory at a most. Needs torch and safetensors only.
+around 1; A_log = log U(1, 16); conv std 0.2; head std 1/sqrt(H); LoRA A and B std 0.02), generated a tensor (and, for big ones, a slice) at
+a time, one shard in memory at most. Needs torch and safetensors only.
 """
 
 import argparse
@@ -270,9 +270,12 @@ def write_adapter(tc, out, seed, device, r=16, alpha=32):
 
 
 def write_head(h, dim, path, seed, device):
-    head = {"q.weight": make_tensor("head.q.weight", (dim, h), torch.float32, ("normal", 0.02), seed, device),
+    # std 1/sqrt(H): q and k of unit scale, logits of order 1, so the probabilities are far from
+    # uniform and a parity check between runtimes means something.
+    std = h ** -0.5
+    head = {"q.weight": make_tensor("head.q.weight", (dim, h), torch.float32, ("normal", std), seed, device),
             "q.bias": make_tensor("head.q.bias", (dim,), torch.float32, ("normal", 0.01), seed, device),
-            "k.weight": make_tensor("head.k.weight", (dim, h), torch.float32, ("normal", 0.02), seed, device),
+            "k.weight": make_tensor("head.k.weight", (dim, h), torch.float32, ("normal", std), seed, device),
             "k.bias": make_tensor("head.k.bias", (dim,), torch.float32, ("normal", 0.01), seed, device)}
     save_file(head, str(path))
 

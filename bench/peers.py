@@ -108,7 +108,9 @@ def load(ckpt, device, dtype, attn):
             for k, v in load_file(str(ckpt / kev["head"]["file"])).items()}
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    # As Kev: the checkpoint folder's own tokenizer, else the adapter's, else the base's.
+    cands = [ckpt / "tokenizer.json"] + ([ckpt / kev["adapter"] / "tokenizer.json"] if kev.get("adapter") else [])
+    tok = Tokenizer.from_file(str(next((c for c in cands if c.is_file()), base / "tokenizer.json")))
     return model, head, kev, tok, tc
 
 
@@ -210,6 +212,9 @@ def main():
         common["label"] = args.label
     print(f"transformers peer: fla: {common['fla']}, causal_conv1d: {common['causal_conv1d']}, "
           f"{args.device} {args.dtype}, {common['threads']} threads", file=sys.stderr)
+
+    import peft  # noqa: F401  (imports are not load time)
+    from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: F401
 
     torch.set_grad_enabled(False)
     sync(device)

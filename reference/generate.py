@@ -320,6 +320,11 @@ def make_adapter(base_model, variant, seed, out_dir: Path, opt_id, dec_id):
             elif "trainable_tokens_delta" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
     peft_model.save_pretrained(str(out_dir))
+    # PEFT keeps target_modules as a set: sort it so reruns write identical files.
+    cfg_path = out_dir / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["target_modules"] = sorted(cfg["target_modules"])
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def scaled_adapter(adapter_dir: Path, scale: float, tmp: Path, base_embed):

@@ -217,16 +217,21 @@ fn threads_share_one_model() {
 }
 
 #[test]
-fn reduced_precision_on_cpu() {
-    // bf16 keeps 8 bits of mantissa: weights, activations and the bf16 RoPE/gates round at
-    // every layer. Measured ~1e-2 here; 0.1 bounds it with room, and flips are reported.
+fn reduced_precision() {
+    // bf16 keeps 8 bits of mantissa, f16 11: weights, activations, RoPE and gates round at every
+    // layer, and the fixture's peaked heads (logits up to ~12) amplify that into probabilities.
+    // Measured on the CPU: max|Δp| 6.8e-2 (bf16) and 1.1e-2 (f16), no flips. The bounds leave
+    // room for other backends' summation orders; flips are reported, not asserted.
     let recs = records();
     let refs = reference("kev-small");
     for (dtype, tol) in [(DType::BF16, 0.1f32), (DType::F16, 0.05)] {
         let model = load("kev-small", 1.0, dtype);
         let ours: Vec<_> = recs.iter().map(|r| model.probs(r).unwrap()).collect();
         let (dp, flips) = compare(&ours, &refs["1.0"], false);
-        println!("kev-small {dtype:?} on CPU: max|Δp| {dp:.2e}, argmax flips {flips} of 21");
+        println!(
+            "kev-small {dtype:?} on {:?}: max|Δp| {dp:.2e}, argmax flips {flips} of 21",
+            backend()
+        );
         assert!(dp <= tol, "{dtype:?}: {dp:e}");
     }
 }
