@@ -11,6 +11,7 @@
 //! Neither op knows anything about Qwen: shapes and head counts are explicit arguments.
 
 mod causal_conv1d;
+mod chunked;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -19,4 +20,5 @@ mod gated_delta_rule;
 mod metal;
 
 pub use causal_conv1d::{causal_conv1d, causal_conv1d_ref};
+pub use chunked::{gated_delta_rule_chunked, CHUNK};
 pub use gated_delta_rule::{gated_delta_rule, gated_delta_rule_ref, GdrDims};

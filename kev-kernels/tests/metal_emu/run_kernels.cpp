@@ -11,7 +11,9 @@
 #include "metal_stdlib_emu.h"
 
 #include <chrono>
-#include <map>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 // Each source in its own namespace: both define the same small dtype helpers.
 namespace gdr {
@@ -337,8 +339,8 @@ static void gdr_tests(uint64_t seed) {
                          std::vector<double>(state.begin(), state.end()), whole.state);
     }
     // Input dtypes: compared with the double loop fed the same rounded inputs.
-    gdr_case<ushort>("gdr bf16 T=37 B=2 len=[37,32] Hk=1 Hv=2 Dk=32 Dv=16", main_shape, main_len,
-                     0.9f);
+    gdr_case<ushort>("gdr bf16 T=13 B=2 len=[13,8] Hk=1 Hv=2 Dk=32 Dv=16", {2, 13, 1, 2, 32, 16},
+                     {13, 8}, 0.9f);
     gdr_case<half>("gdr f16 T=9 B=2 len=[9,4] Hk=1 Hv=2 Dk=32 Dv=16", {2, 9, 1, 2, 32, 16}, {9, 4},
                    1.3f);
     // Several key heads, Hv = 2·Hk.
@@ -469,6 +471,86 @@ static void conv_tests(uint64_t seed) {
     }
 }
 
+
+// ---------------------------------------------------------------- the harness itself
+// Broken kernels the harness must reject: each runs in a forked child that must exit with the
+// harness's failure status (3), or, for a race, must give schedule-dependent results.
+namespace broken {
+using namespace metal;
+kernel void divergent_simd_sum(device float* out, uint lane) {
+    if (lane < 16) {
+        out[lane] = simd_sum(1.0f); // only half the simdgroup: undefined on a GPU
+    }
+}
+kernel void skipped_barrier(device float* out, uint tid) {
+    if (tid != 5) {
+        threadgroup_barrier(mem_flags::mem_device);
+    }
+    out[tid] = 1.0f;
+}
+kernel void out_of_bounds(device float* out, uint tid) { out[tid + 1] = 1.0f; }
+// Thread 0 publishes a value that the others read without a barrier.
+kernel void racy(device float* scratch, device float* out, uint tid) {
+    if (tid == 0) scratch[0] = 1.0f;
+    out[tid] = scratch[0];
+}
+} // namespace broken
+
+static void expect_rejected(const char* what, void (*run)()) {
+    std::fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        std::freopen("/dev/null", "w", stderr);
+        run();
+        std::_Exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 3;
+    std::printf("%-58s %s\n", (std::string("harness rejects ") + what).c_str(), ok ? "ok" : "FAIL");
+    if (!ok) ++g_failures;
+}
+
+static void harness_self_checks(uint64_t seed) {
+    expect_rejected("a simd_sum reached by half the lanes", [] {
+        Buf<float> out(32);
+        emu::dispatch_thread_groups(uint3{1, 1, 1}, uint3{32, 1, 1}, [&](const emu::Ids& id) {
+            broken::divergent_simd_sum(out.data(), id.thread_index_in_simdgroup);
+        });
+    });
+    expect_rejected("a threadgroup_barrier skipped by a thread", [] {
+        Buf<float> out(64);
+        emu::dispatch_thread_groups(uint3{1, 1, 1}, uint3{64, 1, 1}, [&](const emu::Ids& id) {
+            broken::skipped_barrier(out.data(), id.thread_index_in_threadgroup);
+        });
+    });
+    expect_rejected("an out-of-bounds write", [] {
+        Buf<float> out(64);
+        emu::dispatch_thread_groups(uint3{1, 1, 1}, uint3{64, 1, 1}, [&](const emu::Ids& id) {
+            broken::out_of_bounds(out.data(), id.thread_index_in_threadgroup);
+        });
+        out.check("out_of_bounds out");
+    });
+    // The race: in order, thread 0 runs first and every reader sees 1; shuffled, some see the
+    // NaN fill. Several seeds, so that thread 0 is not first in all of them.
+    bool differs = false;
+    for (uint64_t s = seed; s < seed + 4 && !differs; ++s) {
+        std::vector<double> runs[2];
+        for (int shuffled = 0; shuffled < 2; ++shuffled) {
+            Buf<float> scratch(1), out(64);
+            emu::options() = {shuffled == 1, s};
+            emu::dispatch_thread_groups(uint3{1, 1, 1}, uint3{64, 1, 1}, [&](const emu::Ids& id) {
+                broken::racy(scratch.data(), out.data(), id.thread_index_in_threadgroup);
+            });
+            for (size_t i = 0; i < 64; ++i) runs[shuffled].push_back(out[i]);
+        }
+        emu::options() = {};
+        differs = std::memcmp(runs[0].data(), runs[1].data(), 64 * sizeof(double)) != 0;
+    }
+    std::printf("%-58s %s\n", "harness shuffle exposes a missing barrier", differs ? "ok" : "FAIL");
+    if (!differs) ++g_failures;
+}
+
 int main(int argc, char** argv) {
     uint64_t seed = 12345;
     for (int i = 1; i < argc; ++i) {
@@ -479,6 +561,7 @@ int main(int argc, char** argv) {
             return 2;
         }
     }
+    harness_self_checks(seed);
     const auto start = std::chrono::steady_clock::now();
     gdr_tests(seed);
     conv_tests(seed);

@@ -1,0 +1,246 @@
+//! The Metal ops against the CPU ops, on a Mac: `cargo test --release --features metal -p kev-kernels`.
+//! (On Linux the kernels' logic is covered by `metal_emulated.rs`; this file only type-checks
+//! there, with `--target aarch64-apple-darwin`.)
+#![cfg(feature = "metal")]
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
+
+/// Metal f32 vs CPU f32 on unit-scale data: the same math in another summation order (simd_sum
+/// trees) and Metal's fast-math exp/rsqrt, over up to 37 recurrent steps (STYLE.md's starting
+/// point for a kernel vs a reference). The emulated kernel agrees with a double loop to ~5e-8.
+const TOL_F32: f32 = 1e-4;
+/// Outputs rounded once to bf16 on both sides: one bf16 ulp apart at most for |x| < 2 (2^-7),
+/// plus the f32 tolerance; as `ops.rs`' bf16 test.
+const TOL_BF16: f32 = 2e-2;
+/// The same for f16 (2^-10 ulp at |x| < 2).
+const TOL_F16: f32 = 2e-3;
+
+fn metal() -> Result<Device> {
+    Device::new_metal(0)
+}
+
+fn patterned(shape: &[usize], salt: f32, scale: f32) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| (i as f32 * 0.7311 + salt).sin() * scale)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+/// Max |a − b| with its flat index; NaNs count as failures.
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, usize)> {
+    assert_eq!(a.dims(), b.dims());
+    let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut worst = (0f32, 0usize);
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let d = if x.is_nan() || y.is_nan() {
+            f32::INFINITY
+        } else {
+            (x - y).abs()
+        };
+        if d > worst.0 {
+            worst = (d, i);
+        }
+    }
+    Ok(worst)
+}
+
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) -> Result<()> {
+    let a = a.to_device(&Device::Cpu)?;
+    let b = b.to_device(&Device::Cpu)?;
+    let (d, i) = max_diff(&a, &b)?;
+    println!("{what}: max |Δ| = {d:.2e} at {i}");
+    assert!(
+        d <= tol,
+        "{what}: max |Δ| = {d:e} at flat index {i} exceeds {tol:e}"
+    );
+    Ok(())
+}
+
+fn dims(hk: usize, hv: usize, dk: usize, dv: usize) -> GdrDims {
+    GdrDims {
+        num_k_heads: hk,
+        num_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+    }
+}
+
+/// `(qkv, gb, state)` on the CPU, as `ops.rs`.
+fn gdr_inputs(b: usize, t: usize, d: GdrDims, salt: f32) -> Result<(Tensor, Tensor, Tensor)> {
+    let hv = d.num_v_heads;
+    let qkv = patterned(&[b, t, d.channels()], salt, 1.0)?;
+    let g = (patterned(&[b, t, hv, 1], salt + 1.0, 1.0)?.abs()? * -2.0)?;
+    let beta = ((patterned(&[b, t, hv, 1], salt + 2.0, 3.0)?.neg()?.exp()? + 1.0)?.recip())?;
+    let gb = Tensor::cat(&[g, beta], D::Minus1)?;
+    let state = patterned(&[b, hv, d.head_k_dim, d.head_v_dim], salt + 3.0, 0.5)?;
+    Ok((qkv, gb, state))
+}
+
+/// Runs the op on the CPU and on Metal from the same inputs; returns (o, state) of both.
+fn gdr_both(
+    qkv: &Tensor,
+    gb: &Tensor,
+    state: &Tensor,
+    d: GdrDims,
+    lengths: Option<&[usize]>,
+) -> Result<[(Tensor, Tensor); 2]> {
+    let dev = metal()?;
+    let s_cpu = state.copy()?;
+    let o_cpu = gated_delta_rule(qkv, gb, &s_cpu, d, lengths)?;
+    let s_gpu = state.to_device(&dev)?;
+    let o_gpu = gated_delta_rule(
+        &qkv.to_device(&dev)?,
+        &gb.to_device(&dev)?,
+        &s_gpu,
+        d,
+        lengths,
+    )?;
+    assert!(o_gpu.device().is_metal());
+    Ok([(o_cpu, s_cpu), (o_gpu, s_gpu)])
+}
+
+#[test]
+fn metal_gated_delta_rule_matches_cpu() -> Result<()> {
+    for (b, t, d, lengths) in [
+        (1, 1, dims(1, 1, 8, 8), None), // T = 1, Dk below one simdgroup
+        (2, 37, dims(1, 2, 32, 16), Some(vec![37, 32])), // the test model's heads, padded row
+        (2, 7, dims(2, 4, 32, 16), None), // several key heads
+        (1, 5, dims(1, 2, 128, 128), None), // real model heads
+        (1, 3, dims(1, 1, 48, 6), None), // Dk no multiple of 32, Dv of 4
+        (1, 2, dims(1, 1, 256, 8), None), // the largest Dk
+    ] {
+        let (qkv, gb, state) = gdr_inputs(b, t, d, 0.3)?;
+        let [(o_cpu, s_cpu), (o_gpu, s_gpu)] = gdr_both(&qkv, &gb, &state, d, lengths.as_deref())?;
+        let tag = format!("metal gdr b={b} t={t} {d:?}");
+        assert_close(&format!("{tag} output"), &o_gpu, &o_cpu, TOL_F32)?;
+        assert_close(&format!("{tag} state"), &s_gpu, &s_cpu, TOL_F32)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn metal_gated_delta_rule_half_inputs() -> Result<()> {
+    let d = dims(1, 2, 32, 16);
+    for (dtype, tol) in [(DType::BF16, TOL_BF16), (DType::F16, TOL_F16)] {
+        let (qkv, gb, state) = gdr_inputs(2, 13, d, 0.9)?;
+        let qkv = qkv.to_dtype(dtype)?;
+        let [(o_cpu, s_cpu), (o_gpu, s_gpu)] = gdr_both(&qkv, &gb, &state, d, Some(&[13, 8]))?;
+        assert_eq!(o_gpu.dtype(), dtype);
+        assert_close(&format!("metal gdr {dtype:?} output"), &o_gpu, &o_cpu, tol)?;
+        assert_close(
+            &format!("metal gdr {dtype:?} state"),
+            &s_gpu,
+            &s_cpu,
+            TOL_F32,
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn metal_gated_delta_rule_two_chunks_equal_whole() -> Result<()> {
+    let dev = metal()?;
+    let d = dims(1, 2, 32, 16);
+    let (qkv, gb, state) = gdr_inputs(2, 37, d, 1.1)?;
+    let (qkv, gb) = (qkv.to_device(&dev)?, gb.to_device(&dev)?);
+    let whole_state = state.to_device(&dev)?;
+    let whole = gated_delta_rule(&qkv, &gb, &whole_state, d, None)?;
+    let split_state = state.to_device(&dev)?;
+    let first = gated_delta_rule(
+        &qkv.narrow(1, 0, 20)?,
+        &gb.narrow(1, 0, 20)?,
+        &split_state,
+        d,
+        None,
+    )?;
+    let second = gated_delta_rule(
+        &qkv.narrow(1, 20, 17)?,
+        &gb.narrow(1, 20, 17)?,
+        &split_state,
+        d,
+        None,
+    )?;
+    let split = Tensor::cat(&[first, second], 1)?;
+    // The same kernel on the same data, in the same order: exact.
+    assert_close("metal gdr split output", &split, &whole, 0.0)?;
+    assert_close("metal gdr split state", &split_state, &whole_state, 0.0)?;
+    Ok(())
+}
+
+#[test]
+fn metal_gated_delta_rule_reads_start_offsets() -> Result<()> {
+    // Row 1 of a batch: contiguous views that start past the beginning of their buffers.
+    let dev = metal()?;
+    let d = dims(1, 2, 32, 16);
+    let (qkv, gb, state) = gdr_inputs(2, 5, d, 2.0)?;
+    let (qkv_g, gb_g) = (qkv.to_device(&dev)?, gb.to_device(&dev)?);
+    let s_gpu = state.to_device(&dev)?;
+    let o_gpu = gated_delta_rule(
+        &qkv_g.narrow(0, 1, 1)?,
+        &gb_g.narrow(0, 1, 1)?,
+        &s_gpu.narrow(0, 1, 1)?,
+        d,
+        None,
+    )?;
+    let s_cpu = state.narrow(0, 1, 1)?.copy()?;
+    let o_cpu = gated_delta_rule(&qkv.narrow(0, 1, 1)?, &gb.narrow(0, 1, 1)?, &s_cpu, d, None)?;
+    assert_close("metal gdr offset output", &o_gpu, &o_cpu, TOL_F32)?;
+    assert_close(
+        "metal gdr offset state",
+        &s_gpu.narrow(0, 1, 1)?,
+        &s_cpu,
+        TOL_F32,
+    )?;
+    // Row 0 of the state was not touched.
+    assert_close(
+        "metal gdr offset row 0",
+        &s_gpu.narrow(0, 0, 1)?,
+        &state.narrow(0, 0, 1)?,
+        0.0,
+    )?;
+    Ok(())
+}
+
+#[test]
+fn metal_causal_conv1d_matches_cpu() -> Result<()> {
+    let dev = metal()?;
+    for &(b, t, ch, k) in &[
+        (1usize, 1usize, 8usize, 4usize),
+        (2, 9, 24, 4),
+        (3, 70, 40, 3),
+    ] {
+        let x = patterned(&[b, k - 1 + t, ch], 0.4, 2.0)?;
+        let w = patterned(&[ch, k], 1.7, 0.5)?;
+        for (dtype, tol) in [
+            (DType::F32, TOL_F32),
+            (DType::BF16, TOL_BF16),
+            (DType::F16, TOL_F16),
+        ] {
+            let (x, w) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
+            let y_cpu = causal_conv1d(&x, &w)?;
+            let y_gpu = causal_conv1d(&x.to_device(&dev)?, &w.to_device(&dev)?)?;
+            assert!(y_gpu.device().is_metal());
+            assert_eq!(y_gpu.dtype(), dtype);
+            let tag = format!("metal conv {dtype:?} b={b} t={t} c={ch} k={k}");
+            assert_close(&tag, &y_gpu, &y_cpu, tol)?;
+        }
+        // bf16 input with an f32 weight: continuation from a narrowed view, and a batch row (a
+        // contiguous view with a start offset), both exactly the whole run's.
+        let x_g = x.to_dtype(DType::BF16)?.to_device(&dev)?;
+        let w_g = w.to_device(&dev)?;
+        let whole = causal_conv1d(&x_g, &w_g)?;
+        if t > 2 {
+            let cut = t / 2;
+            let second = causal_conv1d(&x_g.narrow(1, cut, k - 1 + t - cut)?, &w_g)?;
+            let expect = whole.narrow(1, cut, t - cut)?;
+            assert_close("metal conv continuation", &second, &expect, 0.0)?;
+        }
+        let last = causal_conv1d(&x_g.narrow(0, b - 1, 1)?, &w_g)?;
+        let expect = whole.narrow(0, b - 1, 1)?;
+        assert_close("metal conv batch-row view", &last, &expect, 0.0)?;
+    }
+    Ok(())
+}
