@@ -20,6 +20,11 @@ use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
 
+/// From this many steps on, CUDA runs the chunked form (matmuls on the tensor cores) instead of
+/// the step-by-step kernel, whose cost grows with T at one warp per state column. One chunk is
+/// where the chunked form starts doing a full chunk of work per launch; to be tuned on the H200.
+pub const CHUNKED_MIN_LEN: usize = crate::chunked::CHUNK;
+
 /// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA).
 const L2NORM_EPS: f32 = 1e-6;
 
@@ -218,7 +223,8 @@ fn check(qkv: &Tensor, gb: &Tensor, state: &Tensor, dims: GdrDims) -> Result<(us
     Ok((b_sz, seq_len))
 }
 
-/// Runs the gated delta rule over `T` steps and returns `o`.
+/// Runs the gated delta rule over `T` steps and returns `o`. On CUDA with T ≥
+/// [`CHUNKED_MIN_LEN`] it runs the chunked form ([`crate::gated_delta_rule_chunked`]).
 ///
 /// - `qkv`: `[B, T, 2·Hk·Dk + Hv·Dv]`, the conv output packed as `[q | k | v]`, heads contiguous
 ///   inside each part (any float dtype; read as f32);
@@ -243,6 +249,9 @@ pub fn gated_delta_rule(
                 l.len()
             )
         }
+    }
+    if qkv.device().is_cuda() && seq_len >= CHUNKED_MIN_LEN {
+        return crate::chunked::gated_delta_rule_chunked(qkv, gb, state, dims, lengths);
     }
     let op = GatedDeltaRule {
         dims,

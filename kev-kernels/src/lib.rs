@@ -21,4 +21,4 @@ mod metal;
 
 pub use causal_conv1d::{causal_conv1d, causal_conv1d_ref};
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
-pub use gated_delta_rule::{gated_delta_rule, gated_delta_rule_ref, GdrDims};
+pub use gated_delta_rule::{gated_delta_rule, gated_delta_rule_ref, GdrDims, CHUNKED_MIN_LEN};
