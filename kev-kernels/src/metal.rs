@@ -188,10 +188,6 @@ pub(crate) fn gated_delta_rule(
     let g_off = byte_offset(gl, DType::F32, "gated-delta-rule: gates")?;
     let s_off = byte_offset(sl, DType::F32, "gated-delta-rule: state")?;
     let o_elems = b_sz * seq_len * hv * dv;
-    as_u32(
-        b_sz * seq_len * op.dims.channels(),
-        "gated-delta-rule: qkv elements",
-    )?;
     let params = GdrParams {
         b: as_u32(b_sz, "gated-delta-rule: batch")?,
         t: as_u32(seq_len, "gated-delta-rule: steps")?,
@@ -233,7 +229,8 @@ pub(crate) fn gated_delta_rule(
         enc.set_compute_pipeline_state(&pipeline);
         enc.set_input_buffer(0, Some(qkv.buffer()), q_off);
         enc.set_input_buffer(1, Some(gb.buffer()), g_off);
-        // Read and written: declared as an output so candle orders it after earlier readers.
+        // Read and written: declared as an output, so candle orders this dispatch after earlier
+        // readers and writers of the state.
         enc.set_output_buffer(2, Some(state.buffer()), s_off);
         enc.set_output_buffer(3, Some(&o), 0);
         match &lengths_buf {
