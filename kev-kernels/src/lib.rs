@@ -18,6 +18,8 @@ mod cuda;
 mod gated_delta_rule;
 #[cfg(feature = "metal")]
 mod metal;
+#[doc(hidden)]
+pub mod testing;
 
 pub use causal_conv1d::{causal_conv1d, causal_conv1d_ref};
 pub use chunked::{gated_delta_rule_chunked, CHUNK};

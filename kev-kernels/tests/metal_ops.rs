@@ -4,6 +4,7 @@
 #![cfg(feature = "metal")]
 
 use candle_core::{DType, Device, Result, Tensor, D};
+use kev_kernels::testing::{assert_close, dims, gdr_inputs, patterned};
 use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
 
 /// Metal f32 vs CPU f32 on unit-scale data: the same math in another summation order (simd_sum
@@ -18,65 +19,6 @@ const TOL_F16: f32 = 2e-3;
 
 fn metal() -> Result<Device> {
     Device::new_metal(0)
-}
-
-fn patterned(shape: &[usize], salt: f32, scale: f32) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (i as f32 * 0.7311 + salt).sin() * scale)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)
-}
-
-/// Max |a − b| with its flat index; NaNs count as failures.
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, usize)> {
-    assert_eq!(a.dims(), b.dims());
-    let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let mut worst = (0f32, 0usize);
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let d = if x.is_nan() || y.is_nan() {
-            f32::INFINITY
-        } else {
-            (x - y).abs()
-        };
-        if d > worst.0 {
-            worst = (d, i);
-        }
-    }
-    Ok(worst)
-}
-
-fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) -> Result<()> {
-    let a = a.to_device(&Device::Cpu)?;
-    let b = b.to_device(&Device::Cpu)?;
-    let (d, i) = max_diff(&a, &b)?;
-    println!("{what}: max |Δ| = {d:.2e} at {i}");
-    assert!(
-        d <= tol,
-        "{what}: max |Δ| = {d:e} at flat index {i} exceeds {tol:e}"
-    );
-    Ok(())
-}
-
-fn dims(hk: usize, hv: usize, dk: usize, dv: usize) -> GdrDims {
-    GdrDims {
-        num_k_heads: hk,
-        num_v_heads: hv,
-        head_k_dim: dk,
-        head_v_dim: dv,
-    }
-}
-
-/// `(qkv, gb, state)` on the CPU, as `ops.rs`.
-fn gdr_inputs(b: usize, t: usize, d: GdrDims, salt: f32) -> Result<(Tensor, Tensor, Tensor)> {
-    let hv = d.num_v_heads;
-    let qkv = patterned(&[b, t, d.channels()], salt, 1.0)?;
-    let g = (patterned(&[b, t, hv, 1], salt + 1.0, 1.0)?.abs()? * -2.0)?;
-    let beta = ((patterned(&[b, t, hv, 1], salt + 2.0, 3.0)?.neg()?.exp()? + 1.0)?.recip())?;
-    let gb = Tensor::cat(&[g, beta], D::Minus1)?;
-    let state = patterned(&[b, hv, d.head_k_dim, d.head_v_dim], salt + 3.0, 0.5)?;
-    Ok((qkv, gb, state))
 }
 
 /// Runs the op on the CPU and on Metal from the same inputs; returns (o, state) of both.

@@ -1,50 +1,13 @@
 //! The CPU ops against their tensor-op references, and "two chunks == whole".
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor};
+use kev_kernels::testing::{self, assert_close, patterned};
 use kev_kernels::{
     causal_conv1d, causal_conv1d_ref, gated_delta_rule, gated_delta_rule_ref, GdrDims,
 };
 
 /// f32 op vs f32 reference on unit-scale data: same math, different summation order.
 const TOL_F32: f32 = 1e-5;
-
-/// Deterministic, non-trivial inputs (no RNG dependency): a patterned sine.
-fn patterned(shape: &[usize], salt: f32, scale: f32) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (i as f32 * 0.7311 + salt).sin() * scale)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)
-}
-
-/// Max |a − b| with its flat index; NaNs count as failures.
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, usize)> {
-    assert_eq!(a.dims(), b.dims());
-    let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let mut worst = (0f32, 0usize);
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let d = if x.is_nan() || y.is_nan() {
-            f32::INFINITY
-        } else {
-            (x - y).abs()
-        };
-        if d > worst.0 {
-            worst = (d, i);
-        }
-    }
-    Ok(worst)
-}
-
-fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) -> Result<()> {
-    let (d, i) = max_diff(a, b)?;
-    println!("{what}: max |Δ| = {d:.2e} at {i}");
-    assert!(
-        d <= tol,
-        "{what}: max |Δ| = {d:e} at flat index {i} exceeds {tol:e}"
-    );
-    Ok(())
-}
 
 struct Case {
     b: usize,
@@ -53,22 +16,7 @@ struct Case {
 }
 
 fn gdr_inputs(c: &Case, salt: f32) -> Result<(Tensor, Tensor, Tensor)> {
-    let qkv = patterned(&[c.b, c.t, c.dims.channels()], salt, 1.0)?;
-    let hv = c.dims.num_v_heads;
-    // g ≤ 0 (log decay in [−2, 0]) and β in (0, 1).
-    let g = (patterned(&[c.b, c.t, hv, 1], salt + 1.0, 1.0)?.abs()? * -2.0)?;
-    let beta = ((patterned(&[c.b, c.t, hv, 1], salt + 2.0, 3.0)?
-        .neg()?
-        .exp()?
-        + 1.0)?
-        .recip())?;
-    let gb = Tensor::cat(&[g, beta], D::Minus1)?;
-    let state = patterned(
-        &[c.b, hv, c.dims.head_k_dim, c.dims.head_v_dim],
-        salt + 3.0,
-        0.5,
-    )?;
-    Ok((qkv, gb, state))
+    testing::gdr_inputs(c.b, c.t, c.dims, salt)
 }
 
 fn cases() -> Vec<Case> {

@@ -2,36 +2,15 @@
 //! tensor-op reference in kev-kernels/tests/ops.rs): output and final state, f32 and bf16,
 //! padded rows, and "two chunks == whole".
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor};
+use kev_kernels::testing::{self, dims, patterned};
 use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
 
 use crate::common::{check, device};
 
-fn patterned(shape: &[usize], salt: f32, scale: f32, dev: &Device) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (i as f32 * 0.7311 + salt).sin() * scale)
-        .collect();
-    Tensor::from_vec(v, shape, dev)
-}
-
-/// (qkv, gates, state) on `dev`.
-fn inputs(b: usize, t: usize, dims: GdrDims, dev: &Device) -> Result<(Tensor, Tensor, Tensor)> {
-    let hv = dims.num_v_heads;
-    let qkv = patterned(&[b, t, dims.channels()], 0.3, 1.0, dev)?;
-    let g = (patterned(&[b, t, hv, 1], 1.3, 1.0, dev)?.abs()? * -2.0)?;
-    let beta = candle_nn::ops::sigmoid(&patterned(&[b, t, hv, 1], 2.3, 3.0, dev)?)?;
-    let state = patterned(&[b, hv, dims.head_k_dim, dims.head_v_dim], 3.3, 0.5, dev)?;
-    Ok((qkv, Tensor::cat(&[g, beta], D::Minus1)?, state))
-}
-
-fn dims(hk: usize, hv: usize, dk: usize, dv: usize) -> GdrDims {
-    GdrDims {
-        num_k_heads: hk,
-        num_v_heads: hv,
-        head_k_dim: dk,
-        head_v_dim: dv,
-    }
+/// (qkv, gates, state) on the CPU.
+fn inputs(b: usize, t: usize, dims: GdrDims) -> Result<(Tensor, Tensor, Tensor)> {
+    testing::gdr_inputs(b, t, dims, 0.3)
 }
 
 #[test]
@@ -44,7 +23,7 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
         (1, 70, dims(2, 4, 128, 128), None),
     ] {
         for dtype in [DType::F32, DType::BF16] {
-            let (qkv, gb, state) = inputs(b, t, d, &Device::Cpu)?;
+            let (qkv, gb, state) = inputs(b, t, d)?;
             let qkv = qkv.to_dtype(dtype)?;
             let s_cpu = state.copy()?;
             let o_cpu = gated_delta_rule(&qkv, &gb, &s_cpu, d, lengths.as_deref())?;
@@ -73,7 +52,12 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
 fn gated_delta_rule_on_device_continues_exactly() -> Result<()> {
     let dev = device();
     let d = dims(2, 4, 32, 16);
-    let (qkv, gb, state) = inputs(1, 65, d, &dev)?;
+    let (qkv, gb, state) = inputs(1, 65, d)?;
+    let (qkv, gb, state) = (
+        qkv.to_device(&dev)?,
+        gb.to_device(&dev)?,
+        state.to_device(&dev)?,
+    );
     let whole_state = state.copy()?;
     let whole = gated_delta_rule(&qkv, &gb, &whole_state, d, None)?;
     let split_state = state.copy()?;
@@ -105,8 +89,8 @@ fn gated_delta_rule_on_device_continues_exactly() -> Result<()> {
 fn causal_conv1d_on_device_matches_cpu() -> Result<()> {
     let dev = device();
     for dtype in [DType::F32, DType::BF16] {
-        let x = patterned(&[2, 3 + 45, 96], 0.4, 2.0, &Device::Cpu)?.to_dtype(dtype)?;
-        let w = patterned(&[96, 4], 1.7, 0.5, &Device::Cpu)?.to_dtype(dtype)?;
+        let x = patterned(&[2, 3 + 45, 96], 0.4, 2.0)?.to_dtype(dtype)?;
+        let w = patterned(&[96, 4], 1.7, 0.5)?.to_dtype(dtype)?;
         let y_cpu = causal_conv1d(&x, &w)?;
         let y_dev = causal_conv1d(&x.to_device(&dev)?, &w.to_device(&dev)?)?;
         let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
