@@ -20,7 +20,9 @@ One JSON line per (records file, form) on stdout: latency median / min over --re
 recomputes the state per question), model FLOPs (bench/common.py) and TFLOP/s, peak memory
 (GPU: torch's max allocated; CPU: VmHWM, reset per workload where the kernel allows), load time,
 and the first record's probabilities (a parity check against Kev). `fla` says whether
-flash-linear-attention was importable, i.e. whether transformers' Qwen3.5 took its kernels.
+transformers' Qwen3.5 took flash-linear-attention's chunked delta-rule kernel (it does when
+`fla.ops.gated_delta_rule` imports, which needs a GPU with Triton), `fla_installed` whether the
+package is there at all.
 """
 
 import argparse
@@ -42,6 +44,32 @@ def available(name):
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+def transformers_uses_fla():
+    """Whether transformers' Qwen3.5 bound fla's chunk_gated_delta_rule (its choice is made at import:
+    the package's kernel if it imports, else the torch reference); None if that cannot be told."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    stack, seen = [m.torch_chunk_gated_delta_rule], set()
+    while stack:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None)
+        for name, cell in zip(code.co_freevars if code else (), cells or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if name == "is_new_implementation":
+                return bool(value)
+            if callable(value):
+                stack.append(value)
+        if hasattr(f, "__wrapped__"):
+            stack.append(f.__wrapped__)
+    return None
 
 
 def resolve_base(ckpt, kev):
@@ -200,8 +228,9 @@ def main():
     device = torch.device(args.device)
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     ckpt = Path(args.checkpoint)
-    fla = available("fla") and available("fla.ops.gated_delta_rule")
-    common = {"impl": "transformers", "fla": "yes" if fla else "no",
+    fla = transformers_uses_fla()
+    common = {"impl": "transformers", "fla": {True: "yes", False: "no", None: "unknown"}[fla],
+              "fla_installed": "yes" if available("fla") else "no",
               "causal_conv1d": "yes" if available("causal_conv1d") else "no",
               "checkpoint": ckpt.name, "device": args.device, "dtype": args.dtype, "attn": args.attn,
               "threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -210,7 +239,7 @@ def main():
     common["transformers"] = transformers.__version__
     if args.label:
         common["label"] = args.label
-    print(f"transformers peer: fla: {common['fla']}, causal_conv1d: {common['causal_conv1d']}, "
+    print(f"transformers peer: fla: {common['fla']} (installed: {common['fla_installed']}), causal_conv1d: {common['causal_conv1d']}, "
           f"{args.device} {args.dtype}, {common['threads']} threads", file=sys.stderr)
 
     import peft  # noqa: F401  (imports are not load time)

@@ -232,7 +232,7 @@ fn gpu_used_mib(gpu: usize) -> Option<u64> {
     String::from_utf8_lossy(&out.stdout).trim().parse().ok()
 }
 
-/// Samples `gpu_used_mib` every 50 ms and keeps the largest value until dropped.
+/// Samples `gpu_used_mib` every 100 ms and keeps the largest value until dropped.
 struct GpuSampler {
     peak: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
@@ -249,7 +249,7 @@ impl GpuSampler {
                 if let Some(m) = gpu_used_mib(gpu) {
                     p.fetch_max(m, Ordering::Relaxed);
                 }
-                std::thread::sleep(Duration::from_millis(50));
+                std::thread::sleep(Duration::from_millis(100));
             }
         });
         GpuSampler {
