@@ -29,6 +29,8 @@ pub struct DecisionModel {
     head: PointerHead,
     encoder: Encoder,
     checkpoint: Checkpoint,
+    /// Longest piece one forward pass runs ([`LoadOptions::prefill_chunk`]).
+    prefill_chunk: usize,
 }
 
 /// A state run once through the backbone, reusable for any record with the same state.
@@ -110,6 +112,7 @@ impl DecisionModel {
             head,
             encoder,
             checkpoint,
+            prefill_chunk: options.prefill_chunk,
         })
     }
 
@@ -278,19 +281,36 @@ impl DecisionModel {
         self.read_head(&hidden, rows)
     }
 
-    /// Right-pads `seqs` into `[B, T]` and runs them after `cache`; returns `[B, T, H]`.
+    /// Right-pads `seqs` into `[B, T]` and runs them after `cache`, in pieces of at most
+    /// `prefill_chunk` tokens; returns the hidden states `[B, T, H]`.
     fn run(&self, seqs: &[Vec<u32>], cache: &mut Cache) -> Result<Tensor> {
         let width = seqs.iter().map(Vec::len).max().unwrap_or(0);
-        let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
-        let flat: Vec<u32> = seqs
+        let mut hidden = Vec::with_capacity(width.div_ceil(self.prefill_chunk));
+        for start in (0..width).step_by(self.prefill_chunk) {
+            let end = (start + self.prefill_chunk).min(width);
+            let pieces: Vec<&[u32]> = seqs
+                .iter()
+                .map(|s| &s[start.min(s.len())..end.min(s.len())])
+                .collect();
+            hidden.push(self.run_piece(&pieces, end - start, cache)?);
+        }
+        if hidden.len() == 1 {
+            return Ok(hidden.remove(0));
+        }
+        Tensor::cat(&hidden, 1).map_err(backend_err("joining prefill pieces"))
+    }
+
+    fn run_piece(&self, pieces: &[&[u32]], width: usize, cache: &mut Cache) -> Result<Tensor> {
+        let lengths: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
+        let flat: Vec<u32> = pieces
             .iter()
-            .flat_map(|s| {
-                s.iter()
+            .flat_map(|p| {
+                p.iter()
                     .copied()
-                    .chain(std::iter::repeat_n(PAD_ID, width - s.len()))
+                    .chain(std::iter::repeat_n(PAD_ID, width - p.len()))
             })
             .collect();
-        let ids = Tensor::from_vec(flat, (seqs.len(), width), self.device())
+        let ids = Tensor::from_vec(flat, (pieces.len(), width), self.device())
             .map_err(backend_err("token ids"))?;
         let padded = lengths.iter().any(|&l| l != width);
         self.model

@@ -129,7 +129,16 @@ pub struct LoadOptions {
     /// `(1 − s)·row + s·new_row`. 0 is the base model, 1 the adapter; any finite value is
     /// accepted. Ignored without an adapter. By default, 1.0.
     pub lora_scale: f64,
+    /// Longest piece, in tokens, that one forward pass runs: longer states run piece by piece
+    /// through the cache. Bounds attention's `T × S` scores (O(T²) memory in one pass) at no cost
+    /// in exactness: pieces continue the cache like the next request would. Must be > 0. By
+    /// default, [`DEFAULT_PREFILL_CHUNK`].
+    pub prefill_chunk: usize,
 }
+
+/// Default [`LoadOptions::prefill_chunk`]: 2048 tokens (f32 scores of one 0.8B attention layer:
+/// 8 heads × 2048 × 4096 keys × 4 B = 256 MiB at a 4096-token state).
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
 
 impl Default for LoadOptions {
     fn default() -> Self {
@@ -137,6 +146,7 @@ impl Default for LoadOptions {
             backend: Backend::Auto,
             dtype: DType::Auto,
             lora_scale: 1.0,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
 }
@@ -168,8 +178,22 @@ impl LoadOptions {
         self
     }
 
-    /// Checks the options: `lora_scale` must be finite ([`Error::InvalidArgument`] otherwise).
+    /// Sets [`LoadOptions::prefill_chunk`].
+    #[must_use]
+    pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
+        self.prefill_chunk = tokens;
+        self
+    }
+
+    /// Checks the options: `lora_scale` must be finite and `prefill_chunk` positive
+    /// ([`Error::InvalidArgument`] otherwise).
     pub fn validate(&self) -> Result<()> {
+        if self.prefill_chunk == 0 {
+            return Err(Error::invalid_argument(
+                "prefill_chunk",
+                "must be at least 1 token",
+            ));
+        }
         if !self.lora_scale.is_finite() {
             return Err(Error::invalid_argument(
                 "lora_scale",

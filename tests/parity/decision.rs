@@ -235,3 +235,42 @@ fn reduced_precision() {
         assert!(dp <= tol, "{dtype:?}: {dp:e}");
     }
 }
+
+#[test]
+fn chunked_state_equals_whole_state() {
+    // The 400-token state of r7 in pieces of 7 and 64 tokens, against one piece.
+    let recs = records();
+    let whole = load("kev-small", 1.0, DType::F32);
+    for chunk in [7, 64] {
+        let opts = LoadOptions::default()
+            .with_backend(backend())
+            .with_prefill_chunk(chunk);
+        let chunked = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
+        let mut worst = 0f32;
+        for rec in &recs {
+            let (a, b) = (whole.probs(rec).unwrap(), chunked.probs(rec).unwrap());
+            for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+                worst = worst.max((x - y).abs());
+            }
+            let rows = chunked.forward_rows(rec).unwrap();
+            let rows_whole = whole.forward_rows(rec).unwrap();
+            for (x, y) in rows.iter().flatten().zip(rows_whole.iter().flatten()) {
+                worst = worst.max((x - y).abs() / 10.0); // logits: compare at the scale of p
+            }
+        }
+        let batch = chunked.probs_batch(&recs).unwrap();
+        for (rec, b) in recs.iter().zip(&batch) {
+            for (x, y) in whole
+                .probs(rec)
+                .unwrap()
+                .iter()
+                .flatten()
+                .zip(b.iter().flatten())
+            {
+                worst = worst.max((x - y).abs());
+            }
+        }
+        println!("state in pieces of {chunk} vs whole (prefix, row and batch forms): max|Δp| {worst:.2e}");
+        assert!(worst <= TOL_FORMS_F32, "{worst:e}");
+    }
+}
