@@ -5,9 +5,11 @@
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
 use crate::causal_conv1d::CausalConv1d;
@@ -37,6 +39,32 @@ fn ptx() -> Result<&'static str> {
     }
 }
 
+/// A loaded kernel and the stream it runs on.
+struct Kernel {
+    dev: CudaDevice,
+    func: CudaFunction,
+    stream: std::sync::Arc<CudaStream>,
+}
+
+impl Kernel {
+    fn load(dev: &CudaDevice, name: &str) -> Result<Self> {
+        let func = dev
+            .get_or_load_custom_func(name, MODULE, ptx()?)?
+            .into_cuda_function();
+        Ok(Self {
+            dev: dev.clone(),
+            func,
+            stream: dev.cuda_stream(),
+        })
+    }
+
+    /// An output buffer of `n` elements every launch fully overwrites.
+    fn output<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: both kernels write every element of their output (padding included).
+        unsafe { self.dev.alloc::<T>(n) }
+    }
+}
+
 fn tag(dtype: DType, op: &str) -> Result<&'static str> {
     Ok(match dtype {
         DType::F32 => "f32",
@@ -62,7 +90,6 @@ pub(crate) fn gated_delta_rule(
     gb: &CudaStorage,
     gl: &Layout,
 ) -> Result<()> {
-    let dev = qkv.device().clone();
     let dims = op.dims;
     let nk = dims.head_k_dim.div_ceil(32).next_power_of_two();
     if nk > 8 {
@@ -71,12 +98,14 @@ pub(crate) fn gated_delta_rule(
             dims.head_k_dim
         )
     }
-    let name = format!("gdr_{}_nk{nk}", tag(qkv.dtype(), "gated-delta-rule")?);
-    let func = dev.get_or_load_custom_func(&name, MODULE, ptx()?)?;
+    let k = Kernel::load(
+        qkv.device(),
+        &format!("gdr_{}_nk{nk}", tag(qkv.dtype(), "gated-delta-rule")?),
+    )?;
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
-    let lengths = dev.clone_htod(&op.lengths)?;
+    let lengths = k.dev.clone_htod(&op.lengths)?;
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let n_out = op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim;
@@ -97,69 +126,25 @@ pub(crate) fn gated_delta_rule(
         dims.head_v_dim,
     ]
     .map(|x| x as i32);
-    fn run<T: CudaDType + DeviceRepr>(
-        dev: &CudaDevice,
-        func: &candle_core::cuda_backend::CudaFunc,
-        qkv: &CudaStorage,
-        range: (usize, usize),
-        gb: &candle_core::cuda_backend::cudarc::driver::CudaView<f32>,
-        st: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<f32>,
-        lengths: &candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
-        n_out: usize,
-        ints: [i32; 5],
-        cfg: LaunchConfig,
-    ) -> Result<CudaStorage> {
-        let x = qkv.as_cuda_slice::<T>()?.slice(range.0..range.1);
-        // SAFETY: every element of `out` is written by the kernel (real steps and padding alike).
-        let out = unsafe { dev.alloc::<T>(n_out) }?;
-        let mut b = func.builder();
-        b.arg(&x).arg(gb).arg(st).arg(&out).arg(lengths);
-        for v in &ints {
-            b.arg(v);
-        }
-        // SAFETY: argument types and order match `gdr_*` in ops.cu; buffers are sized by the
-        // wrapper's shape checks.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    macro_rules! launch {
+        ($t:ty) => {{
+            let x = qkv.as_cuda_slice::<$t>()?.slice(q0..q1);
+            let out = k.output::<$t>(n_out)?;
+            let mut b = k.stream.launch_builder(&k.func);
+            b.arg(&x).arg(&gb).arg(&mut st).arg(&out).arg(&lengths);
+            for v in &ints {
+                b.arg(v);
+            }
+            // SAFETY: argument types and order match `gdr_*` in ops.cu; the wrapper checked
+            // every shape, so all indices stay inside the buffers.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, k.dev.clone())
+        }};
     }
     let out = match qkv.dtype() {
-        DType::F32 => run::<f32>(
-            &dev,
-            &func,
-            qkv,
-            (q0, q1),
-            &gb,
-            &mut st,
-            &lengths,
-            n_out,
-            ints,
-            cfg,
-        )?,
-        DType::BF16 => run::<half::bf16>(
-            &dev,
-            &func,
-            qkv,
-            (q0, q1),
-            &gb,
-            &mut st,
-            &lengths,
-            n_out,
-            ints,
-            cfg,
-        )?,
-        DType::F16 => run::<half::f16>(
-            &dev,
-            &func,
-            qkv,
-            (q0, q1),
-            &gb,
-            &mut st,
-            &lengths,
-            n_out,
-            ints,
-            cfg,
-        )?,
-        other => bail!("gated-delta-rule: unsupported dtype {other:?} on CUDA"),
+        DType::F32 => launch!(f32),
+        DType::BF16 => launch!(half::bf16),
+        _ => launch!(half::f16),
     };
     op.set_output(candle_core::Storage::Cuda(out));
     Ok(())
@@ -172,7 +157,6 @@ pub(crate) fn causal_conv1d(
     ws: &CudaStorage,
     wl: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    let dev = xs.device().clone();
     if xs.dtype() != ws.dtype() {
         bail!(
             "causal-conv1d: input {:?} and weight {:?} dtypes differ",
@@ -180,49 +164,41 @@ pub(crate) fn causal_conv1d(
             ws.dtype()
         )
     }
+    let k = Kernel::load(
+        xs.device(),
+        &format!("conv_{}", tag(xs.dtype(), "causal-conv1d")?),
+    )?;
     let (b_sz, padded, channels) = xl.shape().dims3()?;
-    let k = op.kernel;
-    let seq_len = padded + 1 - k;
-    let name = format!("conv_{}", tag(xs.dtype(), "causal-conv1d")?);
-    let func = dev.get_or_load_custom_func(&name, MODULE, ptx()?)?;
+    let seq_len = padded + 1 - op.kernel;
     let (x0, x1) = contiguous(xl, "causal-conv1d input")?;
     let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
     let n = b_sz * seq_len * channels;
     let cfg = LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(CONV_BLOCK).clamp(1, 65535 * 4), 1, 1),
+        grid_dim: ((n as u32).div_ceil(CONV_BLOCK).clamp(1, 1 << 18), 1, 1),
         block_dim: (CONV_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    fn run<T: CudaDType + DeviceRepr>(
-        dev: &CudaDevice,
-        func: &candle_core::cuda_backend::CudaFunc,
-        xs: &CudaStorage,
-        ws: &CudaStorage,
-        xr: (usize, usize),
-        wr: (usize, usize),
-        n: usize,
-        ints: [i32; 4],
-        cfg: LaunchConfig,
-    ) -> Result<CudaStorage> {
-        let x = xs.as_cuda_slice::<T>()?.slice(xr.0..xr.1);
-        let w = ws.as_cuda_slice::<T>()?.slice(wr.0..wr.1);
-        // SAFETY: the grid-stride loop writes every output element.
-        let y = unsafe { dev.alloc::<T>(n) }?;
-        let mut b = func.builder();
-        b.arg(&x).arg(&w).arg(&y);
-        for v in &ints {
-            b.arg(v);
-        }
-        // SAFETY: argument types and order match `conv_*` in ops.cu.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    let ints = [b_sz, seq_len, channels, op.kernel].map(|x| x as i32);
+    macro_rules! launch {
+        ($t:ty) => {{
+            let x = xs.as_cuda_slice::<$t>()?.slice(x0..x1);
+            let w = ws.as_cuda_slice::<$t>()?.slice(w0..w1);
+            let y = k.output::<$t>(n)?;
+            let mut b = k.stream.launch_builder(&k.func);
+            b.arg(&x).arg(&w).arg(&y);
+            for v in &ints {
+                b.arg(v);
+            }
+            // SAFETY: argument types and order match `conv_*` in ops.cu; the grid-stride loop
+            // stays below `n`, the output size.
+            unsafe { b.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(y, k.dev.clone())
+        }};
     }
-    let ints = [b_sz, seq_len, channels, k].map(|x| x as i32);
     let y = match xs.dtype() {
-        DType::F32 => run::<f32>(&dev, &func, xs, ws, (x0, x1), (w0, w1), n, ints, cfg)?,
-        DType::BF16 => run::<half::bf16>(&dev, &func, xs, ws, (x0, x1), (w0, w1), n, ints, cfg)?,
-        DType::F16 => run::<half::f16>(&dev, &func, xs, ws, (x0, x1), (w0, w1), n, ints, cfg)?,
-        other => bail!("causal-conv1d: unsupported dtype {other:?} on CUDA"),
+        DType::F32 => launch!(f32),
+        DType::BF16 => launch!(half::bf16),
+        _ => launch!(half::f16),
     };
     Ok((y, Shape::from((b_sz, seq_len, channels))))
 }
