@@ -117,14 +117,17 @@ pub fn gated_delta_rule_chunked(
     let k_tail = k.broadcast_mul(&last.broadcast_sub(&gamma)?.exp()?.unsqueeze(D::Minus1)?)?;
     let last_decay = last.exp()?.unsqueeze(D::Minus1)?; // [B·Hv, N, 1, 1]
 
+    // Chunk-major copies, so each chunk's operands are contiguous slices (`get(c)`): the loop
+    // below is the only sequential part and runs 9 small kernels per chunk.
+    let by_chunk = |t: &Tensor| t.transpose(0, 1).and_then(|t| t.contiguous());
+    let (u, w, q_decayed) = (by_chunk(&u)?, by_chunk(&w)?, by_chunk(&q_decayed)?);
+    let (qk, k_tail, last_decay) = (by_chunk(&qk)?, by_chunk(&k_tail)?, by_chunk(&last_decay)?);
     let mut s = state.reshape((b_sz * hv, dk, dv))?;
     let mut outs = Vec::with_capacity(n);
     for c in 0..n {
-        let at = |t: &Tensor| t.narrow(1, c, 1)?.squeeze(1)?.contiguous();
-        let v_new = (at(&u)? - at(&w)?.matmul(&s)?)?;
-        outs.push((at(&q_decayed)?.matmul(&s)? + at(&qk)?.matmul(&v_new)?)?);
-        s = (s.broadcast_mul(&at(&last_decay)?)? + at(&k_tail)?.t()?.matmul(&v_new)?)?;
-        s = s.contiguous()?;
+        let v_new = (u.get(c)? - w.get(c)?.matmul(&s)?)?;
+        outs.push((q_decayed.get(c)?.matmul(&s)? + qk.get(c)?.matmul(&v_new)?)?);
+        s = (s.broadcast_mul(&last_decay.get(c)?)? + k_tail.get(c)?.t()?.matmul(&v_new)?)?;
     }
     state.slice_set(&s.reshape((b_sz, hv, dk, dv))?, 0, 0)?;
     // [B·Hv, N·C, Dv] -> [B, T, Hv, Dv]

@@ -244,6 +244,7 @@ fn chunked_state_equals_whole_state() {
     for chunk in [7, 64] {
         let opts = LoadOptions::default()
             .with_backend(backend())
+            .with_dtype(DType::F32)
             .with_prefill_chunk(chunk);
         let chunked = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
         let mut worst = 0f32;

@@ -75,13 +75,15 @@ fn gated_delta_rule_on_device_continues_exactly() -> Result<()> {
         d,
         None,
     )?;
+    // On CUDA the whole 65 steps take the chunked form and the pieces the step-by-step kernel:
+    // two algorithms in f32 (1.1e-6 measured on the H200); elsewhere the same kernel, exact.
     check(
         "gdr device split output",
         &Tensor::cat(&[a, b], 1)?,
         &whole,
-        1e-6,
+        1e-5,
     )?;
-    check("gdr device split state", &split_state, &whole_state, 1e-6)?;
+    check("gdr device split state", &split_state, &whole_state, 1e-5)?;
     Ok(())
 }
 
