@@ -196,7 +196,11 @@ impl DecisionModel {
 
     /// Runs `record.state` once into a prefix.
     pub fn prefix(&self, state: &str) -> Result<Prefix> {
-        let state_ids = self.encoder.encode_state(state)?;
+        self.prefix_of(state, self.encoder.encode_state(state)?)
+    }
+
+    /// Runs already-encoded state ids into a prefix.
+    fn prefix_of(&self, state: &str, state_ids: Vec<u32>) -> Result<Prefix> {
         let mut cache = self
             .model
             .new_cache(1)
@@ -263,7 +267,7 @@ impl DecisionModel {
                 }
                 None
             }
-            None => Some(self.prefix(&record.state)?),
+            None => Some(self.prefix_of(&record.state, state.clone())?),
         };
         let prefix = given.or(computed.as_ref()).expect("one of the two is set");
         let logits = self.branches(&prefix.cache, &vec![0; rows.len()], &rows)?;
