@@ -3,7 +3,7 @@
 //! there, with `--target aarch64-apple-darwin`.)
 #![cfg(feature = "metal")]
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::testing::{assert_close, dims, gdr_inputs, patterned};
 use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
 
