@@ -66,6 +66,19 @@ fn compare(ours: &[Vec<Vec<f32>>], reference: &[RefRecord], logits: bool) -> (f3
     (worst, flips)
 }
 
+/// Max |a − b| over per-question vectors, requiring the same shape (a zip would hide a
+/// missing question or option).
+fn max_delta(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len(), "question counts differ");
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len(), "option counts differ");
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0f32, f32::max)
+}
+
 fn argmax(v: &[f32]) -> usize {
     v.iter()
         .enumerate()
@@ -176,18 +189,12 @@ fn batch_equals_one_by_one() {
     let model = load("kev-small", 1.0, DType::F32);
     let recs = records();
     let batch = model.probs_batch(&recs).unwrap();
-    let mut worst = 0f32;
-    for (rec, b) in recs.iter().zip(&batch) {
-        for (x, y) in model
-            .probs(rec)
-            .unwrap()
-            .iter()
-            .flatten()
-            .zip(b.iter().flatten())
-        {
-            worst = worst.max((x - y).abs());
-        }
-    }
+    assert_eq!(batch.len(), recs.len());
+    let worst = recs
+        .iter()
+        .zip(&batch)
+        .map(|(rec, b)| max_delta(&model.probs(rec).unwrap(), b))
+        .fold(0f32, f32::max);
     println!(
         "batch of {} records vs one by one: max|Δp| {worst:.2e}",
         recs.len()
@@ -249,27 +256,21 @@ fn chunked_state_equals_whole_state() {
         let chunked = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
         let mut worst = 0f32;
         for rec in &recs {
-            let (a, b) = (whole.probs(rec).unwrap(), chunked.probs(rec).unwrap());
-            for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
-                worst = worst.max((x - y).abs());
-            }
-            let rows = chunked.forward_rows(rec).unwrap();
-            let rows_whole = whole.forward_rows(rec).unwrap();
-            for (x, y) in rows.iter().flatten().zip(rows_whole.iter().flatten()) {
-                worst = worst.max((x - y).abs() / 10.0); // logits: compare at the scale of p
-            }
+            worst = worst.max(max_delta(
+                &whole.probs(rec).unwrap(),
+                &chunked.probs(rec).unwrap(),
+            ));
+            // Logits, compared at the scale of probabilities.
+            let rows = max_delta(
+                &chunked.forward_rows(rec).unwrap(),
+                &whole.forward_rows(rec).unwrap(),
+            );
+            worst = worst.max(rows / 10.0);
         }
         let batch = chunked.probs_batch(&recs).unwrap();
+        assert_eq!(batch.len(), recs.len());
         for (rec, b) in recs.iter().zip(&batch) {
-            for (x, y) in whole
-                .probs(rec)
-                .unwrap()
-                .iter()
-                .flatten()
-                .zip(b.iter().flatten())
-            {
-                worst = worst.max((x - y).abs());
-            }
+            worst = worst.max(max_delta(&whole.probs(rec).unwrap(), b));
         }
         println!("state in pieces of {chunk} vs whole (prefix, row and batch forms): max|Δp| {worst:.2e}");
         assert!(worst <= TOL_FORMS_F32, "{worst:e}");
