@@ -143,6 +143,11 @@ impl Adapter {
         &self.path
     }
 
+    /// Whether the adapter changes base weight `name`.
+    pub fn touches(&self, name: &str) -> bool {
+        self.pairs.contains_key(name) || (name == "embed_tokens.weight" && self.tokens.is_some())
+    }
+
     /// Applies the adapter to base weight `name` (f32, CPU) with interpolation `lora_scale`.
     pub fn apply(&self, name: &str, weight: Tensor, lora_scale: f64) -> Result<Tensor> {
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);

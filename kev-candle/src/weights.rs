@@ -97,32 +97,36 @@ impl Weights {
 
     /// Like [`Weights::get`] but in `dtype` (for the few tensors kept in f32).
     pub fn get_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let mut w = self.raw(name)?;
-        if w.dims() != shape {
+        let stored = self.stored(name)?;
+        if stored.dims() != shape {
             return Err(Error::Tensor {
                 name: format!("{}{name}", self.prefix),
-                message: format!("expected shape {shape:?}, found {:?}", w.dims()),
+                message: format!("expected shape {shape:?}, found {:?}", stored.dims()),
             });
         }
-        if let Some(adapter) = &self.adapter {
-            w = adapter.apply(name, w, self.lora_scale)?;
-        }
+        // Only tensors the adapter changes are widened to f32 for the merge; the others go
+        // straight to their dtype (the same values: bf16 → f32 is exact, f32 → bf16 rounds once).
+        let w = match &self.adapter {
+            Some(adapter) if adapter.touches(name) => {
+                let w = stored.to_dtype(DType::F32).map_err(|e| self.err(name, e))?;
+                adapter.apply(name, w, self.lora_scale)?
+            }
+            _ => stored,
+        };
         w.to_dtype(dtype)
             .and_then(|w| w.to_device(&self.device))
             .map_err(|e| self.err(name, e))
     }
 
-    /// The stored tensor as f32 on the CPU.
-    fn raw(&self, name: &str) -> Result<Tensor> {
+    /// The stored tensor, in its stored dtype, on the CPU.
+    fn stored(&self, name: &str) -> Result<Tensor> {
         let full = format!("{}{name}", self.prefix);
-        let t = self
-            .st
+        self.st
             .load(&full, &Device::Cpu)
             .map_err(|_| Error::Tensor {
                 name: full.clone(),
                 message: format!("missing from {}", list(&self.files)),
-            })?;
-        t.to_dtype(DType::F32).map_err(|e| self.err(name, e))
+            })
     }
 
     fn err(&self, name: &str, e: candle_core::Error) -> Error {
