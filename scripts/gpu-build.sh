@@ -13,10 +13,11 @@ source scripts/cuda-env.sh
 target="${KEV_CUDA_TARGET:-target-cuda}"
 jobs="${CARGO_BUILD_JOBS:-2}"
 cargo build --release --features cuda --target-dir "$target" -j "$jobs" --example bench
+cargo build --release --features cuda --target-dir "$target" -j "$jobs" -p kev-kernels --example gdr_bench
 parity=$(cargo test --release --features cuda --target-dir "$target" -j "$jobs" --test parity --no-run \
   --message-format=json 2>/dev/null | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n1)
 mkdir -p .gpu
-for bin in "$parity:parity" "$target/release/examples/bench:bench"; do
+for bin in "$parity:parity" "$target/release/examples/bench:bench" "$target/release/examples/gdr_bench:gdr_bench"; do
   src=${bin%%:*} name=${bin##*:}
   strip -o ".gpu/$name" "$src"
   xz -T2 -6 -f ".gpu/$name"          # the GPU machine takes at most 64 MiB per call

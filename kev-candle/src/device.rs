@@ -16,7 +16,9 @@ pub fn select_device(backend: Backend) -> Result<Device> {
             if !cfg!(feature = "cuda") {
                 return Err(Error::Device { message: "`cuda` requested but this build has no CUDA support: rebuild with `--features cuda`".into() });
             }
-            Device::new_cuda(i).map_err(|e| dev_err(&format!("cuda:{i}"), e))
+            let dev = Device::new_cuda(i).map_err(|e| dev_err(&format!("cuda:{i}"), e))?;
+            single_stream(&dev);
+            Ok(dev)
         }
         Backend::Metal(i) => {
             if !cfg!(feature = "metal") {
@@ -32,12 +34,27 @@ pub fn select_device(backend: Backend) -> Result<Device> {
             }
             if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
                 if let Ok(d) = Device::new_cuda(0) {
+                    single_stream(&d);
                     return Ok(d);
                 }
             }
             Ok(Device::Cpu)
         }
     }
+}
+
+/// Kev runs everything on the device's one stream, so cudarc's per-buffer event tracking
+/// (two CUDA events created and destroyed with every allocation) buys nothing and costs time on
+/// every op of a launch-bound forward.
+fn single_stream(dev: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        // SAFETY: no tensor of this device is ever used on another stream: candle and our ops
+        // launch on the device's own stream only.
+        unsafe { d.disable_event_tracking() }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = dev;
 }
 
 /// The backbone dtype for `dtype` on `device`.

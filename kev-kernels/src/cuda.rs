@@ -14,6 +14,7 @@ use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
 use crate::causal_conv1d::CausalConv1d;
 use crate::gated_delta_rule::GatedDeltaRule;
+use crate::rows::rows;
 
 const SOURCE: &str = include_str!("kernels/ops.cu");
 const MODULE: &str = "kev_ops";
@@ -81,6 +82,25 @@ fn contiguous(l: &Layout, what: &str) -> Result<(usize, usize)> {
     }
 }
 
+/// State columns per warp in the recurrence: more columns share each step's q/k loads and
+/// reductions, fewer give more warps. One column unless there are enough (row, head) pairs to
+/// fill the GPU with fewer warps; `KEV_GDR_COLS` (1, 2 or 4) overrides, for tuning.
+fn gdr_cols(heads: usize, dv: usize) -> usize {
+    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("KEV_GDR_COLS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|c| [1, 2, 4].contains(c))
+    });
+    let cols = forced.unwrap_or(if heads >= 64 { 2 } else { 1 });
+    if dv % cols == 0 {
+        cols
+    } else {
+        1
+    }
+}
+
 pub(crate) fn gated_delta_rule(
     op: &GatedDeltaRule,
     state: &mut CudaStorage,
@@ -98,9 +118,13 @@ pub(crate) fn gated_delta_rule(
             dims.head_k_dim
         )
     }
+    let cols = gdr_cols(op.b_sz * dims.num_v_heads, dims.head_v_dim);
     let k = Kernel::load(
         qkv.device(),
-        &format!("gdr_{}_nk{nk}", tag(qkv.dtype(), "gated-delta-rule")?),
+        &format!(
+            "gdr_{}_nk{nk}_c{cols}",
+            tag(qkv.dtype(), "gated-delta-rule")?
+        ),
     )?;
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
@@ -111,7 +135,7 @@ pub(crate) fn gated_delta_rule(
     let n_out = op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim;
     let cfg = LaunchConfig {
         grid_dim: (
-            dims.head_v_dim.div_ceil(GDR_WARPS) as u32,
+            dims.head_v_dim.div_ceil(GDR_WARPS * cols) as u32,
             (op.b_sz * dims.num_v_heads) as u32,
             1,
         ),
@@ -201,4 +225,174 @@ pub(crate) fn causal_conv1d(
         _ => launch!(half::f16),
     };
     Ok((y, Shape::from((b_sz, seq_len, channels))))
+}
+
+/// Launches `name_<dtype>` on `dtype` storages: `$body` runs with `$t` bound to the element type.
+macro_rules! by_dtype {
+    ($dtype:expr, $op:expr, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            other => bail!("{}: unsupported dtype {other:?} on CUDA", $op),
+        }
+    };
+}
+
+fn grid_for(n: usize, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(block).clamp(1, 1 << 16), 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+pub(crate) fn rms_norm(
+    op: &crate::norm::RmsNorm,
+    xs: &CudaStorage,
+    xl: &Layout,
+    residual: Option<(&CudaStorage, &Layout)>,
+    ws: &CudaStorage,
+    wl: &Layout,
+) -> Result<CudaStorage> {
+    let name = format!("rmsnorm_{}", tag(xs.dtype(), "rms-norm")?);
+    let k = Kernel::load(xs.device(), &name)?;
+    let xv = rows(xl, "rms-norm input")?;
+    let (w0, w1) = contiguous(wl, "rms-norm weight")?;
+    let w = ws.as_cuda_slice::<f32>()?.slice(w0..w1);
+    let n_out = xv.rows * xv.cols * if residual.is_some() { 2 } else { 1 };
+    let block = (xv.cols.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (xv.rows as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let hv = residual
+        .map(|(_, l)| rows(l, "rms-norm residual"))
+        .transpose()?;
+    by_dtype!(xs.dtype(), "rms-norm", |T| {
+        let x = xs.as_cuda_slice::<T>()?.slice(xv.span());
+        let out = k.output::<T>(n_out)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        let (xs_, null) = (xv.stride as i64, 0u64);
+        b.arg(&x).arg(&xs_);
+        let h = match (residual, hv) {
+            (Some((hs, _)), Some(hv)) => {
+                Some((hs.as_cuda_slice::<T>()?.slice(hv.span()), hv.stride as i64))
+            }
+            _ => None,
+        };
+        match &h {
+            Some((h, stride)) => b.arg(h).arg(stride),
+            None => b.arg(&null).arg(&null),
+        };
+        let (rows_, cols_, eps) = (xv.rows as i32, xv.cols as i32, op.eps);
+        b.arg(&w).arg(&out).arg(&rows_).arg(&cols_).arg(&eps);
+        // SAFETY: argument types and order match `rmsnorm_*` in ops.cu; one block per row,
+        // every index stays inside the views the layouts describe.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
+pub(crate) fn gated_rms_norm(
+    op: &crate::norm::GatedRmsNorm,
+    xs: &CudaStorage,
+    xl: &Layout,
+    zs: &CudaStorage,
+    zl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+) -> Result<CudaStorage> {
+    let name = format!("gnorm_{}", tag(xs.dtype(), "gated-rms-norm")?);
+    let k = Kernel::load(xs.device(), &name)?;
+    let (x0, x1) = contiguous(xl, "gated-rms-norm input")?;
+    let (w0, w1) = contiguous(wl, "gated-rms-norm weight")?;
+    let zv = rows(zl, "gated-rms-norm gate")?;
+    let dv = w1 - w0;
+    let groups = (x1 - x0) / dv;
+    let heads = zv.cols / dv;
+    const WARPS_PER_BLOCK: usize = 8;
+    let cfg = LaunchConfig {
+        grid_dim: (groups.div_ceil(WARPS_PER_BLOCK) as u32, 1, 1),
+        block_dim: ((32 * WARPS_PER_BLOCK) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    by_dtype!(xs.dtype(), "gated-rms-norm", |T| {
+        let x = xs.as_cuda_slice::<T>()?.slice(x0..x1);
+        let z = zs.as_cuda_slice::<T>()?.slice(zv.span());
+        let w = ws.as_cuda_slice::<T>()?.slice(w0..w1);
+        let out = k.output::<T>(x1 - x0)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        let ints = [groups as i32, heads as i32, dv as i32];
+        let (zs_, eps) = (zv.stride as i64, op.eps);
+        b.arg(&x).arg(&z).arg(&zs_).arg(&w).arg(&out);
+        b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&eps);
+        // SAFETY: argument types and order match `gnorm_*` in ops.cu; one warp per group.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
+pub(crate) fn gates(
+    bas: &CudaStorage,
+    bal: &Layout,
+    ds: &CudaStorage,
+    dl: &Layout,
+    ns: &CudaStorage,
+    nl: &Layout,
+) -> Result<CudaStorage> {
+    let name = format!("gates_{}", tag(bas.dtype(), "deltanet-gates")?);
+    let k = Kernel::load(bas.device(), &name)?;
+    let v = rows(bal, "deltanet-gates input")?;
+    let (d0, d1) = contiguous(dl, "deltanet-gates dt_bias")?;
+    let (n0, n1) = contiguous(nl, "deltanet-gates neg_a")?;
+    let hv = d1 - d0;
+    let n = v.rows * hv;
+    let dt = ds.as_cuda_slice::<f32>()?.slice(d0..d1);
+    let neg_a = ns.as_cuda_slice::<f32>()?.slice(n0..n1);
+    by_dtype!(bas.dtype(), "deltanet-gates", |T| {
+        let ba = bas.as_cuda_slice::<T>()?.slice(v.span());
+        let out = k.output::<f32>(2 * n)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        let (stride, rows_, hv_) = (v.stride as i64, v.rows as i32, hv as i32);
+        b.arg(&ba)
+            .arg(&stride)
+            .arg(&dt)
+            .arg(&neg_a)
+            .arg(&out)
+            .arg(&rows_)
+            .arg(&hv_);
+        // SAFETY: argument types and order match `gates_*` in ops.cu; grid-stride below n.
+        unsafe { b.launch(grid_for(n, 256)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
+pub(crate) fn swiglu(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    let name = format!("swiglu_{}", tag(s.dtype(), "swiglu")?);
+    let k = Kernel::load(s.device(), &name)?;
+    let (a, e) = contiguous(l, "swiglu input")?;
+    let inter = l.dims().last().copied().unwrap_or(0) / 2;
+    let n = (e - a) / 2;
+    let rows_ = (n / inter.max(1)) as i32;
+    by_dtype!(s.dtype(), "swiglu", |T| {
+        let gu = s.as_cuda_slice::<T>()?.slice(a..e);
+        let out = k.output::<T>(n)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        let inter_ = inter as i32;
+        b.arg(&gu).arg(&out).arg(&rows_).arg(&inter_);
+        // SAFETY: argument types and order match `swiglu_*` in ops.cu; grid-stride below n.
+        unsafe { b.launch(grid_for(n, 256)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
 }

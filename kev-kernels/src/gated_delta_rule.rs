@@ -253,6 +253,22 @@ pub fn gated_delta_rule(
     if qkv.device().is_cuda() && seq_len >= CHUNKED_MIN_LEN {
         return crate::chunked::gated_delta_rule_chunked(qkv, gb, state, dims, lengths);
     }
+    gated_delta_rule_recurrent(qkv, gb, state, dims, lengths)
+}
+
+/// [`gated_delta_rule`] always in the step-by-step form (on every backend), for benchmarks and
+/// tests of the recurrent kernels themselves.
+pub fn gated_delta_rule_recurrent(
+    qkv: &Tensor,
+    gb: &Tensor,
+    state: &Tensor,
+    dims: GdrDims,
+    lengths: Option<&[usize]>,
+) -> Result<Tensor> {
+    let (b_sz, seq_len) = check(qkv, gb, state, dims)?;
+    if lengths.is_some_and(|l| l.len() != b_sz) {
+        bail!("gated-delta-rule: lengths do not match a batch of {b_sz}")
+    }
     let op = GatedDeltaRule {
         dims,
         b_sz,

@@ -1,6 +1,6 @@
 //! Kev's own candle ops for the Gated DeltaNet layers of Qwen3.5.
 //!
-//! Two ops, each a candle custom op with a CPU implementation (GPU implementations arrive behind
+//! Two recurrent-layer ops, each a candle custom op with a CPU implementation (GPU implementations arrive behind
 //! the `cuda` / `metal` features) and a plain tensor-op reference (`*_ref`) for tests:
 //!
 //! - [`gated_delta_rule`]: the gated delta rule recurrence over a persistent f32 state that is
@@ -8,7 +8,11 @@
 //! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
 //!   with its K−1 previous inputs so that a run can continue from a cache.
 //!
-//! Neither op knows anything about Qwen: shapes and head counts are explicit arguments.
+//! - Fused elementwise ops that replace chains of candle ops (a GPU forward is launch-bound):
+//!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`].
+//!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
+//!
+//! No op knows anything about Qwen: shapes and head counts are explicit arguments.
 
 mod causal_conv1d;
 mod chunked;
@@ -16,11 +20,20 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod gated_delta_rule;
+mod gates;
 #[cfg(feature = "metal")]
 mod metal;
+mod norm;
+mod rows;
+mod swiglu;
 #[doc(hidden)]
 pub mod testing;
 
 pub use causal_conv1d::{causal_conv1d, causal_conv1d_ref};
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
-pub use gated_delta_rule::{gated_delta_rule, gated_delta_rule_ref, GdrDims, CHUNKED_MIN_LEN};
+pub use gated_delta_rule::{
+    gated_delta_rule, gated_delta_rule_recurrent, gated_delta_rule_ref, GdrDims, CHUNKED_MIN_LEN,
+};
+pub use gates::{deltanet_gates, deltanet_gates_ref};
+pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
+pub use swiglu::{swiglu, swiglu_ref};

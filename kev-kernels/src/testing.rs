@@ -75,3 +75,68 @@ pub fn dims(hk: usize, hv: usize, dk: usize, dv: usize) -> GdrDims {
         head_v_dim: dv,
     }
 }
+
+/// Runs every fused elementwise op on `dev` against its tensor-op reference on the CPU, in f32
+/// and bf16, with inputs that are slices of a wider tensor (as the model passes them) and
+/// contiguous ones. `check(what, got, want, tol)` compares.
+pub fn check_fused_ops(
+    dev: &Device,
+    check: impl Fn(&str, &Tensor, &Tensor, f32) -> Result<()>,
+) -> Result<()> {
+    use crate::{
+        add_rms_norm, deltanet_gates, deltanet_gates_ref, gated_rms_norm, gated_rms_norm_ref,
+        rms_norm, rms_norm_ref, swiglu, swiglu_ref,
+    };
+    let eps = 1e-6;
+    for dtype in [DType::F32, DType::BF16] {
+        // f32: same math, other summation order. bf16: one rounding of O(1) values may land
+        // one ulp (2^-7 relative) apart.
+        let tol = if dtype == DType::F32 { 1e-5 } else { 3e-2 };
+        let on = |t: Tensor| -> Result<(Tensor, Tensor)> {
+            let t = t.to_dtype(dtype)?;
+            Ok((t.to_device(dev)?, t))
+        };
+        // A merged projection [B, T, 3·64 + 2·4]: x | h | z parts and a [b | a] tail.
+        let (b, t, hv, dv) = (2, 5, 4, 16);
+        let (proj_d, proj) = on(patterned(&[b, t, 3 * 64 + 2 * hv], 0.2, 2.0)?)?;
+        let part = |p: &Tensor, i: usize| p.narrow(D::Minus1, 64 * i, 64);
+        let w1 = (patterned(&[64], 1.3, 0.3)? + 1.0)?;
+        let w1_d = w1.to_device(dev)?;
+        let tag = |op: &str| format!("{op} {dtype:?}");
+
+        let got = rms_norm(&part(&proj_d, 0)?, &w1_d, eps)?;
+        let want = rms_norm_ref(&part(&proj, 0)?, &w1, eps)?;
+        check(&tag("rms-norm (slice)"), &got, &want, tol)?;
+        let x = part(&proj, 0)?.contiguous()?;
+        let got = rms_norm(&x.to_device(dev)?, &w1_d, eps)?;
+        check(&tag("rms-norm"), &got, &rms_norm_ref(&x, &w1, eps)?, tol)?;
+
+        let (sum, normed) = add_rms_norm(&part(&proj_d, 0)?, &part(&proj_d, 1)?, &w1_d, eps)?;
+        let want_sum = (part(&proj, 0)? + part(&proj, 1)?)?;
+        check(&tag("add-rms-norm sum"), &sum, &want_sum, 0.0)?;
+        let want = rms_norm_ref(&want_sum, &w1, eps)?;
+        check(&tag("add-rms-norm normed"), &normed, &want, tol)?;
+
+        let (x_d, x) = on(patterned(&[b, t, hv, dv], 0.7, 1.5)?)?;
+        let (w_d, w) = on(patterned(&[dv], 2.1, 1.0)?)?;
+        let got = gated_rms_norm(&x_d, &part(&proj_d, 2)?, &w_d, eps)?;
+        let want = gated_rms_norm_ref(&x, &part(&proj, 2)?, &w, eps)?;
+        check(&tag("gated-rms-norm"), &got, &want, tol)?;
+
+        let dt_bias = patterned(&[hv], 0.5, 1.0)?;
+        let neg_a = (patterned(&[hv], 0.9, 1.0)?.exp()? * -1.0)?;
+        let ba = proj.narrow(D::Minus1, 3 * 64, 2 * hv)?;
+        let got = deltanet_gates(
+            &proj_d.narrow(D::Minus1, 3 * 64, 2 * hv)?,
+            &dt_bias.to_device(dev)?,
+            &neg_a.to_device(dev)?,
+        )?;
+        let want = deltanet_gates_ref(&ba, &dt_bias, &neg_a)?;
+        // Gates are f32 from the same inputs; β is rounded to the dtype on both sides.
+        check(&tag("deltanet-gates"), &got, &want, 1e-5)?;
+
+        let (gu_d, gu) = on(patterned(&[b, t, 2 * 48], 1.9, 3.0)?)?;
+        check(&tag("swiglu"), &swiglu(&gu_d)?, &swiglu_ref(&gu)?, tol)?;
+    }
+    Ok(())
+}

@@ -222,3 +222,10 @@ fn chunked_form_equals_recurrent() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn fused_ops_match_references() -> Result<()> {
+    testing::check_fused_ops(&candle_core::Device::Cpu, |what, got, want, tol| {
+        assert_close(what, got, want, tol)
+    })
+}

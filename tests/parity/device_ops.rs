@@ -100,3 +100,10 @@ fn causal_conv1d_on_device_matches_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn fused_ops_on_device_match_references() -> Result<()> {
+    testing::check_fused_ops(&device(), |what, got, want, tol| {
+        check(what, got, want, tol).map(|_| ())
+    })
+}

@@ -6,14 +6,13 @@ use candle_nn::Linear;
 
 use super::norm::ZeroCenteredRmsNorm;
 use super::rope::Rotation;
-use super::{linear, Config};
+use super::{linear, linear_cat, Config};
 use crate::weights::Weights;
 
 /// One full-attention layer.
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// `q_proj` (`[q | gate]` per head), `k_proj`, `v_proj` stacked.
+    qkv_proj: Linear,
     o_proj: Linear,
     q_norm: ZeroCenteredRmsNorm,
     k_norm: ZeroCenteredRmsNorm,
@@ -34,9 +33,15 @@ impl Attention {
                 .map_err(|e| kev_core::Error::backend(format!("`{key}`"), e))
         };
         Ok(Self {
-            q_proj: linear(w, &format!("{prefix}.q_proj"), h, nq * hd * 2)?,
-            k_proj: linear(w, &format!("{prefix}.k_proj"), h, nkv * hd)?,
-            v_proj: linear(w, &format!("{prefix}.v_proj"), h, nkv * hd)?,
+            qkv_proj: linear_cat(
+                w,
+                &[
+                    (&format!("{prefix}.q_proj"), nq * hd * 2),
+                    (&format!("{prefix}.k_proj"), nkv * hd),
+                    (&format!("{prefix}.v_proj"), nkv * hd),
+                ],
+                h,
+            )?,
             o_proj: linear(w, &format!("{prefix}.o_proj"), nq * hd, h)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
@@ -58,17 +63,21 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b_sz, seq_len, _) = xs.dims3()?;
         let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q_gate = self
-            .q_proj
-            .forward(xs)?
-            .reshape((b_sz, seq_len, nq, 2 * hd))?;
+        let proj = self.qkv_proj.forward(xs)?;
+        let q_gate =
+            proj.narrow(D::Minus1, 0, nq * 2 * hd)?
+                .reshape((b_sz, seq_len, nq, 2 * hd))?;
         let q = self.q_norm.forward(&q_gate.narrow(D::Minus1, 0, hd)?)?;
         let gate = q_gate
             .narrow(D::Minus1, hd, hd)?
             .reshape((b_sz, seq_len, nq * hd))?;
-        let k = self.k_proj.forward(xs)?.reshape((b_sz, seq_len, nkv, hd))?;
+        let k = proj
+            .narrow(D::Minus1, nq * 2 * hd, nkv * hd)?
+            .reshape((b_sz, seq_len, nkv, hd))?;
         let k = self.k_norm.forward(&k)?;
-        let v = self.v_proj.forward(xs)?.reshape((b_sz, seq_len, nkv, hd))?;
+        let v = proj
+            .narrow(D::Minus1, (nq * 2 + nkv) * hd, nkv * hd)?
+            .reshape((b_sz, seq_len, nkv, hd))?;
 
         let q = rotation.apply(&q.transpose(1, 2)?)?; // [B, Hq, T, hd]
         let k = rotation.apply(&k.transpose(1, 2)?)?.contiguous()?; // [B, Hkv, T, hd]

@@ -3,18 +3,16 @@
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Linear;
-use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
+use kev_kernels::{causal_conv1d, deltanet_gates, gated_delta_rule, GdrDims};
 
 use super::norm::GatedRmsNorm;
-use super::{linear, Config};
+use super::{linear, linear_cat, Config};
 use crate::weights::Weights;
 
 /// One Gated DeltaNet layer.
 pub struct GatedDeltaNet {
-    in_proj_qkv: Linear,
-    in_proj_z: Linear,
-    in_proj_b: Linear,
-    in_proj_a: Linear,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` stacked: `[C + Hv·Dv + 2·Hv, H]`.
+    in_proj: Linear,
     /// `[C, K]` (the checkpoint's `[C, 1, K]` squeezed).
     conv1d: Tensor,
     /// `-exp(A_log)` in f32, `[Hv]`.
@@ -50,10 +48,16 @@ impl GatedDeltaNet {
             .get(&format!("{prefix}.dt_bias"), &[hv])?
             .to_dtype(DType::F32);
         Ok(Self {
-            in_proj_qkv: linear(w, &format!("{prefix}.in_proj_qkv"), h, c)?,
-            in_proj_z: linear(w, &format!("{prefix}.in_proj_z"), h, hv * dv)?,
-            in_proj_b: linear(w, &format!("{prefix}.in_proj_b"), h, hv)?,
-            in_proj_a: linear(w, &format!("{prefix}.in_proj_a"), h, hv)?,
+            in_proj: linear_cat(
+                w,
+                &[
+                    (&format!("{prefix}.in_proj_qkv"), c),
+                    (&format!("{prefix}.in_proj_z"), hv * dv),
+                    (&format!("{prefix}.in_proj_b"), hv),
+                    (&format!("{prefix}.in_proj_a"), hv),
+                ],
+                h,
+            )?,
             conv1d,
             neg_a: neg_a.map_err(ctx("A_log"))?,
             dt_bias: dt_bias.map_err(ctx("dt_bias"))?,
@@ -87,24 +91,18 @@ impl GatedDeltaNet {
             head_v_dim: dv,
             ..
         } = self.dims;
-        let qkv = self.in_proj_qkv.forward(xs)?;
-        let z = self
-            .in_proj_z
-            .forward(xs)?
-            .reshape((b_sz, seq_len, hv, dv))?;
-        let b = self.in_proj_b.forward(xs)?;
-        let a = self.in_proj_a.forward(xs)?;
+        let c = self.dims.channels();
+        let proj = self.in_proj.forward(xs)?; // [B, T, C + Hv·Dv + 2·Hv]
+        let qkv = proj.narrow(D::Minus1, 0, c)?;
+        let z = proj.narrow(D::Minus1, c, hv * dv)?;
+        let ba = proj.narrow(D::Minus1, c + hv * dv, 2 * hv)?;
 
         let window = Tensor::cat(&[&*conv, &qkv], 1)?; // [B, K−1+T, C]
         let mixed = causal_conv1d(&window, &self.conv1d)?;
         *conv = self.next_window(&window, lengths)?;
 
-        // β = sigmoid(b) in the activation dtype (as HF), g = −exp(A_log)·softplus(a + dt_bias) in f32.
-        let beta = candle_nn::ops::sigmoid(&b)?.to_dtype(DType::F32)?;
-        let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?
-            .broadcast_mul(&self.neg_a)?;
-        let gb = Tensor::stack(&[&g, &beta], D::Minus1)?; // [B, T, Hv, 2]
-
+        // g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as HF).
+        let gb = deltanet_gates(&ba, &self.dt_bias, &self.neg_a)?; // [B, T, Hv, 2]
         let lengths = (lengths.iter().any(|&l| l != seq_len)).then_some(lengths);
         let o = gated_delta_rule(&mixed, &gb, state, self.dims, lengths)?; // [B, T, Hv, Dv]
         let o = self
@@ -121,17 +119,17 @@ impl GatedDeltaNet {
         if lengths.iter().all(|&l| l == seq_len) {
             return window.narrow(1, seq_len, keep)?.contiguous();
         }
-        let rows = lengths
+        // One gather over the flattened window instead of a narrow + copy per row.
+        let (b_sz, width, channels) = window.dims3()?;
+        let idx: Vec<u32> = lengths
             .iter()
             .enumerate()
-            .map(|(b, &l)| window.narrow(0, b, 1)?.narrow(1, l, keep))
-            .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&rows, 0)
+            .flat_map(|(b, &l)| (l..l + keep).map(move |t| (b * width + t) as u32))
+            .collect();
+        let idx = Tensor::from_vec(idx, b_sz * keep, window.device())?;
+        window
+            .reshape((b_sz * width, channels))?
+            .index_select(&idx, 0)?
+            .reshape((b_sz, keep, channels))
     }
-}
-
-/// `softplus(x) = max(x, 0) + log(1 + exp(−|x|))`: stable for any x (torch switches to `x`
-/// above 20; the difference there is below f32 resolution).
-fn softplus(x: &Tensor) -> Result<Tensor> {
-    x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
 }

@@ -58,8 +58,20 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&self, xs: &Tensor, cache: &mut LayerCache, step: &Step) -> Result<Tensor> {
-        let h = self.input_layernorm.forward(xs)?;
+    /// Runs the layer on the residual stream `xs` plus `pending`, the previous layer's MLP
+    /// output not yet added (the add is fused into this layer's input norm). Returns the new
+    /// stream and this layer's MLP output, likewise not yet added.
+    fn forward(
+        &self,
+        xs: &Tensor,
+        pending: Option<&Tensor>,
+        cache: &mut LayerCache,
+        step: &Step,
+    ) -> Result<(Tensor, Tensor)> {
+        let (xs, h) = match pending {
+            Some(p) => self.input_layernorm.forward_residual(xs, p)?,
+            None => (xs.clone(), self.input_layernorm.forward(xs)?),
+        };
         let h = match (&self.mixer, cache) {
             (Mixer::Attention(attn), LayerCache::Attention { k, v }) => {
                 let mask = step
@@ -73,11 +85,8 @@ impl DecoderLayer {
             }
             _ => candle_core::bail!("cache layer kind does not match the model layer"),
         };
-        let xs = (xs + h)?;
-        let h = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&xs)?)?;
-        xs + h
+        let (xs, h) = self.post_attention_layernorm.forward_residual(&xs, &h)?;
+        Ok((xs, self.mlp.forward(&h)?))
     }
 }
 
@@ -189,14 +198,25 @@ impl Model {
             lengths,
         };
         let mut xs = self.embed_tokens.forward(ids)?;
+        let mut pending = None;
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            xs = layer.forward(&xs, layer_cache, &step)?;
-            if let Some(outs) = layer_outs.as_mut() {
-                outs.push(xs.clone());
+            let (stream, mlp_out) = layer.forward(&xs, pending.as_ref(), layer_cache, &step)?;
+            match layer_outs.as_mut() {
+                Some(outs) => {
+                    xs = (stream + mlp_out)?;
+                    outs.push(xs.clone());
+                }
+                None => {
+                    xs = stream;
+                    pending = Some(mlp_out);
+                }
             }
         }
         cache.advance(seq_len, lengths);
-        self.norm.forward(&xs)
+        match pending {
+            Some(h) => Ok(self.norm.forward_residual(&xs, &h)?.1),
+            None => self.norm.forward(&xs),
+        }
     }
 
     /// Additive f32 mask `[B, 1, 1, T, S+T]`: cached keys are visible where real, new keys

@@ -1,6 +1,6 @@
-//! The two RMSNorms of Qwen3.5 (QWEN35.md §10 pitfall 1).
+//! The two RMSNorms of Qwen3.5 (QWEN35.md §10 pitfall 1), each one kev-kernels op.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor};
 
 /// `x̂ · (1 + w)` computed in f32 and cast back: the input, post-attention, final and q/k norms.
 /// The checkpoint stores `w` zero-centred; forming `1 + w` in the weight dtype would round it.
@@ -20,16 +20,13 @@ impl ZeroCenteredRmsNorm {
 
     /// Normalises over the last dim.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let x = xs.to_dtype(DType::F32)?;
-        let x = rms_normalize(&x, self.eps)?;
-        x.broadcast_mul(&self.one_plus_w)?.to_dtype(xs.dtype())
+        kev_kernels::rms_norm(xs, &self.one_plus_w, self.eps)
     }
-}
 
-/// `x / sqrt(mean(x²) + eps)` over the last dim (f32 in, f32 out).
-pub fn rms_normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + eps)?.sqrt()?)
+    /// The residual add `xs + h` (the layer's output stream) and its norm, in one pass.
+    pub fn forward_residual(&self, xs: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        kev_kernels::add_rms_norm(xs, h, &self.one_plus_w, self.eps)
+    }
 }
 
 /// The DeltaNet output norm: per value head, `w · x̂` (plain weight, in the activation dtype)
@@ -45,12 +42,9 @@ impl GatedRmsNorm {
         Self { weight, eps }
     }
 
-    /// `xs`, `z`: `[.., Dv]` in the backbone dtype; returns the same shape and dtype.
+    /// `xs: [.., Hv, Dv]`, `z`: the same elements as `[.., Hv·Dv]`, both in the backbone dtype;
+    /// returns the shape and dtype of `xs`.
     pub fn forward(&self, xs: &Tensor, z: &Tensor) -> Result<Tensor> {
-        let dtype = xs.dtype();
-        let x = rms_normalize(&xs.to_dtype(DType::F32)?, self.eps)?.to_dtype(dtype)?;
-        let x = x.broadcast_mul(&self.weight)?.to_dtype(DType::F32)?;
-        let z = z.to_dtype(DType::F32)?;
-        (x * candle_nn::ops::silu(&z)?)?.to_dtype(dtype)
+        kev_kernels::gated_rms_norm(xs, z, &self.weight, self.eps)
     }
 }

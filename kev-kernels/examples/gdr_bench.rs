@@ -1,0 +1,66 @@
+//! Times the two forms of the gated delta rule (step-by-step kernel and chunked tensor-op form)
+//! on the 0.8B / 4B DeltaNet shapes, to choose where the dispatch switches between them.
+//!
+//! ```sh
+//! cargo run --release -p kev-kernels --features cuda --example gdr_bench   # on a CUDA machine
+//! ```
+//! Prints one line per (batch, steps, shape): median milliseconds per call of each form.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Result};
+use kev_kernels::testing::{dims, gdr_inputs};
+use kev_kernels::{gated_delta_rule_chunked, gated_delta_rule_recurrent, GdrDims};
+
+fn median_ms(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut times = Vec::new();
+    for _ in 0..9 {
+        let start = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn main() -> Result<()> {
+    let dev = if candle_core::utils::cuda_is_available() {
+        Device::new_cuda(0)?
+    } else {
+        Device::Cpu
+    };
+    let shapes: [(&str, GdrDims); 2] = [
+        ("0.8b", dims(16, 16, 128, 128)),
+        ("4b", dims(16, 32, 128, 128)),
+    ];
+    println!("device {dev:?}");
+    for (name, d) in shapes {
+        for (b, t) in [(16, 48), (1, 512), (8, 512), (1, 4096)] {
+            let (qkv, gb, state) = gdr_inputs(b, t, d, 0.3)?;
+            let qkv = qkv.to_dtype(DType::BF16)?.to_device(&dev)?;
+            let (gb, state) = (gb.to_device(&dev)?, state.to_device(&dev)?);
+            let rec = median_ms(&dev, || {
+                gated_delta_rule_recurrent(&qkv, &gb, &state, d, None).map(|_| ())
+            })?;
+            let chunked = median_ms(&dev, || {
+                gated_delta_rule_chunked(&qkv, &gb, &state, d, None).map(|_| ())
+            })?;
+            let s2 = state.copy()?;
+            let a = gated_delta_rule_recurrent(&qkv, &gb, &state.copy()?, d, None)?;
+            let c = gated_delta_rule_chunked(&qkv, &gb, &s2, d, None)?;
+            let diff = (a.to_dtype(DType::F32)? - c.to_dtype(DType::F32)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            println!(
+                "{name} b={b:<2} t={t:<4} recurrent {rec:8.3} ms  chunked {chunked:8.3} ms  max|Δ| {diff:.1e}"
+            );
+        }
+    }
+    Ok(())
+}

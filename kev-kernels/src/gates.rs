@@ -1,0 +1,119 @@
+//! The per-step gates of a Gated DeltaNet layer in one op: from the `b` and `a` projections to
+//! the `(g, β)` pairs the delta rule reads (QWEN35.md §3 step 5), instead of ~13 tensor ops.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::cpu::as_f32;
+use crate::rows::{as_rows, rounder, rows};
+
+/// The op: inputs `ba` (`[.., 2·Hv]` rows, `b` then `a`), `dt_bias` and `neg_a` (f32 `[Hv]`).
+pub(crate) struct Gates;
+
+fn out_shape(l: &Layout) -> Result<Shape> {
+    let mut dims = l.dims().to_vec();
+    let last = dims.pop().unwrap_or(0);
+    dims.extend([last / 2, 2]);
+    Ok(Shape::from(dims))
+}
+
+/// torch's softplus (threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+impl CustomOp3 for Gates {
+    fn name(&self) -> &'static str {
+        "deltanet-gates"
+    }
+
+    fn cpu_fwd(
+        &self,
+        bas: &CpuStorage,
+        bal: &Layout,
+        ds: &CpuStorage,
+        dl: &Layout,
+        ns: &CpuStorage,
+        nl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let view = rows(bal, "deltanet-gates input")?;
+        let ba = view.read_f32(bas, "deltanet-gates input")?;
+        let dt_bias = as_f32(ds, dl, "deltanet-gates dt_bias")?;
+        let neg_a = as_f32(ns, nl, "deltanet-gates neg_a")?;
+        let (hv, round) = (dt_bias.len(), rounder(bas.dtype()));
+        let mut gb = vec![0f32; view.rows * hv * 2];
+        gb.par_chunks_mut(2 * hv)
+            .zip(ba.par_chunks(2 * hv))
+            .for_each(|(out, row)| {
+                for h in 0..hv {
+                    out[2 * h] = neg_a[h] * softplus(row[hv + h] + dt_bias[h]);
+                    out[2 * h + 1] = round(1.0 / (1.0 + (-row[h]).exp()));
+                }
+            });
+        Ok((CpuStorage::F32(gb), out_shape(bal)?))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        bas: &candle_core::CudaStorage,
+        bal: &Layout,
+        ds: &candle_core::CudaStorage,
+        dl: &Layout,
+        ns: &candle_core::CudaStorage,
+        nl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::gates(bas, bal, ds, dl, ns, nl)?;
+        Ok((out, out_shape(bal)?))
+    }
+}
+
+/// `(g, β)` per step and value head, f32 `[.., Hv, 2]`, from `ba: [.., 2·Hv]` (`b` then `a`, in
+/// the activation dtype; may be a slice of a wider projection):
+/// `g = neg_a · softplus(a + dt_bias)` in f32 and `β = sigmoid(b)` rounded to the activation
+/// dtype, as HF computes them. `dt_bias`, `neg_a` (= −exp(A_log)): f32 `[Hv]`.
+pub fn deltanet_gates(ba: &Tensor, dt_bias: &Tensor, neg_a: &Tensor) -> Result<Tensor> {
+    let hv = dt_bias.elem_count();
+    if ba.dim(D::Minus1)? != 2 * hv
+        || neg_a.dims() != [hv]
+        || dt_bias.dims() != [hv]
+        || dt_bias.dtype() != DType::F32
+        || neg_a.dtype() != DType::F32
+    {
+        bail!(
+            "deltanet-gates: input {:?} does not fit f32 dt_bias {:?} / neg_a {:?}",
+            ba.dims(),
+            dt_bias.dims(),
+            neg_a.dims()
+        )
+    }
+    if ba.device().is_metal() {
+        return deltanet_gates_ref(ba, dt_bias, neg_a);
+    }
+    as_rows(ba)?.apply_op3_no_bwd(&dt_bias.contiguous()?, &neg_a.contiguous()?, &Gates)
+}
+
+/// [`deltanet_gates`] with plain tensor ops (the test reference, and the Metal path).
+pub fn deltanet_gates_ref(ba: &Tensor, dt_bias: &Tensor, neg_a: &Tensor) -> Result<Tensor> {
+    let hv = dt_bias.elem_count();
+    let b = ba.narrow(D::Minus1, 0, hv)?;
+    let a = ba.narrow(D::Minus1, hv, hv)?.to_dtype(DType::F32)?;
+    let beta = b
+        .to_dtype(DType::F32)?
+        .neg()?
+        .exp()?
+        .affine(1.0, 1.0)?
+        .recip()?
+        .to_dtype(ba.dtype())?
+        .to_dtype(DType::F32)?;
+    let x = a.broadcast_add(dt_bias)?;
+    // softplus(x) = max(x, 0) + log(1 + exp(−|x|)), equal to torch's form within f32 rounding.
+    let softplus = (x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
+    let g = softplus.broadcast_mul(neg_a)?;
+    Tensor::stack(&[&g, &beta], D::Minus1)
+}

@@ -1,0 +1,281 @@
+//! The RMSNorms of a Qwen3.5 layer as single ops: the zero-centred norm (optionally fused with
+//! the residual add before it) and the DeltaNet's gated output norm. Composed from candle ops
+//! they cost 8 to 13 kernel launches each; the forward is launch-bound on a GPU.
+//!
+//! Rounding follows HF's PyTorch code: statistics and products in f32, results rounded to the
+//! activation dtype where PyTorch holds a tensor in it.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
+};
+use rayon::prelude::*;
+
+use crate::cpu::{as_f32, from_f32};
+use crate::rows::{as_rows, rounder, rows};
+
+/// Zero-centred RMSNorm, `x̂·w1` with `w1 = 1 + w` (f32), optionally after a residual add.
+pub(crate) struct RmsNorm {
+    pub(crate) eps: f32,
+}
+
+impl RmsNorm {
+    fn cpu(&self, x: Vec<f32>, h: Option<Vec<f32>>, w1: &[f32], dtype: DType) -> Vec<f32> {
+        let cols = w1.len();
+        let round = rounder(dtype);
+        let sum = match h {
+            Some(h) => Some(
+                x.iter()
+                    .zip(&h)
+                    .map(|(a, b)| round(a + b))
+                    .collect::<Vec<_>>(),
+            ),
+            None => None,
+        };
+        let src = sum.as_deref().unwrap_or(&x);
+        let mut normed = vec![0f32; src.len()];
+        normed
+            .par_chunks_mut(cols)
+            .zip(src.par_chunks(cols))
+            .for_each(|(o, v)| {
+                let ms = v.iter().map(|&a| f64::from(a * a)).sum::<f64>() / cols as f64;
+                let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
+                o.iter_mut()
+                    .zip(v.iter().zip(w1))
+                    .for_each(|(o, (a, w))| *o = a * inv * w);
+            });
+        match sum {
+            Some(mut s) => {
+                s.extend(normed);
+                s
+            }
+            None => normed,
+        }
+    }
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = rows(xl, "rms-norm input")?.read_f32(xs, "rms-norm input")?;
+        let w1 = as_f32(ws, wl, "rms-norm weight")?;
+        let out = self.cpu(x, None, &w1, xs.dtype());
+        Ok((from_f32(out, xs.dtype())?, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::rms_norm(self, xs, xl, None, ws, wl)?;
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+/// The residual form: inputs `x`, `h`, `w1`; output `[2, ..]` = (x + h, its norm).
+pub(crate) struct AddRmsNorm(pub(crate) RmsNorm);
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        hs: &CpuStorage,
+        hl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = rows(xl, "add-rms-norm input")?.read_f32(xs, "add-rms-norm input")?;
+        let h = rows(hl, "add-rms-norm residual")?.read_f32(hs, "add-rms-norm residual")?;
+        let w1 = as_f32(ws, wl, "rms-norm weight")?;
+        let out = self.0.cpu(x, Some(h), &w1, xs.dtype());
+        Ok((from_f32(out, xs.dtype())?, stacked(xl)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        hs: &candle_core::CudaStorage,
+        hl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::rms_norm(&self.0, xs, xl, Some((hs, hl)), ws, wl)?;
+        Ok((out, stacked(xl)))
+    }
+}
+
+fn stacked(l: &Layout) -> Shape {
+    let mut dims = vec![2];
+    dims.extend_from_slice(l.dims());
+    Shape::from(dims)
+}
+
+/// The gated output norm of a DeltaNet layer (HF `Qwen3_5RMSNormGated`).
+pub(crate) struct GatedRmsNorm {
+    pub(crate) eps: f32,
+}
+
+impl CustomOp3 for GatedRmsNorm {
+    fn name(&self) -> &'static str {
+        "gated-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        zs: &CpuStorage,
+        zl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = as_f32(xs, xl, "gated-rms-norm input")?;
+        let z = rows(zl, "gated-rms-norm gate")?.read_f32(zs, "gated-rms-norm gate")?;
+        let w = as_f32(ws, wl, "gated-rms-norm weight")?;
+        let (dv, round) = (w.len(), rounder(xs.dtype()));
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(dv)
+            .zip(x.par_chunks(dv).zip(z.par_chunks(dv)))
+            .for_each(|(o, (x, z))| {
+                let ms = x.iter().map(|&a| f64::from(a * a)).sum::<f64>() / dv as f64;
+                let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
+                for (((o, &a), &g), &w) in o.iter_mut().zip(x).zip(z).zip(w.iter()) {
+                    *o = round(round(a * inv) * w) * (g / (1.0 + (-g).exp()));
+                }
+            });
+        Ok((from_f32(out, xs.dtype())?, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        zs: &candle_core::CudaStorage,
+        zl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::gated_rms_norm(self, xs, xl, zs, zl, ws, wl)?;
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+fn check_weight(x: &Tensor, w: &Tensor, what: &str) -> Result<()> {
+    if w.dims() != [x.dim(D::Minus1)?] {
+        bail!(
+            "{what}: weight {:?} does not match input {:?}",
+            w.dims(),
+            x.dims()
+        )
+    }
+    Ok(())
+}
+
+/// Zero-centred RMSNorm over the last dim: `x / sqrt(mean(x²) + eps) · w1` in f32, returned in
+/// the dtype of `x`. `w1` is `1 + w`, f32 (forming it in a 16-bit dtype would round it).
+/// `x` may be a slice of a wider tensor (evenly spaced rows); anything else is copied first.
+pub fn rms_norm(x: &Tensor, w1: &Tensor, eps: f64) -> Result<Tensor> {
+    check_weight(x, w1, "rms-norm")?;
+    if x.device().is_metal() {
+        return rms_norm_ref(x, w1, eps);
+    }
+    as_rows(x)?.apply_op2_no_bwd(
+        &w1.to_dtype(DType::F32)?.contiguous()?,
+        &RmsNorm { eps: eps as f32 },
+    )
+}
+
+/// The residual add `x + h` (in their dtype, as the model's residual stream) and its
+/// [`rms_norm`], in one pass. Returns `(sum, normed)`.
+pub fn add_rms_norm(x: &Tensor, h: &Tensor, w1: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    check_weight(x, w1, "add-rms-norm")?;
+    if x.dims() != h.dims() || x.dtype() != h.dtype() {
+        bail!(
+            "add-rms-norm: residual {:?} {:?} does not match {:?} {:?}",
+            h.dtype(),
+            h.dims(),
+            x.dtype(),
+            x.dims()
+        )
+    }
+    if x.device().is_metal() {
+        let sum = (x + h)?;
+        let normed = rms_norm_ref(&sum, w1, eps)?;
+        return Ok((sum, normed));
+    }
+    let both = as_rows(x)?.apply_op3_no_bwd(
+        &as_rows(h)?,
+        &w1.to_dtype(DType::F32)?.contiguous()?,
+        &AddRmsNorm(RmsNorm { eps: eps as f32 }),
+    )?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
+/// The gated norm: per group of `Dv` values, `round(round(x̂)·w) · silu(z)` with x̂ in f32
+/// (HF `Qwen3_5RMSNormGated`). `x: [.., Hv, Dv]`, `z`: the same elements as `[.., Hv·Dv]` (may
+/// be a slice of a wider projection), `w: [Dv]` in the dtype of `x`.
+pub fn gated_rms_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    check_weight(x, w, "gated-rms-norm")?;
+    if x.elem_count() != z.elem_count() || x.dtype() != z.dtype() || w.dtype() != x.dtype() {
+        bail!(
+            "gated-rms-norm: gate {:?} {:?} / weight {:?} do not match input {:?} {:?}",
+            z.dtype(),
+            z.dims(),
+            w.dtype(),
+            x.dtype(),
+            x.dims()
+        )
+    }
+    if x.device().is_metal() {
+        return gated_rms_norm_ref(x, z, w, eps);
+    }
+    x.contiguous()?.apply_op3_no_bwd(
+        &as_rows(z)?,
+        &w.contiguous()?,
+        &GatedRmsNorm { eps: eps as f32 },
+    )
+}
+
+/// `x / sqrt(mean(x²) + eps)` over the last dim (f32 in, f32 out).
+fn normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)
+}
+
+/// [`rms_norm`] with plain tensor ops (the test reference, and the Metal path).
+pub fn rms_norm_ref(x: &Tensor, w1: &Tensor, eps: f64) -> Result<Tensor> {
+    let n = normalize(&x.to_dtype(DType::F32)?, eps)?;
+    n.broadcast_mul(&w1.to_dtype(DType::F32)?)?
+        .to_dtype(x.dtype())
+}
+
+/// [`gated_rms_norm`] with plain tensor ops (the test reference, and the Metal path).
+pub fn gated_rms_norm_ref(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let n = normalize(&x.to_dtype(DType::F32)?, eps)?.to_dtype(dtype)?;
+    let n = n.broadcast_mul(w)?.to_dtype(DType::F32)?;
+    let z = z.reshape(x.shape())?.to_dtype(DType::F32)?;
+    let silu = (&z / (z.neg()?.exp()? + 1.0)?)?;
+    (n * silu)?.to_dtype(dtype)
+}

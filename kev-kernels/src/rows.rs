@@ -1,0 +1,95 @@
+//! Row views: the elementwise ops read `[rows, cols]` slices of wider tensors (one part of a
+//! merged projection) in place instead of copying them out first.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, Layout, Result, Tensor};
+
+/// A `[rows, cols]` view of a storage: row r starts at `offset + r·stride`, columns are contiguous.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rows {
+    pub(crate) offset: usize,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) stride: usize,
+}
+
+impl Rows {
+    /// The view of `l` with its last dim as columns, or `None` when the leading dims do not
+    /// collapse into evenly spaced rows.
+    pub(crate) fn of(l: &Layout) -> Option<Self> {
+        let (dims, strides) = (l.dims(), l.stride());
+        let (&cols, lead) = dims.split_last()?;
+        if cols > 1 && strides[dims.len() - 1] != 1 {
+            return None;
+        }
+        // Size-1 dims have no meaningful stride; the others must nest exactly.
+        let spans: Vec<(usize, usize)> = lead
+            .iter()
+            .zip(strides)
+            .filter(|(&d, _)| d > 1)
+            .map(|(&d, &s)| (d, s))
+            .collect();
+        let stride = spans.last().map_or(cols, |&(_, s)| s);
+        if stride < cols || spans.windows(2).any(|w| w[0].1 != w[1].0 * w[1].1) {
+            return None;
+        }
+        Some(Self {
+            offset: l.start_offset(),
+            rows: lead.iter().product(),
+            cols,
+            stride,
+        })
+    }
+
+    /// The storage range the view touches.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn span(&self) -> std::ops::Range<usize> {
+        let len = if self.rows == 0 {
+            0
+        } else {
+            (self.rows - 1) * self.stride + self.cols
+        };
+        self.offset..self.offset + len
+    }
+
+    /// The view's elements as f32, packed `[rows, cols]`.
+    pub(crate) fn read_f32(&self, s: &CpuStorage, what: &str) -> Result<Vec<f32>> {
+        fn pack<T: Copy>(v: &[T], r: &Rows, f: impl Fn(T) -> f32) -> Vec<f32> {
+            (0..r.rows)
+                .flat_map(|i| v[r.offset + i * r.stride..][..r.cols].iter().map(|&x| f(x)))
+                .collect()
+        }
+        Ok(match s {
+            CpuStorage::F32(v) => pack(v, self, |x| x),
+            CpuStorage::BF16(v) => pack(v, self, |x| x.to_f32()),
+            CpuStorage::F16(v) => pack(v, self, |x| x.to_f32()),
+            other => bail!("{what}: unsupported dtype {:?}", other.dtype()),
+        })
+    }
+}
+
+/// `t` itself when it is a row view, else a contiguous copy.
+pub(crate) fn as_rows(t: &Tensor) -> Result<Tensor> {
+    if Rows::of(t.layout()).is_some() {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+/// The view of `l`, as an error when it is not one (the wrappers made sure it is).
+pub(crate) fn rows(l: &Layout, what: &str) -> Result<Rows> {
+    match Rows::of(l) {
+        Some(r) => Ok(r),
+        None => bail!("{what}: expected evenly spaced rows, got {l:?}"),
+    }
+}
+
+/// Rounds through `dtype` the way storing and reloading would.
+pub(crate) fn rounder(dtype: candle_core::DType) -> fn(f32) -> f32 {
+    match dtype {
+        candle_core::DType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
+        candle_core::DType::F16 => |v| half::f16::from_f32(v).to_f32(),
+        _ => |v| v,
+    }
+}

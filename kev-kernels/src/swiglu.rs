@@ -1,0 +1,75 @@
+//! SwiGLU on a packed `[gate | up]` tensor: the MLP's gate and up projections run as one
+//! matmul, and this op reads both halves in place.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::cpu::{as_f32, from_f32};
+use crate::rows::rounder;
+
+/// The op on a contiguous `[.., 2·I]` input.
+pub(crate) struct SwiGlu;
+
+fn out_shape(l: &Layout) -> Shape {
+    let mut dims = l.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last /= 2;
+    }
+    Shape::from(dims)
+}
+
+impl CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let gu = as_f32(s, l, "swiglu input")?;
+        let inter = l.dims().last().copied().unwrap_or(0) / 2;
+        let round = rounder(s.dtype());
+        let mut out = vec![0f32; gu.len() / 2];
+        out.par_chunks_mut(inter)
+            .zip(gu.par_chunks(2 * inter))
+            .for_each(|(o, row)| {
+                let (gate, up) = row.split_at(inter);
+                for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                    *o = round(g / (1.0 + (-g).exp())) * u;
+                }
+            });
+        Ok((from_f32(out, s.dtype())?, out_shape(l)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::cuda::swiglu(s, l)?, out_shape(l)))
+    }
+}
+
+/// `silu(gate) · up` for `gate_up: [.., 2·I]` holding the gate projection in its first half
+/// and the up projection in its second; returns `[.., I]` in the same dtype, rounded where HF's
+/// `act_fn(gate_proj(x)) * up_proj(x)` rounds.
+pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
+    let width = gate_up.dim(D::Minus1)?;
+    if width % 2 != 0 {
+        bail!("swiglu: last dim {width} is not [gate | up]")
+    }
+    if gate_up.device().is_metal() {
+        return swiglu_ref(gate_up);
+    }
+    gate_up.contiguous()?.apply_op1_no_bwd(&SwiGlu)
+}
+
+/// [`swiglu`] with plain tensor ops (the test reference, and the Metal path).
+pub fn swiglu_ref(gate_up: &Tensor) -> Result<Tensor> {
+    let inter = gate_up.dim(D::Minus1)? / 2;
+    let gate = gate_up.narrow(D::Minus1, 0, inter)?;
+    let up = gate_up.narrow(D::Minus1, inter, inter)?;
+    let g = gate.to_dtype(candle_core::DType::F32)?;
+    let silu = (&g / (g.neg()?.exp()? + 1.0)?)?.to_dtype(gate.dtype())?;
+    silu * up
+}
