@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device, Result};
+use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::testing::{dims, gdr_inputs};
 use kev_kernels::{gated_delta_rule_chunked, gated_delta_rule_recurrent, GdrDims};
 
@@ -39,6 +39,34 @@ fn main() -> Result<()> {
         ("4b", dims(16, 32, 128, 128)),
     ];
     println!("device {dev:?}");
+    // The host cost of one small launch (a launch-bound forward pays it per op).
+    let x = Tensor::ones((1, 1024), DType::BF16, &dev)?;
+    let per_op = median_ms(&dev, || {
+        let mut y = x.clone();
+        for _ in 0..100 {
+            y = (&y + &x)?;
+        }
+        Ok(())
+    })? / 100.0;
+    let w1 = Tensor::ones(1024, DType::F32, &dev)?;
+    let per_norm = median_ms(&dev, || {
+        for _ in 0..100 {
+            kev_kernels::rms_norm(&x, &w1, 1e-6)?;
+        }
+        Ok(())
+    })? / 100.0;
+    let per_upload = median_ms(&dev, || {
+        for i in 0..100u32 {
+            Tensor::from_vec(vec![i; 16], 16, &dev)?;
+        }
+        Ok(())
+    })? / 100.0;
+    println!(
+        "per call: candle add {:.1} us, rms_norm {:.1} us, 16-element upload {:.1} us",
+        per_op * 1e3,
+        per_norm * 1e3,
+        per_upload * 1e3
+    );
     for (name, d) in shapes {
         for (b, t) in [(16, 48), (1, 512), (8, 512), (1, 4096)] {
             let (qkv, gb, state) = gdr_inputs(b, t, d, 0.3)?;

@@ -14,7 +14,7 @@ use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
 use crate::causal_conv1d::CausalConv1d;
 use crate::gated_delta_rule::GatedDeltaRule;
-use crate::rows::rows;
+use crate::rows::{rows, strided4};
 
 const SOURCE: &str = include_str!("kernels/ops.cu");
 const MODULE: &str = "kev_ops";
@@ -392,6 +392,129 @@ pub(crate) fn swiglu(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
         let inter_ = inter as i32;
         b.arg(&gu).arg(&out).arg(&rows_).arg(&inter_);
         // SAFETY: argument types and order match `swiglu_*` in ops.cu; grid-stride below n.
+        unsafe { b.launch(grid_for(n, 256)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
+pub(crate) fn qk_norm_rope(
+    op: &crate::attention::QkNormRope,
+    xs: &CudaStorage,
+    xl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+    cs: &CudaStorage,
+    cl: &Layout,
+) -> Result<CudaStorage> {
+    const ROPE_WARPS: usize = 4; // ops.cu
+    let k = Kernel::load(
+        xs.device(),
+        &format!("qknorm_rope_{}", tag(xs.dtype(), "qk-norm-rope")?),
+    )?;
+    let (b_sz, t_len, heads, hd) = xl.shape().dims4()?;
+    let (off, [sb, st, sh]) = strided4(xl, "qk-norm-rope input")?;
+    let (w0, w1) = contiguous(wl, "qk-norm-rope weight")?;
+    let (c0, c1) = contiguous(cl, "qk-norm-rope rotation")?;
+    let rot = cl.dims()[3];
+    let rows_ = b_sz * heads * t_len;
+    let cfg = LaunchConfig {
+        grid_dim: (rows_.div_ceil(ROPE_WARPS) as u32, 1, 1),
+        block_dim: ((32 * ROPE_WARPS) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let w = ws.as_cuda_slice::<f32>()?.slice(w0..w1);
+    by_dtype!(xs.dtype(), "qk-norm-rope", |T| {
+        let x = xs.as_cuda_slice::<T>()?.slice(off..);
+        let cos_sin = cs.as_cuda_slice::<T>()?;
+        let cos = cos_sin.slice(c0..c0 + (c1 - c0) / 2);
+        let sin = cos_sin.slice(c0 + (c1 - c0) / 2..c1);
+        let out = k.output::<T>(rows_ * hd)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        let strides = [sb, st, sh].map(|s| s as i64);
+        let ints = [b_sz, t_len, heads, hd, rot].map(|v| v as i32);
+        b.arg(&x).arg(&strides[0]).arg(&strides[1]).arg(&strides[2]);
+        b.arg(&w).arg(&cos).arg(&sin).arg(&out);
+        for v in &ints {
+            b.arg(v);
+        }
+        b.arg(&op.eps);
+        // SAFETY: argument types and order match `qknorm_rope_*` in ops.cu; hd ≤ 512 was
+        // checked by the wrapper; indices follow the layout's own strides.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
+pub(crate) fn masked_softmax(
+    op: &crate::attention::MaskedSoftmax,
+    ss: &CudaStorage,
+    sl: &Layout,
+    ms: &CudaStorage,
+    ml: &Layout,
+) -> Result<CudaStorage> {
+    let k = Kernel::load(
+        ss.device(),
+        &format!("masked_softmax_{}", tag(ss.dtype(), "masked-softmax")?),
+    )?;
+    let (b_sz, groups, t_len, s_len) = sl.shape().dims4()?;
+    let (s0, s1) = contiguous(sl, "masked-softmax scores")?;
+    let (m0, m1) = contiguous(ml, "masked-softmax mask")?;
+    let block = s_len.next_multiple_of(32).clamp(32, 256) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: ((b_sz * groups * t_len) as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mask = ms.as_cuda_slice::<f32>()?.slice(m0..m1);
+    by_dtype!(ss.dtype(), "masked-softmax", |T| {
+        let s = ss.as_cuda_slice::<T>()?.slice(s0..s1);
+        let out = k.output::<T>(s1 - s0)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        let ints = [groups, t_len, s_len].map(|v| v as i32);
+        b.arg(&s)
+            .arg(&mask)
+            .arg(&out)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&op.scale);
+        // SAFETY: argument types and order match `masked_softmax_*` in ops.cu; one block per row.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
+pub(crate) fn attention_gate(
+    os: &CudaStorage,
+    ol: &Layout,
+    gs: &CudaStorage,
+    gl: &Layout,
+) -> Result<CudaStorage> {
+    let k = Kernel::load(
+        os.device(),
+        &format!("attn_gate_{}", tag(os.dtype(), "attention-gate")?),
+    )?;
+    let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
+    let (o0, o1) = contiguous(ol, "attention-gate input")?;
+    let (off, [sb, st, sh]) = strided4(gl, "attention-gate gate")?;
+    let n = o1 - o0;
+    by_dtype!(os.dtype(), "attention-gate", |T| {
+        let o = os.as_cuda_slice::<T>()?.slice(o0..o1);
+        let g = gs.as_cuda_slice::<T>()?.slice(off..);
+        let out = k.output::<T>(n)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        let strides = [sb, st, sh].map(|s| s as i64);
+        let ints = [b_sz, t_len, heads, hd].map(|v| v as i32);
+        b.arg(&o)
+            .arg(&g)
+            .arg(&strides[0])
+            .arg(&strides[1])
+            .arg(&strides[2])
+            .arg(&out);
+        for v in &ints {
+            b.arg(v);
+        }
+        // SAFETY: argument types and order match `attn_gate_*` in ops.cu; grid-stride below n.
         unsafe { b.launch(grid_for(n, 256)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })

@@ -9,11 +9,13 @@
 //!   with its K−1 previous inputs so that a run can continue from a cache.
 //!
 //! - Fused elementwise ops that replace chains of candle ops (a GPU forward is launch-bound):
-//!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`].
+//!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`],
+//!   and the attention steps [`qk_norm_rope`], [`masked_softmax`], [`attention_gate`].
 //!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
 //!
 //! No op knows anything about Qwen: shapes and head counts are explicit arguments.
 
+mod attention;
 mod causal_conv1d;
 mod chunked;
 mod cpu;
@@ -29,6 +31,10 @@ mod swiglu;
 #[doc(hidden)]
 pub mod testing;
 
+pub use attention::{
+    attention_gate, attention_gate_ref, masked_softmax, masked_softmax_ref, qk_norm_rope,
+    qk_norm_rope_ref,
+};
 pub use causal_conv1d::{causal_conv1d, causal_conv1d_ref};
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
 pub use gated_delta_rule::{

@@ -93,3 +93,23 @@ pub(crate) fn rounder(dtype: candle_core::DType) -> fn(f32) -> f32 {
         _ => |v| v,
     }
 }
+
+/// Offset and the three leading strides of a 4-d layout whose last dim is contiguous.
+pub(crate) fn strided4(l: &Layout, what: &str) -> Result<(usize, [usize; 3])> {
+    let s = l.stride();
+    if l.dims().len() != 4 || (l.dims()[3] > 1 && s[3] != 1) {
+        bail!("{what}: expected a 4-d view with a contiguous last dim, got {l:?}")
+    }
+    Ok((l.start_offset(), [s[0], s[1], s[2]]))
+}
+
+/// A whole storage as f32 (a strided view indexes into it with its own offsets).
+pub(crate) fn whole_f32<'a>(s: &'a CpuStorage, what: &str) -> Result<std::borrow::Cow<'a, [f32]>> {
+    use std::borrow::Cow;
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(v.as_slice()),
+        CpuStorage::BF16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::F16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        other => bail!("{what}: unsupported dtype {:?}", other.dtype()),
+    })
+}

@@ -84,8 +84,9 @@ pub fn check_fused_ops(
     check: impl Fn(&str, &Tensor, &Tensor, f32) -> Result<()>,
 ) -> Result<()> {
     use crate::{
-        add_rms_norm, deltanet_gates, deltanet_gates_ref, gated_rms_norm, gated_rms_norm_ref,
-        rms_norm, rms_norm_ref, swiglu, swiglu_ref,
+        add_rms_norm, attention_gate, attention_gate_ref, deltanet_gates, deltanet_gates_ref,
+        gated_rms_norm, gated_rms_norm_ref, masked_softmax, masked_softmax_ref, qk_norm_rope,
+        qk_norm_rope_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref,
     };
     let eps = 1e-6;
     for dtype in [DType::F32, DType::BF16] {
@@ -137,6 +138,37 @@ pub fn check_fused_ops(
 
         let (gu_d, gu) = on(patterned(&[b, t, 2 * 48], 1.9, 3.0)?)?;
         check(&tag("swiglu"), &swiglu(&gu_d)?, &swiglu_ref(&gu)?, tol)?;
+
+        // Attention: a [q | gate] per head projection viewed as [B, T, H, 2, hd].
+        let (heads, hd, rot) = (3, 16, 8);
+        let (qg_d, qg) = on(patterned(&[b, t, heads, 2, hd], 0.6, 2.0)?)?;
+        let (cs_d, cs) = on(patterned(&[2, b, t, rot], 1.4, 1.0)?)?;
+        let w1 = (patterned(&[hd], 0.8, 0.3)? + 1.0)?;
+        let view = |x: &Tensor, i: usize| x.narrow(3, i, 1).and_then(|x| x.squeeze(3));
+        let got = qk_norm_rope(&view(&qg_d, 0)?, &w1.to_device(dev)?, &cs_d, eps)?;
+        let want = qk_norm_rope_ref(&view(&qg, 0)?, &w1, &cs, eps)?;
+        check(&tag("qk-norm-rope"), &got, &want, tol)?;
+
+        let (o_d, o) = on(patterned(&[b, heads, t, hd], 0.1, 1.0)?)?;
+        let got = attention_gate(&o_d, &view(&qg_d, 1)?)?;
+        let want = attention_gate_ref(&o, &view(&qg, 1)?)?;
+        check(&tag("attention-gate"), &got, &want, tol)?;
+
+        let s_len = 7;
+        let (sc_d, sc) = on(patterned(&[b, heads, t, s_len], 0.3, 4.0)?)?;
+        let mask: Vec<f32> = (0..b * t * s_len)
+            .map(|i| {
+                if (i % s_len) > (i / s_len) % t + 2 {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (b, t, s_len), &Device::Cpu)?;
+        let got = masked_softmax(&sc_d, &mask.to_device(dev)?, 0.25)?;
+        let want = masked_softmax_ref(&sc, &mask, 0.25)?;
+        check(&tag("masked-softmax"), &got, &want, tol)?;
     }
     Ok(())
 }

@@ -1,11 +1,12 @@
 //! Gated full attention (QWEN35.md §4): per-head `[q | gate]` query projection, zero-centred
 //! q/k norms, partial RoPE, GQA, causal softmax in f32, and a sigmoid output gate before `o_proj`.
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::Linear;
 
+use kev_kernels::{attention_gate, masked_softmax, qk_norm_rope};
+
 use super::norm::ZeroCenteredRmsNorm;
-use super::rope::Rotation;
 use super::{linear, linear_cat, Config};
 use crate::weights::Weights;
 
@@ -19,6 +20,7 @@ pub struct Attention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    eps: f64,
 }
 
 impl Attention {
@@ -48,15 +50,16 @@ impl Attention {
             num_heads: nq,
             num_kv_heads: nkv,
             head_dim: hd,
+            eps: cfg.rms_norm_eps,
         })
     }
 
-    /// `xs: [B, T, H]`; `rotation`: this step's RoPE; `mask`: additive f32
-    /// `[B, 1, 1, T, S+T]` over cached and new keys. Appends this step's K/V to `k_cache`/`v_cache`.
+    /// `xs: [B, T, H]`; `cos_sin`: this step's RoPE (`[2, B, T, rotary_dim]`); `mask`: additive
+    /// f32 `[B, T, S+T]` over cached and new keys. Appends this step's K/V to `k_cache`/`v_cache`.
     pub fn forward(
         &self,
         xs: &Tensor,
-        rotation: &Rotation,
+        cos_sin: &Tensor,
         mask: &Tensor,
         k_cache: &mut Option<Tensor>,
         v_cache: &mut Option<Tensor>,
@@ -64,23 +67,18 @@ impl Attention {
         let (b_sz, seq_len, _) = xs.dims3()?;
         let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let proj = self.qkv_proj.forward(xs)?;
-        let q_gate =
-            proj.narrow(D::Minus1, 0, nq * 2 * hd)?
-                .reshape((b_sz, seq_len, nq, 2 * hd))?;
-        let q = self.q_norm.forward(&q_gate.narrow(D::Minus1, 0, hd)?)?;
-        let gate = q_gate
-            .narrow(D::Minus1, hd, hd)?
-            .reshape((b_sz, seq_len, nq * hd))?;
-        let k = proj
-            .narrow(D::Minus1, nq * 2 * hd, nkv * hd)?
-            .reshape((b_sz, seq_len, nkv, hd))?;
-        let k = self.k_norm.forward(&k)?;
-        let v = proj
-            .narrow(D::Minus1, (nq * 2 + nkv) * hd, nkv * hd)?
-            .reshape((b_sz, seq_len, nkv, hd))?;
+        // Views into the projection, no copies: per query head `[q | gate]`, then K, then V.
+        let q_gate = proj
+            .reshape((b_sz, seq_len, nq + nkv, 2, hd))?
+            .narrow(2, 0, nq)?;
+        let q = q_gate.narrow(3, 0, 1)?.squeeze(3)?; // [B, T, Hq, hd]
+        let gate = q_gate.narrow(3, 1, 1)?.squeeze(3)?;
+        let heads = proj.reshape((b_sz, seq_len, 2 * (nq + nkv), hd))?;
+        let k = heads.narrow(2, 2 * nq, nkv)?; // [B, T, Hkv, hd]
+        let v = heads.narrow(2, 2 * nq + nkv, nkv)?;
 
-        let q = rotation.apply(&q.transpose(1, 2)?)?; // [B, Hq, T, hd]
-        let k = rotation.apply(&k.transpose(1, 2)?)?.contiguous()?; // [B, Hkv, T, hd]
+        let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
+        let k = qk_norm_rope(&k, self.k_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hkv, T, hd]
         let v = v.transpose(1, 2)?.contiguous()?;
         let k = match k_cache.take() {
             Some(old) => Tensor::cat(&[&old, &k], 2)?,
@@ -97,18 +95,15 @@ impl Attention {
         // of one kv head along the rows: [B, Hkv, rep·T, hd].
         let rep = nq / nkv;
         let kv_len = k.dim(2)?;
-        let q = q.contiguous()?.reshape((b_sz, nkv, rep * seq_len, hd))?;
-        let scores = (q.matmul(&k.t()?)? * (hd as f64).powf(-0.5))?;
-        let scores = scores
-            .to_dtype(DType::F32)?
-            .reshape((b_sz, nkv, rep, seq_len, kv_len))?
-            .broadcast_add(mask)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?
-            .to_dtype(v.dtype())?
-            .reshape((b_sz, nkv, rep * seq_len, kv_len))?;
+        let q = q.reshape((b_sz, nkv, rep * seq_len, hd))?;
+        let scores = q.matmul(&k.t()?)?.reshape((b_sz, nq, seq_len, kv_len))?;
+        let probs = masked_softmax(&scores, mask, (hd as f64).powf(-0.5))?.reshape((
+            b_sz,
+            nkv,
+            rep * seq_len,
+            kv_len,
+        ))?;
         let out = probs.matmul(&v)?.reshape((b_sz, nq, seq_len, hd))?;
-        let out = out.transpose(1, 2)?.reshape((b_sz, seq_len, nq * hd))?;
-        let out = (out * candle_nn::ops::sigmoid(&gate)?)?;
-        self.o_proj.forward(&out)
+        self.o_proj.forward(&attention_gate(&out, &gate)?)
     }
 }

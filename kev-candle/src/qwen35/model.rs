@@ -9,7 +9,7 @@ use super::cache::{Cache, LayerCache};
 use super::deltanet::GatedDeltaNet;
 use super::mlp::Mlp;
 use super::norm::ZeroCenteredRmsNorm;
-use super::rope::{Rope, Rotation};
+use super::rope::Rope;
 use super::{Config, LayerType};
 use crate::weights::Weights;
 
@@ -27,7 +27,8 @@ struct DecoderLayer {
 
 /// Inputs every layer of one forward shares.
 struct Step<'a> {
-    rotation: Rotation,
+    /// RoPE cos and sin, `[2, B, T, rotary_dim]`.
+    cos_sin: Tensor,
     mask: Option<Tensor>,
     lengths: &'a [usize],
 }
@@ -78,7 +79,7 @@ impl DecoderLayer {
                     .mask
                     .as_ref()
                     .expect("mask is built when attention layers exist");
-                attn.forward(&h, &step.rotation, mask, k, v)?
+                attn.forward(&h, &step.cos_sin, mask, k, v)?
             }
             (Mixer::DeltaNet(gdn), LayerCache::DeltaNet { conv, state }) => {
                 gdn.forward(&h, conv, state, step.lengths)?
@@ -185,7 +186,7 @@ impl Model {
         if lengths.len() != b_sz || lengths.iter().any(|&l| l > seq_len) {
             candle_core::bail!("lengths {lengths:?} do not fit ids {:?}", ids.dims())
         }
-        let rotation = self
+        let cos_sin = self
             .rope
             .at(cache.seen(), seq_len, self.dtype, &self.device)?;
         let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
@@ -193,7 +194,7 @@ impl Model {
             .then(|| self.mask(cache, seq_len))
             .transpose()?;
         let step = Step {
-            rotation,
+            cos_sin,
             mask,
             lengths,
         };
@@ -219,7 +220,7 @@ impl Model {
         }
     }
 
-    /// Additive f32 mask `[B, 1, 1, T, S+T]`: cached keys are visible where real, new keys
+    /// Additive f32 mask `[B, T, S+T]`: cached keys are visible where real, new keys
     /// causally. Pads after a row's real tokens are only ever seen by later pads.
     fn mask(&self, cache: &Cache, seq_len: usize) -> Result<Tensor> {
         let kv_len = cache.kv_len();
@@ -235,6 +236,6 @@ impl Model {
                 m.extend((0..seq_len).map(|s| if s <= t { 0f32 } else { f32::NEG_INFINITY }));
             }
         }
-        Tensor::from_vec(m, (cache.batch_size(), 1, 1, seq_len, width), &self.device)
+        Tensor::from_vec(m, (cache.batch_size(), seq_len, width), &self.device)
     }
 }

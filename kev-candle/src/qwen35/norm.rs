@@ -18,6 +18,11 @@ impl ZeroCenteredRmsNorm {
         })
     }
 
+    /// `1 + w` in f32, for ops that fuse the norm with what follows.
+    pub fn one_plus_w(&self) -> &Tensor {
+        &self.one_plus_w
+    }
+
     /// Normalises over the last dim.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         kev_kernels::rms_norm(xs, &self.one_plus_w, self.eps)

@@ -328,3 +328,113 @@ __device__ void swiglu(const typename D::T* gu, typename D::T* out, int rows, in
 FUSED(f32, F32)
 FUSED(bf16, BF16)
 FUSED(f16, F16)
+
+// ---- Full-attention steps (attention.rs).
+
+// qknorm_rope_<dtype>: one warp per (b, h, t): x [B, T, H, hd] (strides sb, st, sh; the last dim
+// contiguous) → out [B, H, T, hd] contiguous:
+//   n = round(x̂·w1)  (zero-centred RMSNorm, w1 = 1 + w in f32)
+//   out[c] = round(round(n[c]·cos[c]) + round(rot(n)[c]·sin[c]))  for c < rot  (NeoX rotate_half)
+//   out[c] = n[c]                                                  otherwise
+// cos/sin [B, T, rot] in the dtype (HF rotates in the activation dtype).
+#define ROPE_WARPS 4
+#define NEG_INF __int_as_float(0xff800000)
+#define ROPE_MAX_HD 512
+template <typename D>
+__device__ void qknorm_rope(const typename D::T* x, long sb, long st, long sh, const float* w1,
+                            const typename D::T* cosv, const typename D::T* sinv,
+                            typename D::T* out, int B, int T, int H, int hd, int rot, float eps) {
+    __shared__ float buf[ROPE_WARPS][ROPE_MAX_HD];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long r = (long)blockIdx.x * ROPE_WARPS + warp;  // (b, h, t) in output order
+    if (r >= (long)B * H * T) return;
+    const int t = r % T, h = (r / T) % H, b = r / ((long)T * H);
+    const typename D::T* xr = x + b * sb + t * st + h * sh;
+    float* n = buf[warp];
+    float ss = 0.f;
+    for (int c = lane; c < hd; c += 32) {
+        const float v = D::load(xr + c);
+        n[c] = v;
+        ss += v * v;
+    }
+    const float inv = rsqrtf(warp_sum(ss) / hd + eps);
+    for (int c = lane; c < hd; c += 32) n[c] = D::round(n[c] * inv * w1[c]);
+    __syncwarp();
+    const int half = rot / 2;
+    const typename D::T* cr = cosv + ((size_t)b * T + t) * rot;
+    const typename D::T* sr = sinv + ((size_t)b * T + t) * rot;
+    typename D::T* o = out + (size_t)r * hd;
+    for (int c = lane; c < hd; c += 32) {
+        float v = n[c];
+        if (c < rot) {
+            const float rotated = c < half ? -n[c + half] : n[c - half];
+            v = D::round(D::round(v * D::load(cr + c)) + D::round(rotated * D::load(sr + c)));
+        }
+        D::store(o + c, v);
+    }
+}
+
+// masked_softmax_<dtype>: one block per row of scores [B, G, T, S] (dtype, contiguous; G = heads
+// as the caller groups them), mask [B, T, S] f32 (0 or −inf) → probs, same shape and dtype:
+//   p = round(softmax_f32(round(s·scale) + mask))
+template <typename D>
+__device__ void masked_softmax(const typename D::T* s, const float* mask, typename D::T* p,
+                               int G, int T, int S, float scale) {
+    __shared__ float red[32];
+    const long r = blockIdx.x;
+    const int t = r % T, b = r / ((long)G * T);
+    const typename D::T* sr = s + r * S;
+    const float* mr = mask + ((size_t)b * T + t) * S;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, nw = blockDim.x / 32;
+    float mx = NEG_INF;
+    for (int c = threadIdx.x; c < S; c += blockDim.x)
+        mx = fmaxf(mx, D::round(D::load(sr + c) * scale) + mr[c]);
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (lane == 0) red[w] = mx;
+    __syncthreads();
+    mx = lane < nw ? red[lane] : NEG_INF;
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0.f;
+    for (int c = threadIdx.x; c < S; c += blockDim.x)
+        sum += expf(D::round(D::load(sr + c) * scale) + mr[c] - mx);
+    sum = block_sum(sum);
+    const float inv = 1.f / sum;
+    for (int c = threadIdx.x; c < S; c += blockDim.x)
+        D::store(p + r * S + c, expf(D::round(D::load(sr + c) * scale) + mr[c] - mx) * inv);
+}
+
+// attn_gate_<dtype>: o [B, H, T, hd] contiguous, gate [B, T, H, hd] (strides sb, st, sh) →
+// out [B, T, H·hd]: round(o · round(sigmoid(gate))).
+template <typename D>
+__device__ void attn_gate(const typename D::T* o, const typename D::T* g, long sb, long st,
+                          long sh, typename D::T* out, int B, int T, int H, int hd) {
+    const size_t n = (size_t)B * T * H * hd;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int c = i % hd, h = (i / hd) % H, t = (i / ((size_t)hd * H)) % T;
+        const int b = i / ((size_t)hd * H * T);
+        const float gv = D::load(g + b * sb + t * st + h * sh + c);
+        const float ov = D::load(o + (((size_t)b * H + h) * T + t) * hd + c);
+        D::store(out + i, ov * D::round(1.f / (1.f + expf(-gv))));
+    }
+}
+
+#define ATTN(TAG, D)                                                                              \
+    extern "C" __global__ void qknorm_rope_##TAG(                                                \
+        const D::T* x, long sb, long st, long sh, const float* w1, const D::T* cosv,            \
+        const D::T* sinv, D::T* out, int B, int T, int H, int hd, int rot, float eps) {          \
+        qknorm_rope<D>(x, sb, st, sh, w1, cosv, sinv, out, B, T, H, hd, rot, eps);               \
+    }                                                                                            \
+    extern "C" __global__ void masked_softmax_##TAG(const D::T* s, const float* mask, D::T* p,  \
+                                                    int G, int T, int S, float scale) {          \
+        masked_softmax<D>(s, mask, p, G, T, S, scale);                                           \
+    }                                                                                            \
+    extern "C" __global__ void attn_gate_##TAG(const D::T* o, const D::T* g, long sb, long st, \
+                                               long sh, D::T* out, int B, int T, int H, int hd) { \
+        attn_gate<D>(o, g, sb, st, sh, out, B, T, H, hd);                                        \
+    }
+ATTN(f32, F32)
+ATTN(bf16, BF16)
+ATTN(f16, F16)

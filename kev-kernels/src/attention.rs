@@ -1,0 +1,312 @@
+//! The elementwise steps of a full-attention layer as single ops: q/k norm + partial RoPE (with
+//! the head transpose), the scaled, masked softmax, and the sigmoid output gate (with the
+//! transpose back). Composed from candle ops they cost ~30 launches per layer.
+//!
+//! Rounding follows HF's PyTorch code (eager attention): the norm output, the rotation's
+//! products and sum, the scaled scores and the gate are held in the activation dtype.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
+};
+use rayon::prelude::*;
+
+use crate::cpu::{as_f32, from_f32};
+use crate::rows::{rounder, strided4, whole_f32};
+
+/// Zero-centred q/k norm, then RoPE on the first `rot` dims; `[B, T, H, hd]` → `[B, H, T, hd]`.
+pub(crate) struct QkNormRope {
+    pub(crate) eps: f32,
+}
+
+impl CustomOp3 for QkNormRope {
+    fn name(&self) -> &'static str {
+        "qk-norm-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b_sz, t_len, heads, hd) = xl.shape().dims4()?;
+        let (off, [sb, st, sh]) = strided4(xl, "qk-norm-rope input")?;
+        let x = whole_f32(xs, "qk-norm-rope input")?;
+        let w1 = as_f32(ws, wl, "qk-norm-rope weight")?;
+        let cos_sin = as_f32(cs, cl, "qk-norm-rope rotation")?;
+        let rot = cl.dims()[3];
+        let half = rot / 2;
+        let sin_at = b_sz * t_len * rot;
+        let round = rounder(xs.dtype());
+        let mut out = vec![0f32; b_sz * heads * t_len * hd];
+        out.par_chunks_mut(hd).enumerate().for_each(|(r, o)| {
+            let (t, h, b) = (r % t_len, (r / t_len) % heads, r / (t_len * heads));
+            let xr = &x[off + b * sb + t * st + h * sh..][..hd];
+            let ms = xr.iter().map(|&v| f64::from(v * v)).sum::<f64>() / hd as f64;
+            let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
+            let n: Vec<f32> = xr
+                .iter()
+                .zip(w1.iter())
+                .map(|(v, w)| round(v * inv * w))
+                .collect();
+            let rs = (b * t_len + t) * rot;
+            for (c, o) in o.iter_mut().enumerate() {
+                *o = if c < rot {
+                    let rotated = if c < half { -n[c + half] } else { n[c - half] };
+                    let (cos, sin) = (cos_sin[rs + c], cos_sin[sin_at + rs + c]);
+                    round(round(n[c] * cos) + round(rotated * sin))
+                } else {
+                    n[c]
+                };
+            }
+        });
+        let shape = Shape::from((b_sz, heads, t_len, hd));
+        Ok((from_f32(out, xs.dtype())?, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        cs: &candle_core::CudaStorage,
+        cl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (b_sz, t_len, heads, hd) = xl.shape().dims4()?;
+        let out = crate::cuda::qk_norm_rope(self, xs, xl, ws, wl, cs, cl)?;
+        Ok((out, Shape::from((b_sz, heads, t_len, hd))))
+    }
+}
+
+/// `softmax(round(s·scale) + mask)` in f32, rounded to the dtype of `s`.
+pub(crate) struct MaskedSoftmax {
+    pub(crate) scale: f32,
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ss: &CpuStorage,
+        sl: &Layout,
+        ms: &CpuStorage,
+        ml: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, groups, t_len, s_len) = sl.shape().dims4()?;
+        let s = as_f32(ss, sl, "masked-softmax scores")?;
+        let mask = as_f32(ms, ml, "masked-softmax mask")?;
+        let round = rounder(ss.dtype());
+        let mut out = vec![0f32; s.len()];
+        out.par_chunks_mut(s_len)
+            .zip(s.par_chunks(s_len))
+            .enumerate()
+            .for_each(|(r, (p, row))| {
+                let (t, b) = (r % t_len, r / (groups * t_len));
+                let m = &mask[(b * t_len + t) * s_len..][..s_len];
+                for ((p, &v), &m) in p.iter_mut().zip(row).zip(m) {
+                    *p = round(v * self.scale) + m;
+                }
+                let mx = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for p in p.iter_mut() {
+                    *p = (*p - mx).exp();
+                    sum += *p;
+                }
+                p.iter_mut().for_each(|p| *p /= sum);
+            });
+        Ok((from_f32(out, ss.dtype())?, sl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+        ms: &candle_core::CudaStorage,
+        ml: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::masked_softmax(self, ss, sl, ms, ml)?;
+        Ok((out, sl.shape().clone()))
+    }
+}
+
+/// `o · round(sigmoid(gate))`, `o: [B, H, T, hd]`, gate `[B, T, H, hd]` → `[B, T, H·hd]`.
+pub(crate) struct AttentionGate;
+
+impl CustomOp2 for AttentionGate {
+    fn name(&self) -> &'static str {
+        "attention-gate"
+    }
+
+    fn cpu_fwd(
+        &self,
+        os: &CpuStorage,
+        ol: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
+        let o = as_f32(os, ol, "attention-gate input")?;
+        let (off, [sb, st, sh]) = strided4(gl, "attention-gate gate")?;
+        let g = whole_f32(gs, "attention-gate gate")?;
+        let round = rounder(os.dtype());
+        let mut out = vec![0f32; o.len()];
+        out.par_chunks_mut(hd).enumerate().for_each(|(r, out)| {
+            let (h, t, b) = (r % heads, (r / heads) % t_len, r / (heads * t_len));
+            let gr = &g[off + b * sb + t * st + h * sh..][..hd];
+            let or = &o[((b * heads + h) * t_len + t) * hd..][..hd];
+            for ((out, &ov), &gv) in out.iter_mut().zip(or).zip(gr) {
+                *out = ov * round(1.0 / (1.0 + (-gv).exp()));
+            }
+        });
+        let shape = Shape::from((b_sz, t_len, heads * hd));
+        Ok((from_f32(out, os.dtype())?, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        os: &candle_core::CudaStorage,
+        ol: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
+        let out = crate::cuda::attention_gate(os, ol, gs, gl)?;
+        Ok((out, Shape::from((b_sz, t_len, heads * hd))))
+    }
+}
+
+/// A `[B, T, H, hd]` tensor whose last dim is contiguous, as is or copied.
+fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
+    if t.stride().last() == Some(&1) {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+/// The q or k path of a full-attention layer: zero-centred RMSNorm over `hd` (`w1 = 1 + w`,
+/// f32), then NeoX RoPE on the first `rot` dims with `cos_sin: [2, B, T, rot]` (cos then sin,
+/// in the dtype of `x`), returned head-major. `x: [B, T, H, hd]` (may be a slice of a wider
+/// projection) → `[B, H, T, hd]`, contiguous.
+pub fn qk_norm_rope(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Result<Tensor> {
+    let (b_sz, t_len, _, hd) = x.dims4()?;
+    let (two, cb, ct, rot) = cos_sin.dims4()?;
+    if w1.dims() != [hd] || two != 2 || cb != b_sz || ct != t_len || rot > hd || rot % 2 != 0 {
+        bail!(
+            "qk-norm-rope: weight {:?} / rotation {:?} do not fit input {:?}",
+            w1.dims(),
+            cos_sin.dims(),
+            x.dims()
+        )
+    }
+    if cos_sin.dtype() != x.dtype() {
+        bail!(
+            "qk-norm-rope: rotation dtype {:?} is not {:?}",
+            cos_sin.dtype(),
+            x.dtype()
+        )
+    }
+    if x.device().is_metal() || hd > 512 {
+        return qk_norm_rope_ref(x, w1, cos_sin, eps);
+    }
+    last_dim_contiguous(x)?.apply_op3_no_bwd(
+        &w1.to_dtype(DType::F32)?.contiguous()?,
+        &cos_sin.contiguous()?,
+        &QkNormRope { eps: eps as f32 },
+    )
+}
+
+/// `softmax(round(scores·scale) + mask)` over the last dim in f32, rounded to the dtype of
+/// `scores: [B, G, T, S]` (G head rows sharing one mask); `mask: [B, T, S]` f32, 0 where a
+/// key is visible and −∞ where not (every row must see at least one key).
+pub fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    let (b_sz, _, t_len, s_len) = scores.dims4()?;
+    if mask.dims() != [b_sz, t_len, s_len] || mask.dtype() != DType::F32 {
+        bail!(
+            "masked-softmax: mask {:?} {:?} does not fit scores {:?}",
+            mask.dtype(),
+            mask.dims(),
+            scores.dims()
+        )
+    }
+    if scores.device().is_metal() {
+        return masked_softmax_ref(scores, mask, scale);
+    }
+    scores.contiguous()?.apply_op2_no_bwd(
+        &mask.contiguous()?,
+        &MaskedSoftmax {
+            scale: scale as f32,
+        },
+    )
+}
+
+/// The attention output gate: `o · sigmoid(gate)` with `o: [B, H, T, hd]` (head-major, as the
+/// attention matmul leaves it) and `gate: [B, T, H, hd]` (may be a slice of a wider projection);
+/// returns `[B, T, H·hd]`, the layout `o_proj` reads.
+pub fn attention_gate(o: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    let (b_sz, heads, t_len, hd) = o.dims4()?;
+    if gate.dims() != [b_sz, t_len, heads, hd] || gate.dtype() != o.dtype() {
+        bail!(
+            "attention-gate: gate {:?} {:?} does not fit {:?} {:?}",
+            gate.dtype(),
+            gate.dims(),
+            o.dtype(),
+            o.dims()
+        )
+    }
+    if o.device().is_metal() {
+        return attention_gate_ref(o, gate);
+    }
+    o.contiguous()?
+        .apply_op2_no_bwd(&last_dim_contiguous(gate)?, &AttentionGate)
+}
+
+/// [`qk_norm_rope`] with plain tensor ops (the test reference, and the Metal path).
+pub fn qk_norm_rope_ref(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Result<Tensor> {
+    let n = crate::norm::rms_norm_ref(x, w1, eps)?.transpose(1, 2)?; // [B, H, T, hd]
+    let (hd, rot) = (n.dim(D::Minus1)?, cos_sin.dim(D::Minus1)?);
+    let (cos, sin) = (cos_sin.get(0)?.unsqueeze(1)?, cos_sin.get(1)?.unsqueeze(1)?);
+    let part = n.narrow(D::Minus1, 0, rot)?;
+    let (x1, x2) = (
+        part.narrow(D::Minus1, 0, rot / 2)?,
+        part.narrow(D::Minus1, rot / 2, rot / 2)?,
+    );
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    let out = (part.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?;
+    let out = if rot == hd {
+        out
+    } else {
+        Tensor::cat(&[&out, &n.narrow(D::Minus1, rot, hd - rot)?], D::Minus1)?
+    };
+    out.contiguous()
+}
+
+/// [`masked_softmax`] with plain tensor ops (the test reference, and the Metal path).
+pub fn masked_softmax_ref(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    let s = (scores * scale)?.to_dtype(DType::F32)?;
+    let s = s.broadcast_add(&mask.unsqueeze(1)?)?;
+    let max = s.max_keepdim(D::Minus1)?;
+    let e = s.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?
+        .to_dtype(scores.dtype())
+}
+
+/// [`attention_gate`] with plain tensor ops (the test reference, and the Metal path).
+pub fn attention_gate_ref(o: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    let (b_sz, heads, t_len, hd) = o.dims4()?;
+    let g = gate.to_dtype(DType::F32)?;
+    let sig = (g.neg()?.exp()? + 1.0)?.recip()?.to_dtype(o.dtype())?;
+    let o = o.transpose(1, 2)?;
+    (o * sig)?.reshape((b_sz, t_len, heads * hd))
+}
