@@ -18,8 +18,8 @@ use crate::rows::{rows, strided4};
 
 const SOURCE: &str = include_str!("kernels/ops.cu");
 const MODULE: &str = "kev_ops";
-/// Warps per block of the recurrence kernel (`WARPS` in ops.cu): 4 state columns per block.
-const GDR_WARPS: usize = 4;
+/// Warps per block of the recurrence kernel (`WARPS` in ops.cu).
+const GDR_WARPS: usize = 8;
 const CONV_BLOCK: u32 = 256;
 
 /// The PTX of `ops.cu`, compiled on first use.
