@@ -21,8 +21,8 @@ use rayon::prelude::*;
 use crate::cpu::{as_f32, from_f32};
 
 /// From this many steps on, CUDA runs the chunked form (tensor-op matmuls) instead of the
-/// step-by-step kernel. Measured on the H200 (`gdr_bench`, 0.8B and 4B head shapes, bf16): the
-/// one-round recurrent kernel is faster up to 4096 steps (0.59 vs 1.72 ms at 512, 7.9 vs 8.5 ms
+/// step-by-step kernel. Measured on the H200 (`gdr_bench`, 0.8B head shapes, bf16): the tiled
+/// recurrent kernel is faster at every length tried (0.20 vs 2.7 ms at 512 steps, 1.7 vs 12.3 ms
 /// at 4096), because the chunked form's ~10 launches per chunk cost more than its matmuls save.
 pub const CHUNKED_MIN_LEN: usize = 8192;
 
