@@ -49,6 +49,10 @@ def main():
                 lines.append(json.loads(raw))
     if not lines:
         sys.exit("no result lines")
+    # Measured peaks (bench/peak.py) override --peak-tflops for their device.
+    peaks = {("cuda" if x["device"].startswith("cuda") else "cpu"): x["tflop_per_s"]
+             for x in lines if x.get("impl") == "peak"}
+    lines = [x for x in lines if x.get("impl") != "peak"]
 
     groups = OrderedDict()
     for ln in lines:
@@ -57,6 +61,7 @@ def main():
         groups.setdefault(key, []).append(ln)
 
     for (ckpt, dev, dtype), ls in groups.items():
+        peak = peaks.get(dev, args.peak_tflops)
         impls = list(OrderedDict.fromkeys(impl_name(x) for x in ls))
         if "kev" in impls:
             impls = ["kev"] + [i for i in impls if i != "kev"]
@@ -67,7 +72,7 @@ def main():
         threads = sorted({x.get("threads") for x in ls if x.get("threads")})
         print(f"\n### {ckpt}, {dev}, {dtype}" + (f", threads {threads}" if dev == "cpu" else ""))
         loads = ", ".join(f"{i} {next(x['load_s'] for x in ls if impl_name(x) == i):.2f} s" for i in impls)
-        print(f"\nload: {loads}\n")
+        print(f"\nload: {loads}" + (f"; matmul peak {peak:.3g} TFLOP/s" if peak else "") + "\n")
         head = ["workload", "form"]
         for i in impls:
             head += [f"{i} ms median (min)", f"{i} rec/s", f"{i} tok/s", f"{i} TFLOP/s", f"{i} peak mem"]
@@ -84,8 +89,8 @@ def main():
                     out += ["–"] * 5
                     continue
                 tf = f"{x['tflop_per_s']:.3f}"
-                if args.peak_tflops:
-                    tf += f" ({100 * x['tflop_per_s'] / args.peak_tflops:.1f}%)"
+                if peak:
+                    tf += f" ({100 * x['tflop_per_s'] / peak:.1f}%)"
                 out += [f"{x['latency_ms_median']:.1f} ({x['latency_ms_min']:.1f})", f"{x['records_per_s']:.3g}",
                         f"{x['tok_per_s']:.0f}", tf, mem(x)]
             if "kev" in impls:

@@ -45,4 +45,6 @@ echo "== transformers ($PEER_FORMS), $THREADS threads" >&2
 OMP_NUM_THREADS=$THREADS $NICE "$PYTHON" bench/peers.py --checkpoint "$CKPT" "${record_args[@]}" \
   --device cpu --dtype f32 --form "$PEER_FORMS" --repeats "$REPEATS" --warmup "$WARMUP" \
   --threads "$THREADS" 2> >(grep -v 'falling back to its reference' >&2) >> "$RESULTS"
+echo "== f32 matmul peak (PyTorch), $THREADS threads" >&2
+"$PYTHON" bench/peak.py --device cpu --dtype f32 --threads "$THREADS" >> "$RESULTS"
 "$PYTHON" bench/report.py "$RESULTS" | tee "$CACHE/report-cpu-$SIZE.md"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kev (CUDA) vs transformers (with and without flash-linear-attention) on the H200 machine.
 #
-#   bench/run_h200.sh                    # all stages: gen kev peers report
+#   bench/run_h200.sh                    # all stages: gen peak kev peers report
 #   bench/run_h200.sh gen kev            # some stages (the machine keeps bench/.cache while warm)
 #
 # Meant for the lent H200 machine (python3 with torch, transformers, peft, safetensors,
@@ -45,7 +45,7 @@ RESULTS_DIR=${RESULTS_DIR:-${OUT:-$CACHE}}
 RESULTS=$RESULTS_DIR/results-h200.jsonl
 LOG=$RESULTS_DIR/log-h200.txt
 mkdir -p "$CACHE" "$RESULTS_DIR"
-stages=${*:-gen kev peers report}
+stages=${*:-gen peak kev peers report}
 has() { case " $stages " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 say() { echo "== $*" | tee -a "$LOG" >&2; }
 record_args=()
@@ -63,6 +63,11 @@ if has gen; then
     fi
   done
   df -h "$CACHE" | tail -1 >&2
+fi
+
+if has peak; then
+  say "bf16 matmul peak"
+  "$PYTHON" bench/peak.py --device "$DEVICE" --dtype "$DTYPE" >> "$RESULTS" 2> >(tee -a "$LOG" >&2)
 fi
 
 if has kev; then

@@ -1,0 +1,47 @@
+"""The machine's practical matmul peak, measured with PyTorch in the same run as the benchmark,
+so that "% of peak" is against what this machine delivers today rather than a data sheet.
+
+    python bench/peak.py --device cuda --dtype bf16      # H200: 8192³ bf16 products
+    python bench/peak.py --device cpu --dtype f32 --threads 2
+
+Prints one JSON line {"impl": "peak", "device", "dtype", "tflop_per_s", "n"}; bench/report.py
+takes it as the peak for that device.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    n = 8192 if args.device.startswith("cuda") else 2048
+    a = torch.randn(n, n, device=args.device, dtype=dtype)
+    b = torch.randn(n, n, device=args.device, dtype=dtype)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    reps = 20 if args.device.startswith("cuda") else 5
+    for _ in range(3):
+        a @ b
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        times.append(time.perf_counter() - start)
+    best = min(times)
+    print(json.dumps({"impl": "peak", "device": args.device, "dtype": args.dtype, "n": n,
+                      "tflop_per_s": 2 * n**3 / best / 1e12}))
+
+
+if __name__ == "__main__":
+    main()
