@@ -94,7 +94,7 @@ fn gdr_cols(heads: usize, dv: usize) -> usize {
             .filter(|c| [1, 2, 4].contains(c))
     });
     let cols = forced.unwrap_or(if heads >= 64 { 2 } else { 1 });
-    if dv % cols == 0 {
+    if dv.is_multiple_of(cols) {
         cols
     } else {
         1

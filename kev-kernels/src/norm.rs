@@ -23,15 +23,12 @@ impl RmsNorm {
     fn cpu(&self, x: Vec<f32>, h: Option<Vec<f32>>, w1: &[f32], dtype: DType) -> Vec<f32> {
         let cols = w1.len();
         let round = rounder(dtype);
-        let sum = match h {
-            Some(h) => Some(
-                x.iter()
-                    .zip(&h)
-                    .map(|(a, b)| round(a + b))
-                    .collect::<Vec<_>>(),
-            ),
-            None => None,
-        };
+        let sum = h.map(|h| {
+            x.iter()
+                .zip(&h)
+                .map(|(a, b)| round(a + b))
+                .collect::<Vec<_>>()
+        });
         let src = sum.as_deref().unwrap_or(&x);
         let mut normed = vec![0f32; src.len()];
         normed
