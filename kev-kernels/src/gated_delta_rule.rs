@@ -247,8 +247,20 @@ fn l2_normalize(x: &[f32], scale: f32, out: &mut [f32]) {
     out.iter_mut().zip(x).for_each(|(o, v)| *o = v * inv);
 }
 
-fn check(qkv: &Tensor, gb: &Tensor, state: &Tensor, dims: GdrDims) -> Result<(usize, usize)> {
+fn check(
+    qkv: &Tensor,
+    gb: &Tensor,
+    state: &Tensor,
+    dims: GdrDims,
+    lengths: Option<&[usize]>,
+) -> Result<(usize, usize)> {
     let (b_sz, seq_len, channels) = qkv.dims3()?;
+    if let Some(l) = lengths.filter(|l| l.len() != b_sz) {
+        bail!(
+            "gated-delta-rule: {} lengths for a batch of {b_sz}",
+            l.len()
+        )
+    }
     let GdrDims {
         num_k_heads: hk,
         num_v_heads: hv,
@@ -299,15 +311,7 @@ pub fn gated_delta_rule(
     dims: GdrDims,
     lengths: Option<&[usize]>,
 ) -> Result<Tensor> {
-    let (b_sz, seq_len) = check(qkv, gb, state, dims)?;
-    if let Some(l) = lengths {
-        if l.len() != b_sz {
-            bail!(
-                "gated-delta-rule: {} lengths for a batch of {b_sz}",
-                l.len()
-            )
-        }
-    }
+    let (_, seq_len) = check(qkv, gb, state, dims, lengths)?;
     if qkv.device().is_cuda() && seq_len >= CHUNKED_MIN_LEN {
         return crate::chunked::gated_delta_rule_chunked(qkv, gb, state, dims, lengths);
     }
@@ -323,10 +327,7 @@ pub fn gated_delta_rule_recurrent(
     dims: GdrDims,
     lengths: Option<&[usize]>,
 ) -> Result<Tensor> {
-    let (b_sz, seq_len) = check(qkv, gb, state, dims)?;
-    if lengths.is_some_and(|l| l.len() != b_sz) {
-        bail!("gated-delta-rule: lengths do not match a batch of {b_sz}")
-    }
+    let (b_sz, seq_len) = check(qkv, gb, state, dims, lengths)?;
     let op = GatedDeltaRule {
         dims,
         b_sz,
@@ -358,7 +359,7 @@ pub fn gated_delta_rule_ref(
     state: &Tensor,
     dims: GdrDims,
 ) -> Result<(Tensor, Tensor)> {
-    let (b_sz, seq_len) = check(qkv, gb, state, dims)?;
+    let (b_sz, seq_len) = check(qkv, gb, state, dims, None)?;
     let GdrDims {
         num_k_heads: hk,
         num_v_heads: hv,
