@@ -11,7 +11,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use kev_core::{Checkpoint, Encoder, Encoding, Error, LoadOptions, Record, Result, Row};
 
-use crate::device::{select_device, select_dtype};
+use crate::device::{select_device, select_dtype, settle};
 use crate::head::{softmax, PointerHead};
 use crate::lora::Adapter;
 use crate::qwen35::{Cache, Config, Model};
@@ -107,6 +107,7 @@ impl DecisionModel {
                 ),
             ));
         }
+        settle(&device)?;
         Ok(Self {
             model,
             head,

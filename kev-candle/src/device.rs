@@ -57,6 +57,25 @@ fn single_stream(dev: &Device) {
     let _ = dev;
 }
 
+/// Waits until everything issued on `dev` so far has completed. candle's CUDA device issues
+/// work on the calling thread's per-thread stream, so weights uploaded while loading on one
+/// thread have no ordering with a forward started on another: the load ends with a context-wide
+/// synchronisation instead.
+pub fn settle(dev: &Device) -> Result<()> {
+    let err = |e: String| Error::Device {
+        message: format!("waiting for the device after loading: {e}"),
+    };
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        return d
+            .cuda_stream()
+            .context()
+            .synchronize()
+            .map_err(|e| err(e.to_string()));
+    }
+    dev.synchronize().map_err(|e| err(e.to_string()))
+}
+
 /// The backbone dtype for `dtype` on `device`.
 pub fn select_dtype(dtype: kev_core::DType, device: &Device) -> DType {
     match dtype {
