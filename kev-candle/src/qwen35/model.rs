@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::Embedding;
+use rayon::prelude::*;
 
 use super::attention::Attention;
 use super::cache::{Cache, LayerCache};
@@ -106,7 +107,10 @@ impl Model {
     /// Builds the model from `weights` (names relative to the text model).
     pub fn new(cfg: &Config, w: &Weights) -> kev_core::Result<Self> {
         let embed = w.get("embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
+        // Layers load in parallel: widening, LoRA folding and rounding are CPU work per tensor,
+        // and one thread per layer keeps every core busy (the 4B load is mostly this).
         let layers = (0..cfg.num_hidden_layers)
+            .into_par_iter()
             .map(|i| DecoderLayer::new(cfg, w, i))
             .collect::<kev_core::Result<Vec<_>>>()?;
         let norm =
