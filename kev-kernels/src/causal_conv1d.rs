@@ -5,10 +5,11 @@
 //! of a sequence), so the op itself is stateless and continuation is exact.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, D};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
+use crate::rows::{as_rows, rows};
 
 /// The op; `kernel` is K (the weight's second dim).
 pub(crate) struct CausalConv1d {
@@ -115,4 +116,151 @@ pub fn causal_conv1d_ref(xs: &Tensor, weight: &Tensor) -> Result<Tensor> {
 
 fn candle_nn_silu(xs: &Tensor) -> Result<Tensor> {
     xs / (xs.neg()?.exp()? + 1.0)?
+}
+
+/// The conv reading `[cache; x]` in place, and the next cache, in one op: inputs `x` (`[B, T, C]`
+/// rows, possibly strided), `cache` (`[B, K−1, C]`), `weight` (`[C, K]`); output, flat,
+/// `[y: B·T·C | next cache: B·(K−1)·C]`.
+pub(crate) struct CausalConv1dCached {
+    /// Real steps per row; `None`: every row has T.
+    pub(crate) lengths: Option<Vec<u32>>,
+}
+
+impl CausalConv1dCached {
+    fn out_shape(xl: &Layout, kernel: usize) -> Result<Shape> {
+        let (b_sz, seq_len, channels) = xl.shape().dims3()?;
+        Ok(Shape::from(b_sz * (seq_len + kernel - 1) * channels))
+    }
+}
+
+impl CustomOp3 for CausalConv1dCached {
+    fn name(&self) -> &'static str {
+        "causal-conv1d-cached"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b_sz, seq_len, channels) = xl.shape().dims3()?;
+        let k = wl.dims()[1];
+        let x = rows(xl, "causal-conv1d x")?.read_f32(xs, "causal-conv1d x")?;
+        let cache = as_f32(cs, cl, "causal-conv1d cache")?;
+        let w = as_f32(ws, wl, "causal-conv1d weight")?;
+        // Window row p of batch row b: the K−1 cached rows, then x.
+        let at = |b: usize, p: usize, c: usize| {
+            if p < k - 1 {
+                cache[(b * (k - 1) + p) * channels + c]
+            } else {
+                x[(b * seq_len + p - (k - 1)) * channels + c]
+            }
+        };
+        let ny = b_sz * seq_len * channels;
+        let mut out = vec![0f32; ny + b_sz * (k - 1) * channels];
+        let (y, next) = out.split_at_mut(ny);
+        y.par_chunks_mut(channels).enumerate().for_each(|(row, y)| {
+            let (b, t) = (row / seq_len, row % seq_len);
+            for (c, o) in y.iter_mut().enumerate() {
+                let acc: f32 = (0..k).map(|j| w[c * k + j] * at(b, t + j, c)).sum();
+                *o = acc / (1.0 + (-acc).exp());
+            }
+        });
+        for (i, v) in next.iter_mut().enumerate() {
+            let (c, r, b) = (
+                i % channels,
+                (i / channels) % (k - 1),
+                i / (channels * (k - 1)),
+            );
+            let len = self.lengths.as_ref().map_or(seq_len, |l| l[b] as usize);
+            *v = at(b, len + r, c);
+        }
+        Ok((from_f32(out, xs.dtype())?, Self::out_shape(xl, k)?))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        cs: &candle_core::CudaStorage,
+        cl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::causal_conv1d_cached(self, xs, xl, cs, cl, ws, wl)?;
+        Ok((out, Self::out_shape(xl, wl.dims()[1])?))
+    }
+}
+
+/// [`causal_conv1d`] continuing from a cache: `x: [B, T, C]` (may be a slice of a wider
+/// projection), `cache: [B, K−1, C]` (the raw inputs before `x`; zeros at the start), `weight:
+/// [C, K]`, `lengths`: the real steps per row (right padding after them), `None` for all T.
+/// Returns `y: [B, T, C]` and the next cache, `[B, K−1, C]`: the K−1 raw inputs before each row's
+/// end. One op on the CPU and CUDA; Metal composes it ([`causal_conv1d_cached_ref`]).
+pub fn causal_conv1d_cached(
+    x: &Tensor,
+    cache: &Tensor,
+    weight: &Tensor,
+    lengths: Option<&[usize]>,
+) -> Result<(Tensor, Tensor)> {
+    let (b_sz, seq_len, channels) = x.dims3()?;
+    let (w_channels, k) = weight.dims2()?;
+    if w_channels != channels || k < 2 || cache.dims() != [b_sz, k - 1, channels] {
+        bail!(
+            "causal-conv1d: input {:?} / cache {:?} do not fit weight {:?}",
+            x.dims(),
+            cache.dims(),
+            weight.dims()
+        )
+    }
+    if let Some(l) = lengths {
+        if l.len() != b_sz || l.iter().any(|&n| n > seq_len) {
+            bail!(
+                "causal-conv1d: lengths {l:?} do not fit input {:?}",
+                x.dims()
+            )
+        }
+    }
+    if x.device().is_metal() {
+        return causal_conv1d_cached_ref(x, cache, weight, lengths);
+    }
+    let op = CausalConv1dCached {
+        lengths: lengths
+            .filter(|l| l.iter().any(|&n| n != seq_len))
+            .map(|l| l.iter().map(|&n| n as u32).collect()),
+    };
+    let out = as_rows(x)?.apply_op3_no_bwd(&cache.contiguous()?, &weight.contiguous()?, &op)?;
+    let ny = b_sz * seq_len * channels;
+    let y = out.narrow(0, 0, ny)?.reshape((b_sz, seq_len, channels))?;
+    let next = out
+        .narrow(0, ny, b_sz * (k - 1) * channels)?
+        .reshape((b_sz, k - 1, channels))?;
+    Ok((y, next))
+}
+
+/// [`causal_conv1d_cached`] from the window op and tensor ops (the test reference, and the
+/// Metal path).
+pub fn causal_conv1d_cached_ref(
+    x: &Tensor,
+    cache: &Tensor,
+    weight: &Tensor,
+    lengths: Option<&[usize]>,
+) -> Result<(Tensor, Tensor)> {
+    let (b_sz, seq_len, channels) = x.dims3()?;
+    let keep = cache.dim(1)?;
+    let window = Tensor::cat(&[cache, x], 1)?; // [B, K−1+T, C]
+    let y = causal_conv1d(&window, weight)?;
+    let rows = (0..b_sz)
+        .map(|b| {
+            let len = lengths.map_or(seq_len, |l| l[b]);
+            window.narrow(0, b, 1)?.narrow(1, len, keep)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let next = Tensor::cat(&rows, 0)?.reshape((b_sz, keep, channels))?;
+    Ok((y, next))
 }

@@ -519,3 +519,51 @@ pub(crate) fn attention_gate(
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })
 }
+
+pub(crate) fn causal_conv1d_cached(
+    op: &crate::causal_conv1d::CausalConv1dCached,
+    xs: &CudaStorage,
+    xl: &Layout,
+    cs: &CudaStorage,
+    cl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+) -> Result<CudaStorage> {
+    let k = Kernel::load(
+        xs.device(),
+        &format!("conv_cached_{}", tag(xs.dtype(), "causal-conv1d")?),
+    )?;
+    let (b_sz, seq_len, channels) = xl.shape().dims3()?;
+    let kernel = wl.dims()[1];
+    let xv = rows(xl, "causal-conv1d input")?;
+    let (c0, c1) = contiguous(cl, "causal-conv1d cache")?;
+    let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
+    let n = b_sz * (seq_len + kernel - 1) * channels;
+    let lengths = op
+        .lengths
+        .as_ref()
+        .map(|l| k.dev.clone_htod(l))
+        .transpose()?;
+    by_dtype!(xs.dtype(), "causal-conv1d", |T| {
+        let x = xs.as_cuda_slice::<T>()?.slice(xv.span());
+        let cache = cs.as_cuda_slice::<T>()?.slice(c0..c1);
+        let w = ws.as_cuda_slice::<T>()?.slice(w0..w1);
+        let out = k.output::<T>(n)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        let (stride, null) = (xv.stride as i64, 0u64);
+        b.arg(&x).arg(&stride).arg(&cache).arg(&w);
+        match &lengths {
+            Some(l) => b.arg(l),
+            None => b.arg(&null),
+        };
+        b.arg(&out);
+        let ints = [b_sz, seq_len, channels, kernel].map(|v| v as i32);
+        for v in &ints {
+            b.arg(v);
+        }
+        // SAFETY: argument types and order match `conv_cached_*` in ops.cu; grid-stride below
+        // n, the output size; reads stay inside the views the layouts describe.
+        unsafe { b.launch(grid_for(n, CONV_BLOCK)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}

@@ -35,7 +35,9 @@ pub use attention::{
     attention_gate, attention_gate_ref, masked_softmax, masked_softmax_ref, qk_norm_rope,
     qk_norm_rope_ref,
 };
-pub use causal_conv1d::{causal_conv1d, causal_conv1d_ref};
+pub use causal_conv1d::{
+    causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_ref,
+};
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
 pub use gated_delta_rule::{
     gated_delta_rule, gated_delta_rule_recurrent, gated_delta_rule_ref, GdrDims, CHUNKED_MIN_LEN,

@@ -84,9 +84,10 @@ pub fn check_fused_ops(
     check: impl Fn(&str, &Tensor, &Tensor, f32) -> Result<()>,
 ) -> Result<()> {
     use crate::{
-        add_rms_norm, attention_gate, attention_gate_ref, deltanet_gates, deltanet_gates_ref,
-        gated_rms_norm, gated_rms_norm_ref, masked_softmax, masked_softmax_ref, qk_norm_rope,
-        qk_norm_rope_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref,
+        add_rms_norm, attention_gate, attention_gate_ref, causal_conv1d_cached,
+        causal_conv1d_cached_ref, deltanet_gates, deltanet_gates_ref, gated_rms_norm,
+        gated_rms_norm_ref, masked_softmax, masked_softmax_ref, qk_norm_rope, qk_norm_rope_ref,
+        rms_norm, rms_norm_ref, swiglu, swiglu_ref,
     };
     let eps = 1e-6;
     for dtype in [DType::F32, DType::BF16] {
@@ -169,6 +170,18 @@ pub fn check_fused_ops(
         let got = masked_softmax(&sc_d, &mask.to_device(dev)?, 0.25)?;
         let want = masked_softmax_ref(&sc, &mask, 0.25)?;
         check(&tag("masked-softmax"), &got, &want, tol)?;
+
+        // The conv from a cache, x a slice of the projection, with and without padded rows.
+        let (cache_d, cache) = on(patterned(&[b, 3, 64], 2.5, 1.0)?)?;
+        let (w_d, w) = on(patterned(&[64, 4], 0.9, 0.5)?)?;
+        for lengths in [None, Some(&[t, 2][..])] {
+            let (y, next) = causal_conv1d_cached(&part(&proj_d, 1)?, &cache_d, &w_d, lengths)?;
+            let (y_ref, next_ref) =
+                causal_conv1d_cached_ref(&part(&proj, 1)?, &cache, &w, lengths)?;
+            let what = format!("conv-cached {lengths:?}");
+            check(&tag(&format!("{what} y")), &y, &y_ref, tol)?;
+            check(&tag(&format!("{what} next cache")), &next, &next_ref, 0.0)?;
+        }
     }
     Ok(())
 }

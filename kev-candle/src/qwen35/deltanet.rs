@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Linear;
-use kev_kernels::{causal_conv1d, deltanet_gates, gated_delta_rule, GdrDims};
+use kev_kernels::{causal_conv1d_cached, deltanet_gates, gated_delta_rule, GdrDims};
 
 use super::norm::GatedRmsNorm;
 use super::{linear, linear_cat, Config};
@@ -22,7 +22,6 @@ pub struct GatedDeltaNet {
     norm: GatedRmsNorm,
     out_proj: Linear,
     dims: GdrDims,
-    kernel: usize,
 }
 
 impl GatedDeltaNet {
@@ -72,7 +71,6 @@ impl GatedDeltaNet {
                 head_k_dim: cfg.linear_key_head_dim,
                 head_v_dim: dv,
             },
-            kernel: k,
         })
     }
 
@@ -97,9 +95,8 @@ impl GatedDeltaNet {
         let z = proj.narrow(D::Minus1, c, hv * dv)?;
         let ba = proj.narrow(D::Minus1, c + hv * dv, 2 * hv)?;
 
-        let window = Tensor::cat(&[&*conv, &qkv], 1)?; // [B, K−1+T, C]
-        let mixed = causal_conv1d(&window, &self.conv1d)?;
-        *conv = self.next_window(&window, lengths)?;
+        let (mixed, next) = causal_conv1d_cached(&qkv, conv, &self.conv1d, Some(lengths))?;
+        *conv = next;
 
         // g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as HF).
         let gb = deltanet_gates(&ba, &self.dt_bias, &self.neg_a)?; // [B, T, Hv, 2]
@@ -110,26 +107,5 @@ impl GatedDeltaNet {
             .forward(&o, &z)?
             .reshape((b_sz, seq_len, hv * dv))?;
         self.out_proj.forward(&o)
-    }
-
-    /// The last K−1 raw inputs before each row's end (`lengths[b]` real steps).
-    fn next_window(&self, window: &Tensor, lengths: &[usize]) -> Result<Tensor> {
-        let keep = self.kernel - 1;
-        let seq_len = window.dim(1)? - keep;
-        if lengths.iter().all(|&l| l == seq_len) {
-            return window.narrow(1, seq_len, keep)?.contiguous();
-        }
-        // One gather over the flattened window instead of a narrow + copy per row.
-        let (b_sz, width, channels) = window.dims3()?;
-        let idx: Vec<u32> = lengths
-            .iter()
-            .enumerate()
-            .flat_map(|(b, &l)| (l..l + keep).map(move |t| (b * width + t) as u32))
-            .collect();
-        let idx = Tensor::from_vec(idx, b_sz * keep, window.device())?;
-        window
-            .reshape((b_sz * width, channels))?
-            .index_select(&idx, 0)?
-            .reshape((b_sz, keep, channels))
     }
 }

@@ -464,3 +464,47 @@ __device__ void attn_gate(const typename D::T* o, const typename D::T* g, long s
 ATTN(f32, F32)
 ATTN(bf16, BF16)
 ATTN(f16, F16)
+
+// conv_cached_<dtype>: the causal conv + SiLU over [cache; x] without building that window, and
+// the next cache in the same launch. x rows (stride xs) [B, T, C]; cache [B, K-1, C]; w [C, K].
+// out = [y: B·T·C | next: B·(K-1)·C]: y as conv_<dtype>; next[b, r] = window row lengths[b] + r
+// (the K-1 raw inputs before row b's end; lengths null: every row has T).
+template <typename D>
+__device__ void conv_cached(const typename D::T* x, long xs, const typename D::T* cache,
+                            const typename D::T* w, const unsigned int* lengths,
+                            typename D::T* out, int B, int T, int C, int K) {
+    const size_t ny = (size_t)B * T * C, n = ny + (size_t)B * (K - 1) * C;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (size_t)gridDim.x * blockDim.x) {
+        if (idx < ny) {
+            const int c = idx % C;
+            const size_t bt = idx / C;
+            const int t = bt % T, b = bt / T;
+            float acc = 0.f;
+            for (int j = 0; j < K; j++) {
+                const int p = t + j;  // window row: K-1 cached rows, then x
+                const float v = p < K - 1 ? D::load(cache + ((size_t)b * (K - 1) + p) * C + c)
+                                          : D::load(x + ((size_t)b * T + p - (K - 1)) * xs + c);
+                acc += D::load(w + c * K + j) * v;
+            }
+            D::store(out + idx, acc / (1.f + expf(-acc)));
+        } else {
+            const size_t i = idx - ny;
+            const int c = i % C, r = (i / C) % (K - 1), b = i / ((size_t)C * (K - 1));
+            const int p = (lengths ? (int)lengths[b] : T) + r;
+            const float v = p < K - 1 ? D::load(cache + ((size_t)b * (K - 1) + p) * C + c)
+                                      : D::load(x + ((size_t)b * T + p - (K - 1)) * xs + c);
+            D::store(out + idx, v);
+        }
+    }
+}
+
+#define CONV_CACHED(TAG, D)                                                                      \
+    extern "C" __global__ void conv_cached_##TAG(const D::T* x, long xs, const D::T* cache,     \
+                                                 const D::T* w, const unsigned int* lengths,    \
+                                                 D::T* out, int B, int T, int C, int K) {       \
+        conv_cached<D>(x, xs, cache, w, lengths, out, B, T, C, K);                              \
+    }
+CONV_CACHED(f32, F32)
+CONV_CACHED(bf16, BF16)
+CONV_CACHED(f16, F16)
