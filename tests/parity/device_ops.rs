@@ -21,6 +21,14 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
         (1, 1, dims(2, 4, 32, 16), None),
         (2, 37, dims(2, 4, 32, 16), Some(vec![37usize, 30])),
         (1, 70, dims(2, 4, 128, 128), None),
+        // 64 and 128 (row, head) pairs: the kernels that give each warp 2 and 4 state columns.
+        (16, 9, dims(2, 4, 32, 16), Some(vec![9usize; 16])),
+        (
+            32,
+            5,
+            dims(2, 4, 32, 16),
+            Some((0..32).map(|i| 1 + i % 5).collect()),
+        ),
     ] {
         for dtype in [DType::F32, DType::BF16] {
             let (qkv, gb, state) = inputs(b, t, d)?;
