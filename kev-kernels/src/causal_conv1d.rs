@@ -237,9 +237,12 @@ pub fn causal_conv1d_cached(
     let out = as_rows(x)?.apply_op3_no_bwd(&cache.contiguous()?, &weight.contiguous()?, &op)?;
     let ny = b_sz * seq_len * channels;
     let y = out.narrow(0, 0, ny)?.reshape((b_sz, seq_len, channels))?;
+    // The cache outlives this step (a prefix keeps it): give it storage of its own, or it would
+    // keep the whole output, y included, alive.
     let next = out
         .narrow(0, ny, b_sz * (k - 1) * channels)?
-        .reshape((b_sz, k - 1, channels))?;
+        .reshape((b_sz, k - 1, channels))?
+        .copy()?;
     Ok((y, next))
 }
 
