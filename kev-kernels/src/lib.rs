@@ -1,14 +1,18 @@
-//! Kev's own candle ops for the Gated DeltaNet layers of Qwen3.5.
+//! Kev's own candle ops for the layers of Qwen3.5, each a candle custom op with a CPU
+//! implementation, CUDA and Metal ones behind the `cuda` / `metal` features, and a plain
+//! tensor-op reference (`*_ref`) for tests.
 //!
-//! Two recurrent-layer ops, each a candle custom op with a CPU implementation (GPU implementations arrive behind
-//! the `cuda` / `metal` features) and a plain tensor-op reference (`*_ref`) for tests:
+//! The recurrent-layer ops:
 //!
 //! - [`gated_delta_rule`]: the gated delta rule recurrence over a persistent f32 state that is
 //!   updated **in place**, with the q/k l2-normalisation and query scaling fused in.
 //! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
-//!   with its K−1 previous inputs so that a run can continue from a cache.
+//!   with its K−1 previous inputs so that a run can continue from a cache;
+//!   [`causal_conv1d_cached`] takes that cache separately and returns the next one.
 //!
-//! - Fused elementwise ops that replace chains of candle ops (a GPU forward is launch-bound):
+//! And the fused elementwise ops:
+//!
+//! - Ops that replace chains of candle ops (a GPU forward is launch-bound):
 //!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`],
 //!   and the attention steps [`qk_norm_rope`], [`masked_softmax`], [`attention_gate`].
 //!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
