@@ -61,7 +61,7 @@ impl Kernel {
 
     /// An output buffer of `n` elements every launch fully overwrites.
     fn output<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
-        // SAFETY: both kernels write every element of their output (padding included).
+        // SAFETY: every kernel in ops.cu writes every element of its output (padding included).
         unsafe { self.dev.alloc::<T>(n) }
     }
 }

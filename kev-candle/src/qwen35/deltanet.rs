@@ -100,8 +100,7 @@ impl GatedDeltaNet {
 
         // g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as HF).
         let gb = deltanet_gates(&ba, &self.dt_bias, &self.neg_a)?; // [B, T, Hv, 2]
-        let lengths = (lengths.iter().any(|&l| l != seq_len)).then_some(lengths);
-        let o = gated_delta_rule(&mixed, &gb, state, self.dims, lengths)?; // [B, T, Hv, Dv]
+        let o = gated_delta_rule(&mixed, &gb, state, self.dims, Some(lengths))?; // [B, T, Hv, Dv]
         let o = self
             .norm
             .forward(&o, &z)?
