@@ -1,16 +1,20 @@
-//! Times the two forms of the gated delta rule (step-by-step kernel and chunked tensor-op form)
-//! on the 0.8B / 4B DeltaNet shapes, to choose where the dispatch switches between them.
+//! Times the forms of the gated delta rule on the 0.8B / 4B DeltaNet shapes, to choose where the
+//! dispatch switches between them: the step-by-step kernel, the chunked kernels (CUDA) and the
+//! chunked tensor-op composition (`gated_delta_rule_chunked`).
 //!
 //! ```sh
 //! cargo run --release -p kev-kernels --features cuda --example gdr_bench   # on a CUDA machine
 //! ```
-//! Prints one line per (batch, steps, shape): median milliseconds per call of each form.
+//! Prints one line per (batch, steps, shape): median milliseconds per call of each form, and the
+//! largest difference of the chunked kernels' output and state from the step-by-step ones.
 
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::testing::{dims, gdr_inputs};
-use kev_kernels::{gated_delta_rule_chunked, gated_delta_rule_recurrent, GdrDims};
+use kev_kernels::{
+    gated_delta_rule_as, gated_delta_rule_chunked, gated_delta_rule_recurrent, GdrDims, GdrForm,
+};
 
 fn median_ms(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..2 {
@@ -67,26 +71,34 @@ fn main() -> Result<()> {
         per_norm * 1e3,
         per_upload * 1e3
     );
+    let max_diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+        (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()
+    };
     for (name, d) in shapes {
-        for (b, t) in [(16, 48), (1, 512), (8, 512), (1, 4096)] {
+        for (b, t) in [(4, 48), (32, 48), (1, 512), (8, 512), (1, 4096), (1, 8192)] {
             let (qkv, gb, state) = gdr_inputs(b, t, d, 0.3)?;
             let qkv = qkv.to_dtype(DType::BF16)?.to_device(&dev)?;
             let (gb, state) = (gb.to_device(&dev)?, state.to_device(&dev)?);
             let rec = median_ms(&dev, || {
                 gated_delta_rule_recurrent(&qkv, &gb, &state, d, None).map(|_| ())
             })?;
-            let chunked = median_ms(&dev, || {
+            let fused = median_ms(&dev, || {
+                gated_delta_rule_as(&qkv, &gb, &state, d, None, GdrForm::Chunked).map(|_| ())
+            })?;
+            let ops = median_ms(&dev, || {
                 gated_delta_rule_chunked(&qkv, &gb, &state, d, None).map(|_| ())
             })?;
-            let s2 = state.copy()?;
-            let a = gated_delta_rule_recurrent(&qkv, &gb, &state.copy()?, d, None)?;
-            let c = gated_delta_rule_chunked(&qkv, &gb, &s2, d, None)?;
-            let diff = (a.to_dtype(DType::F32)? - c.to_dtype(DType::F32)?)?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f32>()?;
+            let (s_rec, s_fused) = (state.copy()?, state.copy()?);
+            let a = gated_delta_rule_recurrent(&qkv, &gb, &s_rec, d, None)?;
+            let c = gated_delta_rule_as(&qkv, &gb, &s_fused, d, None, GdrForm::Chunked)?;
             println!(
-                "{name} b={b:<2} t={t:<4} recurrent {rec:8.3} ms  chunked {chunked:8.3} ms  max|Δ| {diff:.1e}"
+                "{name} b={b:<2} t={t:<4} recurrent {rec:8.3} ms  chunked kernels {fused:8.3} ms  \
+                 chunked tensor ops {ops:8.3} ms  max|Δ| out {:.1e} state {:.1e}",
+                max_diff(&a, &c)?,
+                max_diff(&s_rec, &s_fused)?
             );
         }
     }

@@ -16,27 +16,58 @@ use crate::causal_conv1d::CausalConv1d;
 use crate::gated_delta_rule::GatedDeltaRule;
 use crate::rows::{rows, strided4};
 
-const SOURCE: &str = include_str!("kernels/ops.cu");
-const MODULE: &str = "kev_ops";
+/// A CUDA source file (`common.cuh` prepended), compiled to PTX with NVRTC on first use and
+/// loaded as its own module, so a process pays only for the sources it runs.
+struct Source {
+    file: &'static str,
+    module: &'static str,
+    text: &'static str,
+    ptx: OnceLock<std::result::Result<String, String>>,
+}
+
+static OPS: Source = Source {
+    file: "ops.cu",
+    module: "kev_ops",
+    text: concat!(
+        include_str!("kernels/common.cuh"),
+        include_str!("kernels/ops.cu")
+    ),
+    ptx: OnceLock::new(),
+};
+
+static GDR_CHUNKED: Source = Source {
+    file: "gdr_chunked.cu",
+    module: "kev_gdr_chunked",
+    text: concat!(
+        include_str!("kernels/common.cuh"),
+        include_str!("kernels/gdr_chunked.cu")
+    ),
+    ptx: OnceLock::new(),
+};
+
 /// Warps per block of the recurrence kernel (`WARPS` in ops.cu).
 const GDR_WARPS: usize = 8;
+/// Steps per chunk, threads per block and the largest Dk of the chunked kernels (gdr_chunked.cu).
+const GDRC_CHUNK: usize = 32;
+const GDRC_THREADS: u32 = 128;
+const GDRC_MAX_DK: usize = 128;
 const CONV_BLOCK: u32 = 256;
 
-/// The PTX of `ops.cu`, compiled on first use.
-fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    let compiled = PTX.get_or_init(|| {
-        let opts = CompileOptions {
-            name: Some("ops.cu".into()),
-            ..Default::default()
-        };
-        compile_ptx_with_opts(SOURCE, opts)
-            .map(|p| p.to_src())
-            .map_err(|e| e.to_string())
-    });
-    match compiled {
-        Ok(p) => Ok(p.as_str()),
-        Err(e) => bail!("compiling kev-kernels ops.cu with NVRTC: {e}"),
+impl Source {
+    fn ptx(&self) -> Result<&str> {
+        let compiled = self.ptx.get_or_init(|| {
+            let opts = CompileOptions {
+                name: Some(self.file.into()),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(self.text, opts)
+                .map(|p| p.to_src())
+                .map_err(|e| e.to_string())
+        });
+        match compiled {
+            Ok(p) => Ok(p.as_str()),
+            Err(e) => bail!("compiling kev-kernels {} with NVRTC: {e}", self.file),
+        }
     }
 }
 
@@ -49,8 +80,12 @@ struct Kernel {
 
 impl Kernel {
     fn load(dev: &CudaDevice, name: &str) -> Result<Self> {
+        Self::load_from(&OPS, dev, name)
+    }
+
+    fn load_from(src: &Source, dev: &CudaDevice, name: &str) -> Result<Self> {
         let func = dev
-            .get_or_load_custom_func(name, MODULE, ptx()?)?
+            .get_or_load_custom_func(name, src.module, src.ptx()?)?
             .into_cuda_function();
         Ok(Self {
             dev: dev.clone(),
@@ -107,6 +142,36 @@ fn gdr_cols(heads: usize, dv: usize) -> usize {
     }
 }
 
+/// Launches `name_<dtype>` on `dtype` storages: `$body` runs with `$t` bound to the element type.
+macro_rules! by_dtype {
+    ($dtype:expr, $op:expr, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            other => bail!("{}: unsupported dtype {other:?} on CUDA", $op),
+        }
+    };
+}
+
+/// The per-row lengths on the device, or `None` (a null pointer to the kernels) when no row is
+/// padded: most calls, and one upload fewer.
+fn upload_lengths(dev: &CudaDevice, op: &GatedDeltaRule) -> Result<Option<CudaSlice<u32>>> {
+    if op.lengths.iter().all(|&l| l as usize == op.seq_len) {
+        return Ok(None);
+    }
+    Ok(Some(dev.clone_htod(&op.lengths)?))
+}
+
 pub(crate) fn gated_delta_rule(
     op: &GatedDeltaRule,
     state: &mut CudaStorage,
@@ -117,6 +182,9 @@ pub(crate) fn gated_delta_rule(
     gl: &Layout,
 ) -> Result<()> {
     let dims = op.dims;
+    if op.chunked() && dims.head_k_dim <= GDRC_MAX_DK {
+        return gated_delta_rule_chunked(op, state, sl, qkv, ql, gb, gl);
+    }
     let nk = dims.head_k_dim.div_ceil(32).next_power_of_two();
     if nk > 8 {
         bail!(
@@ -135,7 +203,7 @@ pub(crate) fn gated_delta_rule(
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
-    let lengths = k.dev.clone_htod(&op.lengths)?;
+    let lengths = upload_lengths(&k.dev, op)?;
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let n_out = op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim;
@@ -156,28 +224,110 @@ pub(crate) fn gated_delta_rule(
         dims.head_v_dim,
     ]
     .map(|x| x as i32);
-    macro_rules! launch {
-        ($t:ty) => {{
-            let x = qkv.as_cuda_slice::<$t>()?.slice(q0..q1);
-            let out = k.output::<$t>(n_out)?;
-            let mut b = k.stream.launch_builder(&k.func);
-            b.arg(&x).arg(&gb).arg(&mut st).arg(&out).arg(&lengths);
-            for v in &ints {
-                b.arg(v);
-            }
-            // SAFETY: argument types and order match `gdr_*` in ops.cu; the wrapper checked
-            // every shape, so all indices stay inside the buffers.
-            unsafe { b.launch(cfg) }.w()?;
-            CudaStorage::wrap_cuda_slice(out, k.dev.clone())
-        }};
-    }
-    let out = match qkv.dtype() {
-        DType::F32 => launch!(f32),
-        DType::BF16 => launch!(half::bf16),
-        _ => launch!(half::f16),
-    };
-    op.set_output(candle_core::Storage::Cuda(out));
-    Ok(())
+    let null = 0u64;
+    by_dtype!(qkv.dtype(), "gated-delta-rule", |T| {
+        let x = qkv.as_cuda_slice::<T>()?.slice(q0..q1);
+        let out = k.output::<T>(n_out)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        b.arg(&x).arg(&gb).arg(&mut st).arg(&out);
+        match &lengths {
+            Some(l) => b.arg(l),
+            None => b.arg(&null),
+        };
+        for v in &ints {
+            b.arg(v);
+        }
+        // SAFETY: argument types and order match `gdr_*` in ops.cu; the wrapper checked
+        // every shape, so all indices stay inside the buffers.
+        unsafe { b.launch(cfg) }.w()?;
+        op.set_output(candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(
+            out,
+            k.dev.clone(),
+        )));
+        Ok(())
+    })
+}
+
+/// The chunked form (gdr_chunked.cu): a preparation kernel per chunk writes the state-free
+/// products to f32 scratch, then a scan kernel per 32 state columns walks the chunks.
+fn gated_delta_rule_chunked(
+    op: &GatedDeltaRule,
+    state: &mut CudaStorage,
+    sl: &Layout,
+    qkv: &CudaStorage,
+    ql: &Layout,
+    gb: &CudaStorage,
+    gl: &Layout,
+) -> Result<()> {
+    let dims = op.dims;
+    let dtag = tag(qkv.dtype(), "gated-delta-rule")?;
+    let prep = Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("gdrc_prep_{dtag}_nk4"))?;
+    let scan = Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("gdrc_scan_{dtag}_nk4"))?;
+    let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
+    let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
+    let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
+    let lengths = upload_lengths(&prep.dev, op)?;
+    let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
+    let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
+    let heads = op.b_sz * dims.num_v_heads;
+    let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
+    let rows = heads * chunks * GDRC_CHUNK;
+    // Scratch: every element is written by the preparation kernel before the scan reads it.
+    let wk = prep.output::<f32>(rows * GDRC_MAX_DK)?;
+    let u = prep.output::<f32>(rows * dims.head_v_dim)?;
+    let qd = prep.output::<f32>(rows * GDRC_MAX_DK)?;
+    let kd = prep.output::<f32>(rows * GDRC_MAX_DK)?;
+    let aqk = prep.output::<f32>(rows * GDRC_CHUNK)?;
+    let gtot = prep.output::<f32>(heads * chunks)?;
+    let null = 0u64;
+    let [t, hk, hv, dk, dv, nc] = [
+        op.seq_len,
+        dims.num_k_heads,
+        dims.num_v_heads,
+        dims.head_k_dim,
+        dims.head_v_dim,
+        chunks,
+    ]
+    .map(|x| x as i32);
+    let block = (GDRC_THREADS, 1, 1);
+    by_dtype!(qkv.dtype(), "gated-delta-rule", |T| {
+        let x = qkv.as_cuda_slice::<T>()?.slice(q0..q1);
+        let mut b = prep.stream.launch_builder(&prep.func);
+        b.arg(&x).arg(&gb);
+        match &lengths {
+            Some(l) => b.arg(l),
+            None => b.arg(&null),
+        };
+        b.arg(&wk).arg(&u).arg(&qd).arg(&kd).arg(&aqk).arg(&gtot);
+        b.arg(&t).arg(&hk).arg(&hv).arg(&dk).arg(&dv);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks as u32, heads as u32, 1),
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match `gdrc_prep_*`; the scratch sizes follow the
+        // grid (one block per chunk and head, Dk ≤ 128 checked by the caller).
+        unsafe { b.launch(cfg) }.w()?;
+
+        let out = scan.output::<T>(op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim)?;
+        let mut b = scan.stream.launch_builder(&scan.func);
+        b.arg(&wk).arg(&u).arg(&qd).arg(&kd).arg(&aqk).arg(&gtot);
+        b.arg(&mut st).arg(&out);
+        b.arg(&t).arg(&hv).arg(&dk).arg(&dv).arg(&nc);
+        let cfg = LaunchConfig {
+            grid_dim: (dims.head_v_dim.div_ceil(32) as u32, heads as u32, 1),
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match `gdrc_scan_*`; reads stay inside the scratch
+        // written above, the state and output have the shapes the wrapper checked.
+        unsafe { b.launch(cfg) }.w()?;
+        op.set_output(candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(
+            out,
+            scan.dev.clone(),
+        )));
+        Ok(())
+    })
 }
 
 pub(crate) fn causal_conv1d(
@@ -231,27 +381,6 @@ pub(crate) fn causal_conv1d(
         _ => launch!(half::f16),
     };
     Ok((y, Shape::from((b_sz, seq_len, channels))))
-}
-
-/// Launches `name_<dtype>` on `dtype` storages: `$body` runs with `$t` bound to the element type.
-macro_rules! by_dtype {
-    ($dtype:expr, $op:expr, |$t:ident| $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::BF16 => {
-                type $t = half::bf16;
-                $body
-            }
-            DType::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            other => bail!("{}: unsupported dtype {other:?} on CUDA", $op),
-        }
-    };
 }
 
 fn grid_for(n: usize, block: u32) -> LaunchConfig {

@@ -20,11 +20,24 @@ use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
 
-/// From this many steps on, CUDA runs the chunked form (tensor-op matmuls) instead of the
-/// step-by-step kernel. Measured on the H200 (`gdr_bench`, 0.8B head shapes, bf16): the tiled
-/// recurrent kernel is faster at every length tried (0.20 vs 2.7 ms at 512 steps, 1.7 vs 12.3 ms
-/// at 4096), because the chunked form's ~10 launches per chunk cost more than its matmuls save.
-pub const CHUNKED_MIN_LEN: usize = 8192;
+/// From this many steps on, [`GdrForm::Auto`] runs the chunked kernels on CUDA (a preparation
+/// kernel per chunk of 32 steps, then a scan over the chunks) instead of the step-by-step one.
+/// Their first version measured slower at every shape (gdr_bench on the H200: 0.36 vs 0.19 ms
+/// at 1 × 512 steps, 3.1 vs 1.6 ms at 1 × 4096), so for now Auto never picks them.
+pub const CHUNKED_MIN_LEN: usize = usize::MAX;
+
+/// Which algorithm runs the recurrence, for backends that have both (CUDA, Dk ≤ 128); the others
+/// always run step by step. Both give the same results up to f32 rounding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GdrForm {
+    /// Chunked from [`CHUNKED_MIN_LEN`] steps on, step by step below.
+    #[default]
+    Auto,
+    /// Step by step: T dependent steps, each one small.
+    Recurrent,
+    /// Chunked: T/32 dependent rounds of small dense products.
+    Chunked,
+}
 
 /// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA).
 const L2NORM_EPS: f32 = 1e-6;
@@ -59,10 +72,21 @@ pub(crate) struct GatedDeltaRule {
     pub(crate) lengths: Vec<u32>,
     /// dtype of `o` (the dtype of `qkv`).
     pub(crate) out_dtype: DType,
+    pub(crate) form: GdrForm,
     pub(crate) out: Mutex<Option<Storage>>,
 }
 
 impl GatedDeltaRule {
+    /// Whether a backend with a chunked kernel should run it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn chunked(&self) -> bool {
+        match self.form {
+            GdrForm::Auto => self.seq_len >= CHUNKED_MIN_LEN,
+            GdrForm::Recurrent => false,
+            GdrForm::Chunked => true,
+        }
+    }
+
     /// Hands `o` back to the wrapper.
     pub(crate) fn set_output(&self, storage: Storage) {
         *self
@@ -293,8 +317,7 @@ fn check(
     Ok((b_sz, seq_len))
 }
 
-/// Runs the gated delta rule over `T` steps and returns `o`. On CUDA with T ≥
-/// [`CHUNKED_MIN_LEN`] it runs the chunked form ([`crate::gated_delta_rule_chunked`]).
+/// Runs the gated delta rule over `T` steps and returns `o` ([`GdrForm::Auto`]).
 ///
 /// - `qkv`: `[B, T, 2·Hk·Dk + Hv·Dv]`, the conv output packed as `[q | k | v]`, heads contiguous
 ///   inside each part (any float dtype; read as f32);
@@ -311,11 +334,7 @@ pub fn gated_delta_rule(
     dims: GdrDims,
     lengths: Option<&[usize]>,
 ) -> Result<Tensor> {
-    let (_, seq_len) = check(qkv, gb, state, dims, lengths)?;
-    if qkv.device().is_cuda() && seq_len >= CHUNKED_MIN_LEN {
-        return crate::chunked::gated_delta_rule_chunked(qkv, gb, state, dims, lengths);
-    }
-    gated_delta_rule_recurrent(qkv, gb, state, dims, lengths)
+    gated_delta_rule_as(qkv, gb, state, dims, lengths, GdrForm::Auto)
 }
 
 /// [`gated_delta_rule`] always in the step-by-step form (on every backend), for benchmarks and
@@ -327,6 +346,18 @@ pub fn gated_delta_rule_recurrent(
     dims: GdrDims,
     lengths: Option<&[usize]>,
 ) -> Result<Tensor> {
+    gated_delta_rule_as(qkv, gb, state, dims, lengths, GdrForm::Recurrent)
+}
+
+/// [`gated_delta_rule`] with the algorithm chosen by the caller.
+pub fn gated_delta_rule_as(
+    qkv: &Tensor,
+    gb: &Tensor,
+    state: &Tensor,
+    dims: GdrDims,
+    lengths: Option<&[usize]>,
+    form: GdrForm,
+) -> Result<Tensor> {
     let (b_sz, seq_len) = check(qkv, gb, state, dims, lengths)?;
     let op = GatedDeltaRule {
         dims,
@@ -337,6 +368,7 @@ pub fn gated_delta_rule_recurrent(
             None => vec![seq_len as u32; b_sz],
         },
         out_dtype: qkv.dtype(),
+        form,
         out: Mutex::new(None),
     };
     state.inplace_op3(&qkv.contiguous()?, &gb.contiguous()?, &op)?;

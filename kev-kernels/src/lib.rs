@@ -5,7 +5,9 @@
 //! The recurrent-layer ops:
 //!
 //! - [`gated_delta_rule`]: the gated delta rule recurrence over a persistent f32 state that is
-//!   updated **in place**, with the q/k l2-normalisation and query scaling fused in.
+//!   updated **in place**, with the q/k l2-normalisation and query scaling fused in. CUDA runs
+//!   long sequences in chunked form (two kernels), short ones step by step ([`GdrForm`]);
+//!   [`gated_delta_rule_chunked`] is the chunked form as plain tensor ops, for any backend.
 //! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
 //!   with its K−1 previous inputs so that a run can continue from a cache;
 //!   [`causal_conv1d_cached`] takes that cache separately and returns the next one.
@@ -44,7 +46,8 @@ pub use causal_conv1d::{
 };
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
 pub use gated_delta_rule::{
-    gated_delta_rule, gated_delta_rule_recurrent, gated_delta_rule_ref, GdrDims, CHUNKED_MIN_LEN,
+    gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent, gated_delta_rule_ref,
+    GdrDims, GdrForm, CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};

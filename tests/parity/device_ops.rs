@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, dims, patterned};
-use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
+use kev_kernels::{causal_conv1d, gated_delta_rule, gated_delta_rule_as, GdrDims, GdrForm};
 
 use crate::common::{check, device};
 
@@ -29,28 +29,40 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
             dims(2, 4, 32, 16),
             Some((0..32).map(|i| 1 + i % 5).collect()),
         ),
+        // The chunked kernels: several chunks, a partial last one, rows ending in different
+        // chunks (one empty), 4B head counts.
+        (3, 100, dims(16, 32, 128, 128), Some(vec![100usize, 33, 0])),
     ] {
         for dtype in [DType::F32, DType::BF16] {
             let (qkv, gb, state) = inputs(b, t, d)?;
             let qkv = qkv.to_dtype(dtype)?;
             let s_cpu = state.copy()?;
             let o_cpu = gated_delta_rule(&qkv, &gb, &s_cpu, d, lengths.as_deref())?;
-            let s_dev = state.to_device(&dev)?;
-            let o_dev = gated_delta_rule(
-                &qkv.to_device(&dev)?,
-                &gb.to_device(&dev)?,
-                &s_dev,
-                d,
-                lengths.as_deref(),
-            )?;
-            let tag = format!(
-                "gdr {dtype:?} b={b} t={t} dk={} dv={}",
-                d.head_k_dim, d.head_v_dim
-            );
-            // f32: same math, other summation order. bf16: o is rounded once to bf16 (2^-8 rel.).
-            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-            check(&format!("{tag} output"), &o_dev, &o_cpu, tol)?;
-            check(&format!("{tag} state"), &s_dev, &s_cpu, 1e-5)?;
+            for form in [GdrForm::Recurrent, GdrForm::Chunked] {
+                let s_dev = state.to_device(&dev)?;
+                let o_dev = gated_delta_rule_as(
+                    &qkv.to_device(&dev)?,
+                    &gb.to_device(&dev)?,
+                    &s_dev,
+                    d,
+                    lengths.as_deref(),
+                    form,
+                )?;
+                let tag = format!(
+                    "gdr {form:?} {dtype:?} b={b} t={t} dk={} dv={}",
+                    d.head_k_dim, d.head_v_dim
+                );
+                // Recurrent, f32: same math, other summation order. Chunked: another algorithm
+                // in f32 (cumulative log-decays, a triangular solve), as kev-kernels' tests of
+                // the tensor-op chunked form. bf16: o is rounded once to bf16 (2^-8 rel.).
+                let tol = match (form, dtype) {
+                    (_, DType::BF16) => 2e-2,
+                    (GdrForm::Recurrent, _) => 1e-5,
+                    _ => 1e-4,
+                };
+                check(&format!("{tag} output"), &o_dev, &o_cpu, tol)?;
+                check(&format!("{tag} state"), &s_dev, &s_cpu, tol.min(1e-4))?;
+            }
         }
     }
     Ok(())
@@ -83,8 +95,8 @@ fn gated_delta_rule_on_device_continues_exactly() -> Result<()> {
         d,
         None,
     )?;
-    // On CUDA the whole 65 steps take the chunked form and the pieces the step-by-step kernel:
-    // two algorithms in f32 (1.1e-6 measured on the H200); elsewhere the same kernel, exact.
+    // On CUDA the whole 65 steps take the chunked kernels and the pieces the step-by-step one:
+    // two algorithms in f32; elsewhere the same kernel, exact.
     check(
         "gdr device split output",
         &Tensor::cat(&[a, b], 1)?,

@@ -5,66 +5,17 @@
 //   grid  = (ceil(Dv / (WARPS·COLS)), B·Hv), block = 32·WARPS threads.
 //   One warp owns COLS state columns S[:, j] of one (batch row, value head); lane l keeps the NK
 //   elements S[l + 32·i, j] of each in registers for the whole sequence (Dk ≤ 32·NK).
-//   Inputs:  qkv [B, T, 2·Hk·Dk + Hv·Dv] (dtype), gb [B, T, Hv, 2] f32 (g, beta), lengths [B] u32.
+//   Inputs:  qkv [B, T, 2·Hk·Dk + Hv·Dv] (dtype), gb [B, T, Hv, 2] f32 (g, beta), lengths [B] u32
+//            (null: no row is padded).
 //   In/out:  state [B, Hv, Dk, Dv] f32 (read at start, written at end).
 //   Output:  out [B, T, Hv, Dv] (dtype); steps t >= lengths[b] write 0 and leave the state alone.
+//   gdr_chunked.cu has the chunked form of the same recurrence.
 //
 // conv_<dtype>: causal depthwise conv1d + SiLU, one thread per output element.
 //   Inputs: x [B, K-1+T, C] (dtype, the K-1 cached steps first), w [C, K] (dtype).
 //   Output: y [B, T, C] (dtype), accumulated in f32.
 
 #define WARPS 8
-#define L2NORM_EPS 1e-6f
-
-struct F32 {
-    typedef float T;
-    static __device__ __forceinline__ float load(const float* p) { return *p; }
-    static __device__ __forceinline__ void store(float* p, float v) { *p = v; }
-    static __device__ __forceinline__ float round(float v) { return v; }
-};
-
-struct BF16 {
-    typedef unsigned short T;
-    static __device__ __forceinline__ float load(const unsigned short* p) {
-        return __uint_as_float(((unsigned int)*p) << 16);
-    }
-    static __device__ __forceinline__ void store(unsigned short* p, float v) {
-        unsigned int u = __float_as_uint(v);
-        if ((u & 0x7fffffffu) > 0x7f800000u) { *p = 0x7fc0; return; }  // NaN
-        u += 0x7fffu + ((u >> 16) & 1u);                               // round to nearest even
-        *p = (unsigned short)(u >> 16);
-    }
-    static __device__ __forceinline__ float round(float v) {
-        unsigned short h;
-        store(&h, v);
-        return load(&h);
-    }
-};
-
-struct F16 {
-    typedef unsigned short T;
-    static __device__ __forceinline__ float load(const unsigned short* p) {
-        float f;
-        asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(*p));
-        return f;
-    }
-    static __device__ __forceinline__ void store(unsigned short* p, float v) {
-        unsigned short h;
-        asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
-        *p = h;
-    }
-    static __device__ __forceinline__ float round(float v) {
-        unsigned short h;
-        store(&h, v);
-        return load(&h);
-    }
-};
-
-__device__ __forceinline__ float warp_sum(float v) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
 
 // The recurrence runs in tiles of TS steps. Per tile the block first stages, once for all its
 // warps, what every state column needs from a step: q̂ = q·scale/|q| and k̂ = k/|k| (the l2norm
@@ -91,7 +42,7 @@ __device__ void gdr(const typename D::T* __restrict__ qkv, const float* __restri
     const bool active = j0 < dv;             // dv is a multiple of COLS
     const int channels = 2 * hk * dk + hv * dv;
     const float scale = rsqrtf((float)dk);
-    const int len = min((int)lengths[b], T);
+    const int len = lengths ? min((int)lengths[b], T) : T;
     for (int i = threadIdx.x; i < (T - len) * BC; i += blockDim.x) {
         const int t = len + i / BC, c = c0 + i % BC;
         if (c < dv) D::store(out + (((size_t)b * T + t) * hv + h) * dv + c, 0.f);

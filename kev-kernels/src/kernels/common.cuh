@@ -1,0 +1,55 @@
+// Shared by Kev's CUDA sources (prepended to each before NVRTC compiles it): the activation
+// dtypes, read and written as 16-bit integers (no CUDA headers), and warp reductions.
+
+#define L2NORM_EPS 1e-6f
+
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(const float* p) { return *p; }
+    static __device__ __forceinline__ void store(float* p, float v) { *p = v; }
+    static __device__ __forceinline__ float round(float v) { return v; }
+};
+
+struct BF16 {
+    typedef unsigned short T;
+    static __device__ __forceinline__ float load(const unsigned short* p) {
+        return __uint_as_float(((unsigned int)*p) << 16);
+    }
+    static __device__ __forceinline__ void store(unsigned short* p, float v) {
+        unsigned int u = __float_as_uint(v);
+        if ((u & 0x7fffffffu) > 0x7f800000u) { *p = 0x7fc0; return; }  // NaN
+        u += 0x7fffu + ((u >> 16) & 1u);                               // round to nearest even
+        *p = (unsigned short)(u >> 16);
+    }
+    static __device__ __forceinline__ float round(float v) {
+        unsigned short h;
+        store(&h, v);
+        return load(&h);
+    }
+};
+
+struct F16 {
+    typedef unsigned short T;
+    static __device__ __forceinline__ float load(const unsigned short* p) {
+        float f;
+        asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(*p));
+        return f;
+    }
+    static __device__ __forceinline__ void store(unsigned short* p, float v) {
+        unsigned short h;
+        asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
+        *p = h;
+    }
+    static __device__ __forceinline__ float round(float v) {
+        unsigned short h;
+        store(&h, v);
+        return load(&h);
+    }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
