@@ -13,7 +13,7 @@
 //! row's length (right padding of a batch) are skipped: the state is left untouched and the
 //! output is zero.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
@@ -21,10 +21,28 @@ use rayon::prelude::*;
 use crate::cpu::{as_f32, from_f32};
 
 /// From this many steps on, [`GdrForm::Auto`] runs the chunked kernels on CUDA (a preparation
-/// kernel per chunk of 32 steps, then a scan over the chunks) instead of the step-by-step one.
-/// Their first version measured slower at every shape (gdr_bench on the H200: 0.36 vs 0.19 ms
-/// at 1 × 512 steps, 3.1 vs 1.6 ms at 1 × 4096), so for now Auto never picks them.
-pub const CHUNKED_MIN_LEN: usize = usize::MAX;
+/// kernel per chunk of 32 steps, then a scan over the chunks) instead of the step-by-step one,
+/// for bf16 and f16 models (f32 always runs step by step) and at most [`CHUNKED_MAX_PAIRS`]
+/// (row, value head) pairs. `KEV_GDR_CHUNKED_MIN_LEN` overrides it, for tuning.
+///
+/// gdr_bench on the H200 (bf16, ms): one row of 512 steps 0.161 chunked vs 0.189 step by step
+/// (0.8B heads), 0.281 vs 0.305 (4B); 4096 steps 1.46 vs 1.58, 2.01 vs 2.44. Eight rows of 512
+/// (128 and 256 pairs) still favour the step-by-step kernel: 0.96 vs 0.82, 1.85 vs 1.55.
+pub const CHUNKED_MIN_LEN: usize = 64;
+
+/// The most (row, value head) pairs for which [`GdrForm::Auto`] picks the chunked kernels.
+pub const CHUNKED_MAX_PAIRS: usize = 64;
+
+fn chunked_min_len() -> usize {
+    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+    FORCED
+        .get_or_init(|| {
+            std::env::var("KEV_GDR_CHUNKED_MIN_LEN")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(CHUNKED_MIN_LEN)
+}
 
 /// Which algorithm runs the recurrence, for backends that have both (CUDA, Dk ≤ 128); the others
 /// always run step by step. Both give the same results up to f32 rounding.
@@ -81,7 +99,14 @@ impl GatedDeltaRule {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn chunked(&self) -> bool {
         match self.form {
-            GdrForm::Auto => self.seq_len >= CHUNKED_MIN_LEN,
+            // f32 is the exact path: the chunked form rounds differently (cumulative decays, the
+            // triangular inverse), measured 1.4e-5 on a probability of the test model at its
+            // largest LoRA scale against transformers, over the 1e-5 parity bound.
+            GdrForm::Auto => {
+                self.out_dtype != DType::F32
+                    && self.seq_len >= chunked_min_len()
+                    && self.b_sz * self.dims.num_v_heads <= CHUNKED_MAX_PAIRS
+            }
             GdrForm::Recurrent => false,
             GdrForm::Chunked => true,
         }

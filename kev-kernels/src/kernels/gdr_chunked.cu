@@ -4,64 +4,100 @@
 //
 // Per (batch row, value head) and chunk, with G_t = Σ_{s≤t} g_s inside the chunk and S the state
 // at the chunk start (k̂, q̂ l2-normalised, q̂ scaled by 1/√Dk, as in the recurrent kernel):
-//   A[t,s]   = β_t·e^{G_t−G_s}·k̂_t·k̂_s  (s < t),   (I + A)·W = diag(β·e^G)·K̂,   (I + A)·U = diag(β)·V
-//   Δ        = U − W·S                     (row t: the step's δ_t of the recurrence)
-//   O        = Q'·S + Aqk·Δ                Q'_t = e^{G_t}·q̂_t,  Aqk[t,s] = e^{G_t−G_s}·q̂_t·k̂_s (s ≤ t)
-//   S       ← e^{G_CH}·S + K'ᵀ·Δ          K'_t = e^{G_CH−G_t}·k̂_t
+//   A[t,s] = β_t·e^{G_t−G_s}·k̂_t·k̂_s (s < t),  Tm = (I + A)⁻¹,  W = Tm·diag(β·e^G)·K̂,  U = Tm·diag(β)·V
+//   Δ      = U − W·S                     (row t: the step's δ_t of the recurrence)
+//   O      = Q'·S + Aqk·Δ                Q'_t = e^{G_t}·q̂_t,  Aqk[t,s] = e^{G_t−G_s}·q̂_t·k̂_s (s ≤ t)
+//   S     ← e^{G_CH}·S + K'ᵀ·Δ          K'_t = e^{G_CH−G_t}·k̂_t
 // Steps at or past a row's length get g = β = 0 and k̂ = q̂ = v = 0: they output 0 and leave the
 // state alone, like the recurrent kernel. Everything is f32; the output is rounded to the dtype.
+// Dk and Dv are at most 128 (zero-padded to it inside).
 //
-// gdrc_prep_<dtype>_nk<NK>: grid = (NC, B·Hv), block = 128. One block per chunk: everything that
-//   does not depend on S, written to f32 scratch ("rows" are B·Hv·NC·CH chunk steps):
-//   wk [rows, DKM] W,  u [rows, Dv] U,  qd [rows, DKM] Q',  kd [rows, DKM] K',
-//   aqk [rows, CH] Aqk (zero above the diagonal),  gtot [B·Hv·NC] e^{G_CH}.   DKM = 32·NK ≥ Dk.
-// gdrc_scan_<dtype>_nk<NK>: grid = (ceil(Dv/32), B·Hv), block = 128. One block per 32 state
-//   columns, walking the chunks in order with S in registers: thread (warp w, lane l) owns column
-//   32·blockIdx.x + 8w + l%8 and rows (l/8)·DKM/4 + i; the four row groups of a column are lanes
-//   of one warp and add up their partial dot products with two shuffles.
+// Every product is register-tiled (each thread a 4×4 to 4×16 block of outputs, operands read as
+// float4 from shared memory): with one output per thread the kernels were bound by shared-memory
+// bandwidth and ran slower than the step-by-step kernel.
+//
+// gdrc_prep_<dtype>: grid = (NC, B·Hv), block = 128, dynamic shared memory PREP_SMEM. One block
+//   per chunk writes what does not depend on S to f32 scratch, per (row·head, chunk) `c`:
+//   wt [c][128][CH] Wᵀ,  qt [c][128][CH] Q'ᵀ,  kd [c][CH][128] K',  at [c][CH][CH] Aqkᵀ (zero where
+//   s > t),  u [c][CH][Dv] U,  gtot [c] e^{G_CH}.
+// gdrc_scan_<dtype>: grid = (ceil(Dv/32), B·Hv), block = 128, dynamic shared memory SCAN_SMEM.
+//   One block per 32 state columns walks the chunks in order; S lives in registers (an 8×4 tile
+//   per thread) and is mirrored to shared memory as the operand of W·S and Q'·S.
 
-#define CH 32
+#define CH 32            // steps per chunk
 #define CH_THREADS 128
+#define DM 128           // Dk and Dv, padded
+#define TP (CH + 4)      // row pitch of [DM][CH] tiles: float4-aligned, rows in different banks
 
-template <typename D, int NK>
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float a, float b, float c, float d) {
+    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+__device__ __forceinline__ float at(const float4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Shared memory of the preparation kernel, in floats (offsets multiples of 4).
+#define P_QT 0                          // q̂ᵀ [DM][TP]
+#define P_KT (P_QT + DM * TP)           // k̂ᵀ [DM][TP]
+#define P_K (P_KT + DM * TP)            // k̂ [CH][DM]
+#define P_V (P_K + CH * DM)             // v [CH][DM]
+#define P_A (P_V + CH * DM)             // A [CH][CH+1]
+#define P_T (P_A + CH * (CH + 1))       // Tm [CH][CH+1]
+#define P_TT (P_T + CH * (CH + 1))      // Tmᵀ [CH][TP]
+#define P_G (P_TT + CH * TP)            // G, β, β·e^G [CH] each
+#define PREP_SMEM ((P_G + 3 * CH) * 4)  // 83072 bytes: GDRC_PREP_SMEM in cuda.rs
+
+template <typename D>
 __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
-                          const unsigned int* __restrict__ lengths, float* __restrict__ wk,
-                          float* __restrict__ u, float* __restrict__ qd, float* __restrict__ kd,
-                          float* __restrict__ aqk, float* __restrict__ gtot, int T, int hk, int hv,
+                          const unsigned int* __restrict__ lengths, float* __restrict__ wt,
+                          float* __restrict__ u, float* __restrict__ qt, float* __restrict__ kd,
+                          float* __restrict__ atq, float* __restrict__ gtot, int T, int hk, int hv,
                           int dk, int dv) {
-    constexpr int DKM = 32 * NK;
-    __shared__ float q_s[CH][DKM + 1], k_s[CH][DKM + 1];  // +1: rows start in different banks
-    __shared__ float a_s[CH][CH + 1];
-    __shared__ float g_s[CH], beta_s[CH];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    extern __shared__ __align__(16) float sm[];
+    float(*qT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_QT);
+    float(*kT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_KT);
+    float(*kr)[DM] = reinterpret_cast<float(*)[DM]>(sm + P_K);
+    float(*vr)[DM] = reinterpret_cast<float(*)[DM]>(sm + P_V);
+    float(*a)[CH + 1] = reinterpret_cast<float(*)[CH + 1]>(sm + P_A);
+    float(*tm)[CH + 1] = reinterpret_cast<float(*)[CH + 1]>(sm + P_T);
+    float(*tT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_TT);
+    float *g_s = sm + P_G, *beta_s = g_s + CH, *bg_s = beta_s + CH;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int chunk = blockIdx.x, nc = gridDim.x;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv, kh = h / (hv / hk);
     const int channels = 2 * hk * dk + hv * dv;
     const int len = lengths ? min((int)lengths[b], T) : T;
     const int t0 = chunk * CH;
     const float scale = rsqrtf((float)dk);
-    const size_t base = ((size_t)bh * nc + chunk) * CH;  // this chunk's first scratch row
+    const size_t c = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
-    for (int i = warp; i < CH; i += CH_THREADS / 32) {
-        const int t = t0 + i;
+    // 1. q̂, k̂ (both layouts), v, g, β of the chunk's steps; a warp per step (unrolled: the
+    //    loads of a warp's steps are in flight together).
+    #pragma unroll
+    for (int step = 0; step < CH / (CH_THREADS / 32); step++) {
+        const int i = warp + step * (CH_THREADS / 32), t = t0 + i;
         const bool valid = t < len;
         const typename D::T* row = qkv + ((size_t)b * T + (valid ? t : 0)) * channels;
-        float q[NK], k[NK], qq = 0.f, kk = 0.f;
+        float q[4], k[4], qq = 0.f, kk = 0.f;
         #pragma unroll
-        for (int x = 0; x < NK; x++) {
+        for (int x = 0; x < 4; x++) {
             const int r = lane + 32 * x;
             q[x] = valid && r < dk ? D::load(row + kh * dk + r) : 0.f;
             k[x] = valid && r < dk ? D::load(row + (hk + kh) * dk + r) : 0.f;
             qq += q[x] * q[x];
             kk += k[x] * k[x];
+            vr[i][r] = valid && r < dv ? D::load(row + 2 * hk * dk + h * dv + r) : 0.f;
         }
         qq = warp_sum(qq);
         kk = warp_sum(kk);
         const float qn = scale / sqrtf(qq + L2NORM_EPS), kn = 1.f / sqrtf(kk + L2NORM_EPS);
         #pragma unroll
-        for (int x = 0; x < NK; x++) {
-            q_s[i][lane + 32 * x] = q[x] * qn;
-            k_s[i][lane + 32 * x] = k[x] * kn;
+        for (int x = 0; x < 4; x++) {
+            const int r = lane + 32 * x;
+            qT[r][i] = q[x] * qn;
+            kT[r][i] = k[x] * kn;
+            kr[i][r] = k[x] * kn;
         }
         if (lane == 0) {
             const float* g = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
@@ -70,176 +106,277 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (tid == 0) {
         float acc = 0.f;
-        for (int i = 0; i < CH; i++) g_s[i] = acc += g_s[i];
+        for (int i = 0; i < CH; i++) {
+            g_s[i] = acc += g_s[i];
+            bg_s[i] = beta_s[i] * expf(acc);
+        }
     }
     __syncthreads();
 
-    {  // A and Aqk: thread → row t, columns s ≡ threadIdx.x (mod 4)
-        const int t = threadIdx.x / 4, sg = threadIdx.x % 4;
-        const float gt = g_s[t], bt = beta_s[t];
-        for (int j = 0; j < CH / 4; j++) {
-            const int s = sg + 4 * j;
-            float kk = 0.f, qk = 0.f;
-            #pragma unroll 8
-            for (int r = 0; r < DKM; r++) {
-                kk += k_s[t][r] * k_s[s][r];
-                qk += q_s[t][r] * k_s[s][r];
+    // 2. K̂K̂ᵀ (threads 0–63) and Q̂K̂ᵀ (64–127), a 4×4 tile each → A (shared) and Aqkᵀ (global).
+    {
+        const int i = tid % 64, ta = 4 * (i / 8), sa = 4 * (i % 8);
+        const bool is_k = tid < 64;
+        const float(*lhs)[TP] = is_k ? kT : qT;
+        float acc[4][4] = {};
+        #pragma unroll 4
+        for (int r = 0; r < DM; r++) {
+            const float4 x = ld4(&lhs[r][ta]), y = ld4(&kT[r][sa]);
+            #pragma unroll
+            for (int p = 0; p < 4; p++)
+                #pragma unroll
+                for (int q = 0; q < 4; q++) acc[p][q] += at(x, p) * at(y, q);
+        }
+        #pragma unroll
+        for (int p = 0; p < 4; p++) {
+            #pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int t = ta + p, s = sa + q;
+                const float decay = s <= t ? expf(g_s[t] - g_s[s]) : 0.f;  // masked before exp
+                if (is_k)
+                    a[t][s] = s < t ? beta_s[t] * decay * acc[p][q] : 0.f;
+                else
+                    atq[(c * CH + s) * CH + t] = decay * acc[p][q];
             }
-            const float decay = s <= t ? expf(gt - g_s[s]) : 0.f;  // masked before exp
-            a_s[t][s] = s < t ? bt * decay * kk : 0.f;
-            aqk[(base + t) * CH + s] = decay * qk;
         }
     }
-    const float gc = g_s[CH - 1];
-    for (int idx = threadIdx.x; idx < CH * DKM; idx += CH_THREADS) {
-        const int i = idx / DKM, r = idx % DKM;
-        qd[(base + i) * DKM + r] = expf(g_s[i]) * q_s[i][r];
-        kd[(base + i) * DKM + r] = expf(gc - g_s[i]) * k_s[i][r];
-    }
-    if (threadIdx.x == 0) gtot[(size_t)bh * nc + chunk] = expf(gc);
-    __syncthreads();  // a_s complete
+    __syncthreads();
 
-    // W and U by forward substitution, one right-hand-side column per thread, the column kept in
-    // shared memory (q_s is free now; rows of x are read in order, so no bank conflicts).
-    float(*x_s)[CH_THREADS] = reinterpret_cast<float(*)[CH_THREADS]>(&q_s[0][0]);
-    __syncthreads();  // q_s is read above
-    for (int c = threadIdx.x; c < DKM + dv; c += CH_THREADS) {
-        const int xc = threadIdx.x;
+    // 3. Warp 0: Tm = (I + A)⁻¹ by forward substitution, lane j solving column j. The other
+    //    warps meanwhile write Q'ᵀ and K'.
+    if (warp == 0) {
+        // Full-length sums with no branch, so the shared loads pipeline: A is zero on and above
+        // the diagonal and Tm's column starts zeroed, so terms outside s ∈ [lane, i) vanish.
+        for (int i = 0; i < CH; i++) tm[i][lane] = 0.f;
+        __syncwarp();
         for (int i = 0; i < CH; i++) {
-            const int t = t0 + i;
-            float acc;
-            if (c < DKM)
-                acc = beta_s[i] * expf(g_s[i]) * k_s[i][c];
-            else
-                acc = t < len ? beta_s[i] * D::load(qkv + ((size_t)b * T + t) * channels +
-                                                    2 * hk * dk + h * dv + (c - DKM))
-                              : 0.f;
-            for (int j = 0; j < i; j++) acc -= a_s[i][j] * x_s[j][xc];
-            x_s[i][xc] = acc;
-            if (c < DKM)
-                wk[(base + i) * DKM + c] = acc;
-            else
-                u[(base + i) * dv + c - DKM] = acc;
+            float acc = i == lane ? 1.f : 0.f;
+            #pragma unroll
+            for (int s = 0; s < CH; s++) acc -= a[i][s] * tm[s][lane];
+            tm[i][lane] = acc;
+        }
+        __syncwarp();
+        for (int i = 0; i < CH; i++) tT[lane][i] = tm[i][lane];
+    } else {
+        const float gc = g_s[CH - 1];
+        for (int e = tid - 32; e < DM * CH / 4; e += CH_THREADS - 32) {
+            const int r = e / (CH / 4), t = 4 * (e % (CH / 4));
+            st4(&qt[(c * DM + r) * CH + t], expf(g_s[t]) * qT[r][t], expf(g_s[t + 1]) * qT[r][t + 1],
+                expf(g_s[t + 2]) * qT[r][t + 2], expf(g_s[t + 3]) * qT[r][t + 3]);
+            const int t2 = e / (DM / 4), r2 = 4 * (e % (DM / 4));
+            const float f = expf(gc - g_s[t2]);
+            st4(&kd[(c * CH + t2) * DM + r2], f * kr[t2][r2], f * kr[t2][r2 + 1], f * kr[t2][r2 + 2],
+                f * kr[t2][r2 + 3]);
+        }
+        if (tid == 32) gtot[c] = expf(gc);
+    }
+    __syncthreads();
+
+    // 4. [W | U] = Tm·[diag(β·e^G)·K̂ | diag(β)·V]: a 4×16 tile per thread over 32 × 256 outputs.
+    {
+        const int ta = 4 * (tid / 16), cg = tid % 16, ca = 16 * cg;
+        const bool is_w = cg < 8;
+        const float* f = is_w ? bg_s : beta_s;
+        float acc[4][16] = {};
+        #pragma unroll 2
+        for (int s = 0; s < CH; s++) {
+            const float4 x = ld4(&tT[s][ta]);
+            const float fs = f[s];
+            const float* brow = is_w ? &kr[s][ca] : &vr[s][ca - DM];
+            #pragma unroll
+            for (int j4 = 0; j4 < 4; j4++) {
+                const float4 y = ld4(brow + 4 * j4);
+                #pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    const float xp = at(x, p) * fs;
+                    #pragma unroll
+                    for (int q = 0; q < 4; q++) acc[p][4 * j4 + q] += xp * at(y, q);
+                }
+            }
+        }
+        if (is_w) {
+            #pragma unroll
+            for (int q = 0; q < 16; q++)
+                st4(&wt[(c * DM + ca + q) * CH + ta], acc[0][q], acc[1][q], acc[2][q], acc[3][q]);
+        } else {
+            #pragma unroll
+            for (int p = 0; p < 4; p++)
+                #pragma unroll
+                for (int q = 0; q < 16; q++) {
+                    const int col = ca - DM + q;
+                    if (col < dv) u[(c * CH + ta + p) * dv + col] = acc[p][q];
+                }
         }
     }
 }
 
-__device__ __forceinline__ float dot4(float4 a, const float* s) {
-    return a.x * s[0] + a.y * s[1] + a.z * s[2] + a.w * s[3];
-}
+// Shared memory of the scan kernel, in floats.
+#define S_S 0                    // S [DM][32] (the block's columns)
+#define S_WT (S_S + DM * 32)     // Wᵀ [DM][CH]
+#define S_QT (S_WT + DM * CH)    // Q'ᵀ [DM][CH]
+#define S_K (S_QT + DM * CH)     // K' [CH][DM]
+#define S_AT (S_K + CH * DM)     // Aqkᵀ [CH][CH]
+#define S_U (S_AT + CH * CH)     // U [CH][32]
+#define S_D (S_U + CH * 32)      // Δ [CH][32]
+#define SCAN_SMEM ((S_D + CH * 32) * 4)  // 77824 bytes: GDRC_SCAN_SMEM in cuda.rs
 
-template <typename D, int NK>
-__device__ void gdrc_scan(const float* __restrict__ wk, const float* __restrict__ u,
-                          const float* __restrict__ qd, const float* __restrict__ kd,
-                          const float* __restrict__ aqk, const float* __restrict__ gtot,
+template <typename D>
+__device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict__ u,
+                          const float* __restrict__ qt, const float* __restrict__ kd,
+                          const float* __restrict__ atq, const float* __restrict__ gtot,
                           float* __restrict__ state, typename D::T* __restrict__ out, int T,
                           int hv, int dk, int dv, int nc) {
-    constexpr int DKM = 32 * NK, RG = DKM / 4;  // state rows per thread
-    __shared__ __align__(16) float m_s[CH][DKM];  // W, then K'
-    __shared__ __align__(16) float q_s[CH][DKM];
-    __shared__ float u_s[CH][32], a_s[CH][CH], d_s[CH][32];  // u_s then holds Q'·S
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    extern __shared__ __align__(16) float sm[];
+    float(*s_s)[32] = reinterpret_cast<float(*)[32]>(sm + S_S);
+    float(*wt_s)[CH] = reinterpret_cast<float(*)[CH]>(sm + S_WT);
+    float(*qt_s)[CH] = reinterpret_cast<float(*)[CH]>(sm + S_QT);
+    float(*k_s)[DM] = reinterpret_cast<float(*)[DM]>(sm + S_K);
+    float(*at_s)[CH] = reinterpret_cast<float(*)[CH]>(sm + S_AT);
+    float(*u_s)[32] = reinterpret_cast<float(*)[32]>(sm + S_U);
+    float(*d_s)[32] = reinterpret_cast<float(*)[32]>(sm + S_D);
+    const int tid = threadIdx.x;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv;
-    const int cl = warp * 8 + lane % 8, rg = lane / 8;
-    const int c0 = blockIdx.x * 32, col = c0 + cl;
-    const bool active = col < dv;
+    const int c0 = blockIdx.x * 32;
+    // The state tile this thread updates: rows ra..ra+7, columns cs..cs+3 of the block's 32.
+    const int ra = 8 * (tid / 8), cs = 4 * (tid % 8);
+    // Its 4×4 tile of Δ (threads 0–63) or of Q'·S and O (64–127).
+    const int i = tid % 64, ta = 4 * (i / 8), ca = 4 * (i % 8);
+    const bool is_delta = tid < 64;
     float* st = state + (size_t)bh * dk * dv;
-    float s[RG];
+    float s[8][4];
     #pragma unroll
-    for (int i = 0; i < RG; i++) {
-        const int r = rg * RG + i;
-        s[i] = active && r < dk ? st[(size_t)r * dv + col] : 0.f;
-    }
-    for (int chunk = 0; chunk < nc; chunk++) {
-        const size_t base = ((size_t)bh * nc + chunk) * CH;
-        __syncthreads();  // the previous chunk's K' is consumed
-        {
-            const float4* w4 = reinterpret_cast<const float4*>(wk + base * DKM);
-            const float4* q4 = reinterpret_cast<const float4*>(qd + base * DKM);
-            for (int i = threadIdx.x; i < CH * DKM / 4; i += CH_THREADS) {
-                reinterpret_cast<float4*>(&m_s[0][0])[i] = w4[i];
-                reinterpret_cast<float4*>(&q_s[0][0])[i] = q4[i];
-            }
-            for (int i = threadIdx.x; i < CH * 32; i += CH_THREADS) {
-                const int t = i / 32, c = i % 32;
-                u_s[t][c] = c0 + c < dv ? u[(base + t) * dv + c0 + c] : 0.f;
-            }
-            for (int i = threadIdx.x; i < CH * CH; i += CH_THREADS) (&a_s[0][0])[i] = aqk[base * CH + i];
+    for (int p = 0; p < 8; p++)
+        #pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int r = ra + p, col = c0 + cs + q;
+            s[p][q] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
-        const float gc = gtot[(size_t)bh * nc + chunk];
+    for (int chunk = 0; chunk < nc; chunk++) {
+        const size_t c = (size_t)bh * nc + chunk;
+        #pragma unroll
+        for (int p = 0; p < 8; p++) st4(&s_s[ra + p][cs], s[p][0], s[p][1], s[p][2], s[p][3]);
+        {
+            // Constant trip counts: the loads of a chunk are all in flight together.
+            const float4* w4 = reinterpret_cast<const float4*>(wt + c * DM * CH);
+            const float4* q4 = reinterpret_cast<const float4*>(qt + c * DM * CH);
+            const float4* k4 = reinterpret_cast<const float4*>(kd + c * CH * DM);
+            const float4* a4 = reinterpret_cast<const float4*>(atq + c * CH * CH);
+            float4 wv[DM * CH / 4 / CH_THREADS], qv[DM * CH / 4 / CH_THREADS], kv[DM * CH / 4 / CH_THREADS];
+            #pragma unroll
+            for (int k = 0; k < DM * CH / 4 / CH_THREADS; k++) {
+                wv[k] = w4[tid + k * CH_THREADS];
+                qv[k] = q4[tid + k * CH_THREADS];
+                kv[k] = k4[tid + k * CH_THREADS];
+            }
+            float4 av[CH * CH / 4 / CH_THREADS];
+            #pragma unroll
+            for (int k = 0; k < CH * CH / 4 / CH_THREADS; k++) av[k] = a4[tid + k * CH_THREADS];
+            float uv[CH * 32 / CH_THREADS];
+            #pragma unroll
+            for (int k = 0; k < CH * 32 / CH_THREADS; k++) {
+                const int e = tid + k * CH_THREADS, col = c0 + e % 32;
+                uv[k] = col < dv ? u[(c * CH + e / 32) * dv + col] : 0.f;
+            }
+            #pragma unroll
+            for (int k = 0; k < DM * CH / 4 / CH_THREADS; k++) {
+                reinterpret_cast<float4*>(sm + S_WT)[tid + k * CH_THREADS] = wv[k];
+                reinterpret_cast<float4*>(sm + S_QT)[tid + k * CH_THREADS] = qv[k];
+                reinterpret_cast<float4*>(sm + S_K)[tid + k * CH_THREADS] = kv[k];
+            }
+            #pragma unroll
+            for (int k = 0; k < CH * CH / 4 / CH_THREADS; k++)
+                reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = av[k];
+            #pragma unroll
+            for (int k = 0; k < CH * 32 / CH_THREADS; k++) (&u_s[0][0])[tid + k * CH_THREADS] = uv[k];
+        }
+        const float gc = gtot[c];
         __syncthreads();
 
-        // Δ = U − W·S and Q'·S, reduced over the column's four lanes; kept in shared memory
-        // (loops over steps stay rolled: NVRTC time and registers).
-        #pragma unroll 1
-        for (int t = 0; t < CH; t++) {
-            float pw = 0.f, pq = 0.f;
-            #pragma unroll
-            for (int i = 0; i < RG; i += 4) {
-                pw += dot4(*reinterpret_cast<const float4*>(&m_s[t][rg * RG + i]), &s[i]);
-                pq += dot4(*reinterpret_cast<const float4*>(&q_s[t][rg * RG + i]), &s[i]);
-            }
-            pw += __shfl_xor_sync(0xffffffffu, pw, 8);
-            pq += __shfl_xor_sync(0xffffffffu, pq, 8);
-            pw += __shfl_xor_sync(0xffffffffu, pw, 16);
-            pq += __shfl_xor_sync(0xffffffffu, pq, 16);
-            if (rg == 0) {
-                d_s[t][cl] = u_s[t][cl] - pw;
-                u_s[t][cl] = pq;
-            }
-        }
-        __syncwarp();  // a column's d_s / u_s entries come from lanes of the same warp
-        // O = Q'·S + Aqk·Δ: the column's four lanes take every fourth step.
-        #pragma unroll 1
-        for (int t = rg; t < CH; t += 4) {
-            float acc = u_s[t][cl];
-            for (int j = 0; j <= t; j++) acc += a_s[t][j] * d_s[j][cl];
-            const int tt = chunk * CH + t;
-            if (active && tt < T) D::store(out + (((size_t)b * T + tt) * hv + h) * dv + col, acc);
-        }
-        __syncthreads();  // W is consumed
+        // Δ = U − W·S (threads 0–63), P = Q'·S (64–127).
+        float acc[4][4] = {};
         {
-            const float4* k4 = reinterpret_cast<const float4*>(kd + base * DKM);
-            for (int i = threadIdx.x; i < CH * DKM / 4; i += CH_THREADS)
-                reinterpret_cast<float4*>(&m_s[0][0])[i] = k4[i];
+            const float(*lhs)[CH] = is_delta ? wt_s : qt_s;
+            #pragma unroll 4
+            for (int r = 0; r < DM; r++) {
+                const float4 x = ld4(&lhs[r][ta]), y = ld4(&s_s[r][ca]);
+                #pragma unroll
+                for (int p = 0; p < 4; p++)
+                    #pragma unroll
+                    for (int q = 0; q < 4; q++) acc[p][q] += at(x, p) * at(y, q);
+            }
+        }
+        if (is_delta) {
+            #pragma unroll
+            for (int p = 0; p < 4; p++)
+                st4(&d_s[ta + p][ca], u_s[ta + p][ca] - acc[p][0], u_s[ta + p][ca + 1] - acc[p][1],
+                    u_s[ta + p][ca + 2] - acc[p][2], u_s[ta + p][ca + 3] - acc[p][3]);
         }
         __syncthreads();
-        #pragma unroll
-        for (int i = 0; i < RG; i++) s[i] *= gc;
-        #pragma unroll 1
-        for (int t = 0; t < CH; t++) {
-            const float dt = d_s[t][cl];
+
+        // O = P + Aqk·Δ (threads 64–127), stored.
+        if (!is_delta) {
+            #pragma unroll 4
+            for (int j = 0; j < CH; j++) {
+                const float4 x = ld4(&at_s[j][ta]), y = ld4(&d_s[j][ca]);
+                #pragma unroll
+                for (int p = 0; p < 4; p++)
+                    #pragma unroll
+                    for (int q = 0; q < 4; q++) acc[p][q] += at(x, p) * at(y, q);
+            }
             #pragma unroll
-            for (int i = 0; i < RG; i += 4) {
-                const float4 k4 = *reinterpret_cast<const float4*>(&m_s[t][rg * RG + i]);
-                s[i] += k4.x * dt;
-                s[i + 1] += k4.y * dt;
-                s[i + 2] += k4.z * dt;
-                s[i + 3] += k4.w * dt;
+            for (int p = 0; p < 4; p++) {
+                const int tt = chunk * CH + ta + p;
+                if (tt >= T) break;
+                typename D::T* o = out + (((size_t)b * T + tt) * hv + h) * dv;
+                #pragma unroll
+                for (int q = 0; q < 4; q++)
+                    if (c0 + ca + q < dv) D::store(o + c0 + ca + q, acc[p][q]);
             }
         }
+        // S ← e^{G_CH}·S + K'ᵀ·Δ on this thread's tile.
+        #pragma unroll
+        for (int p = 0; p < 8; p++)
+            #pragma unroll
+            for (int q = 0; q < 4; q++) s[p][q] *= gc;
+        #pragma unroll 4
+        for (int t = 0; t < CH; t++) {
+            const float4 k0 = ld4(&k_s[t][ra]), k1 = ld4(&k_s[t][ra + 4]), d = ld4(&d_s[t][cs]);
+            #pragma unroll
+            for (int p = 0; p < 4; p++)
+                #pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    s[p][q] += at(k0, p) * at(d, q);
+                    s[p + 4][q] += at(k1, p) * at(d, q);
+                }
+        }
+        __syncthreads();  // everything of this chunk in shared memory is consumed
     }
     #pragma unroll
-    for (int i = 0; i < RG; i++) {
-        const int r = rg * RG + i;
-        if (active && r < dk) st[(size_t)r * dv + col] = s[i];
-    }
+    for (int p = 0; p < 8; p++)
+        #pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int r = ra + p, col = c0 + cs + q;
+            if (r < dk && col < dv) st[(size_t)r * dv + col] = s[p][q];
+        }
 }
 
-#define GDRC(TAG, D, NK)                                                                          \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep_##TAG##_nk##NK(           \
-        const D::T* qkv, const float* gb, const unsigned int* lengths, float* wk, float* u,       \
-        float* qd, float* kd, float* aqk, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
-        gdrc_prep<D, NK>(qkv, gb, lengths, wk, u, qd, kd, aqk, gtot, T, hk, hv, dk, dv);          \
+#define GDRC(TAG, D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep_##TAG(                     \
+        const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
+        float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
+        gdrc_prep<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);              \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan_##TAG##_nk##NK(           \
-        const float* wk, const float* u, const float* qd, const float* kd, const float* aqk,      \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan_##TAG(                     \
+        const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
-        gdrc_scan<D, NK>(wk, u, qd, kd, aqk, gtot, state, out, T, hv, dk, dv, nc);                \
+        gdrc_scan<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);                    \
     }
-// One instantiation: Dk ≤ 128 (Qwen3.5 has 128; smaller heads are zero-padded to it).
-GDRC(f32, F32, 4)
-GDRC(bf16, BF16, 4)
-GDRC(f16, F16, 4)
+GDRC(f32, F32)
+GDRC(bf16, BF16)
+GDRC(f16, F16)
+
+// The host's copies of the shared-memory sizes must match.
+static_assert(PREP_SMEM == 83072, "PREP_SMEM");
+static_assert(SCAN_SMEM == 77824, "SCAN_SMEM");

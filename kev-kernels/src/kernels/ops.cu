@@ -420,32 +420,31 @@ ATTN(f16, F16)
 // the next cache in the same launch. x rows (stride xs) [B, T, C]; cache [B, K-1, C]; w [C, K].
 // out = [y: B·T·C | next: B·(K-1)·C]: y as conv_<dtype>; next[b, r] = window row lengths[b] + r
 // (the K-1 raw inputs before row b's end; lengths null: every row has T).
+// grid = (ceil(C / blockDim.x), ≤ 65535): a thread per channel, block rows striding over the
+// B·T + B·(K-1) output rows (no 64-bit division per element).
 template <typename D>
 __device__ void conv_cached(const typename D::T* x, long xs, const typename D::T* cache,
                             const typename D::T* w, const unsigned int* lengths,
                             typename D::T* out, int B, int T, int C, int K) {
-    const size_t ny = (size_t)B * T * C, n = ny + (size_t)B * (K - 1) * C;
-    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
-         idx += (size_t)gridDim.x * blockDim.x) {
-        if (idx < ny) {
-            const int c = idx % C;
-            const size_t bt = idx / C;
-            const int t = bt % T, b = bt / T;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    // The window row p of batch row b: K-1 cached rows, then x.
+    auto window = [&](int b, int p) {
+        return p < K - 1 ? D::load(cache + ((size_t)b * (K - 1) + p) * C + c)
+                         : D::load(x + ((size_t)b * T + p - (K - 1)) * xs + c);
+    };
+    float wc[8];
+    for (int j = 0; j < K && j < 8; j++) wc[j] = D::load(w + c * K + j);
+    const int rows_y = B * T, rows = rows_y + B * (K - 1);
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        if (row < rows_y) {
+            const int b = row / T, t = row % T;
             float acc = 0.f;
-            for (int j = 0; j < K; j++) {
-                const int p = t + j;  // window row: K-1 cached rows, then x
-                const float v = p < K - 1 ? D::load(cache + ((size_t)b * (K - 1) + p) * C + c)
-                                          : D::load(x + ((size_t)b * T + p - (K - 1)) * xs + c);
-                acc += D::load(w + c * K + j) * v;
-            }
-            D::store(out + idx, acc / (1.f + expf(-acc)));
+            for (int j = 0; j < K; j++) acc += (j < 8 ? wc[j] : D::load(w + c * K + j)) * window(b, t + j);
+            D::store(out + (size_t)row * C + c, acc / (1.f + expf(-acc)));
         } else {
-            const size_t i = idx - ny;
-            const int c = i % C, r = (i / C) % (K - 1), b = i / ((size_t)C * (K - 1));
-            const int p = (lengths ? (int)lengths[b] : T) + r;
-            const float v = p < K - 1 ? D::load(cache + ((size_t)b * (K - 1) + p) * C + c)
-                                      : D::load(x + ((size_t)b * T + p - (K - 1)) * xs + c);
-            D::store(out + idx, v);
+            const int i = row - rows_y, b = i / (K - 1), r = i % (K - 1);
+            D::store(out + (size_t)row * C + c, window(b, (lengths ? (int)lengths[b] : T) + r));
         }
     }
 }
