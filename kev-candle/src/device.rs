@@ -45,13 +45,15 @@ pub fn select_device(backend: Backend) -> Result<Device> {
 
 /// Kev runs everything on the device's one stream, so cudarc's per-buffer event tracking
 /// (two CUDA events created and destroyed with every allocation) buys nothing and costs time on
-/// every op of a launch-bound forward.
+/// every op of a launch-bound forward. Freed memory stays in the device's pool for the next
+/// request ([`kev_kernels::keep_device_memory`]); where the driver refuses, it is only slower.
 fn single_stream(dev: &Device) {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
         // SAFETY: no tensor of this device is ever used on another stream: candle and our ops
         // launch on the device's own stream only.
         unsafe { d.disable_event_tracking() }
+        let _ = kev_kernels::keep_device_memory(d);
     }
     #[cfg(not(feature = "cuda"))]
     let _ = dev;

@@ -38,6 +38,14 @@ fn main() -> Result<()> {
     } else {
         Device::Cpu
     };
+    // As Kev's models do; `KEV_POOL_RELEASE=1` leaves the driver's default (memory handed back
+    // at every synchronisation), to see what that costs.
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = &dev {
+        if std::env::var("KEV_POOL_RELEASE").as_deref() != Ok("1") {
+            kev_kernels::keep_device_memory(d)?;
+        }
+    }
     let shapes: [(&str, GdrDims); 2] = [
         ("0.8b", dims(16, 16, 128, 128)),
         ("4b", dims(16, 32, 128, 128)),

@@ -45,9 +45,11 @@ pub use causal_conv1d::{
     causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_ref,
 };
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
+#[cfg(feature = "cuda")]
+pub use cuda::keep_device_memory;
 pub use gated_delta_rule::{
     gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent, gated_delta_rule_ref,
-    GdrDims, GdrForm, CHUNKED_MAX_PAIRS, CHUNKED_MIN_LEN,
+    GdrDims, GdrForm, CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};

@@ -147,15 +147,10 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     // 3. Warp 0: Tm = (I + A)⁻¹ by forward substitution, lane j solving column j. The other
     //    warps meanwhile write Q'ᵀ and K'.
     if (warp == 0) {
-        // Full-length sums with no branch, so the shared loads pipeline: A is zero on and above
-        // the diagonal and Tm's column starts zeroed, so terms outside s ∈ [lane, i) vanish.
-        for (int i = 0; i < CH; i++) tm[i][lane] = 0.f;
-        __syncwarp();
         for (int i = 0; i < CH; i++) {
             float acc = i == lane ? 1.f : 0.f;
-            #pragma unroll
-            for (int s = 0; s < CH; s++) acc -= a[i][s] * tm[s][lane];
-            tm[i][lane] = acc;
+            for (int s = lane; s < i; s++) acc -= a[i][s] * tm[s][lane];
+            tm[i][lane] = i < lane ? 0.f : acc;
         }
         __syncwarp();
         for (int i = 0; i < CH; i++) tT[lane][i] = tm[i][lane];

@@ -420,31 +420,47 @@ ATTN(f16, F16)
 // the next cache in the same launch. x rows (stride xs) [B, T, C]; cache [B, K-1, C]; w [C, K].
 // out = [y: B·T·C | next: B·(K-1)·C]: y as conv_<dtype>; next[b, r] = window row lengths[b] + r
 // (the K-1 raw inputs before row b's end; lengths null: every row has T).
-// grid = (ceil(C / blockDim.x), ≤ 65535): a thread per channel, block rows striding over the
-// B·T + B·(K-1) output rows (no 64-bit division per element).
+// grid = (ceil(C / blockDim.x), B, ceil(T / CONV_RUN) + 1). A thread owns one channel of a run
+// of CONV_RUN steps and slides the window along it, so each input is read once per run, not K
+// times; the last z slice writes the next cache.
+#define CONV_RUN 16
 template <typename D>
 __device__ void conv_cached(const typename D::T* x, long xs, const typename D::T* cache,
                             const typename D::T* w, const unsigned int* lengths,
                             typename D::T* out, int B, int T, int C, int K) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
     if (c >= C) return;
     // The window row p of batch row b: K-1 cached rows, then x.
-    auto window = [&](int b, int p) {
+    auto window = [&](int p) {
         return p < K - 1 ? D::load(cache + ((size_t)b * (K - 1) + p) * C + c)
                          : D::load(x + ((size_t)b * T + p - (K - 1)) * xs + c);
     };
-    float wc[8];
-    for (int j = 0; j < K && j < 8; j++) wc[j] = D::load(w + c * K + j);
-    const int rows_y = B * T, rows = rows_y + B * (K - 1);
-    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-        if (row < rows_y) {
-            const int b = row / T, t = row % T;
+    if (blockIdx.z == gridDim.z - 1) {
+        const int end = lengths ? (int)lengths[b] : T;
+        typename D::T* next = out + (size_t)B * T * C + (size_t)b * (K - 1) * C + c;
+        for (int r = 0; r < K - 1; r++) D::store(next + (size_t)r * C, window(end + r));
+        return;
+    }
+    const int t0 = blockIdx.z * CONV_RUN, t1 = min(t0 + CONV_RUN, T);
+    typename D::T* y = out + ((size_t)b * T) * C + c;
+    if (K == 4) {
+        const float w0 = D::load(w + c * 4), w1 = D::load(w + c * 4 + 1),
+                    w2 = D::load(w + c * 4 + 2), w3 = D::load(w + c * 4 + 3);
+        float x0 = window(t0), x1 = window(t0 + 1), x2 = window(t0 + 2);
+        #pragma unroll 4
+        for (int t = t0; t < t1; t++) {
+            const float x3 = window(t + 3);
+            const float acc = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3;
+            D::store(y + (size_t)t * C, acc / (1.f + expf(-acc)));
+            x0 = x1;
+            x1 = x2;
+            x2 = x3;
+        }
+    } else {
+        for (int t = t0; t < t1; t++) {
             float acc = 0.f;
-            for (int j = 0; j < K; j++) acc += (j < 8 ? wc[j] : D::load(w + c * K + j)) * window(b, t + j);
-            D::store(out + (size_t)row * C + c, acc / (1.f + expf(-acc)));
-        } else {
-            const int i = row - rows_y, b = i / (K - 1), r = i % (K - 1);
-            D::store(out + (size_t)row * C + c, window(b, (lengths ? (int)lengths[b] : T) + r));
+            for (int j = 0; j < K; j++) acc += D::load(w + c * K + j) * window(t + j);
+            D::store(y + (size_t)t * C, acc / (1.f + expf(-acc)));
         }
     }
 }
