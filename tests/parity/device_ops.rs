@@ -39,7 +39,8 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
             let s_cpu = state.copy()?;
             let o_cpu = gated_delta_rule(&qkv, &gb, &s_cpu, d, lengths.as_deref())?;
             for form in [GdrForm::Recurrent, GdrForm::Chunked] {
-                let s_dev = state.to_device(&dev)?;
+                // A copy first: on the CPU `to_device` shares storage, and the op updates in place.
+                let s_dev = state.copy()?.to_device(&dev)?;
                 let o_dev = gated_delta_rule_as(
                     &qkv.to_device(&dev)?,
                     &gb.to_device(&dev)?,
