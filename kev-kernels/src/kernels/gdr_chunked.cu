@@ -36,6 +36,13 @@ __device__ __forceinline__ void st4(float* p, float a, float b, float c, float d
 __device__ __forceinline__ float at(const float4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
+// acc += x ⊗ y: one step of a 4×4 register tile.
+__device__ __forceinline__ void outer4(float (&acc)[4][4], const float4& x, const float4& y) {
+    #pragma unroll
+    for (int p = 0; p < 4; p++)
+        #pragma unroll
+        for (int q = 0; q < 4; q++) acc[p][q] += at(x, p) * at(y, q);
+}
 
 // Shared memory of the preparation kernel, in floats (offsets multiples of 4).
 #define P_QT 0                          // q̂ᵀ [DM][TP]
@@ -123,11 +130,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
         float acc[4][4] = {};
         #pragma unroll 4
         for (int r = 0; r < DM; r++) {
-            const float4 x = ld4(&lhs[r][ta]), y = ld4(&kT[r][sa]);
-            #pragma unroll
-            for (int p = 0; p < 4; p++)
-                #pragma unroll
-                for (int q = 0; q < 4; q++) acc[p][q] += at(x, p) * at(y, q);
+            outer4(acc, ld4(&lhs[r][ta]), ld4(&kT[r][sa]));
         }
         #pragma unroll
         for (int p = 0; p < 4; p++) {
@@ -295,11 +298,7 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
             const float(*lhs)[CH] = is_delta ? wt_s : qt_s;
             #pragma unroll 4
             for (int r = 0; r < DM; r++) {
-                const float4 x = ld4(&lhs[r][ta]), y = ld4(&s_s[r][ca]);
-                #pragma unroll
-                for (int p = 0; p < 4; p++)
-                    #pragma unroll
-                    for (int q = 0; q < 4; q++) acc[p][q] += at(x, p) * at(y, q);
+                outer4(acc, ld4(&lhs[r][ta]), ld4(&s_s[r][ca]));
             }
         }
         if (is_delta) {
@@ -314,11 +313,7 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
         if (!is_delta) {
             #pragma unroll 4
             for (int j = 0; j < CH; j++) {
-                const float4 x = ld4(&at_s[j][ta]), y = ld4(&d_s[j][ca]);
-                #pragma unroll
-                for (int p = 0; p < 4; p++)
-                    #pragma unroll
-                    for (int q = 0; q < 4; q++) acc[p][q] += at(x, p) * at(y, q);
+                outer4(acc, ld4(&at_s[j][ta]), ld4(&d_s[j][ca]));
             }
             #pragma unroll
             for (int p = 0; p < 4; p++) {
