@@ -2,7 +2,7 @@
 //! process with NVRTC, so building needs no nvcc for our own code and head sizes stay runtime
 //! values; see the source for grids, ownership and layouts.
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -126,6 +126,25 @@ impl Kernel {
             func,
             stream: dev.cuda_stream(),
         })
+    }
+
+    /// Lets the kernel `name` ask for `bytes` of dynamic shared memory, more than the 48 KiB a
+    /// kernel gets without asking; once per device and kernel (the setting stays on it).
+    fn allow_shared_memory(&self, name: &str, bytes: u32) -> Result<()> {
+        static DONE: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+        let key = (self.stream.context().ordinal(), name.to_string());
+        let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
+        if done.contains(&key) {
+            return Ok(());
+        }
+        self.func
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .w()?;
+        done.push(key);
+        Ok(())
     }
 
     /// An output buffer of `n` elements every launch fully overwrites.
@@ -297,14 +316,11 @@ fn gated_delta_rule_chunked(
     let dtag = tag(qkv.dtype(), "gated-delta-rule")?;
     let prep = Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("gdrc_prep_{dtag}"))?;
     let scan = Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("gdrc_scan_{dtag}"))?;
-    for (k, bytes) in [(&prep, GDRC_PREP_SMEM), (&scan, GDRC_SCAN_SMEM)] {
-        // More than the 48 KiB a kernel gets without asking.
-        k.func
-            .set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .w()?;
+    for (k, name, bytes) in [
+        (&prep, "prep", GDRC_PREP_SMEM),
+        (&scan, "scan", GDRC_SCAN_SMEM),
+    ] {
+        k.allow_shared_memory(&format!("gdrc_{name}_{dtag}"), bytes)?;
     }
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
