@@ -235,7 +235,8 @@ pub(crate) fn gated_delta_rule(
     gl: &Layout,
 ) -> Result<()> {
     let dims = op.dims;
-    if op.chunked() && dims.head_k_dim.max(dims.head_v_dim) <= GDRC_MAX_DIM {
+    // (An empty sequence has no chunk to launch a grid over.)
+    if op.chunked() && op.seq_len > 0 && dims.head_k_dim.max(dims.head_v_dim) <= GDRC_MAX_DIM {
         return gated_delta_rule_chunked(op, state, sl, qkv, ql, gb, gl);
     }
     let nk = dims.head_k_dim.div_ceil(32).next_power_of_two();
