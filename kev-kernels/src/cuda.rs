@@ -129,10 +129,13 @@ impl Kernel {
     }
 
     /// Lets the kernel `name` ask for `bytes` of dynamic shared memory, more than the 48 KiB a
-    /// kernel gets without asking; once per device and kernel (the setting stays on it).
+    /// kernel gets without asking; once per loaded kernel (the setting stays on it). candle
+    /// loads modules per `CudaDevice` (each `Device::new_cuda` anew), whose ids are never
+    /// reused, so (device id, name) names one loaded kernel.
     fn allow_shared_memory(&self, name: &str, bytes: u32) -> Result<()> {
-        static DONE: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
-        let key = (self.stream.context().ordinal(), name.to_string());
+        static DONE: Mutex<Vec<(candle_core::cuda_backend::DeviceId, String)>> =
+            Mutex::new(Vec::new());
+        let key = (self.dev.id(), name.to_string());
         let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
         if done.contains(&key) {
             return Ok(());
@@ -748,16 +751,24 @@ pub(crate) fn causal_conv1d_cached(
     let (c0, c1) = contiguous(cl, "causal-conv1d cache")?;
     let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
     let n = b_sz * (seq_len + kernel - 1) * channels;
+    // The grid is (channel blocks, rows, runs + 1): CUDA caps y and z at 65535.
+    let runs = seq_len.div_ceil(CONV_RUN) + 1;
+    if b_sz > 65535 || runs > 65535 {
+        bail!("causal-conv1d: {b_sz} rows of {seq_len} steps exceed one launch; split the call")
+    }
     let lengths = op
         .lengths
         .as_ref()
         .map(|l| k.dev.clone_htod(l))
         .transpose()?;
     by_dtype!(xs.dtype(), "causal-conv1d", |T| {
+        let out = k.output::<T>(n)?;
+        if n == 0 {
+            return Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()));
+        }
         let x = xs.as_cuda_slice::<T>()?.slice(xv.span());
         let cache = cs.as_cuda_slice::<T>()?.slice(c0..c1);
         let w = ws.as_cuda_slice::<T>()?.slice(w0..w1);
-        let out = k.output::<T>(n)?;
         let mut b = k.stream.launch_builder(&k.func);
         let (stride, null) = (xv.stride as i64, 0u64);
         b.arg(&x).arg(&stride).arg(&cache).arg(&w);
@@ -774,7 +785,7 @@ pub(crate) fn causal_conv1d_cached(
             grid_dim: (
                 (channels as u32).div_ceil(CONV_BLOCK),
                 b_sz as u32,
-                seq_len.div_ceil(CONV_RUN) as u32 + 1,
+                runs as u32,
             ),
             block_dim: (CONV_BLOCK, 1, 1),
             shared_mem_bytes: 0,
