@@ -2,7 +2,7 @@
 //! process with NVRTC, so building needs no nvcc for our own code and head sizes stay runtime
 //! values; see the source for grids, ownership and layouts.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -128,25 +128,16 @@ impl Kernel {
         })
     }
 
-    /// Lets the kernel `name` ask for `bytes` of dynamic shared memory, more than the 48 KiB a
-    /// kernel gets without asking; once per loaded kernel (the setting stays on it). candle
-    /// loads modules per `CudaDevice` (each `Device::new_cuda` anew), whose ids are never
-    /// reused, so (device id, name) names one loaded kernel.
-    fn allow_shared_memory(&self, name: &str, bytes: u32) -> Result<()> {
-        static DONE: Mutex<Vec<(candle_core::cuda_backend::DeviceId, String)>> =
-            Mutex::new(Vec::new());
-        let key = (self.dev.id(), name.to_string());
-        let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
-        if done.contains(&key) {
-            return Ok(());
-        }
+    /// Lets the kernel ask for `bytes` of dynamic shared memory, more than the 48 KiB a kernel
+    /// gets without asking. Set on every launch: candle loads modules per `CudaDevice`, so a
+    /// cache of "already set" would have to follow its module cache; one driver call is cheap.
+    fn allow_shared_memory(&self, bytes: u32) -> Result<()> {
         self.func
             .set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
             )
             .w()?;
-        done.push(key);
         Ok(())
     }
 
@@ -320,12 +311,8 @@ fn gated_delta_rule_chunked(
     let dtag = tag(qkv.dtype(), "gated-delta-rule")?;
     let prep = Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("gdrc_prep_{dtag}"))?;
     let scan = Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("gdrc_scan_{dtag}"))?;
-    for (k, name, bytes) in [
-        (&prep, "prep", GDRC_PREP_SMEM),
-        (&scan, "scan", GDRC_SCAN_SMEM),
-    ] {
-        k.allow_shared_memory(&format!("gdrc_{name}_{dtag}"), bytes)?;
-    }
+    prep.allow_shared_memory(GDRC_PREP_SMEM)?;
+    scan.allow_shared_memory(GDRC_SCAN_SMEM)?;
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
