@@ -403,15 +403,7 @@ pub(crate) fn causal_conv1d(
     let (x0, x1) = contiguous(xl, "causal-conv1d input")?;
     let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
     let n = b_sz * seq_len * channels;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            n.div_ceil(CONV_BLOCK as usize).clamp(1, STRIDE_BLOCKS) as u32,
-            1,
-            1,
-        ),
-        block_dim: (CONV_BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = grid_for(n, CONV_BLOCK);
     let ints = [b_sz, seq_len, channels, op.kernel].map(|x| x as i32);
     macro_rules! launch {
         ($t:ty) => {{
