@@ -1,5 +1,5 @@
 //! The elementwise steps of a full-attention layer as single ops: q/k norm + partial RoPE (with
-//! the head transpose), the scaled, masked softmax, and the sigmoid output gate (with the
+//! the head transpose), the scaled, causal softmax, and the sigmoid output gate (with the
 //! transpose back). Composed from candle ops they cost ~30 launches per layer.
 //!
 //! Rounding follows HF's PyTorch code (eager attention): the norm output, the rotation's
@@ -84,14 +84,15 @@ impl CustomOp3 for QkNormRope {
     }
 }
 
-/// `softmax(round(s·scale) + mask)` in f32, rounded to the dtype of `s`.
-pub(crate) struct MaskedSoftmax {
+/// `softmax(round(s·scale) + key_bias)` in f32 over the keys up to the query's own, rounded to
+/// the dtype of `s`.
+pub(crate) struct CausalSoftmax {
     pub(crate) scale: f32,
 }
 
-impl CustomOp2 for MaskedSoftmax {
+impl CustomOp2 for CausalSoftmax {
     fn name(&self) -> &'static str {
-        "masked-softmax"
+        "causal-softmax"
     }
 
     fn cpu_fwd(
@@ -102,8 +103,8 @@ impl CustomOp2 for MaskedSoftmax {
         ml: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (_, groups, t_len, s_len) = sl.shape().dims4()?;
-        let s = as_f32(ss, sl, "masked-softmax scores")?;
-        let mask = as_f32(ms, ml, "masked-softmax mask")?;
+        let s = as_f32(ss, sl, "causal-softmax scores")?;
+        let bias = as_f32(ms, ml, "causal-softmax key bias")?;
         let round = rounder(ss.dtype());
         let mut out = vec![0f32; s.len()];
         out.par_chunks_mut(s_len)
@@ -111,7 +112,10 @@ impl CustomOp2 for MaskedSoftmax {
             .enumerate()
             .for_each(|(r, (p, row))| {
                 let (t, b) = (r % t_len, r / (groups * t_len));
-                let m = &mask[(b * t_len + t) * s_len..][..s_len];
+                // Keys after the query's own stay 0.
+                let seen = s_len - t_len + t + 1;
+                let m = &bias[b * s_len..][..seen];
+                let p = &mut p[..seen];
                 for ((p, &v), &m) in p.iter_mut().zip(row).zip(m) {
                     *p = round(v * self.scale) + m;
                 }
@@ -134,7 +138,7 @@ impl CustomOp2 for MaskedSoftmax {
         ms: &candle_core::CudaStorage,
         ml: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::masked_softmax(self, ss, sl, ms, ml)?;
+        let out = crate::cuda::causal_softmax(self, ss, sl, ms, ml)?;
         Ok((out, sl.shape().clone()))
     }
 }
@@ -227,25 +231,27 @@ pub fn qk_norm_rope(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Resu
     )
 }
 
-/// `softmax(round(scores·scale) + mask)` over the last dim in f32, rounded to the dtype of
-/// `scores: [B, G, T, S]` (G head rows sharing one mask); `mask: [B, T, S]` f32, 0 where a
-/// key is visible and −∞ where not (every row must see at least one key).
-pub fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+/// Causal attention probabilities: `softmax(round(scores·scale) + key_bias)` over the last dim
+/// in f32, rounded to the dtype of `scores: [B, G, T, S]` (G head rows sharing one bias). The T
+/// queries are the last T of the S keys, and query t sees keys `..= S − T + t`; `key_bias: [B, S]`
+/// f32 is 0 where a key is visible to the row and −∞ where not (padding in a cache). A per-key
+/// bias instead of a `[B, T, S]` mask: the host builds and uploads S values per row, not T·S.
+pub fn causal_softmax(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<Tensor> {
     let (b_sz, _, t_len, s_len) = scores.dims4()?;
-    if mask.dims() != [b_sz, t_len, s_len] || mask.dtype() != DType::F32 {
+    if key_bias.dims() != [b_sz, s_len] || key_bias.dtype() != DType::F32 || t_len > s_len {
         bail!(
-            "masked-softmax: mask {:?} {:?} does not fit scores {:?}",
-            mask.dtype(),
-            mask.dims(),
+            "causal-softmax: key bias {:?} {:?} does not fit scores {:?}",
+            key_bias.dtype(),
+            key_bias.dims(),
             scores.dims()
         )
     }
     if scores.device().is_metal() {
-        return masked_softmax_ref(scores, mask, scale);
+        return causal_softmax_ref(scores, key_bias, scale);
     }
     scores.contiguous()?.apply_op2_no_bwd(
-        &mask.contiguous()?,
-        &MaskedSoftmax {
+        &key_bias.contiguous()?,
+        &CausalSoftmax {
             scale: scale as f32,
         },
     )
@@ -292,10 +298,26 @@ pub fn qk_norm_rope_ref(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> 
     out.contiguous()
 }
 
-/// [`masked_softmax`] with plain tensor ops (the test reference, and the Metal path).
-pub fn masked_softmax_ref(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+/// [`causal_softmax`] with plain tensor ops (the test reference, and the Metal path).
+pub fn causal_softmax_ref(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let (_, _, t_len, s_len) = scores.dims4()?;
+    let first = s_len - t_len;
+    let causal: Vec<f32> = (0..t_len)
+        .flat_map(|t| {
+            (0..s_len).map(move |j| {
+                if j > first + t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    let causal = Tensor::from_vec(causal, (1, 1, t_len, s_len), scores.device())?;
     let s = (scores * scale)?.to_dtype(DType::F32)?;
-    let s = s.broadcast_add(&mask.unsqueeze(1)?)?;
+    let s = s
+        .broadcast_add(&key_bias.unsqueeze(1)?.unsqueeze(1)?)?
+        .broadcast_add(&causal)?;
     let max = s.max_keepdim(D::Minus1)?;
     let e = s.broadcast_sub(&max)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?

@@ -53,7 +53,7 @@ const GDR_WARPS: usize = 8;
 const GDRC_CHUNK: usize = 32;
 const GDRC_THREADS: u32 = 128;
 const GDRC_MAX_DIM: usize = 128;
-const GDRC_PREP_SMEM: u32 = 83072;
+const GDRC_PREP_SMEM: u32 = 78848;
 const GDRC_SCAN_SMEM: u32 = 77824;
 const CONV_BLOCK: u32 = 256;
 /// Steps per thread of the cached conv (`CONV_RUN` in ops.cu).
@@ -636,8 +636,8 @@ pub(crate) fn qk_norm_rope(
     })
 }
 
-pub(crate) fn masked_softmax(
-    op: &crate::attention::MaskedSoftmax,
+pub(crate) fn causal_softmax(
+    op: &crate::attention::CausalSoftmax,
     ss: &CudaStorage,
     sl: &Layout,
     ms: &CudaStorage,
@@ -645,31 +645,31 @@ pub(crate) fn masked_softmax(
 ) -> Result<CudaStorage> {
     let k = Kernel::load(
         ss.device(),
-        &format!("masked_softmax_{}", tag(ss.dtype(), "masked-softmax")?),
+        &format!("causal_softmax_{}", tag(ss.dtype(), "causal-softmax")?),
     )?;
     let (b_sz, groups, t_len, s_len) = sl.shape().dims4()?;
-    let (s0, s1) = contiguous(sl, "masked-softmax scores")?;
-    let (m0, m1) = contiguous(ml, "masked-softmax mask")?;
+    let (s0, s1) = contiguous(sl, "causal-softmax scores")?;
+    let (m0, m1) = contiguous(ml, "causal-softmax key bias")?;
     let block = s_len.next_multiple_of(32).clamp(32, 256) as u32;
     let cfg = LaunchConfig {
         grid_dim: ((b_sz * groups * t_len) as u32, 1, 1),
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mask = ms.as_cuda_slice::<f32>()?.slice(m0..m1);
-    by_dtype!(ss.dtype(), "masked-softmax", |T| {
+    let bias = ms.as_cuda_slice::<f32>()?.slice(m0..m1);
+    by_dtype!(ss.dtype(), "causal-softmax", |T| {
         let s = ss.as_cuda_slice::<T>()?.slice(s0..s1);
         let out = k.output::<T>(s1 - s0)?;
         let mut b = k.stream.launch_builder(&k.func);
         let ints = [groups, t_len, s_len].map(|v| v as i32);
         b.arg(&s)
-            .arg(&mask)
+            .arg(&bias)
             .arg(&out)
             .arg(&ints[0])
             .arg(&ints[1])
             .arg(&ints[2])
             .arg(&op.scale);
-        // SAFETY: argument types and order match `masked_softmax_*` in ops.cu; one block per row.
+        // SAFETY: argument types and order match `causal_softmax_*` in ops.cu; one block per row.
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })

@@ -16,7 +16,7 @@
 //!
 //! - Ops that replace chains of candle ops (a GPU forward is launch-bound):
 //!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`],
-//!   and the attention steps [`qk_norm_rope`], [`masked_softmax`], [`attention_gate`].
+//!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`].
 //!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
 //!
 //! No op knows anything about Qwen: shapes and head counts are explicit arguments.
@@ -38,7 +38,7 @@ mod swiglu;
 pub mod testing;
 
 pub use attention::{
-    attention_gate, attention_gate_ref, masked_softmax, masked_softmax_ref, qk_norm_rope,
+    attention_gate, attention_gate_ref, causal_softmax, causal_softmax_ref, qk_norm_rope,
     qk_norm_rope_ref,
 };
 pub use causal_conv1d::{

@@ -4,7 +4,7 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::Linear;
 
-use kev_kernels::{attention_gate, masked_softmax, qk_norm_rope};
+use kev_kernels::{attention_gate, causal_softmax, qk_norm_rope};
 
 use super::norm::ZeroCenteredRmsNorm;
 use super::{linear, linear_cat, Config};
@@ -54,13 +54,13 @@ impl Attention {
         })
     }
 
-    /// `xs: [B, T, H]`; `cos_sin`: this step's RoPE (`[2, B, T, rotary_dim]`); `mask`: additive
-    /// f32 `[B, T, S+T]` over cached and new keys. Appends this step's K/V to `k_cache`/`v_cache`.
+    /// `xs: [B, T, H]`; `cos_sin`: this step's RoPE (`[2, B, T, rotary_dim]`); `key_bias`:
+    /// additive f32 `[B, S+T]` over cached and new keys (causality is applied on top). Appends this step's K/V to `k_cache`/`v_cache`.
     pub fn forward(
         &self,
         xs: &Tensor,
         cos_sin: &Tensor,
-        mask: &Tensor,
+        key_bias: &Tensor,
         k_cache: &mut Option<Tensor>,
         v_cache: &mut Option<Tensor>,
     ) -> Result<Tensor> {
@@ -97,7 +97,7 @@ impl Attention {
         let kv_len = k.dim(2)?;
         let q = q.reshape((b_sz, nkv, rep * seq_len, hd))?;
         let scores = q.matmul(&k.t()?)?.reshape((b_sz, nq, seq_len, kv_len))?;
-        let probs = masked_softmax(&scores, mask, (hd as f64).powf(-0.5))?.reshape((
+        let probs = causal_softmax(&scores, key_bias, (hd as f64).powf(-0.5))?.reshape((
             b_sz,
             nkv,
             rep * seq_len,

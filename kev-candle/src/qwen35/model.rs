@@ -30,7 +30,8 @@ struct DecoderLayer {
 struct Step<'a> {
     /// RoPE cos and sin, `[2, B, T, rotary_dim]`.
     cos_sin: Tensor,
-    mask: Option<Tensor>,
+    /// Attention's per-key bias, `[B, S+T]` (with attention layers only).
+    key_bias: Option<Tensor>,
     lengths: &'a [usize],
 }
 
@@ -76,11 +77,11 @@ impl DecoderLayer {
         };
         let h = match (&self.mixer, cache) {
             (Mixer::Attention(attn), LayerCache::Attention { k, v }) => {
-                let mask = step
-                    .mask
+                let key_bias = step
+                    .key_bias
                     .as_ref()
-                    .expect("mask is built when attention layers exist");
-                attn.forward(&h, &step.cos_sin, mask, k, v)?
+                    .expect("the key bias is built when attention layers exist");
+                attn.forward(&h, &step.cos_sin, key_bias, k, v)?
             }
             (Mixer::DeltaNet(gdn), LayerCache::DeltaNet { conv, state }) => {
                 gdn.forward(&h, conv, state, step.lengths)?
@@ -194,12 +195,12 @@ impl Model {
             .rope
             .at(cache.seen(), seq_len, self.dtype, &self.device)?;
         let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
-        let mask = has_attention
-            .then(|| self.mask(cache, seq_len))
+        let key_bias = has_attention
+            .then(|| self.key_bias(cache, seq_len))
             .transpose()?;
         let step = Step {
             cos_sin,
-            mask,
+            key_bias,
             lengths,
         };
         let mut xs = self.embed_tokens.forward(ids)?;
@@ -224,22 +225,20 @@ impl Model {
         }
     }
 
-    /// Additive f32 mask `[B, T, S+T]`: cached keys are visible where real, new keys
-    /// causally. Pads after a row's real tokens are only ever seen by later pads.
-    fn mask(&self, cache: &Cache, seq_len: usize) -> Result<Tensor> {
-        let kv_len = cache.kv_len();
-        let width = kv_len + seq_len;
-        let mut m = Vec::with_capacity(cache.batch_size() * seq_len * width);
+    /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached
+    /// keys are visible where real (−∞ over a row's padding), new keys always (causality is the
+    /// softmax's own). Pads after a row's real tokens are only ever seen by later pads.
+    fn key_bias(&self, cache: &Cache, seq_len: usize) -> Result<Tensor> {
+        let width = cache.kv_len() + seq_len;
+        let mut m = Vec::with_capacity(cache.batch_size() * width);
         for valid in &cache.key_valid {
-            for t in 0..seq_len {
-                m.extend(
-                    valid
-                        .iter()
-                        .map(|&ok| if ok { 0f32 } else { f32::NEG_INFINITY }),
-                );
-                m.extend((0..seq_len).map(|s| if s <= t { 0f32 } else { f32::NEG_INFINITY }));
-            }
+            m.extend(
+                valid
+                    .iter()
+                    .map(|&ok| if ok { 0f32 } else { f32::NEG_INFINITY }),
+            );
+            m.extend(std::iter::repeat_n(0f32, seq_len));
         }
-        Tensor::from_vec(m, (cache.batch_size(), seq_len, width), &self.device)
+        Tensor::from_vec(m, (cache.batch_size(), width), &self.device)
     }
 }

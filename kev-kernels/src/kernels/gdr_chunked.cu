@@ -50,10 +50,9 @@ __device__ __forceinline__ void outer4(float (&acc)[4][4], const float4& x, cons
 #define P_K (P_KT + DM * TP)            // k̂ [CH][DM]
 #define P_V (P_K + CH * DM)             // v [CH][DM]
 #define P_A (P_V + CH * DM)             // A [CH][CH+1]
-#define P_T (P_A + CH * (CH + 1))       // Tm [CH][CH+1]
-#define P_TT (P_T + CH * (CH + 1))      // Tmᵀ [CH][TP]
+#define P_TT (P_A + CH * (CH + 1))      // Tmᵀ [CH][TP]
 #define P_G (P_TT + CH * TP)            // G, β, β·e^G [CH] each
-#define PREP_SMEM ((P_G + 3 * CH) * 4)  // 83072 bytes: GDRC_PREP_SMEM in cuda.rs
+#define PREP_SMEM ((P_G + 3 * CH) * 4)  // 78848 bytes: GDRC_PREP_SMEM in cuda.rs
 
 template <typename D>
 __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
@@ -67,7 +66,6 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     float(*kr)[DM] = reinterpret_cast<float(*)[DM]>(sm + P_K);
     float(*vr)[DM] = reinterpret_cast<float(*)[DM]>(sm + P_V);
     float(*a)[CH + 1] = reinterpret_cast<float(*)[CH + 1]>(sm + P_A);
-    float(*tm)[CH + 1] = reinterpret_cast<float(*)[CH + 1]>(sm + P_T);
     float(*tT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_TT);
     float *g_s = sm + P_G, *beta_s = g_s + CH, *bg_s = beta_s + CH;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -147,16 +145,25 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     }
     __syncthreads();
 
-    // 3. Warp 0: Tm = (I + A)⁻¹ by forward substitution, lane j solving column j. The other
-    //    warps meanwhile write Q'ᵀ and K'.
+    // 3. Warp 0: Tm = (I + A)⁻¹ by forward substitution, lane j solving column j in registers
+    //    (fully unrolled, so every lane runs the same code and reads A as broadcasts: above the
+    //    diagonal the column is zero and adds nothing). Two partial sums halve the chain of
+    //    dependent FMAs. The other warps meanwhile write Q'ᵀ and K'.
     if (warp == 0) {
+        float x[CH];
+        #pragma unroll
         for (int i = 0; i < CH; i++) {
-            float acc = i == lane ? 1.f : 0.f;
-            for (int s = lane; s < i; s++) acc -= a[i][s] * tm[s][lane];
-            tm[i][lane] = i < lane ? 0.f : acc;
+            float even = i == lane ? 1.f : 0.f, odd = 0.f;
+            #pragma unroll
+            for (int s = 0; s + 1 < i; s += 2) {
+                even -= a[i][s] * x[s];
+                odd -= a[i][s + 1] * x[s + 1];
+            }
+            if (i % 2 == 1) even -= a[i][i - 1] * x[i - 1];
+            x[i] = even + odd;
         }
-        __syncwarp();
-        for (int i = 0; i < CH; i++) tT[lane][i] = tm[i][lane];
+        #pragma unroll
+        for (int i = 0; i < CH; i += 4) st4(&tT[lane][i], x[i], x[i + 1], x[i + 2], x[i + 3]);
     } else {
         const float gc = g_s[CH - 1];
         for (int e = tid - 32; e < DM * CH / 4; e += CH_THREADS - 32) {
@@ -251,46 +258,49 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
             const int r = ra + p, col = c0 + cs + q;
             s[p][q] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
-    for (int chunk = 0; chunk < nc; chunk++) {
+    // The next chunk's operands are loaded into registers while this chunk computes, and stored
+    // to shared memory at the top of the next round: the loads' latency hides behind the products.
+    constexpr int N4 = DM * CH / 4 / CH_THREADS, NA = CH * CH / 4 / CH_THREADS, NU = CH * 32 / CH_THREADS;
+    float4 wv[N4], qv[N4], kv[N4], av[NA];
+    float uv[NU], gnext;
+    auto fetch = [&](int chunk) {
         const size_t c = (size_t)bh * nc + chunk;
+        const float4* w4 = reinterpret_cast<const float4*>(wt + c * DM * CH);
+        const float4* q4 = reinterpret_cast<const float4*>(qt + c * DM * CH);
+        const float4* k4 = reinterpret_cast<const float4*>(kd + c * CH * DM);
+        const float4* a4 = reinterpret_cast<const float4*>(atq + c * CH * CH);
+        #pragma unroll
+        for (int k = 0; k < N4; k++) {
+            wv[k] = w4[tid + k * CH_THREADS];
+            qv[k] = q4[tid + k * CH_THREADS];
+            kv[k] = k4[tid + k * CH_THREADS];
+        }
+        #pragma unroll
+        for (int k = 0; k < NA; k++) av[k] = a4[tid + k * CH_THREADS];
+        #pragma unroll
+        for (int k = 0; k < NU; k++) {
+            const int e = tid + k * CH_THREADS, col = c0 + e % 32;
+            uv[k] = col < dv ? u[(c * CH + e / 32) * dv + col] : 0.f;
+        }
+        gnext = gtot[c];
+    };
+    fetch(0);
+    for (int chunk = 0; chunk < nc; chunk++) {
         #pragma unroll
         for (int p = 0; p < 8; p++) st4(&s_s[ra + p][cs], s[p][0], s[p][1], s[p][2], s[p][3]);
-        {
-            // Constant trip counts: the loads of a chunk are all in flight together.
-            const float4* w4 = reinterpret_cast<const float4*>(wt + c * DM * CH);
-            const float4* q4 = reinterpret_cast<const float4*>(qt + c * DM * CH);
-            const float4* k4 = reinterpret_cast<const float4*>(kd + c * CH * DM);
-            const float4* a4 = reinterpret_cast<const float4*>(atq + c * CH * CH);
-            float4 wv[DM * CH / 4 / CH_THREADS], qv[DM * CH / 4 / CH_THREADS], kv[DM * CH / 4 / CH_THREADS];
-            #pragma unroll
-            for (int k = 0; k < DM * CH / 4 / CH_THREADS; k++) {
-                wv[k] = w4[tid + k * CH_THREADS];
-                qv[k] = q4[tid + k * CH_THREADS];
-                kv[k] = k4[tid + k * CH_THREADS];
-            }
-            float4 av[CH * CH / 4 / CH_THREADS];
-            #pragma unroll
-            for (int k = 0; k < CH * CH / 4 / CH_THREADS; k++) av[k] = a4[tid + k * CH_THREADS];
-            float uv[CH * 32 / CH_THREADS];
-            #pragma unroll
-            for (int k = 0; k < CH * 32 / CH_THREADS; k++) {
-                const int e = tid + k * CH_THREADS, col = c0 + e % 32;
-                uv[k] = col < dv ? u[(c * CH + e / 32) * dv + col] : 0.f;
-            }
-            #pragma unroll
-            for (int k = 0; k < DM * CH / 4 / CH_THREADS; k++) {
-                reinterpret_cast<float4*>(sm + S_WT)[tid + k * CH_THREADS] = wv[k];
-                reinterpret_cast<float4*>(sm + S_QT)[tid + k * CH_THREADS] = qv[k];
-                reinterpret_cast<float4*>(sm + S_K)[tid + k * CH_THREADS] = kv[k];
-            }
-            #pragma unroll
-            for (int k = 0; k < CH * CH / 4 / CH_THREADS; k++)
-                reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = av[k];
-            #pragma unroll
-            for (int k = 0; k < CH * 32 / CH_THREADS; k++) (&u_s[0][0])[tid + k * CH_THREADS] = uv[k];
+        #pragma unroll
+        for (int k = 0; k < N4; k++) {
+            reinterpret_cast<float4*>(sm + S_WT)[tid + k * CH_THREADS] = wv[k];
+            reinterpret_cast<float4*>(sm + S_QT)[tid + k * CH_THREADS] = qv[k];
+            reinterpret_cast<float4*>(sm + S_K)[tid + k * CH_THREADS] = kv[k];
         }
-        const float gc = gtot[c];
+        #pragma unroll
+        for (int k = 0; k < NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = av[k];
+        #pragma unroll
+        for (int k = 0; k < NU; k++) (&u_s[0][0])[tid + k * CH_THREADS] = uv[k];
+        const float gc = gnext;
         __syncthreads();
+        if (chunk + 1 < nc) fetch(chunk + 1);
 
         // Δ = U − W·S (threads 0–63), P = Q'·S (64–127).
         float acc[4][4] = {};
@@ -368,5 +378,5 @@ GDRC(bf16, BF16)
 GDRC(f16, F16)
 
 // The host's copies of the shared-memory sizes must match.
-static_assert(PREP_SMEM == 83072, "PREP_SMEM");
+static_assert(PREP_SMEM == 78848, "PREP_SMEM");
 static_assert(SCAN_SMEM == 77824, "SCAN_SMEM");

@@ -351,20 +351,23 @@ __device__ void qknorm_rope(const typename D::T* x, long sb, long st, long sh, c
     }
 }
 
-// masked_softmax_<dtype>: one block per row of scores [B, G, T, S] (dtype, contiguous; G = heads
-// as the caller groups them), mask [B, T, S] f32 (0 or −inf) → probs, same shape and dtype:
-//   p = round(softmax_f32(round(s·scale) + mask))
+// causal_softmax_<dtype>: one block per row of scores [B, G, T, S] (dtype, contiguous; G = heads
+// as the caller groups them; the T queries are the last T of the S keys), key_bias [B, S] f32
+// (0 or −inf per key) → probs, same shape and dtype:
+//   p = round(softmax_f32(round(s·scale) + key_bias)) over the keys up to the query's own;
+// later keys get 0. Only the [B, S] bias crosses from the host, not a [B, T, S] mask.
 template <typename D>
-__device__ void masked_softmax(const typename D::T* s, const float* mask, typename D::T* p,
+__device__ void causal_softmax(const typename D::T* s, const float* key_bias, typename D::T* p,
                                int G, int T, int S, float scale) {
     __shared__ float red[32];
     const long r = blockIdx.x;
     const int t = r % T, b = r / ((long)G * T);
+    const int seen = S - T + t + 1;  // keys this query may see
     const typename D::T* sr = s + r * S;
-    const float* mr = mask + ((size_t)b * T + t) * S;
+    const float* mr = key_bias + (size_t)b * S;
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, nw = blockDim.x / 32;
     float mx = NEG_INF;
-    for (int c = threadIdx.x; c < S; c += blockDim.x)
+    for (int c = threadIdx.x; c < seen; c += blockDim.x)
         mx = fmaxf(mx, D::round(D::load(sr + c) * scale) + mr[c]);
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -374,12 +377,13 @@ __device__ void masked_softmax(const typename D::T* s, const float* mask, typena
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     float sum = 0.f;
-    for (int c = threadIdx.x; c < S; c += blockDim.x)
+    for (int c = threadIdx.x; c < seen; c += blockDim.x)
         sum += expf(D::round(D::load(sr + c) * scale) + mr[c] - mx);
     sum = block_sum(sum);
     const float inv = 1.f / sum;
     for (int c = threadIdx.x; c < S; c += blockDim.x)
-        D::store(p + r * S + c, expf(D::round(D::load(sr + c) * scale) + mr[c] - mx) * inv);
+        D::store(p + r * S + c,
+                 c < seen ? expf(D::round(D::load(sr + c) * scale) + mr[c] - mx) * inv : 0.f);
 }
 
 // attn_gate_<dtype>: o [B, H, T, hd] contiguous, gate [B, T, H, hd] (strides sb, st, sh) →
@@ -404,9 +408,9 @@ __device__ void attn_gate(const typename D::T* o, const typename D::T* g, long s
         const D::T* sinv, D::T* out, int B, int T, int H, int hd, int rot, float eps) {          \
         qknorm_rope<D>(x, sb, st, sh, w1, cosv, sinv, out, B, T, H, hd, rot, eps);               \
     }                                                                                            \
-    extern "C" __global__ void masked_softmax_##TAG(const D::T* s, const float* mask, D::T* p,  \
-                                                    int G, int T, int S, float scale) {          \
-        masked_softmax<D>(s, mask, p, G, T, S, scale);                                           \
+    extern "C" __global__ void causal_softmax_##TAG(const D::T* s, const float* key_bias,       \
+                                                    D::T* p, int G, int T, int S, float scale) { \
+        causal_softmax<D>(s, key_bias, p, G, T, S, scale);                                       \
     }                                                                                            \
     extern "C" __global__ void attn_gate_##TAG(const D::T* o, const D::T* g, long sb, long st, \
                                                long sh, D::T* out, int B, int T, int H, int hd) { \
