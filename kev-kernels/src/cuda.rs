@@ -53,7 +53,7 @@ const GDR_WARPS: usize = 8;
 const GDRC_CHUNK: usize = 32;
 const GDRC_THREADS: u32 = 128;
 const GDRC_MAX_DIM: usize = 128;
-const GDRC_PREP_SMEM: u32 = 78848;
+const GDRC_PREP_SMEM: u32 = 70016;
 const GDRC_SCAN_SMEM: u32 = 77824;
 const CONV_BLOCK: u32 = 256;
 /// Steps per thread of the cached conv (`CONV_RUN` in ops.cu).
@@ -582,8 +582,8 @@ pub(crate) fn swiglu(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
         let mut b = k.stream.launch_builder(&k.func);
         let inter_ = inter as i32;
         b.arg(&gu).arg(&out).arg(&rows_).arg(&inter_);
-        // SAFETY: argument types and order match `swiglu_*` in ops.cu; grid-stride below n.
-        unsafe { b.launch(grid_for(n, 256)) }.w()?;
+        // SAFETY: argument types and order match `swiglu_*` in ops.cu; blocks stride over rows.
+        unsafe { b.launch(grid_for(rows_ as usize * 256, 256)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })
 }
@@ -705,8 +705,9 @@ pub(crate) fn attention_gate(
         for v in &ints {
             b.arg(v);
         }
-        // SAFETY: argument types and order match `attn_gate_*` in ops.cu; grid-stride below n.
-        unsafe { b.launch(grid_for(n, 256)) }.w()?;
+        // SAFETY: argument types and order match `attn_gate_*` in ops.cu; blocks stride over
+        // the B·T rows.
+        unsafe { b.launch(grid_for(b_sz * t_len * 256, 256)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })
 }

@@ -26,10 +26,12 @@ use crate::cpu::{as_f32, from_f32};
 /// it, for tuning.
 ///
 /// gdr_bench on the H200 (bf16, ms, chunked vs step by step, device memory kept in the pool as
-/// Kev's models do): 0.8B heads 0.162 vs 0.189 at 1 × 512 steps, 0.678 vs 0.766 at 8 × 512,
-/// 1.19 vs 1.50 at 1 × 4096; 4B heads 0.222 vs 0.308, 1.27 vs 1.38, 1.50 vs 2.35. At 48 steps
-/// they are level (32 rows: 0.367 vs 0.366) and at 4 rows the step-by-step kernel wins.
-pub const CHUNKED_MIN_LEN: usize = 64;
+/// Kev's models do, 2026-11-30): 0.8B heads 0.157 vs 0.192 at 1 × 512 steps, 0.618 vs 0.764 at
+/// 8 × 512, 1.05 vs 1.54 at 1 × 4096; 4B heads 0.204 vs 0.312, 1.14 vs 1.38, 1.31 vs 2.35. At
+/// 48 steps (a branch) the chunked kernels are level or ahead: 0.070 vs 0.069 (0.8B, 4 rows),
+/// 0.334 vs 0.366 (0.8B, 32 rows), 0.100 vs 0.117 (4B, 4 rows), 0.601 vs 0.685 (4B, 32 rows).
+/// Below one chunk the step-by-step kernel runs.
+pub const CHUNKED_MIN_LEN: usize = 32;
 
 fn chunked_min_len() -> usize {
     static FORCED: OnceLock<Option<usize>> = OnceLock::new();

@@ -45,14 +45,16 @@ __device__ __forceinline__ void outer4(float (&acc)[4][4], const float4& x, cons
 }
 
 // Shared memory of the preparation kernel, in floats (offsets multiples of 4).
+// A and Tmᵀ live in the k̂ᵀ tile, which nothing reads after step 2: 70016 bytes, so three
+// blocks fit on an SM instead of two.
 #define P_QT 0                          // q̂ᵀ [DM][TP]
-#define P_KT (P_QT + DM * TP)           // k̂ᵀ [DM][TP]
+#define P_KT (P_QT + DM * TP)           // k̂ᵀ [DM][TP] (steps 1–2)
+#define P_A P_KT                        // A [CH][CH+1] (steps 2–3)
+#define P_TT (P_A + CH * (CH + 1))      // Tmᵀ [CH][TP] (steps 3–4)
 #define P_K (P_KT + DM * TP)            // k̂ [CH][DM]
 #define P_V (P_K + CH * DM)             // v [CH][DM]
-#define P_A (P_V + CH * DM)             // A [CH][CH+1]
-#define P_TT (P_A + CH * (CH + 1))      // Tmᵀ [CH][TP]
-#define P_G (P_TT + CH * TP)            // G, β, β·e^G [CH] each
-#define PREP_SMEM ((P_G + 3 * CH) * 4)  // 78848 bytes: GDRC_PREP_SMEM in cuda.rs
+#define P_G (P_V + CH * DM)             // G, β, β·e^G [CH] each
+#define PREP_SMEM ((P_G + 3 * CH) * 4)  // 70016 bytes: GDRC_PREP_SMEM in cuda.rs
 
 template <typename D>
 __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
@@ -130,6 +132,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
         for (int r = 0; r < DM; r++) {
             outer4(acc, ld4(&lhs[r][ta]), ld4(&kT[r][sa]));
         }
+        __syncthreads();  // A overwrites k̂ᵀ
         #pragma unroll
         for (int p = 0; p < 4; p++) {
             #pragma unroll
@@ -378,5 +381,7 @@ GDRC(bf16, BF16)
 GDRC(f16, F16)
 
 // The host's copies of the shared-memory sizes must match.
-static_assert(PREP_SMEM == 78848, "PREP_SMEM");
+static_assert(PREP_SMEM == 70016, "PREP_SMEM");
+static_assert(P_TT + CH * TP <= P_K, "A and Tm^T fit in the k^T tile");
+static_assert(P_TT % 4 == 0, "Tm^T is float4-aligned");
 static_assert(SCAN_SMEM == 77824, "SCAN_SMEM");

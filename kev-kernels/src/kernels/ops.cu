@@ -274,14 +274,18 @@ __device__ void gates(const typename D::T* ba, long s, const float* dt_bias, con
 
 // swiglu_<dtype>: gu [rows, 2·inter] contiguous ([gate | up] per row) → out [rows, inter]:
 //   round(round(silu(gate)) · up)   (HF: act_fn(gate_proj(x)) * up_proj(x) in the dtype)
+// Blocks stride over rows and threads over columns: no 64-bit division per element (a flat
+// grid-stride loop spent more time dividing indices than moving data).
 template <typename D>
 __device__ void swiglu(const typename D::T* gu, typename D::T* out, int rows, int inter) {
-    const size_t n = (size_t)rows * inter;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const size_t r = i / inter, c = i % inter;
-        const float g = D::load(gu + r * 2 * inter + c), u = D::load(gu + r * 2 * inter + inter + c);
-        D::store(out + i, D::round(g / (1.f + expf(-g))) * u);
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const typename D::T* g = gu + (size_t)r * 2 * inter;
+        const typename D::T* u = g + inter;
+        typename D::T* o = out + (size_t)r * inter;
+        for (int c = threadIdx.x; c < inter; c += blockDim.x) {
+            const float gv = D::load(g + c);
+            D::store(o + c, D::round(gv / (1.f + expf(-gv))) * D::load(u + c));
+        }
     }
 }
 
@@ -387,18 +391,21 @@ __device__ void causal_softmax(const typename D::T* s, const float* key_bias, ty
 }
 
 // attn_gate_<dtype>: o [B, H, T, hd] contiguous, gate [B, T, H, hd] (strides sb, st, sh) →
-// out [B, T, H·hd]: round(o · round(sigmoid(gate))).
+// out [B, T, H·hd]: round(o · round(sigmoid(gate))). Blocks stride over the B·T output rows,
+// threads over a row's H·hd values (32-bit index math, no 64-bit division per element).
 template <typename D>
 __device__ void attn_gate(const typename D::T* o, const typename D::T* g, long sb, long st,
                           long sh, typename D::T* out, int B, int T, int H, int hd) {
-    const size_t n = (size_t)B * T * H * hd;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const int c = i % hd, h = (i / hd) % H, t = (i / ((size_t)hd * H)) % T;
-        const int b = i / ((size_t)hd * H * T);
-        const float gv = D::load(g + b * sb + t * st + h * sh + c);
-        const float ov = D::load(o + (((size_t)b * H + h) * T + t) * hd + c);
-        D::store(out + i, ov * D::round(1.f / (1.f + expf(-gv))));
+    for (int row = blockIdx.x; row < B * T; row += gridDim.x) {
+        const int b = row / T, t = row % T;
+        const typename D::T* gr = g + b * sb + t * st;
+        typename D::T* outr = out + (size_t)row * H * hd;
+        for (int i = threadIdx.x; i < H * hd; i += blockDim.x) {
+            const int h = i / hd, c = i - h * hd;
+            const float gv = D::load(gr + h * sh + c);
+            const float ov = D::load(o + (((size_t)b * H + h) * T + t) * hd + c);
+            D::store(outr + i, ov * D::round(1.f / (1.f + expf(-gv))));
+        }
     }
 }
 
