@@ -323,12 +323,22 @@ fn gated_delta_rule_chunked(
     let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
     let rows = heads * chunks * GDRC_CHUNK;
     // Scratch: every element is written by the preparation kernel before the scan reads it.
-    let wt = prep.output::<f32>(rows * GDRC_MAX_DIM)?;
-    let u = prep.output::<f32>(rows * dims.head_v_dim)?;
-    let qt = prep.output::<f32>(rows * GDRC_MAX_DIM)?;
-    let kd = prep.output::<f32>(rows * GDRC_MAX_DIM)?;
-    let at = prep.output::<f32>(rows * GDRC_CHUNK)?;
-    let gtot = prep.output::<f32>(heads * chunks)?;
+    // One allocation cut into parts (a branch's call is host-bound: six allocations and frees
+    // were a tenth of a one-request forward), the float4-read parts first so they stay aligned.
+    let sizes = [
+        rows * GDRC_MAX_DIM,    // Wᵀ
+        rows * GDRC_MAX_DIM,    // Q'ᵀ
+        rows * GDRC_MAX_DIM,    // K'
+        rows * GDRC_CHUNK,      // Aqkᵀ
+        rows * dims.head_v_dim, // U
+        heads * chunks,         // e^{G_CH}
+    ];
+    let scratch = prep.output::<f32>(sizes.iter().sum())?;
+    let mut start = 0;
+    let [wt, qt, kd, at, u, gtot] = sizes.map(|n| {
+        start += n;
+        scratch.slice(start - n..start)
+    });
     let null = 0u64;
     let [t, hk, hv, dk, dv, nc] = [
         op.seq_len,

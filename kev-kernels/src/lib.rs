@@ -49,7 +49,7 @@ pub use chunked::{gated_delta_rule_chunked, CHUNK};
 pub use cuda::keep_device_memory;
 pub use gated_delta_rule::{
     gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent, gated_delta_rule_ref,
-    GdrDims, GdrForm, CHUNKED_MIN_LEN,
+    GdrDims, GdrForm, CHUNKED_MIN_LEN, CHUNKED_MIN_LEN_WIDE, CHUNKED_WIDE_PAIRS,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
