@@ -722,6 +722,38 @@ pub(crate) fn attention_gate(
     })
 }
 
+/// Rows of 16-byte words (gather.rs checked the sizes, the alignment and the indices).
+pub(crate) fn gather_rows(
+    ts: &CudaStorage,
+    tl: &Layout,
+    is: &CudaStorage,
+    il: &Layout,
+) -> Result<CudaStorage> {
+    let k = Kernel::load(ts.device(), "gather_rows16")?;
+    let (t0, t1) = contiguous(tl, "gather-rows input")?;
+    let (i0, i1) = contiguous(il, "gather-rows index")?;
+    let (src_rows, n) = (tl.dims()[0], i1 - i0);
+    let row_elems = (t1 - t0) / src_rows.max(1);
+    let units = row_elems * ts.dtype().size_in_bytes() / 16;
+    let idx = is.as_cuda_slice::<u32>()?.slice(i0..i1);
+    let (units_, rows_) = (units as i64, src_rows as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (units.div_ceil(256).clamp(1, 1024) as u32, n as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    by_dtype!(ts.dtype(), "gather-rows", |T| {
+        let src = ts.as_cuda_slice::<T>()?.slice(t0..t1);
+        let out = k.output::<T>(n * row_elems)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        b.arg(&src).arg(&idx).arg(&out).arg(&units_).arg(&rows_);
+        // SAFETY: argument types and order match `gather_rows16` in ops.cu; rows are whole
+        // 16-byte words and n ≤ 65535 (the wrapper checked), the grid strides over a row.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
 pub(crate) fn causal_conv1d_cached(
     op: &crate::causal_conv1d::CausalConv1dCached,
     xs: &CudaStorage,

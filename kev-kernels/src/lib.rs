@@ -19,6 +19,8 @@
 //!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`].
 //!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
 //!
+//! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch.
+//!
 //! No op knows anything about Qwen: shapes and head counts are explicit arguments.
 
 mod attention;
@@ -29,6 +31,7 @@ mod cpu;
 mod cuda;
 mod gated_delta_rule;
 mod gates;
+mod gather;
 #[cfg(feature = "metal")]
 mod metal;
 mod norm;
@@ -52,5 +55,6 @@ pub use gated_delta_rule::{
     GdrDims, GdrForm, CHUNKED_MIN_LEN, CHUNKED_MIN_LEN_WIDE, CHUNKED_WIDE_PAIRS,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
+pub use gather::{gather_rows, RowIndex};
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
 pub use swiglu::{swiglu, swiglu_ref};

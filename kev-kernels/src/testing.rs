@@ -86,8 +86,8 @@ pub fn check_fused_ops(
     use crate::{
         add_rms_norm, attention_gate, attention_gate_ref, causal_conv1d_cached,
         causal_conv1d_cached_ref, causal_softmax, causal_softmax_ref, deltanet_gates,
-        deltanet_gates_ref, gated_rms_norm, gated_rms_norm_ref, qk_norm_rope, qk_norm_rope_ref,
-        rms_norm, rms_norm_ref, swiglu, swiglu_ref,
+        deltanet_gates_ref, gated_rms_norm, gated_rms_norm_ref, gather_rows, qk_norm_rope,
+        qk_norm_rope_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref, RowIndex,
     };
     let eps = 1e-6;
     for dtype in [DType::F32, DType::BF16] {
@@ -171,6 +171,25 @@ pub fn check_fused_ops(
         let got = causal_softmax(&sc_d, &bias.to_device(dev)?, 0.25)?;
         let want = causal_softmax_ref(&sc, &bias, 0.25)?;
         check(&tag("causal-softmax"), &got, &want, tol)?;
+
+        // Whole rows by index (repeats, any order) against index_select, on rows of 16-byte
+        // words (the word path) and on odd-sized ones (its fallback).
+        for width in [16, 3] {
+            let (src_d, src) = on(patterned(&[3, 2, width], 0.6, 1.0)?)?;
+            let rows = [2, 0, 0, 1, 2];
+            let got = gather_rows(&src_d, &RowIndex::new(&rows, dev)?)?;
+            let idx = Tensor::from_vec(rows.map(|r| r as u32).to_vec(), 5, &Device::Cpu)?;
+            check(
+                &tag(&format!("gather-rows {width}")),
+                &got,
+                &src.index_select(&idx, 0)?,
+                0.0,
+            )?;
+        }
+        let three_rows = Tensor::zeros((3, 4), DType::F32, dev)?;
+        if gather_rows(&three_rows, &RowIndex::new(&[3], dev)?).is_ok() {
+            candle_core::bail!("gather-rows accepted row 3 of a 3-row tensor")
+        }
 
         // The conv from a cache, x a slice of the projection, with and without padded rows.
         let (cache_d, cache) = on(patterned(&[b, 3, 64], 2.5, 1.0)?)?;

@@ -6,6 +6,7 @@
 //! cached key positions are real and where the next position starts.
 
 use candle_core::{DType, Device, Result, Tensor};
+use kev_kernels::{gather_rows, RowIndex};
 
 use super::{Config, LayerType};
 
@@ -82,12 +83,8 @@ impl Cache {
     /// A new cache made of rows `rows` of this one (repeats allowed), with storage of its own:
     /// the recurrent states are updated in place, so rows must never share it.
     pub fn select_rows(&self, rows: &[usize]) -> Result<Self> {
-        let idx = Tensor::from_vec(
-            rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
-            rows.len(),
-            &self.device,
-        )?;
-        let pick = |t: &Tensor| t.index_select(&idx, 0);
+        let idx = RowIndex::new(rows, &self.device)?;
+        let pick = |t: &Tensor| gather_rows(t, &idx);
         let layers = self
             .layers
             .iter()

@@ -485,3 +485,16 @@ __device__ void conv_cached(const typename D::T* x, long xs, const typename D::T
 CONV_CACHED(f32, F32)
 CONV_CACHED(bf16, BF16)
 CONV_CACHED(f16, F16)
+
+// gather_rows16: out row r = src row idx[r], rows of `units` 16-byte words (any dtype). An index
+// at or past `rows` (the host checks them) writes zeros rather than reading outside the source.
+// grid = (word blocks, output rows).
+extern "C" __global__ void gather_rows16(const uint4* src, const unsigned int* idx, uint4* out,
+                                         long units, int rows) {
+    const unsigned int from = idx[blockIdx.y];
+    const uint4* s = src + (size_t)from * units;
+    uint4* o = out + (size_t)blockIdx.y * units;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < units;
+         i += (long)gridDim.x * blockDim.x)
+        o[i] = from < (unsigned int)rows ? s[i] : make_uint4(0u, 0u, 0u, 0u);
+}
