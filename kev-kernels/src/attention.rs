@@ -298,22 +298,16 @@ pub fn qk_norm_rope_ref(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> 
     out.contiguous()
 }
 
-/// [`causal_softmax`] with plain tensor ops (the test reference, and the Metal path).
+/// [`causal_softmax`] with plain tensor ops (the test reference, and the Metal path). The causal
+/// part is built on the device from two index ranges (no `[T, S]` host loop per layer); hidden
+/// keys get `f32::MIN`, whose exponential is exactly 0 as −∞'s is.
 pub fn causal_softmax_ref(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<Tensor> {
     let (_, _, t_len, s_len) = scores.dims4()?;
-    let first = s_len - t_len;
-    let causal: Vec<f32> = (0..t_len)
-        .flat_map(|t| {
-            (0..s_len).map(move |j| {
-                if j > first + t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
-    let causal = Tensor::from_vec(causal, (1, 1, t_len, s_len), scores.device())?;
+    let dev = scores.device();
+    let keys = Tensor::arange(0u32, s_len as u32, dev)?.reshape((1, s_len))?;
+    let last_seen =
+        Tensor::arange((s_len - t_len) as u32, s_len as u32, dev)?.reshape((t_len, 1))?;
+    let causal = (keys.broadcast_gt(&last_seen)?.to_dtype(DType::F32)? * f64::from(f32::MIN))?;
     let s = (scores * scale)?.to_dtype(DType::F32)?;
     let s = s
         .broadcast_add(&key_bias.unsqueeze(1)?.unsqueeze(1)?)?
