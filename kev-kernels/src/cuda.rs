@@ -323,8 +323,8 @@ fn gated_delta_rule_chunked(
     let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
     let rows = heads * chunks * GDRC_CHUNK;
     // Scratch: every element is written by the preparation kernel before the scan reads it.
-    // One allocation cut into parts (a branch's call is host-bound: six allocations and frees
-    // were a tenth of a one-request forward), the float4-read parts first so they stay aligned.
+    // One allocation cut into parts (a short call is host-bound, and every allocation and free
+    // costs host time), the float4-read parts first so they stay aligned.
     let sizes = [
         rows * GDRC_MAX_DIM,    // Wᵀ
         rows * GDRC_MAX_DIM,    // Q'ᵀ

@@ -55,7 +55,8 @@ impl Attention {
     }
 
     /// `xs: [B, T, H]`; `cos_sin`: this step's RoPE (`[2, B, T, rotary_dim]`); `key_bias`:
-    /// additive f32 `[B, S+T]` over cached and new keys (causality is applied on top). Appends this step's K/V to `k_cache`/`v_cache`.
+    /// additive f32 `[B, S+T]` over cached and new keys (causality is applied on top). Appends
+    /// this step's K/V to `k_cache`/`v_cache`.
     pub fn forward(
         &self,
         xs: &Tensor,
