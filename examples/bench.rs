@@ -6,8 +6,9 @@
 //!     --records bench/.cache/records/one.jsonl --form prefix,row --repeats 3
 //! ```
 //! Forms: `prefix` (`probs`: the state once, then the record's branches as one batch), `row`
-//! (`forward_rows`: `state ++ branch_j` alone per question, the reference form) and `batch`
-//! (`probs_batch` over all records of the file: states as one batch, then all branches).
+//! (`forward_rows`: `state ++ branch_j` alone per question, the reference form), `batch`
+//! (`probs_batch` over all records of the file: states as one batch, then all branches) and
+//! `state` (`prefix`: each record's state pass alone, a prefill figure; no probabilities).
 //! Figures: latency median and min over `--repeats` after `--warmup`, records/s, tokens/s
 //! (encoded tokens: state + branches), computed tokens/s (row form recomputes the state per
 //! question), model FLOPs and TFLOP/s (the count of `bench/common.py`), peak RSS (VmHWM, reset per
@@ -48,7 +49,7 @@ struct Args {
     /// auto, f32, bf16 or f16.
     #[arg(long, default_value = "auto")]
     dtype: DType,
-    /// prefix, row, batch (comma-separated or repeated; `all` for the three).
+    /// prefix, row, batch, state (comma-separated or repeated; `all` for the first three).
     #[arg(long, value_delimiter = ',', default_value = "prefix")]
     form: Vec<String>,
     /// Free text copied into every line.
@@ -61,6 +62,9 @@ enum Form {
     Prefix,
     Row,
     Batch,
+    /// The state pass alone (`DecisionModel::prefix`): a prefill figure, comparable with
+    /// llama.cpp's `llama-bench -p N`.
+    State,
 }
 
 impl Form {
@@ -69,6 +73,7 @@ impl Form {
             Form::Prefix => "prefix",
             Form::Row => "row",
             Form::Batch => "batch",
+            Form::State => "state",
         }
     }
 }
@@ -80,9 +85,10 @@ fn forms(raw: &[String]) -> Result<Vec<Form>> {
             "prefix" => out.push(Form::Prefix),
             "row" => out.push(Form::Row),
             "batch" => out.push(Form::Batch),
+            "state" => out.push(Form::State),
             "all" => out.extend([Form::Row, Form::Prefix, Form::Batch]),
             "both" => out.extend([Form::Row, Form::Prefix]),
-            other => bail!("unknown form `{other}` (expected prefix, row, batch, all)"),
+            other => bail!("unknown form `{other}` (expected prefix, row, batch, state, all)"),
         }
     }
     Ok(out)
@@ -111,6 +117,12 @@ fn score(model: &DecisionModel, records: &[Record], form: Form) -> Result<Vec<Ve
             })
             .collect::<kev::Result<_>>()?,
         Form::Batch => model.probs_batch(records)?,
+        Form::State => {
+            for r in records {
+                model.prefix(&r.state)?;
+            }
+            Vec::new()
+        }
     })
 }
 
@@ -192,6 +204,7 @@ fn segments(encoded: &[(usize, Vec<usize>)], form: Form) -> Vec<(usize, usize)> 
     for (state, branches) in encoded {
         match form {
             Form::Row => out.extend(branches.iter().map(|b| (0, state + b))),
+            Form::State => out.push((0, *state)),
             Form::Prefix | Form::Batch => {
                 out.push((0, *state));
                 out.extend(branches.iter().map(|b| (*state, *b)));

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# llama.cpp's CPU prefill next to Kev's, on the same random-weight checkpoint (issue 5's CPU peer).
+#
+#   bench/run_cpu_llamacpp.sh        # fetch and build llama.cpp and convert (once), then run both
+#
+# llama.cpp is the copy vendored in PyPI's llama-cpp-python source distribution (Debian 12 has no
+# llama.cpp package and only PyPI, crates.io and Debian are reachable here): downloaded from PyPI's
+# simple index with its sha256 checked, built with PyPI's cmake for this CPU (GGML_NATIVE), only
+# the llama-bench tool. The checkpoint's base model (random weights, LoRA not folded: prefill speed
+# does not depend on it) is converted to GGUF with llama.cpp's converter (bench/llamacpp_convert.py)
+# in each of TYPES, and `llama-bench -p 512 -n 0` measures the prefill of 512 tokens. Kev then runs
+# the state pass of the one-request workload (a 512-token state; bench example `--form state`) on
+# the same checkpoint, f32, in the same command.
+#
+# Environment knobs (defaults in brackets):
+#   SIZE [0.8b]  THREADS [2]  REPS [3]  TYPES ["f32 bf16 f16"]  PYTHON [/work/pyenv/bin/python if
+#   present, else python3] (numpy, torch, safetensors, transformers for the converter)  JOBS [2]
+# Everything goes to bench/.cache/ (ignored by git): llama.cpp/ (source and build), gguf/,
+# results-cpu-llamacpp-$SIZE.jsonl (llama-bench's JSON lines, then Kev's).
+set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-$([ -x /work/pyenv/bin/python ] && echo /work/pyenv/bin/python || echo python3)}
+SIZE=${SIZE:-0.8b}
+THREADS=${THREADS:-2}
+REPS=${REPS:-3}
+TYPES=${TYPES:-"f32 bf16 f16"}
+JOBS=${JOBS:-2}
+VERSION=0.3.36
+SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+CACHE=bench/.cache
+CKPT=$CACHE/kev-$SIZE
+LLAMA=$CACHE/llama.cpp
+SRC=$LLAMA/llama_cpp_python-$VERSION/vendor/llama.cpp
+BENCH=$LLAMA/build/bin/llama-bench
+RESULTS=$CACHE/results-cpu-llamacpp-$SIZE.jsonl
+mkdir -p "$LLAMA" "$CACHE/gguf"
+
+[ -f "$CKPT/kev.json" ] || nice "$PYTHON" bench/make_checkpoint.py --size "$SIZE" --out "$CKPT"
+[ -f "$CACHE/records/one.jsonl" ] || "$PYTHON" bench/records.py --out "$CACHE/records"
+
+if [ ! -d "$SRC" ]; then
+  echo "== fetching llama-cpp-python $VERSION (vendored llama.cpp) from PyPI" >&2
+  "$PYTHON" - "$VERSION" "$SHA256" "$LLAMA/sdist.tar.gz" <<'PY'
+import hashlib, re, sys, urllib.request
+version, sha, out = sys.argv[1:]
+index = urllib.request.urlopen("https://pypi.org/simple/llama-cpp-python/").read().decode()
+url = next(u for u in re.findall(r'href="([^"]+)"', index) if f"llama_cpp_python-{version}.tar.gz" in u)
+data = urllib.request.urlopen(url.split("#")[0]).read()
+if hashlib.sha256(data).hexdigest() != sha:
+    raise SystemExit(f"sha256 mismatch for {url}")
+open(out, "wb").write(data)
+PY
+  tar xzf "$LLAMA/sdist.tar.gz" -C "$LLAMA" "llama_cpp_python-$VERSION/vendor/llama.cpp"
+fi
+if [ ! -x "$BENCH" ]; then
+  command -v cmake >/dev/null || "$PYTHON" -m pip install -q cmake
+  echo "== building llama-bench (CPU, native)" >&2
+  cmake -S "$SRC" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
+  cmake --build "$LLAMA/build" --target llama-bench -j "$JOBS" >&2
+fi
+
+: > "$RESULTS"
+for t in $TYPES; do
+  gguf=$CACHE/gguf/kev-$SIZE-$t.gguf
+  if [ ! -f "$gguf" ]; then
+    echo "== converting to GGUF ($t)" >&2
+    "$PYTHON" bench/llamacpp_convert.py "$SRC" "$CKPT/base" --outtype "$t" --outfile "$gguf" 2>&1 \
+      | grep -vE "^INFO|Writing:" >&2 || true
+  fi
+  echo "== llama-bench pp512 ($t), $THREADS threads" >&2
+  "$BENCH" -m "$gguf" -p 512 -n 0 -t "$THREADS" -r "$REPS" -o jsonl >> "$RESULTS"
+done
+
+echo "== kev state pass (512 tokens), f32, $THREADS threads" >&2
+cargo build --release --example bench -j "$JOBS" >&2
+RAYON_NUM_THREADS=$THREADS target/release/examples/bench --checkpoint "$CKPT" \
+  --records "$CACHE/records/one.jsonl" --backend cpu --dtype f32 --form state \
+  --repeats "$REPS" --warmup 1 >> "$RESULTS"
+
+"$PYTHON" - "$RESULTS" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+best = 0.0
+for r in rows:
+    if "avg_ts" in r:
+        best = max(best, r["avg_ts"])
+        print(f"llama.cpp {r.get('model_type', '')}: pp{r['n_prompt']} "
+              f"{r['avg_ts']:.1f} ± {r['stddev_ts']:.1f} tok/s, {r['n_threads']} threads")
+for r in rows:
+    if r.get("impl") == "kev":
+        kev = r["computed_tok_per_s"]
+        print(f"kev f32 state pass: {r['computed_tokens']} tokens, median {r['latency_ms_median']:.0f} ms,"
+              f" {kev:.1f} tok/s" + (f" = {kev / best:.2f}x llama.cpp's best" if best else ""))
+PY
