@@ -8,7 +8,8 @@
 # simple index with its sha256 checked, built with PyPI's cmake for this CPU (GGML_NATIVE), only
 # the llama-bench tool. The checkpoint's base model (random weights, LoRA not folded: prefill speed
 # does not depend on it) is converted to GGUF with llama.cpp's converter (bench/llamacpp_convert.py)
-# in each of TYPES, and `llama-bench -p 512 -n 0` measures the prefill of 512 tokens. Kev then runs
+# in each of TYPES (`--no-mtp`: the checkpoints have no multi-token-prediction block, and Kev does
+# not use one), and `llama-bench -p 512 -n 0` measures the prefill of 512 tokens. Kev then runs
 # the state pass of the one-request workload (a 512-token state; bench example `--form state`) on
 # the same checkpoint, f32, in the same command.
 #
@@ -67,7 +68,7 @@ for t in $TYPES; do
   gguf=$CACHE/gguf/kev-$SIZE-$t.gguf
   if [ ! -f "$gguf" ]; then
     echo "== converting to GGUF ($t)" >&2
-    "$PYTHON" bench/llamacpp_convert.py "$SRC" "$CKPT/base" --outtype "$t" --outfile "$gguf" 2>&1 \
+    "$PYTHON" bench/llamacpp_convert.py "$SRC" "$CKPT/base" --no-mtp --outtype "$t" --outfile "$gguf" 2>&1 \
       | grep -vE "^INFO|Writing:" >&2 || true
   fi
   echo "== llama-bench pp512 ($t), $THREADS threads" >&2
