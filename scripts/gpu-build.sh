@@ -15,7 +15,12 @@ jobs="${CARGO_BUILD_JOBS:-2}"
 cargo build --release --features cuda --target-dir "$target" -j "$jobs" --example bench
 cargo build --release --features cuda --target-dir "$target" -j "$jobs" -p kev-kernels --example gdr_bench
 parity=$(cargo test --release --features cuda --target-dir "$target" -j "$jobs" --test parity --no-run \
-  --message-format=json 2>/dev/null | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n1)
+  --message-format=json 2>/dev/null | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n1 || true)
+if [ -z "$parity" ]; then
+  echo "the parity test binary did not build:" >&2
+  cargo test --release --features cuda --target-dir "$target" -j "$jobs" --test parity --no-run >&2
+  exit 1
+fi
 mkdir -p .gpu
 for bin in "$parity:parity" "$target/release/examples/bench:bench" "$target/release/examples/gdr_bench:gdr_bench"; do
   src=${bin%%:*} name=${bin##*:}

@@ -49,21 +49,26 @@ static GDR_CHUNKED: Source = Source {
 /// Warps per block of the recurrence kernel (`WARPS` in ops.cu).
 const GDR_WARPS: usize = 8;
 /// Steps per chunk, threads per block, the largest Dk and Dv, and the dynamic shared memory of the
-/// chunked kernels (`CH`, `CH_THREADS`, `DM`, `PREP_SMEM`, `SCAN_SMEM` in gdr_chunked.cu).
+/// chunked kernels (`CH`, `CH_THREADS`, `DM`, `PREP_SMEM`, `SCAN_SMEM`, `PREP_TC_SMEM`,
+/// `SCAN_TC_SMEM` in gdr_chunked.cu).
 const GDRC_CHUNK: usize = 32;
 const GDRC_THREADS: u32 = 128;
 const GDRC_MAX_DIM: usize = 128;
 const GDRC_PREP_SMEM: u32 = 70016;
 const GDRC_SCAN_SMEM: u32 = 77824;
+const GDRC_PREP_TC_SMEM: u32 = 68096;
+const GDRC_SCAN_TC_SMEM: u32 = 95232;
 const CONV_BLOCK: u32 = 256;
 /// Steps per thread of the cached conv (`CONV_RUN` in ops.cu).
 const CONV_RUN: usize = 16;
 
 impl Source {
-    fn ptx(&self) -> Result<&str> {
+    /// The PTX, compiled for `arch` (NVRTC's default target where None) by the first caller.
+    fn ptx(&self, arch: Option<&'static str>) -> Result<&str> {
         let compiled = self.ptx.get_or_init(|| {
             let opts = CompileOptions {
                 name: Some(self.file.into()),
+                arch,
                 ..Default::default()
             };
             compile_ptx_with_opts(self.text, opts)
@@ -105,6 +110,12 @@ pub fn keep_device_memory(dev: &CudaDevice) -> Result<()> {
     }
 }
 
+/// Whether `dev` runs mma.sync on TF32 operands (compute capability 8.0 and later).
+fn has_tensor_cores(dev: &CudaDevice) -> Result<bool> {
+    let (major, _) = dev.cuda_stream().context().compute_capability().w()?;
+    Ok(major >= 8)
+}
+
 /// A loaded kernel and the stream it runs on.
 struct Kernel {
     dev: CudaDevice,
@@ -118,8 +129,12 @@ impl Kernel {
     }
 
     fn load_from(src: &Source, dev: &CudaDevice, name: &str) -> Result<Self> {
+        // The chunked delta rule's tensor-core kernels need compute_80 PTX (mma.sync on TF32);
+        // everything else compiles for NVRTC's default target and runs on any CUDA GPU.
+        let arch =
+            (std::ptr::eq(src, &GDR_CHUNKED) && has_tensor_cores(dev)?).then_some("compute_80");
         let func = dev
-            .get_or_load_custom_func(name, src.module, src.ptx()?)?
+            .get_or_load_custom_func(name, src.module, src.ptx(arch)?)?
             .into_cuda_function();
         Ok(Self {
             dev: dev.clone(),
@@ -309,10 +324,24 @@ fn gated_delta_rule_chunked(
 ) -> Result<()> {
     let dims = op.dims;
     let dtag = tag(qkv.dtype(), "gated-delta-rule")?;
-    let prep = Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("gdrc_prep_{dtag}"))?;
-    let scan = Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("gdrc_scan_{dtag}"))?;
-    prep.allow_shared_memory(GDRC_PREP_SMEM)?;
-    scan.allow_shared_memory(GDRC_SCAN_SMEM)?;
+    // bf16/f16 on tensor cores (TF32 products) where the GPU has them; f32 models keep full f32
+    // products. The two pairs differ in K''s scratch layout, so they never mix.
+    let tc = qkv.dtype() != DType::F32 && has_tensor_cores(qkv.device())?;
+    let (form, prep_smem, scan_smem) = if tc {
+        ("tc_", GDRC_PREP_TC_SMEM, GDRC_SCAN_TC_SMEM)
+    } else {
+        ("", GDRC_PREP_SMEM, GDRC_SCAN_SMEM)
+    };
+    let load = |what: &str| {
+        Kernel::load_from(
+            &GDR_CHUNKED,
+            qkv.device(),
+            &format!("gdrc_{what}_{form}{dtag}"),
+        )
+    };
+    let (prep, scan) = (load("prep")?, load("scan")?);
+    prep.allow_shared_memory(prep_smem)?;
+    scan.allow_shared_memory(scan_smem)?;
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
@@ -328,7 +357,7 @@ fn gated_delta_rule_chunked(
     let sizes = [
         rows * GDRC_MAX_DIM,    // Wᵀ
         rows * GDRC_MAX_DIM,    // Q'ᵀ
-        rows * GDRC_MAX_DIM,    // K'
+        rows * GDRC_MAX_DIM,    // K' (K'ᵀ for the tensor-core pair)
         rows * GDRC_CHUNK,      // Aqkᵀ
         rows * dims.head_v_dim, // U
         heads * chunks,         // e^{G_CH}
@@ -363,7 +392,7 @@ fn gated_delta_rule_chunked(
         let cfg = LaunchConfig {
             grid_dim: (chunks as u32, heads as u32, 1),
             block_dim: block,
-            shared_mem_bytes: GDRC_PREP_SMEM,
+            shared_mem_bytes: prep_smem,
         };
         // SAFETY: argument types and order match `gdrc_prep_*`; the scratch sizes follow the
         // grid (one block per chunk and head, Dk, Dv ≤ 128 checked by the caller).
@@ -377,7 +406,7 @@ fn gated_delta_rule_chunked(
         let cfg = LaunchConfig {
             grid_dim: (dims.head_v_dim.div_ceil(32) as u32, heads as u32, 1),
             block_dim: block,
-            shared_mem_bytes: GDRC_SCAN_SMEM,
+            shared_mem_bytes: scan_smem,
         };
         // SAFETY: argument types and order match `gdrc_scan_*`; reads stay inside the scratch
         // written above, the state and output have the shapes the wrapper checked.

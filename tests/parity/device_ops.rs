@@ -56,13 +56,19 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
                 // Recurrent, f32: same math, other summation order. Chunked: another algorithm
                 // in f32 (cumulative log-decays, a triangular solve), as kev-kernels' tests of
                 // the tensor-op chunked form. bf16: o is rounded once to bf16 (2^-8 rel.).
-                let tol = match (form, dtype) {
+                let tol: f32 = match (form, dtype) {
                     (_, DType::BF16) => 2e-2,
                     (GdrForm::Recurrent, _) => 1e-5,
                     _ => 1e-4,
                 };
+                // The state stays f32 in every form, but the bf16 chunked scan multiplies on
+                // tensor cores with TF32 operands (2^-11 relative rounding of each).
+                let state_tol: f32 = match (form, dtype) {
+                    (GdrForm::Chunked, DType::BF16) => 2e-3,
+                    _ => tol.min(1e-4),
+                };
                 check(&format!("{tag} output"), &o_dev, &o_cpu, tol)?;
-                check(&format!("{tag} state"), &s_dev, &s_cpu, tol.min(1e-4))?;
+                check(&format!("{tag} state"), &s_dev, &s_cpu, state_tol)?;
             }
         }
     }

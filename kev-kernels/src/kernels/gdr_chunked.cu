@@ -365,6 +365,445 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
         }
 }
 
+#if __CUDA_ARCH__ >= 800  // mma.sync on TF32 (compiled for compute_80 where the GPU has it)
+// ---- Tensor-core kernels (bf16 and f16 models) ----
+// The same two kernels with every product a warp-wide mma.sync m16n8k8 on TF32 operands (f32
+// accumulate). The FMA forms above issue thousands of instructions per thread and chunk at low
+// occupancy and are bound by their latency (ncu, 4B heads: prep 0.45 ms and scan 0.71 ms for 4096
+// steps). TF32 keeps 10 mantissa bits of each operand, more than the bf16/f16 activations the
+// products come from; the state is accumulated in f32 (the mma's C operand), so the rounding
+// does not compound across chunks. f32 models keep the FMA kernels (full f32 products).
+// Shared-memory pitches put the 32 lanes of a fragment load in 32 different banks: ≡ 8 (mod 32)
+// for tiles read along their rows' index, ≡ 4 for tiles read across it.
+// Scratch layout as the FMA kernels, except K' stored transposed (kd [c][128][CH]: K'ᵀ), the A
+// operand of the state update.
+
+__device__ __forceinline__ float tf32r(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return __uint_as_float(r);
+}
+// An operand element: already rounded to TF32 in shared memory (R = false) or rounded here.
+template <bool R>
+__device__ __forceinline__ unsigned tf(float x) {
+    return __float_as_uint(R ? tf32r(x) : x);
+}
+// d += a·b for one 16×8 tile over k = 8 (fragments as in the PTX ISA's m16n8k8 .tf32 layout;
+// lane (g, c) = (lane / 4, lane % 4)).
+__device__ __forceinline__ void mma8(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// The A fragment (rows m0.., columns k0..) of a matrix stored by rows (x[m][k], pitch ≡ 4) or
+// transposed (x[k][m], pitch ≡ 8).
+template <bool R>
+__device__ __forceinline__ void frag_a(unsigned (&a)[4], const float* x, int p, int m0, int k0,
+                                       int g, int c) {
+    a[0] = tf<R>(x[(m0 + g) * p + k0 + c]);
+    a[1] = tf<R>(x[(m0 + g + 8) * p + k0 + c]);
+    a[2] = tf<R>(x[(m0 + g) * p + k0 + c + 4]);
+    a[3] = tf<R>(x[(m0 + g + 8) * p + k0 + c + 4]);
+}
+template <bool R>
+__device__ __forceinline__ void frag_a_t(unsigned (&a)[4], const float* x, int p, int m0, int k0,
+                                         int g, int c) {
+    a[0] = tf<R>(x[(k0 + c) * p + m0 + g]);
+    a[1] = tf<R>(x[(k0 + c) * p + m0 + g + 8]);
+    a[2] = tf<R>(x[(k0 + c + 4) * p + m0 + g]);
+    a[3] = tf<R>(x[(k0 + c + 4) * p + m0 + g + 8]);
+}
+// The B fragment (rows k0.., columns n0..) of a matrix stored by rows (x[k][n], pitch ≡ 8) or
+// transposed (x[n][k], pitch ≡ 4).
+template <bool R>
+__device__ __forceinline__ void frag_b(unsigned (&b)[2], const float* x, int p, int k0, int n0,
+                                       int g, int c) {
+    b[0] = tf<R>(x[(k0 + c) * p + n0 + g]);
+    b[1] = tf<R>(x[(k0 + c + 4) * p + n0 + g]);
+}
+template <bool R>
+__device__ __forceinline__ void frag_b_t(unsigned (&b)[2], const float* x, int p, int k0, int n0,
+                                         int g, int c) {
+    b[0] = tf<R>(x[(n0 + g) * p + k0 + c]);
+    b[1] = tf<R>(x[(n0 + g) * p + k0 + c + 4]);
+}
+
+// Shared memory of the tensor-core preparation kernel, in floats.
+#define PT_P 40                          // pitch of q̂ᵀ, k̂ᵀ [DM][..] and Tmᵀ [CH][..]
+#define PT_VP 136                        // pitch of v [CH][..]
+#define PT_QT 0                          // q̂ᵀ
+#define PT_KT (PT_QT + DM * PT_P)        // k̂ᵀ
+#define PT_V (PT_KT + DM * PT_P)         // v
+#define PT_A (PT_V + CH * PT_VP)         // A [CH][CH+1]
+#define PT_TT (PT_A + CH * (CH + 1))     // Tmᵀ
+#define PT_G (PT_TT + CH * PT_P)         // G, β, β·e^G [CH] each
+#define PREP_TC_SMEM ((PT_G + 3 * CH) * 4)  // 68096 bytes: GDRC_PREP_TC_SMEM in cuda.rs
+
+template <typename D>
+__device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
+                             const unsigned int* __restrict__ lengths, float* __restrict__ wt,
+                             float* __restrict__ u, float* __restrict__ qt, float* __restrict__ kd,
+                             float* __restrict__ atq, float* __restrict__ gtot, int T, int hk,
+                             int hv, int dk, int dv) {
+    extern __shared__ __align__(16) float sm[];
+    float *qT = sm + PT_QT, *kT = sm + PT_KT, *vr = sm + PT_V, *a_s = sm + PT_A, *tT = sm + PT_TT;
+    float *g_s = sm + PT_G, *beta_s = g_s + CH, *bg_s = beta_s + CH;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    const int chunk = blockIdx.x, nc = gridDim.x;
+    const int bh = blockIdx.y, b = bh / hv, h = bh % hv, kh = h / (hv / hk);
+    const int channels = 2 * hk * dk + hv * dv;
+    const int len = lengths ? min((int)lengths[b], T) : T;
+    const int t0 = chunk * CH;
+    const float scale = rsqrtf((float)dk);
+    const size_t cb = (size_t)bh * nc + chunk;  // this chunk's scratch block
+
+    // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps; a warp per step.
+    #pragma unroll
+    for (int step = 0; step < CH / (CH_THREADS / 32); step++) {
+        const int i = warp + step * (CH_THREADS / 32), t = t0 + i;
+        const bool valid = t < len;
+        const typename D::T* row = qkv + ((size_t)b * T + (valid ? t : 0)) * channels;
+        float q[4], k[4], qq = 0.f, kk = 0.f;
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = lane + 32 * x;
+            q[x] = valid && r < dk ? D::load(row + kh * dk + r) : 0.f;
+            k[x] = valid && r < dk ? D::load(row + (hk + kh) * dk + r) : 0.f;
+            qq += q[x] * q[x];
+            kk += k[x] * k[x];
+            vr[i * PT_VP + r] = valid && r < dv ? D::load(row + 2 * hk * dk + h * dv + r) : 0.f;
+        }
+        qq = warp_sum(qq);
+        kk = warp_sum(kk);
+        const float qn = scale / sqrtf(qq + L2NORM_EPS), kn = 1.f / sqrtf(kk + L2NORM_EPS);
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = lane + 32 * x;
+            qT[r * PT_P + i] = q[x] * qn;
+            kT[r * PT_P + i] = k[x] * kn;
+        }
+        if (lane == 0) {
+            const float* gp = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
+            g_s[i] = valid ? gp[0] : 0.f;
+            beta_s[i] = valid ? gp[1] : 0.f;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float acc = 0.f;
+        for (int i = 0; i < CH; i++) {
+            g_s[i] = acc += g_s[i];
+            bg_s[i] = beta_s[i] * expf(acc);
+        }
+    }
+    __syncthreads();
+
+    // 2. K̂K̂ᵀ (warps 0–1) and Q̂K̂ᵀ (warps 2–3), 16 steps × 32 each → A (shared), Aqkᵀ (global).
+    {
+        const bool is_k = warp < 2;
+        const int mt = 16 * (warp % 2);
+        float acc[4][4] = {};
+        #pragma unroll 4
+        for (int k0 = 0; k0 < DM; k0 += 8) {
+            unsigned a[4];
+            frag_a_t<true>(a, is_k ? kT : qT, PT_P, mt, k0, g, c);
+            #pragma unroll
+            for (int n = 0; n < 4; n++) {
+                unsigned bf[2];
+                frag_b<true>(bf, kT, PT_P, k0, 8 * n, g, c);
+                mma8(acc[n], a, bf);
+            }
+        }
+        #pragma unroll
+        for (int n = 0; n < 4; n++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int t = mt + g + 8 * (i / 2), s = 8 * n + 2 * c + i % 2;
+                const float decay = s <= t ? expf(g_s[t] - g_s[s]) : 0.f;  // masked before exp
+                if (is_k)
+                    a_s[t * (CH + 1) + s] = s < t ? beta_s[t] * decay * acc[n][i] : 0.f;
+                else
+                    atq[(cb * CH + s) * CH + t] = decay * acc[n][i];
+            }
+    }
+    __syncthreads();
+
+    // 3. Warp 0: Tm = (I + A)⁻¹ as in gdrc_prep. The other warps write Q'ᵀ and K'ᵀ.
+    if (warp == 0) {
+        float x[CH];
+        #pragma unroll
+        for (int i = 0; i < CH; i++) {
+            float even = i == lane ? 1.f : 0.f, odd = 0.f;
+            #pragma unroll
+            for (int s = 0; s + 1 < i; s += 2) {
+                even -= a_s[i * (CH + 1) + s] * x[s];
+                odd -= a_s[i * (CH + 1) + s + 1] * x[s + 1];
+            }
+            if (i % 2 == 1) even -= a_s[i * (CH + 1) + i - 1] * x[i - 1];
+            x[i] = even + odd;
+        }
+        #pragma unroll
+        for (int i = 0; i < CH; i += 4) st4(&tT[lane * PT_P + i], x[i], x[i + 1], x[i + 2], x[i + 3]);
+    } else {
+        const float gc = g_s[CH - 1];
+        for (int e = tid - 32; e < DM * CH / 4; e += CH_THREADS - 32) {
+            const int r = e / (CH / 4), t = 4 * (e % (CH / 4));
+            const float4 qv = ld4(&qT[r * PT_P + t]), kv = ld4(&kT[r * PT_P + t]);
+            float eq[4], ek[4];
+            #pragma unroll
+            for (int j = 0; j < 4; j++) {
+                eq[j] = expf(g_s[t + j]);
+                ek[j] = expf(gc - g_s[t + j]);
+            }
+            st4(&qt[(cb * DM + r) * CH + t], eq[0] * qv.x, eq[1] * qv.y, eq[2] * qv.z, eq[3] * qv.w);
+            st4(&kd[(cb * DM + r) * CH + t], ek[0] * kv.x, ek[1] * kv.y, ek[2] * kv.z, ek[3] * kv.w);
+        }
+        if (tid == 32) gtot[cb] = expf(gc);
+    }
+    __syncthreads();
+
+    // 4. [W | U] = Tm·[diag(β·e^G)·K̂ | diag(β)·V]: warps 0–1 W's columns 64·warp.., warps 2–3
+    //    U's columns 64·(warp − 2).., all 32 steps; the row factor is folded into Tm's fragment.
+    {
+        const bool is_w = warp < 2;
+        const int c0 = 64 * (warp % 2);
+        const float* f = is_w ? bg_s : beta_s;
+        float acc[2][8][4] = {};
+        #pragma unroll
+        for (int k0 = 0; k0 < CH; k0 += 8) {
+            const float f0 = f[k0 + c], f1 = f[k0 + c + 4];
+            unsigned a[2][4];
+            #pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const int m = 16 * mi + g;
+                a[mi][0] = tf<true>(tT[(k0 + c) * PT_P + m] * f0);
+                a[mi][1] = tf<true>(tT[(k0 + c) * PT_P + m + 8] * f0);
+                a[mi][2] = tf<true>(tT[(k0 + c + 4) * PT_P + m] * f1);
+                a[mi][3] = tf<true>(tT[(k0 + c + 4) * PT_P + m + 8] * f1);
+            }
+            #pragma unroll
+            for (int n = 0; n < 8; n++) {
+                unsigned bf[2];
+                if (is_w)
+                    frag_b_t<true>(bf, kT, PT_P, k0, c0 + 8 * n, g, c);
+                else
+                    frag_b<true>(bf, vr, PT_VP, k0, c0 + 8 * n, g, c);
+                #pragma unroll
+                for (int mi = 0; mi < 2; mi++) mma8(acc[mi][n], a[mi], bf);
+            }
+        }
+        #pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+            #pragma unroll
+            for (int n = 0; n < 8; n++)
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
+                    if (is_w)
+                        wt[(cb * DM + col) * CH + t] = acc[mi][n][i];
+                    else if (col < dv)
+                        u[(cb * CH + t) * dv + col] = acc[mi][n][i];
+                }
+    }
+}
+
+// Shared memory of the tensor-core scan, in floats.
+#define TC_TP 40   // Wᵀ, Q'ᵀ [DM][..], Aqkᵀ [CH][..]: A operands stored transposed
+#define TC_KP 36   // K'ᵀ [DM][..]: the A operand of the state update, stored by rows
+#define TC_SP 40   // S [DM][..], U and Δ [CH][..]: B operands
+#define T_S 0
+#define T_WT (T_S + DM * TC_SP)
+#define T_QT (T_WT + DM * TC_TP)
+#define T_K (T_QT + DM * TC_TP)
+#define T_AT (T_K + DM * TC_KP)
+#define T_U (T_AT + CH * TC_TP)
+#define T_D (T_U + CH * TC_SP)
+#define SCAN_TC_SMEM ((T_D + CH * TC_SP) * 4)  // 95232 bytes: GDRC_SCAN_TC_SMEM in cuda.rs
+
+// Warp w of 4: Δ = U − W·S for steps 16w.. (w < 2) or P = Q'·S for steps 16(w−2).. (w ≥ 2), all
+// 32 of the block's columns; then O = P + Aqk·Δ (w ≥ 2); then S[32w..32w+31, :] += K'ᵀ·Δ, S held
+// in mma accumulators. Operands are rounded to TF32 once, as they are stored to shared memory.
+template <typename D>
+__device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restrict__ u,
+                             const float* __restrict__ qt, const float* __restrict__ kd,
+                             const float* __restrict__ atq, const float* __restrict__ gtot,
+                             float* __restrict__ state, typename D::T* __restrict__ out, int T,
+                             int hv, int dk, int dv, int nc) {
+    extern __shared__ __align__(16) float sm[];
+    float *s_s = sm + T_S, *wt_s = sm + T_WT, *qt_s = sm + T_QT, *k_s = sm + T_K;
+    float *at_s = sm + T_AT, *u_s = sm + T_U, *d_s = sm + T_D;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    const int bh = blockIdx.y, b = bh / hv, h = bh % hv;
+    const int c0 = blockIdx.x * 32;
+    const bool is_delta = warp < 2;
+    const int mt = 16 * (warp % 2);  // the steps of this warp's Δ or P rows
+    float* st = state + (size_t)bh * dk * dv;
+    // S rows 32·warp + 16·mi + g (+8), columns 8·n + 2c (+1): accumulator element i of [mi][n].
+    float s[2][4][4];
+    #pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+        #pragma unroll
+        for (int n = 0; n < 4; n++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int r = 32 * warp + 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
+                s[mi][n][i] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
+            }
+    // The next chunk's operands are loaded into registers while this chunk computes.
+    constexpr int N4 = DM * CH / 4 / CH_THREADS, NA = CH * CH / 4 / CH_THREADS, NU = CH * 32 / CH_THREADS;
+    float4 wv[N4], qv[N4], kv[N4], av[NA];
+    float uv[NU], gnext;
+    auto fetch = [&](int chunk) {
+        const size_t cc = (size_t)bh * nc + chunk;
+        const float4* w4 = reinterpret_cast<const float4*>(wt + cc * DM * CH);
+        const float4* q4 = reinterpret_cast<const float4*>(qt + cc * DM * CH);
+        const float4* k4 = reinterpret_cast<const float4*>(kd + cc * DM * CH);
+        const float4* a4 = reinterpret_cast<const float4*>(atq + cc * CH * CH);
+        #pragma unroll
+        for (int k = 0; k < N4; k++) {
+            wv[k] = w4[tid + k * CH_THREADS];
+            qv[k] = q4[tid + k * CH_THREADS];
+            kv[k] = k4[tid + k * CH_THREADS];
+        }
+        #pragma unroll
+        for (int k = 0; k < NA; k++) av[k] = a4[tid + k * CH_THREADS];
+        #pragma unroll
+        for (int k = 0; k < NU; k++) {
+            const int e = tid + k * CH_THREADS, col = c0 + e % 32;
+            uv[k] = col < dv ? u[(cc * CH + e / 32) * dv + col] : 0.f;
+        }
+        gnext = gtot[cc];
+    };
+    auto put4 = [](float* p, const float4& v) {
+        st4(p, tf32r(v.x), tf32r(v.y), tf32r(v.z), tf32r(v.w));
+    };
+    fetch(0);
+    for (int chunk = 0; chunk < nc; chunk++) {
+        // This round's operands into shared memory: S (a rounded copy), W, Q', K', Aqk, U.
+        #pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+            #pragma unroll
+            for (int n = 0; n < 4; n++)
+                #pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int r = 32 * warp + 16 * mi + g + 8 * hf, col = 8 * n + 2 * c;
+                    *reinterpret_cast<float2*>(&s_s[r * TC_SP + col]) =
+                        make_float2(tf32r(s[mi][n][2 * hf]), tf32r(s[mi][n][2 * hf + 1]));
+                }
+        #pragma unroll
+        for (int k = 0; k < N4; k++) {
+            const int e = tid + k * CH_THREADS, r = e / (CH / 4), t = 4 * (e % (CH / 4));
+            put4(&wt_s[r * TC_TP + t], wv[k]);
+            put4(&qt_s[r * TC_TP + t], qv[k]);
+            put4(&k_s[r * TC_KP + t], kv[k]);
+        }
+        #pragma unroll
+        for (int k = 0; k < NA; k++) {
+            const int e = tid + k * CH_THREADS;
+            put4(&at_s[(e / (CH / 4)) * TC_TP + 4 * (e % (CH / 4))], av[k]);
+        }
+        #pragma unroll
+        for (int k = 0; k < NU; k++) {
+            const int e = tid + k * CH_THREADS;
+            u_s[(e / 32) * TC_SP + e % 32] = uv[k];
+        }
+        const float gc = gnext;
+        __syncthreads();
+        if (chunk + 1 < nc) fetch(chunk + 1);
+
+        // Δ = U − W·S (warps 0–1) or P = Q'·S (warps 2–3): 16 steps × 32 columns per warp.
+        float acc[4][4] = {};
+        {
+            const float* lhs = is_delta ? wt_s : qt_s;
+            #pragma unroll 4
+            for (int k0 = 0; k0 < DM; k0 += 8) {
+                unsigned a[4];
+                frag_a_t<false>(a, lhs, TC_TP, mt, k0, g, c);
+                #pragma unroll
+                for (int n = 0; n < 4; n++) {
+                    unsigned bf[2];
+                    frag_b<false>(bf, s_s, TC_SP, k0, 8 * n, g, c);
+                    mma8(acc[n], a, bf);
+                }
+            }
+        }
+        if (is_delta) {
+            #pragma unroll
+            for (int n = 0; n < 4; n++)
+                #pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int idx = (mt + g + 8 * hf) * TC_SP + 8 * n + 2 * c;
+                    const float2 uu = *reinterpret_cast<const float2*>(&u_s[idx]);
+                    *reinterpret_cast<float2*>(&d_s[idx]) = make_float2(
+                        tf32r(uu.x - acc[n][2 * hf]), tf32r(uu.y - acc[n][2 * hf + 1]));
+                }
+        }
+        __syncthreads();
+
+        // O = P + Aqk·Δ (warps 2–3), stored.
+        if (!is_delta) {
+            #pragma unroll
+            for (int k0 = 0; k0 < CH; k0 += 8) {
+                unsigned a[4];
+                frag_a_t<false>(a, at_s, TC_TP, mt, k0, g, c);
+                #pragma unroll
+                for (int n = 0; n < 4; n++) {
+                    unsigned bf[2];
+                    frag_b<false>(bf, d_s, TC_SP, k0, 8 * n, g, c);
+                    mma8(acc[n], a, bf);
+                }
+            }
+            #pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int tt = chunk * CH + mt + g + 8 * hf;
+                if (tt < T) {
+                    typename D::T* o = out + (((size_t)b * T + tt) * hv + h) * dv;
+                    #pragma unroll
+                    for (int n = 0; n < 4; n++)
+                        #pragma unroll
+                        for (int q = 0; q < 2; q++) {
+                            const int col = c0 + 8 * n + 2 * c + q;
+                            if (col < dv) D::store(o + col, acc[n][2 * hf + q]);
+                        }
+                }
+            }
+        }
+        // S ← e^{G_CH}·S + K'ᵀ·Δ on this warp's 32 rows.
+        #pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+            #pragma unroll
+            for (int n = 0; n < 4; n++)
+                #pragma unroll
+                for (int i = 0; i < 4; i++) s[mi][n][i] *= gc;
+        #pragma unroll
+        for (int k0 = 0; k0 < CH; k0 += 8) {
+            unsigned bf[4][2];
+            #pragma unroll
+            for (int n = 0; n < 4; n++) frag_b<false>(bf[n], d_s, TC_SP, k0, 8 * n, g, c);
+            #pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                unsigned a[4];
+                frag_a<false>(a, k_s, TC_KP, 32 * warp + 16 * mi, k0, g, c);
+                #pragma unroll
+                for (int n = 0; n < 4; n++) mma8(s[mi][n], a, bf[n]);
+            }
+        }
+        __syncthreads();  // everything of this chunk in shared memory is consumed
+    }
+    #pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+        #pragma unroll
+        for (int n = 0; n < 4; n++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int r = 32 * warp + 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
+                if (r < dk && col < dv) st[(size_t)r * dv + col] = s[mi][n][i];
+            }
+}
+
+#endif
+
 #define GDRC(TAG, D)                                                                              \
     extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep_##TAG(                     \
         const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
@@ -379,6 +818,24 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
 GDRC(f32, F32)
 GDRC(bf16, BF16)
 GDRC(f16, F16)
+
+#if __CUDA_ARCH__ >= 800
+#define GDRC_TC(TAG, D)                                                                           \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep_tc_##TAG(                  \
+        const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
+        float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
+        gdrc_prep_tc<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);           \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan_tc_##TAG(                  \
+        const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
+        const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
+        gdrc_scan_tc<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);                 \
+    }
+GDRC_TC(bf16, BF16)
+GDRC_TC(f16, F16)
+static_assert(PREP_TC_SMEM == 68096, "PREP_TC_SMEM");
+static_assert(SCAN_TC_SMEM == 95232, "SCAN_TC_SMEM");
+#endif
 
 // The host's copies of the shared-memory sizes must match.
 static_assert(PREP_SMEM == 70016, "PREP_SMEM");
