@@ -29,6 +29,14 @@ def max_dp(a, b):
 
 
 def mem(line):
+    # Tensors alone first (Kev: the CUDA pool's high-water mark; transformers:
+    # max_memory_allocated), then the wider figure each side has.
+    if "peak_gpu_alloc_mib" in line:
+        wide = f" ({line['peak_gpu_mib'] / 1024:.2f} process)" if "peak_gpu_mib" in line else ""
+        return f"{line['peak_gpu_alloc_mib'] / 1024:.2f} GiB alloc{wide}"
+    if "peak_gpu_reserved_mib" in line:
+        return (f"{line['peak_gpu_mib'] / 1024:.2f} GiB alloc "
+                f"({line['peak_gpu_reserved_mib'] / 1024:.2f} reserved)")
     if "peak_gpu_mib" in line:
         return f"{line['peak_gpu_mib'] / 1024:.2f} GiB GPU"
     return f"{line['peak_rss_mib'] / 1024:.2f} GiB RSS"

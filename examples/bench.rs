@@ -13,8 +13,9 @@
 //! (encoded tokens: state + branches), computed tokens/s (row form recomputes the state per
 //! question), model FLOPs and TFLOP/s (the count of `bench/common.py`), peak RSS (VmHWM, reset per
 //! workload where the kernel allows), on CUDA the GPU memory in use sampled with `nvidia-smi`
-//! (peak over the workload minus the figure before loading), the load time, and the first record's
-//! probabilities (a parity check against the peers).
+//! (peak over the workload minus the figure before loading) and the memory pool's high-water mark
+//! (`peak_gpu_alloc_mib`: tensors only, as the peers' `max_memory_allocated`), the load time,
+//! and the first record's probabilities (a parity check against the peers).
 
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -245,6 +246,18 @@ fn gpu_used_mib(gpu: usize) -> Option<u64> {
     String::from_utf8_lossy(&out.stdout).trim().parse().ok()
 }
 
+/// The high-water mark of the CUDA memory pool (MiB; `reset` restarts it): the tensors alone,
+/// as PyTorch's `max_memory_allocated`, where `nvidia-smi` also counts the context and cuBLAS.
+fn pool_peak_mib(device: &candle_core::Device, reset: bool) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let bytes = kev_kernels::pool_peak_bytes(d, reset).ok()?;
+        return Some((bytes as f64 / 1048576.0 * 10.0).round() / 10.0);
+    }
+    let _ = (device, reset);
+    None
+}
+
 /// Samples `gpu_used_mib` every 100 ms and keeps the largest value until dropped.
 struct GpuSampler {
     peak: Arc<AtomicU64>,
@@ -361,6 +374,7 @@ fn main() -> Result<()> {
             let flops = flop_model.flops(&segs) as f64;
             let rss_reset = reset_peak_rss();
             let sampler = gpu.map(GpuSampler::start);
+            pool_peak_mib(model.device(), true);
             let mut times = Vec::with_capacity(args.repeats);
             let mut first = Vec::new();
             for i in 0..args.warmup + args.repeats {
@@ -374,6 +388,7 @@ fn main() -> Result<()> {
                 first = probs.into_iter().next().unwrap_or_default();
             }
             let gpu_peak = sampler.map(GpuSampler::finish);
+            let pool_peak = pool_peak_mib(model.device(), false);
             let med = median(&times);
             let min = times.iter().copied().fold(f64::INFINITY, f64::min);
             let round6 = |x: f32| (f64::from(x) * 1e6).round() / 1e6;
@@ -409,6 +424,9 @@ fn main() -> Result<()> {
             if let (Some(peak), Some(before)) = (gpu_peak, gpu_before) {
                 line["peak_gpu_mib"] = json!(peak.saturating_sub(before));
                 line["gpu_mib_sampled"] = json!(true);
+            }
+            if let Some(mib) = pool_peak {
+                line["peak_gpu_alloc_mib"] = json!(mib);
             }
             if !args.label.is_empty() {
                 line["label"] = json!(args.label);

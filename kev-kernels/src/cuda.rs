@@ -116,6 +116,39 @@ fn has_tensor_cores(dev: &CudaDevice) -> Result<bool> {
     Ok(major >= 8)
 }
 
+/// The most memory the device's default pool (where every tensor of Kev's comes from) had in use
+/// at once since the previous call with `reset` (or since the pool was created), in bytes; with
+/// `reset`, that mark restarts from what is in use now. This is what PyTorch's
+/// `max_memory_allocated` measures: tensors only, not the CUDA context, cuBLAS's workspace or
+/// memory the pool keeps for reuse.
+pub fn pool_peak_bytes(dev: &CudaDevice, reset: bool) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let cu_dev = dev.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+    let mut value = 0u64;
+    // SAFETY: plain driver calls on a valid device handle, with pointers to a local that
+    // outlives them; the attribute is a u64, and the driver accepts 0 to reset it.
+    let code = unsafe {
+        match sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev) {
+            sys::CUresult::CUDA_SUCCESS => {
+                match sys::cuMemPoolGetAttribute(pool, attr, (&mut value as *mut u64).cast()) {
+                    sys::CUresult::CUDA_SUCCESS if reset => {
+                        let mut zero = 0u64;
+                        sys::cuMemPoolSetAttribute(pool, attr, (&mut zero as *mut u64).cast())
+                    }
+                    other => other,
+                }
+            }
+            other => other,
+        }
+    };
+    match code {
+        sys::CUresult::CUDA_SUCCESS => Ok(value),
+        other => bail!("reading the device memory pool's high-water mark: {other:?}"),
+    }
+}
+
 /// A loaded kernel and the stream it runs on.
 struct Kernel {
     dev: CudaDevice,
