@@ -9,7 +9,8 @@
 //   O      = Q'·S + Aqk·Δ                Q'_t = e^{G_t}·q̂_t,  Aqk[t,s] = e^{G_t−G_s}·q̂_t·k̂_s (s ≤ t)
 //   S     ← e^{G_CH}·S + K'ᵀ·Δ          K'_t = e^{G_CH−G_t}·k̂_t
 // Steps at or past a row's length get g = β = 0 and k̂ = q̂ = v = 0: they output 0 and leave the
-// state alone, like the recurrent kernel. Everything is f32; the output is rounded to the dtype.
+// state alone, like the recurrent kernel. Everything is f32 (the tensor-core pair below: f32 with
+// TF32 products); the output is rounded to the dtype.
 // Dk and Dv are at most 128 (zero-padded to it inside).
 //
 // Every product is register-tiled (each thread a 4×4 to 4×16 block of outputs, operands read as
@@ -44,6 +45,123 @@ __device__ __forceinline__ void outer4(float (&acc)[4][4], const float4& x, cons
         for (int q = 0; q < 4; q++) acc[p][q] += at(x, p) * at(y, q);
 }
 
+// Where step 1 of a preparation kernel puts a chunk's inputs in shared memory: q̂ᵀ and k̂ᵀ
+// [DM][tp], k̂ [CH][kp] (optional), v [CH][vp], and G, β, β·e^G [CH] each.
+struct StepTiles {
+    float *qT, *kT, *kr, *vr, *g, *beta, *bg;
+    int tp, kp, vp;
+};
+
+// Step 1 of both preparation kernels: the chunk's q̂, k̂ (l2-normalised, q̂ scaled by 1/√Dk),
+// v, g and β, a warp per step (unrolled: the loads of a warp's steps are in flight together);
+// then the cumulative G and β·e^G. Ends with the block synchronised.
+template <typename D>
+__device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv,
+                                           const float* __restrict__ gb, const StepTiles& s,
+                                           int T, int len, int t0, int b, int h, int kh, int hk,
+                                           int hv, int dk, int dv) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int channels = 2 * hk * dk + hv * dv;
+    const float scale = rsqrtf((float)dk);
+    #pragma unroll
+    for (int step = 0; step < CH / (CH_THREADS / 32); step++) {
+        const int i = warp + step * (CH_THREADS / 32), t = t0 + i;
+        const bool valid = t < len;
+        const typename D::T* row = qkv + ((size_t)b * T + (valid ? t : 0)) * channels;
+        float q[4], k[4], qq = 0.f, kk = 0.f;
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = lane + 32 * x;
+            q[x] = valid && r < dk ? D::load(row + kh * dk + r) : 0.f;
+            k[x] = valid && r < dk ? D::load(row + (hk + kh) * dk + r) : 0.f;
+            qq += q[x] * q[x];
+            kk += k[x] * k[x];
+            s.vr[i * s.vp + r] = valid && r < dv ? D::load(row + 2 * hk * dk + h * dv + r) : 0.f;
+        }
+        qq = warp_sum(qq);
+        kk = warp_sum(kk);
+        const float qn = scale / sqrtf(qq + L2NORM_EPS), kn = 1.f / sqrtf(kk + L2NORM_EPS);
+        #pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = lane + 32 * x;
+            s.qT[r * s.tp + i] = q[x] * qn;
+            s.kT[r * s.tp + i] = k[x] * kn;
+            if (s.kr) s.kr[i * s.kp + r] = k[x] * kn;
+        }
+        if (lane == 0) {
+            const float* g = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
+            s.g[i] = valid ? g[0] : 0.f;
+            s.beta[i] = valid ? g[1] : 0.f;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float acc = 0.f;
+        for (int i = 0; i < CH; i++) {
+            s.g[i] = acc += s.g[i];
+            s.bg[i] = s.beta[i] * expf(acc);
+        }
+    }
+    __syncthreads();
+}
+
+// Step 3, warp 0: Tm = (I + A)⁻¹ for A strictly lower triangular (pitch ap), by forward
+// substitution, lane j solving column j in registers (fully unrolled, so every lane runs the same
+// code and reads A as broadcasts: above the diagonal the column is zero and adds nothing). Two
+// partial sums halve the chain of dependent FMAs. Written transposed: tT[j·tp + i] = Tm[i][j].
+__device__ __forceinline__ void solve_unit_lower(const float* a, int ap, float* tT, int tp,
+                                                 int lane) {
+    float x[CH];
+    #pragma unroll
+    for (int i = 0; i < CH; i++) {
+        float even = i == lane ? 1.f : 0.f, odd = 0.f;
+        #pragma unroll
+        for (int s = 0; s + 1 < i; s += 2) {
+            even -= a[i * ap + s] * x[s];
+            odd -= a[i * ap + s + 1] * x[s + 1];
+        }
+        if (i % 2 == 1) even -= a[i * ap + i - 1] * x[i - 1];
+        x[i] = even + odd;
+    }
+    #pragma unroll
+    for (int i = 0; i < CH; i += 4) st4(&tT[lane * tp + i], x[i], x[i + 1], x[i + 2], x[i + 3]);
+}
+
+// A scan's operands of one chunk (Wᵀ, Q'ᵀ, K' in either layout, Aqkᵀ, the block's 32 columns of
+// U, e^{G_CH}), loaded into registers a chunk ahead and stored to shared memory at the top of the
+// next round: the loads' latency hides behind the products.
+struct ChunkOperands {
+    static constexpr int N4 = DM * CH / 4 / CH_THREADS, NA = CH * CH / 4 / CH_THREADS,
+                         NU = CH * 32 / CH_THREADS;
+    float4 w[N4], q[N4], k[N4], a[NA];
+    float u[NU], gtot;
+
+    __device__ __forceinline__ void fetch(const float* __restrict__ wt, const float* __restrict__ u_,
+                                          const float* __restrict__ qt, const float* __restrict__ kd,
+                                          const float* __restrict__ atq,
+                                          const float* __restrict__ gt, size_t c, int c0, int dv) {
+        const int tid = threadIdx.x;
+        const float4* w4 = reinterpret_cast<const float4*>(wt + c * DM * CH);
+        const float4* q4 = reinterpret_cast<const float4*>(qt + c * DM * CH);
+        const float4* k4 = reinterpret_cast<const float4*>(kd + c * CH * DM);
+        const float4* a4 = reinterpret_cast<const float4*>(atq + c * CH * CH);
+        #pragma unroll
+        for (int j = 0; j < N4; j++) {
+            w[j] = w4[tid + j * CH_THREADS];
+            q[j] = q4[tid + j * CH_THREADS];
+            k[j] = k4[tid + j * CH_THREADS];
+        }
+        #pragma unroll
+        for (int j = 0; j < NA; j++) a[j] = a4[tid + j * CH_THREADS];
+        #pragma unroll
+        for (int j = 0; j < NU; j++) {
+            const int e = tid + j * CH_THREADS, col = c0 + e % 32;
+            u[j] = col < dv ? u_[(c * CH + e / 32) * dv + col] : 0.f;
+        }
+        gtot = gt[c];
+    }
+};
+
 // Shared memory of the preparation kernel, in floats (offsets multiples of 4).
 // A and Tmᵀ live in the k̂ᵀ tile, which nothing reads after step 2: 70016 bytes, so three
 // blocks fit on an SM instead of two.
@@ -73,54 +191,13 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int chunk = blockIdx.x, nc = gridDim.x;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv, kh = h / (hv / hk);
-    const int channels = 2 * hk * dk + hv * dv;
     const int len = lengths ? min((int)lengths[b], T) : T;
     const int t0 = chunk * CH;
-    const float scale = rsqrtf((float)dk);
     const size_t c = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
-    // 1. q̂, k̂ (both layouts), v, g, β of the chunk's steps; a warp per step (unrolled: the
-    //    loads of a warp's steps are in flight together).
-    #pragma unroll
-    for (int step = 0; step < CH / (CH_THREADS / 32); step++) {
-        const int i = warp + step * (CH_THREADS / 32), t = t0 + i;
-        const bool valid = t < len;
-        const typename D::T* row = qkv + ((size_t)b * T + (valid ? t : 0)) * channels;
-        float q[4], k[4], qq = 0.f, kk = 0.f;
-        #pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int r = lane + 32 * x;
-            q[x] = valid && r < dk ? D::load(row + kh * dk + r) : 0.f;
-            k[x] = valid && r < dk ? D::load(row + (hk + kh) * dk + r) : 0.f;
-            qq += q[x] * q[x];
-            kk += k[x] * k[x];
-            vr[i][r] = valid && r < dv ? D::load(row + 2 * hk * dk + h * dv + r) : 0.f;
-        }
-        qq = warp_sum(qq);
-        kk = warp_sum(kk);
-        const float qn = scale / sqrtf(qq + L2NORM_EPS), kn = 1.f / sqrtf(kk + L2NORM_EPS);
-        #pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int r = lane + 32 * x;
-            qT[r][i] = q[x] * qn;
-            kT[r][i] = k[x] * kn;
-            kr[i][r] = k[x] * kn;
-        }
-        if (lane == 0) {
-            const float* g = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
-            g_s[i] = valid ? g[0] : 0.f;
-            beta_s[i] = valid ? g[1] : 0.f;
-        }
-    }
-    __syncthreads();
-    if (tid == 0) {
-        float acc = 0.f;
-        for (int i = 0; i < CH; i++) {
-            g_s[i] = acc += g_s[i];
-            bg_s[i] = beta_s[i] * expf(acc);
-        }
-    }
-    __syncthreads();
+    // 1. q̂, k̂ (both layouts), v, g, β of the chunk's steps.
+    load_chunk<D>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, TP, DM, DM},
+                  T, len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (threads 0–63) and Q̂K̂ᵀ (64–127), a 4×4 tile each → A (shared) and Aqkᵀ (global).
     {
@@ -148,25 +225,9 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     }
     __syncthreads();
 
-    // 3. Warp 0: Tm = (I + A)⁻¹ by forward substitution, lane j solving column j in registers
-    //    (fully unrolled, so every lane runs the same code and reads A as broadcasts: above the
-    //    diagonal the column is zero and adds nothing). Two partial sums halve the chain of
-    //    dependent FMAs. The other warps meanwhile write Q'ᵀ and K'.
+    // 3. Warp 0: Tm = (I + A)⁻¹. The other warps meanwhile write Q'ᵀ and K'.
     if (warp == 0) {
-        float x[CH];
-        #pragma unroll
-        for (int i = 0; i < CH; i++) {
-            float even = i == lane ? 1.f : 0.f, odd = 0.f;
-            #pragma unroll
-            for (int s = 0; s + 1 < i; s += 2) {
-                even -= a[i][s] * x[s];
-                odd -= a[i][s + 1] * x[s + 1];
-            }
-            if (i % 2 == 1) even -= a[i][i - 1] * x[i - 1];
-            x[i] = even + odd;
-        }
-        #pragma unroll
-        for (int i = 0; i < CH; i += 4) st4(&tT[lane][i], x[i], x[i + 1], x[i + 2], x[i + 3]);
+        solve_unit_lower(&a[0][0], CH + 1, &tT[0][0], TP, lane);
     } else {
         const float gc = g_s[CH - 1];
         for (int e = tid - 32; e < DM * CH / 4; e += CH_THREADS - 32) {
@@ -261,49 +322,24 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
             const int r = ra + p, col = c0 + cs + q;
             s[p][q] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
-    // The next chunk's operands are loaded into registers while this chunk computes, and stored
-    // to shared memory at the top of the next round: the loads' latency hides behind the products.
-    constexpr int N4 = DM * CH / 4 / CH_THREADS, NA = CH * CH / 4 / CH_THREADS, NU = CH * 32 / CH_THREADS;
-    float4 wv[N4], qv[N4], kv[N4], av[NA];
-    float uv[NU], gnext;
-    auto fetch = [&](int chunk) {
-        const size_t c = (size_t)bh * nc + chunk;
-        const float4* w4 = reinterpret_cast<const float4*>(wt + c * DM * CH);
-        const float4* q4 = reinterpret_cast<const float4*>(qt + c * DM * CH);
-        const float4* k4 = reinterpret_cast<const float4*>(kd + c * CH * DM);
-        const float4* a4 = reinterpret_cast<const float4*>(atq + c * CH * CH);
-        #pragma unroll
-        for (int k = 0; k < N4; k++) {
-            wv[k] = w4[tid + k * CH_THREADS];
-            qv[k] = q4[tid + k * CH_THREADS];
-            kv[k] = k4[tid + k * CH_THREADS];
-        }
-        #pragma unroll
-        for (int k = 0; k < NA; k++) av[k] = a4[tid + k * CH_THREADS];
-        #pragma unroll
-        for (int k = 0; k < NU; k++) {
-            const int e = tid + k * CH_THREADS, col = c0 + e % 32;
-            uv[k] = col < dv ? u[(c * CH + e / 32) * dv + col] : 0.f;
-        }
-        gnext = gtot[c];
-    };
-    fetch(0);
+    ChunkOperands next;  // the next chunk's operands, in flight while this one computes
+    next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
         #pragma unroll
         for (int p = 0; p < 8; p++) st4(&s_s[ra + p][cs], s[p][0], s[p][1], s[p][2], s[p][3]);
         #pragma unroll
-        for (int k = 0; k < N4; k++) {
-            reinterpret_cast<float4*>(sm + S_WT)[tid + k * CH_THREADS] = wv[k];
-            reinterpret_cast<float4*>(sm + S_QT)[tid + k * CH_THREADS] = qv[k];
-            reinterpret_cast<float4*>(sm + S_K)[tid + k * CH_THREADS] = kv[k];
+        for (int k = 0; k < ChunkOperands::N4; k++) {
+            reinterpret_cast<float4*>(sm + S_WT)[tid + k * CH_THREADS] = next.w[k];
+            reinterpret_cast<float4*>(sm + S_QT)[tid + k * CH_THREADS] = next.q[k];
+            reinterpret_cast<float4*>(sm + S_K)[tid + k * CH_THREADS] = next.k[k];
         }
         #pragma unroll
-        for (int k = 0; k < NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = av[k];
+        for (int k = 0; k < ChunkOperands::NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = next.a[k];
         #pragma unroll
-        for (int k = 0; k < NU; k++) (&u_s[0][0])[tid + k * CH_THREADS] = uv[k];
-        const float gc = gnext;
+        for (int k = 0; k < ChunkOperands::NU; k++) (&u_s[0][0])[tid + k * CH_THREADS] = next.u[k];
+        const float gc = next.gtot;
         __syncthreads();
-        if (chunk + 1 < nc) fetch(chunk + 1);
+        if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
 
         // Δ = U − W·S (threads 0–63), P = Q'·S (64–127).
         float acc[4][4] = {};
@@ -383,6 +419,10 @@ __device__ __forceinline__ float tf32r(float x) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return __uint_as_float(r);
 }
+// Stores four operand elements rounded to TF32.
+__device__ __forceinline__ void put4(float* p, const float4& v) {
+    st4(p, tf32r(v.x), tf32r(v.y), tf32r(v.z), tf32r(v.w));
+}
 // An operand element: already rounded to TF32 in shared memory (R = false) or rounded here.
 template <bool R>
 __device__ __forceinline__ unsigned tf(float x) {
@@ -429,6 +469,24 @@ __device__ __forceinline__ void frag_b_t(unsigned (&b)[2], const float* x, int p
     b[1] = tf<R>(x[(n0 + g) * p + k0 + c + 4]);
 }
 
+// acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < 4: a warp's 16 × 32 product, X stored
+// transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp).
+template <bool R, int K>
+__device__ __forceinline__ void mma_16x32(float (&acc)[4][4], const float* x, int xp, int m0,
+                                          const float* y, int yp, int g, int c) {
+    #pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned a[4];
+        frag_a_t<R>(a, x, xp, m0, k0, g, c);
+        #pragma unroll
+        for (int n = 0; n < 4; n++) {
+            unsigned bf[2];
+            frag_b<R>(bf, y, yp, k0, 8 * n, g, c);
+            mma8(acc[n], a, bf);
+        }
+    }
+}
+
 // Shared memory of the tensor-core preparation kernel, in floats.
 #define PT_P 40                          // pitch of q̂ᵀ, k̂ᵀ [DM][..] and Tmᵀ [CH][..]
 #define PT_VP 136                        // pitch of v [CH][..]
@@ -452,69 +510,20 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int chunk = blockIdx.x, nc = gridDim.x;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv, kh = h / (hv / hk);
-    const int channels = 2 * hk * dk + hv * dv;
     const int len = lengths ? min((int)lengths[b], T) : T;
     const int t0 = chunk * CH;
-    const float scale = rsqrtf((float)dk);
     const size_t cb = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
-    // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps; a warp per step.
-    #pragma unroll
-    for (int step = 0; step < CH / (CH_THREADS / 32); step++) {
-        const int i = warp + step * (CH_THREADS / 32), t = t0 + i;
-        const bool valid = t < len;
-        const typename D::T* row = qkv + ((size_t)b * T + (valid ? t : 0)) * channels;
-        float q[4], k[4], qq = 0.f, kk = 0.f;
-        #pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int r = lane + 32 * x;
-            q[x] = valid && r < dk ? D::load(row + kh * dk + r) : 0.f;
-            k[x] = valid && r < dk ? D::load(row + (hk + kh) * dk + r) : 0.f;
-            qq += q[x] * q[x];
-            kk += k[x] * k[x];
-            vr[i * PT_VP + r] = valid && r < dv ? D::load(row + 2 * hk * dk + h * dv + r) : 0.f;
-        }
-        qq = warp_sum(qq);
-        kk = warp_sum(kk);
-        const float qn = scale / sqrtf(qq + L2NORM_EPS), kn = 1.f / sqrtf(kk + L2NORM_EPS);
-        #pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int r = lane + 32 * x;
-            qT[r * PT_P + i] = q[x] * qn;
-            kT[r * PT_P + i] = k[x] * kn;
-        }
-        if (lane == 0) {
-            const float* gp = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
-            g_s[i] = valid ? gp[0] : 0.f;
-            beta_s[i] = valid ? gp[1] : 0.f;
-        }
-    }
-    __syncthreads();
-    if (tid == 0) {
-        float acc = 0.f;
-        for (int i = 0; i < CH; i++) {
-            g_s[i] = acc += g_s[i];
-            bg_s[i] = beta_s[i] * expf(acc);
-        }
-    }
-    __syncthreads();
+    // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps.
+    load_chunk<D>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, PT_P, 0, PT_VP}, T,
+                  len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (warps 0–1) and Q̂K̂ᵀ (warps 2–3), 16 steps × 32 each → A (shared), Aqkᵀ (global).
     {
         const bool is_k = warp < 2;
         const int mt = 16 * (warp % 2);
         float acc[4][4] = {};
-        #pragma unroll 4
-        for (int k0 = 0; k0 < DM; k0 += 8) {
-            unsigned a[4];
-            frag_a_t<true>(a, is_k ? kT : qT, PT_P, mt, k0, g, c);
-            #pragma unroll
-            for (int n = 0; n < 4; n++) {
-                unsigned bf[2];
-                frag_b<true>(bf, kT, PT_P, k0, 8 * n, g, c);
-                mma8(acc[n], a, bf);
-            }
-        }
+        mma_16x32<true, DM>(acc, is_k ? kT : qT, PT_P, mt, kT, PT_P, g, c);
         #pragma unroll
         for (int n = 0; n < 4; n++)
             #pragma unroll
@@ -529,22 +538,9 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
     }
     __syncthreads();
 
-    // 3. Warp 0: Tm = (I + A)⁻¹ as in gdrc_prep. The other warps write Q'ᵀ and K'ᵀ.
+    // 3. Warp 0: Tm = (I + A)⁻¹. The other warps write Q'ᵀ and K'ᵀ.
     if (warp == 0) {
-        float x[CH];
-        #pragma unroll
-        for (int i = 0; i < CH; i++) {
-            float even = i == lane ? 1.f : 0.f, odd = 0.f;
-            #pragma unroll
-            for (int s = 0; s + 1 < i; s += 2) {
-                even -= a_s[i * (CH + 1) + s] * x[s];
-                odd -= a_s[i * (CH + 1) + s + 1] * x[s + 1];
-            }
-            if (i % 2 == 1) even -= a_s[i * (CH + 1) + i - 1] * x[i - 1];
-            x[i] = even + odd;
-        }
-        #pragma unroll
-        for (int i = 0; i < CH; i += 4) st4(&tT[lane * PT_P + i], x[i], x[i + 1], x[i + 2], x[i + 3]);
+        solve_unit_lower(a_s, CH + 1, tT, PT_P, lane);
     } else {
         const float gc = g_s[CH - 1];
         for (int e = tid - 32; e < DM * CH / 4; e += CH_THREADS - 32) {
@@ -650,35 +646,8 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
                 const int r = 32 * warp + 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
                 s[mi][n][i] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
             }
-    // The next chunk's operands are loaded into registers while this chunk computes.
-    constexpr int N4 = DM * CH / 4 / CH_THREADS, NA = CH * CH / 4 / CH_THREADS, NU = CH * 32 / CH_THREADS;
-    float4 wv[N4], qv[N4], kv[N4], av[NA];
-    float uv[NU], gnext;
-    auto fetch = [&](int chunk) {
-        const size_t cc = (size_t)bh * nc + chunk;
-        const float4* w4 = reinterpret_cast<const float4*>(wt + cc * DM * CH);
-        const float4* q4 = reinterpret_cast<const float4*>(qt + cc * DM * CH);
-        const float4* k4 = reinterpret_cast<const float4*>(kd + cc * DM * CH);
-        const float4* a4 = reinterpret_cast<const float4*>(atq + cc * CH * CH);
-        #pragma unroll
-        for (int k = 0; k < N4; k++) {
-            wv[k] = w4[tid + k * CH_THREADS];
-            qv[k] = q4[tid + k * CH_THREADS];
-            kv[k] = k4[tid + k * CH_THREADS];
-        }
-        #pragma unroll
-        for (int k = 0; k < NA; k++) av[k] = a4[tid + k * CH_THREADS];
-        #pragma unroll
-        for (int k = 0; k < NU; k++) {
-            const int e = tid + k * CH_THREADS, col = c0 + e % 32;
-            uv[k] = col < dv ? u[(cc * CH + e / 32) * dv + col] : 0.f;
-        }
-        gnext = gtot[cc];
-    };
-    auto put4 = [](float* p, const float4& v) {
-        st4(p, tf32r(v.x), tf32r(v.y), tf32r(v.z), tf32r(v.w));
-    };
-    fetch(0);
+    ChunkOperands next;  // the next chunk's operands, in flight while this one computes
+    next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
         // This round's operands into shared memory: S (a rounded copy), W, Q', K', Aqk, U.
         #pragma unroll
@@ -692,42 +661,29 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
                         make_float2(tf32r(s[mi][n][2 * hf]), tf32r(s[mi][n][2 * hf + 1]));
                 }
         #pragma unroll
-        for (int k = 0; k < N4; k++) {
+        for (int k = 0; k < ChunkOperands::N4; k++) {
             const int e = tid + k * CH_THREADS, r = e / (CH / 4), t = 4 * (e % (CH / 4));
-            put4(&wt_s[r * TC_TP + t], wv[k]);
-            put4(&qt_s[r * TC_TP + t], qv[k]);
-            put4(&k_s[r * TC_KP + t], kv[k]);
+            put4(&wt_s[r * TC_TP + t], next.w[k]);
+            put4(&qt_s[r * TC_TP + t], next.q[k]);
+            put4(&k_s[r * TC_KP + t], next.k[k]);
         }
         #pragma unroll
-        for (int k = 0; k < NA; k++) {
+        for (int k = 0; k < ChunkOperands::NA; k++) {
             const int e = tid + k * CH_THREADS;
-            put4(&at_s[(e / (CH / 4)) * TC_TP + 4 * (e % (CH / 4))], av[k]);
+            put4(&at_s[(e / (CH / 4)) * TC_TP + 4 * (e % (CH / 4))], next.a[k]);
         }
         #pragma unroll
-        for (int k = 0; k < NU; k++) {
+        for (int k = 0; k < ChunkOperands::NU; k++) {
             const int e = tid + k * CH_THREADS;
-            u_s[(e / 32) * TC_SP + e % 32] = uv[k];
+            u_s[(e / 32) * TC_SP + e % 32] = next.u[k];
         }
-        const float gc = gnext;
+        const float gc = next.gtot;
         __syncthreads();
-        if (chunk + 1 < nc) fetch(chunk + 1);
+        if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
 
         // Δ = U − W·S (warps 0–1) or P = Q'·S (warps 2–3): 16 steps × 32 columns per warp.
         float acc[4][4] = {};
-        {
-            const float* lhs = is_delta ? wt_s : qt_s;
-            #pragma unroll 4
-            for (int k0 = 0; k0 < DM; k0 += 8) {
-                unsigned a[4];
-                frag_a_t<false>(a, lhs, TC_TP, mt, k0, g, c);
-                #pragma unroll
-                for (int n = 0; n < 4; n++) {
-                    unsigned bf[2];
-                    frag_b<false>(bf, s_s, TC_SP, k0, 8 * n, g, c);
-                    mma8(acc[n], a, bf);
-                }
-            }
-        }
+        mma_16x32<false, DM>(acc, is_delta ? wt_s : qt_s, TC_TP, mt, s_s, TC_SP, g, c);
         if (is_delta) {
             #pragma unroll
             for (int n = 0; n < 4; n++)
@@ -743,17 +699,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
 
         // O = P + Aqk·Δ (warps 2–3), stored.
         if (!is_delta) {
-            #pragma unroll
-            for (int k0 = 0; k0 < CH; k0 += 8) {
-                unsigned a[4];
-                frag_a_t<false>(a, at_s, TC_TP, mt, k0, g, c);
-                #pragma unroll
-                for (int n = 0; n < 4; n++) {
-                    unsigned bf[2];
-                    frag_b<false>(bf, d_s, TC_SP, k0, 8 * n, g, c);
-                    mma8(acc[n], a, bf);
-                }
-            }
+            mma_16x32<false, CH>(acc, at_s, TC_TP, mt, d_s, TC_SP, g, c);
             #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int tt = chunk * CH + mt + g + 8 * hf;
@@ -804,35 +750,24 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
 
 #endif
 
-#define GDRC(TAG, D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep_##TAG(                     \
+// Entry points: gdrc_{prep,scan}_<dtype> (FMA) and gdrc_{prep,scan}_tc_<dtype> (tensor cores).
+#define GDRC(KIND, TAG, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep##KIND##_##TAG(             \
         const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
         float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
-        gdrc_prep<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);              \
+        gdrc_prep##KIND<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);        \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan_##TAG(                     \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan##KIND##_##TAG(             \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
-        gdrc_scan<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);                    \
+        gdrc_scan##KIND<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);              \
     }
-GDRC(f32, F32)
-GDRC(bf16, BF16)
-GDRC(f16, F16)
-
+GDRC(, f32, F32)
+GDRC(, bf16, BF16)
+GDRC(, f16, F16)
 #if __CUDA_ARCH__ >= 800
-#define GDRC_TC(TAG, D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep_tc_##TAG(                  \
-        const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
-        float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
-        gdrc_prep_tc<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);           \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan_tc_##TAG(                  \
-        const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
-        const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
-        gdrc_scan_tc<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);                 \
-    }
-GDRC_TC(bf16, BF16)
-GDRC_TC(f16, F16)
+GDRC(_tc, bf16, BF16)
+GDRC(_tc, f16, F16)
 static_assert(PREP_TC_SMEM == 68096, "PREP_TC_SMEM");
 static_assert(SCAN_TC_SMEM == 95232, "SCAN_TC_SMEM");
 #endif
