@@ -110,10 +110,16 @@ pub fn keep_device_memory(dev: &CudaDevice) -> Result<()> {
     }
 }
 
-/// Whether `dev` runs mma.sync on TF32 operands (compute capability 8.0 and later).
+/// Whether the GPU runs mma.sync on TF32 operands (compute capability 8.0 and later). Asked once
+/// per process, by the first device, like the PTX target of each source (`Source::ptx`): a
+/// process mixing GPUs of both kinds is not supported.
 fn has_tensor_cores(dev: &CudaDevice) -> Result<bool> {
+    static TENSOR_CORES: OnceLock<bool> = OnceLock::new();
+    if let Some(&known) = TENSOR_CORES.get() {
+        return Ok(known);
+    }
     let (major, _) = dev.cuda_stream().context().compute_capability().w()?;
-    Ok(major >= 8)
+    Ok(*TENSOR_CORES.get_or_init(|| major >= 8))
 }
 
 /// The most memory the device's default pool (where every tensor of Kev's comes from) had in use
