@@ -124,7 +124,8 @@ fn has_tensor_cores(dev: &CudaDevice) -> Result<bool> {
 
 /// The most memory the device's default pool (where every tensor of Kev's comes from) had in use
 /// at once since the previous call with `reset` (or since the pool was created), in bytes; with
-/// `reset`, that mark restarts from what is in use now. This is what PyTorch's
+/// `reset`, the mark goes to zero and the driver raises it again from the next allocation on, to
+/// the memory in use then (what was already held included). This is what PyTorch's
 /// `max_memory_allocated` measures: tensors only, not the CUDA context, cuBLAS's workspace or
 /// memory the pool keeps for reuse.
 pub fn pool_peak_bytes(dev: &CudaDevice, reset: bool) -> Result<u64> {
