@@ -412,16 +412,12 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
 // Shared-memory pitches put the 32 lanes of a fragment load in 32 different banks: ≡ 8 (mod 32)
 // for tiles read along their rows' index, ≡ 4 for tiles read across it.
 // Scratch layout as the FMA kernels, except K' stored transposed (kd [c][128][CH]: K'ᵀ), the A
-// operand of the state update.
+// operand of the state update, and Wᵀ, Q'ᵀ, K'ᵀ, Aqkᵀ stored already rounded to TF32.
 
 __device__ __forceinline__ float tf32r(float x) {
     unsigned r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return __uint_as_float(r);
-}
-// Stores four operand elements rounded to TF32.
-__device__ __forceinline__ void put4(float* p, const float4& v) {
-    st4(p, tf32r(v.x), tf32r(v.y), tf32r(v.z), tf32r(v.w));
 }
 // An operand element: already rounded to TF32 in shared memory (R = false) or rounded here.
 template <bool R>
@@ -533,7 +529,7 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
                 if (is_k)
                     a_s[t * (CH + 1) + s] = s < t ? beta_s[t] * decay * acc[n][i] : 0.f;
                 else
-                    atq[(cb * CH + s) * CH + t] = decay * acc[n][i];
+                    atq[(cb * CH + s) * CH + t] = tf32r(decay * acc[n][i]);
             }
     }
     __syncthreads();
@@ -552,8 +548,10 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
                 eq[j] = expf(g_s[t + j]);
                 ek[j] = expf(gc - g_s[t + j]);
             }
-            st4(&qt[(cb * DM + r) * CH + t], eq[0] * qv.x, eq[1] * qv.y, eq[2] * qv.z, eq[3] * qv.w);
-            st4(&kd[(cb * DM + r) * CH + t], ek[0] * kv.x, ek[1] * kv.y, ek[2] * kv.z, ek[3] * kv.w);
+            st4(&qt[(cb * DM + r) * CH + t], tf32r(eq[0] * qv.x), tf32r(eq[1] * qv.y),
+                tf32r(eq[2] * qv.z), tf32r(eq[3] * qv.w));
+            st4(&kd[(cb * DM + r) * CH + t], tf32r(ek[0] * kv.x), tf32r(ek[1] * kv.y),
+                tf32r(ek[2] * kv.z), tf32r(ek[3] * kv.w));
         }
         if (tid == 32) gtot[cb] = expf(gc);
     }
@@ -597,7 +595,7 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
                 for (int i = 0; i < 4; i++) {
                     const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
                     if (is_w)
-                        wt[(cb * DM + col) * CH + t] = acc[mi][n][i];
+                        wt[(cb * DM + col) * CH + t] = tf32r(acc[mi][n][i]);
                     else if (col < dv)
                         u[(cb * CH + t) * dv + col] = acc[mi][n][i];
                 }
@@ -619,7 +617,8 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
 
 // Warp w of 4: Δ = U − W·S for steps 16w.. (w < 2) or P = Q'·S for steps 16(w−2).. (w ≥ 2), all
 // 32 of the block's columns; then O = P + Aqk·Δ (w ≥ 2); then S[32w..32w+31, :] += K'ᵀ·Δ, S held
-// in mma accumulators. Operands are rounded to TF32 once, as they are stored to shared memory.
+// in mma accumulators. W, Q', K' and Aqk arrive rounded to TF32 (by the preparation kernel, where
+// the work is parallel); S and Δ are rounded as they are stored to shared memory.
 template <typename D>
 __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restrict__ u,
                              const float* __restrict__ qt, const float* __restrict__ kd,
@@ -663,14 +662,14 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
         #pragma unroll
         for (int k = 0; k < ChunkOperands::N4; k++) {
             const int e = tid + k * CH_THREADS, r = e / (CH / 4), t = 4 * (e % (CH / 4));
-            put4(&wt_s[r * TC_TP + t], next.w[k]);
-            put4(&qt_s[r * TC_TP + t], next.q[k]);
-            put4(&k_s[r * TC_KP + t], next.k[k]);
+            *reinterpret_cast<float4*>(&wt_s[r * TC_TP + t]) = next.w[k];
+            *reinterpret_cast<float4*>(&qt_s[r * TC_TP + t]) = next.q[k];
+            *reinterpret_cast<float4*>(&k_s[r * TC_KP + t]) = next.k[k];
         }
         #pragma unroll
         for (int k = 0; k < ChunkOperands::NA; k++) {
             const int e = tid + k * CH_THREADS;
-            put4(&at_s[(e / (CH / 4)) * TC_TP + 4 * (e % (CH / 4))], next.a[k]);
+            *reinterpret_cast<float4*>(&at_s[(e / (CH / 4)) * TC_TP + 4 * (e % (CH / 4))]) = next.a[k];
         }
         #pragma unroll
         for (int k = 0; k < ChunkOperands::NU; k++) {
