@@ -110,16 +110,31 @@ pub fn keep_device_memory(dev: &CudaDevice) -> Result<()> {
     }
 }
 
-/// Whether the GPU runs mma.sync on TF32 operands (compute capability 8.0 and later). Asked once
-/// per process, by the first device, like the PTX target of each source (`Source::ptx`): a
-/// process mixing GPUs of both kinds is not supported.
-fn has_tensor_cores(dev: &CudaDevice) -> Result<bool> {
-    static TENSOR_CORES: OnceLock<bool> = OnceLock::new();
-    if let Some(&known) = TENSOR_CORES.get() {
+/// What the launch choices need to know of the GPU. Asked once per process, by the first device,
+/// like the PTX target of each source (`Source::ptx`): a process mixing GPU kinds is not
+/// supported.
+#[derive(Clone, Copy)]
+struct Gpu {
+    /// mma.sync on TF32 operands (compute capability 8.0 and later).
+    tensor_cores: bool,
+    multiprocessors: usize,
+}
+
+fn gpu(dev: &CudaDevice) -> Result<Gpu> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    if let Some(&known) = GPU.get() {
         return Ok(known);
     }
-    let (major, _) = dev.cuda_stream().context().compute_capability().w()?;
-    Ok(*TENSOR_CORES.get_or_init(|| major >= 8))
+    let ctx = dev.cuda_stream().context().clone();
+    let (major, _) = ctx.compute_capability().w()?;
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    Ok(*GPU.get_or_init(|| Gpu {
+        tensor_cores: major >= 8,
+        multiprocessors: sms.max(1) as usize,
+    }))
 }
 
 /// The most memory the device's default pool (where every tensor of Kev's comes from) had in use
@@ -172,7 +187,7 @@ impl Kernel {
         // The chunked delta rule's tensor-core kernels need compute_80 PTX (mma.sync on TF32);
         // everything else compiles for NVRTC's default target and runs on any CUDA GPU.
         let arch =
-            (std::ptr::eq(src, &GDR_CHUNKED) && has_tensor_cores(dev)?).then_some("compute_80");
+            (std::ptr::eq(src, &GDR_CHUNKED) && gpu(dev)?.tensor_cores).then_some("compute_80");
         let func = dev
             .get_or_load_custom_func(name, src.module, src.ptx(arch)?)?
             .into_cuda_function();
@@ -366,20 +381,30 @@ fn gated_delta_rule_chunked(
     let dtag = tag(qkv.dtype(), "gated-delta-rule")?;
     // bf16/f16 on tensor cores (TF32 products) where the GPU has them; f32 models keep full f32
     // products. The two pairs differ in K''s scratch layout, so they never mix.
-    let tc = qkv.dtype() != DType::F32 && has_tensor_cores(qkv.device())?;
-    let (form, prep_smem, scan_smem) = if tc {
-        ("tc_", GDRC_PREP_TC_SMEM, GDRC_SCAN_TC_SMEM)
-    } else {
-        ("", GDRC_PREP_SMEM, GDRC_SCAN_SMEM)
+    let gpu = gpu(qkv.device())?;
+    let tc = qkv.dtype() != DType::F32 && gpu.tensor_cores;
+    let heads = op.b_sz * dims.num_v_heads;
+    // The tensor-core scan takes 16 state columns per block instead of 32 where 32 would leave
+    // multiprocessors idle (a long state has few (row, head) pairs).
+    let narrow = tc && heads * dims.head_v_dim.div_ceil(32) < gpu.multiprocessors;
+    let scan_cols = if narrow { 16 } else { 32 };
+    let (prep_name, scan_name, prep_smem, scan_smem) = match (tc, narrow) {
+        (false, _) => ("gdrc_prep_", "gdrc_scan_", GDRC_PREP_SMEM, GDRC_SCAN_SMEM),
+        (true, false) => (
+            "gdrc_prep_tc_",
+            "gdrc_scan_tc_",
+            GDRC_PREP_TC_SMEM,
+            GDRC_SCAN_TC_SMEM,
+        ),
+        (true, true) => (
+            "gdrc_prep_tc_",
+            "gdrc_scan_tc16_",
+            GDRC_PREP_TC_SMEM,
+            GDRC_SCAN_TC_SMEM,
+        ),
     };
-    let load = |what: &str| {
-        Kernel::load_from(
-            &GDR_CHUNKED,
-            qkv.device(),
-            &format!("gdrc_{what}_{form}{dtag}"),
-        )
-    };
-    let (prep, scan) = (load("prep")?, load("scan")?);
+    let load = |name: &str| Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("{name}{dtag}"));
+    let (prep, scan) = (load(prep_name)?, load(scan_name)?);
     prep.allow_shared_memory(prep_smem)?;
     scan.allow_shared_memory(scan_smem)?;
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
@@ -388,7 +413,6 @@ fn gated_delta_rule_chunked(
     let lengths = upload_lengths(&prep.dev, op)?;
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
-    let heads = op.b_sz * dims.num_v_heads;
     let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
     let rows = heads * chunks * GDRC_CHUNK;
     // Scratch: every element is written by the preparation kernel before the scan reads it.
@@ -444,7 +468,7 @@ fn gated_delta_rule_chunked(
         b.arg(&mut st).arg(&out);
         b.arg(&t).arg(&hv).arg(&dk).arg(&dv).arg(&nc);
         let cfg = LaunchConfig {
-            grid_dim: (dims.head_v_dim.div_ceil(32) as u32, heads as u32, 1),
+            grid_dim: (dims.head_v_dim.div_ceil(scan_cols) as u32, heads as u32, 1),
             block_dim: block,
             shared_mem_bytes: scan_smem,
         };

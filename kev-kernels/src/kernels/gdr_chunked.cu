@@ -127,12 +127,13 @@ __device__ __forceinline__ void solve_unit_lower(const float* a, int ap, float* 
     for (int i = 0; i < CH; i += 4) st4(&tT[lane * tp + i], x[i], x[i + 1], x[i + 2], x[i + 3]);
 }
 
-// A scan's operands of one chunk (Wᵀ, Q'ᵀ, K' in either layout, Aqkᵀ, the block's 32 columns of
-// U, e^{G_CH}), loaded into registers a chunk ahead and stored to shared memory at the top of the
-// next round: the loads' latency hides behind the products.
+// A scan's operands of one chunk (Wᵀ, Q'ᵀ, K' in either layout, Aqkᵀ, the block's NCOL columns
+// of U, e^{G_CH}), loaded into registers a chunk ahead and stored to shared memory at the top of
+// the next round: the loads' latency hides behind the products.
+template <int NCOL>
 struct ChunkOperands {
     static constexpr int N4 = DM * CH / 4 / CH_THREADS, NA = CH * CH / 4 / CH_THREADS,
-                         NU = CH * 32 / CH_THREADS;
+                         NU = CH * NCOL / CH_THREADS;
     float4 w[N4], q[N4], k[N4], a[NA];
     float u[NU], gtot;
 
@@ -155,8 +156,8 @@ struct ChunkOperands {
         for (int j = 0; j < NA; j++) a[j] = a4[tid + j * CH_THREADS];
         #pragma unroll
         for (int j = 0; j < NU; j++) {
-            const int e = tid + j * CH_THREADS, col = c0 + e % 32;
-            u[j] = col < dv ? u_[(c * CH + e / 32) * dv + col] : 0.f;
+            const int e = tid + j * CH_THREADS, col = c0 + e % NCOL;
+            u[j] = col < dv ? u_[(c * CH + e / NCOL) * dv + col] : 0.f;
         }
         gtot = gt[c];
     }
@@ -322,21 +323,21 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
             const int r = ra + p, col = c0 + cs + q;
             s[p][q] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
-    ChunkOperands next;  // the next chunk's operands, in flight while this one computes
+    ChunkOperands<32> next;  // the next chunk's operands, in flight while this one computes
     next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
         #pragma unroll
         for (int p = 0; p < 8; p++) st4(&s_s[ra + p][cs], s[p][0], s[p][1], s[p][2], s[p][3]);
         #pragma unroll
-        for (int k = 0; k < ChunkOperands::N4; k++) {
+        for (int k = 0; k < ChunkOperands<32>::N4; k++) {
             reinterpret_cast<float4*>(sm + S_WT)[tid + k * CH_THREADS] = next.w[k];
             reinterpret_cast<float4*>(sm + S_QT)[tid + k * CH_THREADS] = next.q[k];
             reinterpret_cast<float4*>(sm + S_K)[tid + k * CH_THREADS] = next.k[k];
         }
         #pragma unroll
-        for (int k = 0; k < ChunkOperands::NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = next.a[k];
+        for (int k = 0; k < ChunkOperands<32>::NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = next.a[k];
         #pragma unroll
-        for (int k = 0; k < ChunkOperands::NU; k++) (&u_s[0][0])[tid + k * CH_THREADS] = next.u[k];
+        for (int k = 0; k < ChunkOperands<32>::NU; k++) (&u_s[0][0])[tid + k * CH_THREADS] = next.u[k];
         const float gc = next.gtot;
         __syncthreads();
         if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
@@ -465,17 +466,17 @@ __device__ __forceinline__ void frag_b_t(unsigned (&b)[2], const float* x, int p
     b[1] = tf<R>(x[(n0 + g) * p + k0 + c + 4]);
 }
 
-// acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < 4: a warp's 16 × 32 product, X stored
-// transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp).
-template <bool R, int K>
-__device__ __forceinline__ void mma_16x32(float (&acc)[4][4], const float* x, int xp, int m0,
-                                          const float* y, int yp, int g, int c) {
+// acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT: a warp's 16 × 8·NT product, X
+// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp).
+template <bool R, int K, int NT>
+__device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, int xp, int m0,
+                                         const float* y, int yp, int g, int c) {
     #pragma unroll 4
     for (int k0 = 0; k0 < K; k0 += 8) {
         unsigned a[4];
         frag_a_t<R>(a, x, xp, m0, k0, g, c);
         #pragma unroll
-        for (int n = 0; n < 4; n++) {
+        for (int n = 0; n < NT; n++) {
             unsigned bf[2];
             frag_b<R>(bf, y, yp, k0, 8 * n, g, c);
             mma8(acc[n], a, bf);
@@ -519,7 +520,7 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
         const bool is_k = warp < 2;
         const int mt = 16 * (warp % 2);
         float acc[4][4] = {};
-        mma_16x32<true, DM>(acc, is_k ? kT : qT, PT_P, mt, kT, PT_P, g, c);
+        mma_16xn<true, DM, 4>(acc, is_k ? kT : qT, PT_P, mt, kT, PT_P, g, c);
         #pragma unroll
         for (int n = 0; n < 4; n++)
             #pragma unroll
@@ -615,11 +616,13 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
 #define T_D (T_U + CH * TC_SP)
 #define SCAN_TC_SMEM ((T_D + CH * TC_SP) * 4)  // 95232 bytes: GDRC_SCAN_TC_SMEM in cuda.rs
 
-// Warp w of 4: Δ = U − W·S for steps 16w.. (w < 2) or P = Q'·S for steps 16(w−2).. (w ≥ 2), all
-// 32 of the block's columns; then O = P + Aqk·Δ (w ≥ 2); then S[32w..32w+31, :] += K'ᵀ·Δ, S held
-// in mma accumulators. W, Q', K' and Aqk arrive rounded to TF32 (by the preparation kernel, where
+// One block per NCOL (32 or 16) state columns. Warp w of 4: Δ = U − W·S for steps 16w.. (w < 2)
+// or P = Q'·S for steps 16(w−2).. (w ≥ 2), all the block's columns; then O = P + Aqk·Δ (w ≥ 2);
+// then S[32w..32w+31, :] += K'ᵀ·Δ, S held in mma accumulators. 16 columns double the blocks of a
+// call with few (row, head) pairs (a long state: 32 pairs fill 128 blocks of 32 columns, not an
+// H200's 132 SMs), at the price of reading each chunk's W, Q', K', Aqk twice as often. W, Q', K' and Aqk arrive rounded to TF32 (by the preparation kernel, where
 // the work is parallel); S and Δ are rounded as they are stored to shared memory.
-template <typename D>
+template <typename D, int NCOL = 32>
 __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restrict__ u,
                              const float* __restrict__ qt, const float* __restrict__ kd,
                              const float* __restrict__ atq, const float* __restrict__ gtot,
@@ -630,29 +633,30 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
     float *at_s = sm + T_AT, *u_s = sm + T_U, *d_s = sm + T_D;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv;
-    const int c0 = blockIdx.x * 32;
+    constexpr int NT = NCOL / 8;  // n-tiles of the block's columns
+    const int c0 = blockIdx.x * NCOL;
     const bool is_delta = warp < 2;
     const int mt = 16 * (warp % 2);  // the steps of this warp's Δ or P rows
     float* st = state + (size_t)bh * dk * dv;
     // S rows 32·warp + 16·mi + g (+8), columns 8·n + 2c (+1): accumulator element i of [mi][n].
-    float s[2][4][4];
+    float s[2][NT][4];
     #pragma unroll
     for (int mi = 0; mi < 2; mi++)
         #pragma unroll
-        for (int n = 0; n < 4; n++)
+        for (int n = 0; n < NT; n++)
             #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int r = 32 * warp + 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
                 s[mi][n][i] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
             }
-    ChunkOperands next;  // the next chunk's operands, in flight while this one computes
+    ChunkOperands<NCOL> next;  // the next chunk's operands, in flight while this one computes
     next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
         // This round's operands into shared memory: S (a rounded copy), W, Q', K', Aqk, U.
         #pragma unroll
         for (int mi = 0; mi < 2; mi++)
             #pragma unroll
-            for (int n = 0; n < 4; n++)
+            for (int n = 0; n < NT; n++)
                 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     const int r = 32 * warp + 16 * mi + g + 8 * hf, col = 8 * n + 2 * c;
@@ -660,32 +664,32 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
                         make_float2(tf32r(s[mi][n][2 * hf]), tf32r(s[mi][n][2 * hf + 1]));
                 }
         #pragma unroll
-        for (int k = 0; k < ChunkOperands::N4; k++) {
+        for (int k = 0; k < ChunkOperands<NCOL>::N4; k++) {
             const int e = tid + k * CH_THREADS, r = e / (CH / 4), t = 4 * (e % (CH / 4));
             *reinterpret_cast<float4*>(&wt_s[r * TC_TP + t]) = next.w[k];
             *reinterpret_cast<float4*>(&qt_s[r * TC_TP + t]) = next.q[k];
             *reinterpret_cast<float4*>(&k_s[r * TC_KP + t]) = next.k[k];
         }
         #pragma unroll
-        for (int k = 0; k < ChunkOperands::NA; k++) {
+        for (int k = 0; k < ChunkOperands<NCOL>::NA; k++) {
             const int e = tid + k * CH_THREADS;
             *reinterpret_cast<float4*>(&at_s[(e / (CH / 4)) * TC_TP + 4 * (e % (CH / 4))]) = next.a[k];
         }
         #pragma unroll
-        for (int k = 0; k < ChunkOperands::NU; k++) {
+        for (int k = 0; k < ChunkOperands<NCOL>::NU; k++) {
             const int e = tid + k * CH_THREADS;
-            u_s[(e / 32) * TC_SP + e % 32] = next.u[k];
+            u_s[(e / NCOL) * TC_SP + e % NCOL] = next.u[k];
         }
         const float gc = next.gtot;
         __syncthreads();
         if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
 
         // Δ = U − W·S (warps 0–1) or P = Q'·S (warps 2–3): 16 steps × 32 columns per warp.
-        float acc[4][4] = {};
-        mma_16x32<false, DM>(acc, is_delta ? wt_s : qt_s, TC_TP, mt, s_s, TC_SP, g, c);
+        float acc[NT][4] = {};
+        mma_16xn<false, DM, NT>(acc, is_delta ? wt_s : qt_s, TC_TP, mt, s_s, TC_SP, g, c);
         if (is_delta) {
             #pragma unroll
-            for (int n = 0; n < 4; n++)
+            for (int n = 0; n < NT; n++)
                 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     const int idx = (mt + g + 8 * hf) * TC_SP + 8 * n + 2 * c;
@@ -698,14 +702,14 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
 
         // O = P + Aqk·Δ (warps 2–3), stored.
         if (!is_delta) {
-            mma_16x32<false, CH>(acc, at_s, TC_TP, mt, d_s, TC_SP, g, c);
+            mma_16xn<false, CH, NT>(acc, at_s, TC_TP, mt, d_s, TC_SP, g, c);
             #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int tt = chunk * CH + mt + g + 8 * hf;
                 if (tt < T) {
                     typename D::T* o = out + (((size_t)b * T + tt) * hv + h) * dv;
                     #pragma unroll
-                    for (int n = 0; n < 4; n++)
+                    for (int n = 0; n < NT; n++)
                         #pragma unroll
                         for (int q = 0; q < 2; q++) {
                             const int col = c0 + 8 * n + 2 * c + q;
@@ -718,20 +722,20 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
         #pragma unroll
         for (int mi = 0; mi < 2; mi++)
             #pragma unroll
-            for (int n = 0; n < 4; n++)
+            for (int n = 0; n < NT; n++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) s[mi][n][i] *= gc;
         #pragma unroll
         for (int k0 = 0; k0 < CH; k0 += 8) {
-            unsigned bf[4][2];
+            unsigned bf[NT][2];
             #pragma unroll
-            for (int n = 0; n < 4; n++) frag_b<false>(bf[n], d_s, TC_SP, k0, 8 * n, g, c);
+            for (int n = 0; n < NT; n++) frag_b<false>(bf[n], d_s, TC_SP, k0, 8 * n, g, c);
             #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
                 unsigned a[4];
                 frag_a<false>(a, k_s, TC_KP, 32 * warp + 16 * mi, k0, g, c);
                 #pragma unroll
-                for (int n = 0; n < 4; n++) mma8(s[mi][n], a, bf[n]);
+                for (int n = 0; n < NT; n++) mma8(s[mi][n], a, bf[n]);
             }
         }
         __syncthreads();  // everything of this chunk in shared memory is consumed
@@ -739,7 +743,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
     #pragma unroll
     for (int mi = 0; mi < 2; mi++)
         #pragma unroll
-        for (int n = 0; n < 4; n++)
+        for (int n = 0; n < NT; n++)
             #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int r = 32 * warp + 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
@@ -767,6 +771,14 @@ GDRC(, f16, F16)
 #if __CUDA_ARCH__ >= 800
 GDRC(_tc, bf16, BF16)
 GDRC(_tc, f16, F16)
+#define GDRC_SCAN_TC(NCOL, TAG, D)                                                                \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan_tc##NCOL##_##TAG(          \
+        const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
+        const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
+        gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);           \
+    }
+GDRC_SCAN_TC(16, bf16, BF16)
+GDRC_SCAN_TC(16, f16, F16)
 static_assert(PREP_TC_SMEM == 68096, "PREP_TC_SMEM");
 static_assert(SCAN_TC_SMEM == 95232, "SCAN_TC_SMEM");
 #endif
