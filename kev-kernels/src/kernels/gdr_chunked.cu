@@ -24,6 +24,9 @@
 // gdrc_scan_<dtype>: grid = (ceil(Dv/32), B·Hv), block = 128, dynamic shared memory SCAN_SMEM.
 //   One block per 32 state columns walks the chunks in order; S lives in registers (an 8×4 tile
 //   per thread) and is mirrored to shared memory as the operand of W·S and Q'·S.
+// gdrc_prep_tc_<dtype>, gdrc_scan_tc_<dtype>, gdrc_scan_tc16_<dtype> (bf16/f16, compute capability
+//   ≥ 8.0): the same on tensor cores, PREP_TC_SMEM and SCAN_TC_SMEM; the scan with 32 or 16
+//   columns per block (grid.x = ceil(Dv/32) or ceil(Dv/16)). See the tensor-core section below.
 
 #define CH 32            // steps per chunk
 #define CH_THREADS 128
