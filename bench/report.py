@@ -17,8 +17,9 @@ from collections import OrderedDict
 
 def impl_name(line):
     if line["impl"] == "kev":
-        return "kev"
-    name = "transformers" + ("+fla" if line.get("fla") == "yes" else "")
+        name = "kev"
+    else:
+        name = "transformers" + ("+fla" if line.get("fla") == "yes" else "")
     return name + (f" [{line['label']}]" if line.get("label") else "")
 
 

@@ -19,7 +19,7 @@
 #
 # Environment knobs (defaults in brackets):
 #   DEVICE [cuda] (cpu: a dry run of this script anywhere)  SIZES ["0.8b 4b"]  WORKLOADS [one,batch8,long]  REPEATS [10]  WARMUP [3]  DTYPE [bf16]
-#   KEV_FORMS [prefix,row,batch]  PEER_FORMS [all]  KEV_BIN  WHEELS  PEAK_TFLOPS [989: H200 bf16
+#   KEV_FORMS [prefix,row,batch]  KEV_ARGS [] (more bench flags, e.g. "--no-cuda-graphs --label eager")  PEER_FORMS [all]  KEV_BIN  WHEELS  PEAK_TFLOPS [989: H200 bf16
 #   dense, spec; ~790 measured]  RESULTS_DIR [$OUT if set, else bench/.cache]  PYTHON [python3]
 # Time: each device command may run 10 minutes; if all of it does not fit, run the stages (or
 # one size) in separate commands. Results: RESULTS_DIR/results-h200.jsonl (appended) and
@@ -36,6 +36,7 @@ REPEATS=${REPEATS:-10}
 WARMUP=${WARMUP:-3}
 DTYPE=${DTYPE:-bf16}
 KEV_FORMS=${KEV_FORMS:-prefix,row,batch}
+read -r -a KEV_ARGS <<< "${KEV_ARGS:-}"
 PEER_FORMS=${PEER_FORMS:-all}
 KEV_BIN=${KEV_BIN:-target-cuda/release/examples/bench}
 WHEELS=${WHEELS:-.whl}
@@ -75,7 +76,7 @@ if has kev; then
     for s in $SIZES; do
       say "kev $s ($KEV_FORMS)"
       "$KEV_BIN" --checkpoint "$CACHE/kev-$s" "${record_args[@]}" --backend "$DEVICE" --dtype "$DTYPE" \
-        --form "$KEV_FORMS" --repeats "$REPEATS" --warmup "$WARMUP" >> "$RESULTS" 2> >(tee -a "$LOG" >&2) \
+        --form "$KEV_FORMS" --repeats "$REPEATS" --warmup "$WARMUP" "${KEV_ARGS[@]}" >> "$RESULTS" 2> >(tee -a "$LOG" >&2) \
         || say "kev $s FAILED (exit $?)"
     done
   else

@@ -15,7 +15,10 @@
 //! workload where the kernel allows), on CUDA the GPU memory in use sampled with `nvidia-smi`
 //! (peak over the workload minus the figure before loading) and the memory pool's high-water mark
 //! (`peak_gpu_alloc_mib`: tensors only, as the peers' `max_memory_allocated`), the load time,
-//! and the first record's probabilities (a parity check against the peers).
+//! and the first record's probabilities (a parity check against the peers). On CUDA the prefix
+//! form of a one-record workload replays a CUDA graph from its second run on (so the default
+//! two warm-ups cover the eager run and the capture); `cuda_graphs` counts what happened, and
+//! `--no-cuda-graphs` measures the eager path in the same command.
 
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -53,6 +56,9 @@ struct Args {
     /// prefix, row, batch, state (comma-separated or repeated; `all` for the first three).
     #[arg(long, value_delimiter = ',', default_value = "prefix")]
     form: Vec<String>,
+    /// Run every forward eagerly on CUDA (no graph replays), for an A/B in one command.
+    #[arg(long)]
+    no_cuda_graphs: bool,
     /// Free text copied into every line.
     #[arg(long, default_value = "")]
     label: String,
@@ -327,7 +333,8 @@ fn main() -> Result<()> {
 
     let options = LoadOptions::default()
         .with_backend(args.backend)
-        .with_dtype(args.dtype);
+        .with_dtype(args.dtype)
+        .with_cuda_graphs(!args.no_cuda_graphs);
     let started = Instant::now();
     let model = DecisionModel::load(&args.checkpoint, &options)
         .with_context(|| format!("loading `{}`", args.checkpoint.display()))?;
@@ -375,6 +382,7 @@ fn main() -> Result<()> {
             let rss_reset = reset_peak_rss();
             let sampler = gpu.map(GpuSampler::start);
             pool_peak_mib(model.device(), true);
+            let graphs_before = model.graph_stats();
             let mut times = Vec::with_capacity(args.repeats);
             let mut first = Vec::new();
             for i in 0..args.warmup + args.repeats {
@@ -427,6 +435,18 @@ fn main() -> Result<()> {
             }
             if let Some(mib) = pool_peak {
                 line["peak_gpu_alloc_mib"] = json!(mib);
+            }
+            if model.device().is_cuda() {
+                let g = model.graph_stats();
+                line["cuda_graphs"] = json!({
+                    "enabled": !args.no_cuda_graphs,
+                    "captured": g.captured - graphs_before.captured,
+                    "replayed": g.replayed - graphs_before.replayed,
+                    "failed": g.failed - graphs_before.failed,
+                });
+                if let Some(why) = g.last_failure {
+                    line["cuda_graphs"]["last_failure"] = json!(why);
+                }
             }
             if !args.label.is_empty() {
                 line["label"] = json!(args.label);

@@ -31,6 +31,57 @@ pub struct DecisionModel {
     checkpoint: Checkpoint,
     /// Longest piece one forward pass runs ([`LoadOptions::prefill_chunk`]).
     prefill_chunk: usize,
+    /// One-record forwards replayed as CUDA graphs ([`LoadOptions::cuda_graphs`]).
+    #[cfg(feature = "cuda")]
+    graphs: Option<crate::graphs::Graphs>,
+}
+
+/// One forward's token ids: `lengths.len()` rows right-padded to `width`, flattened.
+pub(crate) struct Piece {
+    ids: Vec<u32>,
+    width: usize,
+    lengths: Vec<usize>,
+}
+
+/// What scoring one record in prefix form runs: the state's pieces into a fresh cache, then the
+/// branches' pieces as one batch on copies of it, then the head at each row's positions.
+pub(crate) struct Plan {
+    state: Vec<Piece>,
+    branches: Vec<Piece>,
+    rows: Vec<Row>,
+}
+
+/// A [`Plan`] without its token ids: plans of equal shape run the same kernels on the same
+/// shapes with the same host-built inputs, so one CUDA graph serves them all.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub(crate) struct PlanShape {
+    state_pieces: usize,
+    pieces: Vec<(usize, Vec<usize>)>,
+    heads: Vec<(usize, Vec<usize>)>,
+}
+
+impl Plan {
+    /// The state's pieces, then the branches'.
+    pub(crate) fn pieces(&self) -> impl Iterator<Item = &Piece> {
+        self.state.iter().chain(&self.branches)
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn shape(&self) -> PlanShape {
+        PlanShape {
+            state_pieces: self.state.len(),
+            pieces: self
+                .pieces()
+                .map(|p| (p.width, p.lengths.clone()))
+                .collect(),
+            heads: self
+                .rows
+                .iter()
+                .map(|r| (r.decide, r.opts.clone()))
+                .collect(),
+        }
+    }
 }
 
 /// A state run once through the backbone, reusable for any record with the same state.
@@ -109,6 +160,8 @@ impl DecisionModel {
         }
         settle(&device)?;
         Ok(Self {
+            #[cfg(feature = "cuda")]
+            graphs: (options.cuda_graphs && device.is_cuda()).then(crate::graphs::Graphs::default),
             model,
             head,
             encoder,
@@ -152,10 +205,71 @@ impl DecisionModel {
         self.encoder.encode(record, None)
     }
 
-    /// Logits per question (prefix form).
+    /// Logits per question (prefix form). On CUDA, a record whose token shapes were seen before
+    /// replays a CUDA graph ([`LoadOptions::cuda_graphs`]).
     pub fn forward(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
-        let (logits, _) = self.logits_and_prefix(record, None)?;
-        Ok(logits)
+        let (state, rows) = self.encode(record)?.rows();
+        let branch_ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
+        let plan = Plan {
+            state: self.pieces(std::slice::from_ref(&state)),
+            branches: self.pieces(&branch_ids),
+            rows,
+        };
+        #[cfg(feature = "cuda")]
+        if let (Some(graphs), Device::Cuda(dev)) = (&self.graphs, self.device()) {
+            let flat = graphs.logits(self, &plan, dev)?;
+            return Ok(split_logits(&flat, &plan.rows));
+        }
+        let flat = self.plan_logits_eager(&plan)?;
+        Ok(split_logits(&flat, &plan.rows))
+    }
+
+    /// How the CUDA graphs of [`DecisionModel::forward`] have fared (all zero off CUDA).
+    pub fn graph_stats(&self) -> crate::graphs::GraphStats {
+        #[cfg(feature = "cuda")]
+        if let Some(graphs) = &self.graphs {
+            return graphs.stats();
+        }
+        crate::graphs::GraphStats::default()
+    }
+
+    /// The token ids of `piece` on the device (always a copy: they are a graph's inputs).
+    pub(crate) fn upload_ids(&self, piece: &Piece) -> Result<Tensor> {
+        Tensor::from_vec(
+            piece.ids.clone(),
+            (piece.lengths.len(), piece.width),
+            self.device(),
+        )
+        .map_err(backend_err("token ids"))
+    }
+
+    /// [`DecisionModel::plan_logits`] with fresh uploads, read back.
+    pub(crate) fn plan_logits_eager(&self, plan: &Plan) -> Result<Vec<f32>> {
+        let ids = plan
+            .pieces()
+            .map(|p| self.upload_ids(p))
+            .collect::<Result<Vec<_>>>()?;
+        self.plan_logits(plan, &ids)?
+            .to_vec1::<f32>()
+            .map_err(backend_err("pointer head"))
+    }
+
+    /// Runs `plan` with `ids` (one tensor per piece, [`Plan::pieces`] order) and returns all
+    /// options' logits `[M]` on the device, waiting for nothing.
+    pub(crate) fn plan_logits(&self, plan: &Plan, ids: &[Tensor]) -> Result<Tensor> {
+        let (state_ids, branch_ids) = ids.split_at(plan.state.len());
+        let mut cache = self
+            .model
+            .new_cache(1)
+            .map_err(backend_err("prefix cache"))?;
+        if !plan.state.is_empty() {
+            self.run_pieces(&plan.state, state_ids, &mut cache)?;
+        }
+        let mut branch_cache = cache
+            .select_rows(&vec![0; plan.rows.len()])
+            .map_err(backend_err("copying the prefix cache"))?;
+        let hidden = self.run_pieces(&plan.branches, branch_ids, &mut branch_cache)?;
+        self.head_logits(&hidden, &plan.rows)
     }
 
     /// Logits per question in row form: `state ++ branch_j` run on its own for each question.
@@ -286,18 +400,53 @@ impl DecisionModel {
         self.read_head(&hidden, rows)
     }
 
-    /// Right-pads `seqs` into `[B, T]` and runs them after `cache`, in pieces of at most
-    /// `prefill_chunk` tokens; returns the hidden states `[B, T, H]`.
-    fn run(&self, seqs: &[Vec<u32>], cache: &mut Cache) -> Result<Tensor> {
+    /// Right-pads `seqs` into `[B, T]` and cuts it into pieces of at most `prefill_chunk` steps.
+    fn pieces(&self, seqs: &[Vec<u32>]) -> Vec<Piece> {
         let width = seqs.iter().map(Vec::len).max().unwrap_or(0);
-        let mut hidden = Vec::with_capacity(width.div_ceil(self.prefill_chunk));
-        for start in (0..width).step_by(self.prefill_chunk) {
-            let end = (start + self.prefill_chunk).min(width);
-            let pieces: Vec<&[u32]> = seqs
-                .iter()
-                .map(|s| &s[start.min(s.len())..end.min(s.len())])
-                .collect();
-            hidden.push(self.run_piece(&pieces, end - start, cache)?);
+        (0..width)
+            .step_by(self.prefill_chunk)
+            .map(|start| {
+                let end = (start + self.prefill_chunk).min(width);
+                let rows: Vec<&[u32]> = seqs
+                    .iter()
+                    .map(|s| &s[start.min(s.len())..end.min(s.len())])
+                    .collect();
+                Piece {
+                    ids: rows
+                        .iter()
+                        .flat_map(|p| {
+                            p.iter()
+                                .copied()
+                                .chain(std::iter::repeat_n(PAD_ID, end - start - p.len()))
+                        })
+                        .collect(),
+                    width: end - start,
+                    lengths: rows.iter().map(|p| p.len()).collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// Runs `seqs` after `cache` ([`DecisionModel::pieces`]); returns the hidden states `[B, T, H]`.
+    fn run(&self, seqs: &[Vec<u32>], cache: &mut Cache) -> Result<Tensor> {
+        let pieces = self.pieces(seqs);
+        let ids = pieces
+            .iter()
+            .map(|p| self.upload_ids(p))
+            .collect::<Result<Vec<_>>>()?;
+        self.run_pieces(&pieces, &ids, cache)
+    }
+
+    /// Runs `pieces` (their ids on the device in `ids`) one after the other through `cache`.
+    fn run_pieces(&self, pieces: &[Piece], ids: &[Tensor], cache: &mut Cache) -> Result<Tensor> {
+        let mut hidden = Vec::with_capacity(pieces.len());
+        for (piece, ids) in pieces.iter().zip(ids) {
+            let padded = piece.lengths.iter().any(|&l| l != piece.width);
+            let h = self
+                .model
+                .forward(ids, cache, padded.then_some(piece.lengths.as_slice()))
+                .map_err(backend_err("backbone forward"))?;
+            hidden.push(h);
         }
         if hidden.len() == 1 {
             return Ok(hidden.remove(0));
@@ -305,26 +454,17 @@ impl DecisionModel {
         Tensor::cat(&hidden, 1).map_err(backend_err("joining prefill pieces"))
     }
 
-    fn run_piece(&self, pieces: &[&[u32]], width: usize, cache: &mut Cache) -> Result<Tensor> {
-        let lengths: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
-        let flat: Vec<u32> = pieces
-            .iter()
-            .flat_map(|p| {
-                p.iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(PAD_ID, width - p.len()))
-            })
-            .collect();
-        let ids = Tensor::from_vec(flat, (pieces.len(), width), self.device())
-            .map_err(backend_err("token ids"))?;
-        let padded = lengths.iter().any(|&l| l != width);
-        self.model
-            .forward(&ids, cache, padded.then_some(lengths.as_slice()))
-            .map_err(backend_err("backbone forward"))
-    }
-
     /// Reads the head at each row's `decide` and `opts` positions of `hidden: [B, T, H]`.
     fn read_head(&self, hidden: &Tensor, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
+        let flat = self
+            .head_logits(hidden, rows)?
+            .to_vec1::<f32>()
+            .map_err(backend_err("pointer head"))?;
+        Ok(split_logits(&flat, rows))
+    }
+
+    /// All rows' option logits `[M]` (f32, on the device) from `hidden: [B, T, H]`.
+    fn head_logits(&self, hidden: &Tensor, rows: &[Row]) -> Result<Tensor> {
         let err = backend_err("pointer head");
         let (_, width, h) = hidden.dims3().map_err(&err)?;
         let flat = hidden.reshape(((), h)).map_err(&err)?;
@@ -341,22 +481,25 @@ impl DecisionModel {
         }
         let pick = |idx: Vec<u32>| -> candle_core::Result<Tensor> {
             let n = idx.len();
-            flat.index_select(&Tensor::from_vec(idx, n, self.device())?, 0)
+            flat.index_select(&kev_kernels::uploads::upload(idx, n, self.device())?, 0)
         };
-        let logits = self
-            .head
-            .logits(
+        self.head
+            .logits_on_device(
                 &pick(decide).map_err(&err)?,
                 &pick(opts).map_err(&err)?,
                 &owner,
             )
-            .map_err(&err)?;
-        let mut out = Vec::with_capacity(rows.len());
-        let mut at = 0;
-        for r in rows {
-            out.push(logits[at..at + r.opts.len()].to_vec());
-            at += r.opts.len();
-        }
-        Ok(out)
+            .map_err(&err)
     }
+}
+
+/// `flat` (all options' logits in row order) cut per row.
+fn split_logits(flat: &[f32], rows: &[Row]) -> Vec<Vec<f32>> {
+    let mut at = 0;
+    rows.iter()
+        .map(|r| {
+            at += r.opts.len();
+            flat[at - r.opts.len()..at].to_vec()
+        })
+        .collect()
 }

@@ -72,13 +72,14 @@ impl PointerHead {
     }
 
     /// `h_decide: [N, H]` (one per question), `h_opts: [M, H]` (all options), `owner[i]`: the
-    /// question of option i. Returns the M logits (f32) in option order.
-    pub fn logits(
+    /// question of option i. Returns the M logits (f32) in option order, on the device (nothing
+    /// waits for it, so a CUDA graph can end here).
+    pub fn logits_on_device(
         &self,
         h_decide: &Tensor,
         h_opts: &Tensor,
         owner: &[u32],
-    ) -> candle_core::Result<Vec<f32>> {
+    ) -> candle_core::Result<Tensor> {
         let h_decide = h_decide.to_dtype(DType::F32)?;
         let h_opts = h_opts.to_dtype(DType::F32)?;
         let q = h_decide
@@ -87,10 +88,20 @@ impl PointerHead {
         let k = h_opts
             .matmul(&self.k_weight.t()?)?
             .broadcast_add(&self.k_bias)?;
-        let owner = Tensor::new(owner, q.device())?;
+        let owner = kev_kernels::uploads::upload(owner.to_vec(), owner.len(), q.device())?;
         let q = q.index_select(&owner, 0)?;
-        let logits = (q * k)?.sum(D::Minus1)? / ((self.dim as f64).sqrt() * self.temperature);
-        logits?.to_vec1::<f32>()
+        (q * k)?.sum(D::Minus1)? / ((self.dim as f64).sqrt() * self.temperature)
+    }
+
+    /// [`PointerHead::logits_on_device`], read back.
+    pub fn logits(
+        &self,
+        h_decide: &Tensor,
+        h_opts: &Tensor,
+        owner: &[u32],
+    ) -> candle_core::Result<Vec<f32>> {
+        self.logits_on_device(h_decide, h_opts, owner)?
+            .to_vec1::<f32>()
     }
 }
 

@@ -7,10 +7,12 @@
 
 pub mod decision;
 pub mod device;
+pub mod graphs;
 pub mod head;
 pub mod lora;
 pub mod qwen35;
 pub mod weights;
 
 pub use decision::{DecisionModel, Prefix};
+pub use graphs::GraphStats;
 pub use head::PointerHead;

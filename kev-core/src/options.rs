@@ -134,6 +134,12 @@ pub struct LoadOptions {
     /// in exactness: pieces continue the cache like the next request would. Must be > 0. By
     /// default, [`DEFAULT_PREFILL_CHUNK`].
     pub prefill_chunk: usize,
+    /// On CUDA, replay the one-record prefix-form forward (`DecisionModel::forward` and
+    /// `probs`) as a CUDA graph once a record of the same token shapes (state length, branch
+    /// lengths, decision and option positions) comes a second time: one launch instead of about
+    /// a thousand, the same kernels and numbers. Each distinct shape keeps a captured graph
+    /// (the few most recent). Ignored elsewhere. By default, true.
+    pub cuda_graphs: bool,
 }
 
 /// Default [`LoadOptions::prefill_chunk`]: 2048 tokens (f32 scores of one 0.8B attention layer:
@@ -147,6 +153,7 @@ impl Default for LoadOptions {
             dtype: DType::Auto,
             lora_scale: 1.0,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            cuda_graphs: true,
         }
     }
 }
@@ -182,6 +189,13 @@ impl LoadOptions {
     #[must_use]
     pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
         self.prefill_chunk = tokens;
+        self
+    }
+
+    /// Sets [`LoadOptions::cuda_graphs`].
+    #[must_use]
+    pub fn with_cuda_graphs(mut self, on: bool) -> Self {
+        self.cuda_graphs = on;
         self
     }
 

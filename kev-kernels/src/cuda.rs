@@ -7,11 +7,11 @@ use std::sync::OnceLock;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
 
 use crate::causal_conv1d::CausalConv1d;
 use crate::gated_delta_rule::GatedDeltaRule;
@@ -137,38 +137,58 @@ fn gpu(dev: &CudaDevice) -> Result<Gpu> {
     }))
 }
 
-/// The most memory the device's default pool (where every tensor of Kev's comes from) had in use
-/// at once since the previous call with `reset` (or since the pool was created), in bytes; with
-/// `reset`, the mark goes to zero and the driver raises it again from the next allocation on, to
-/// the memory in use then (what was already held included). This is what PyTorch's
-/// `max_memory_allocated` measures: tensors only, not the CUDA context, cuBLAS's workspace or
-/// memory the pool keeps for reuse.
+/// The most memory Kev's tensors had in use at once since the previous call with `reset` (or
+/// since the pools were created), in bytes: the high-water mark of the device's default pool
+/// (eager forwards) plus that of its graph pool (forwards replayed as CUDA graphs, whose memory
+/// the driver keeps apart). The two peaks need not coincide, so their sum is an upper bound when
+/// both kinds ran. With `reset`, the marks go to zero and the driver raises them again from the
+/// next allocation on, to the memory in use then. This is what PyTorch's `max_memory_allocated`
+/// measures: tensors only, not the CUDA context, cuBLAS's workspace or memory kept for reuse.
 pub fn pool_peak_bytes(dev: &CudaDevice, reset: bool) -> Result<u64> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let cu_dev = dev.cuda_stream().context().cu_device();
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-    let mut value = 0u64;
-    // SAFETY: plain driver calls on a valid device handle, with pointers to a local that
-    // outlives them; the attribute is a u64, and the driver accepts 0 to reset it.
-    let code = unsafe {
-        match sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev) {
-            sys::CUresult::CUDA_SUCCESS => {
-                match sys::cuMemPoolGetAttribute(pool, attr, (&mut value as *mut u64).cast()) {
-                    sys::CUresult::CUDA_SUCCESS if reset => {
-                        let mut zero = 0u64;
-                        sys::cuMemPoolSetAttribute(pool, attr, (&mut zero as *mut u64).cast())
-                    }
-                    other => other,
-                }
-            }
-            other => other,
-        }
+    let (mut eager, mut graphs) = (0u64, 0u64);
+    let check = |code: sys::CUresult, what: &str| match code {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(candle_core::Error::Msg(format!(
+            "reading the {what} high-water mark: {other:?}"
+        ))),
     };
-    match code {
-        sys::CUresult::CUDA_SUCCESS => Ok(value),
-        other => bail!("reading the device memory pool's high-water mark: {other:?}"),
+    // SAFETY: plain driver calls on a valid device handle, with pointers to locals that outlive
+    // them; both attributes are u64, and the driver accepts 0 to reset them.
+    unsafe {
+        check(
+            sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev),
+            "memory pool's",
+        )?;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        check(
+            sys::cuMemPoolGetAttribute(pool, attr, (&mut eager as *mut u64).cast()),
+            "memory pool's",
+        )?;
+        let graph_attr = sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH;
+        check(
+            sys::cuDeviceGetGraphMemAttribute(cu_dev, graph_attr, (&mut graphs as *mut u64).cast()),
+            "graph memory's",
+        )?;
+        if reset {
+            let mut zero = 0u64;
+            check(
+                sys::cuMemPoolSetAttribute(pool, attr, (&mut zero as *mut u64).cast()),
+                "memory pool's",
+            )?;
+            check(
+                sys::cuDeviceSetGraphMemAttribute(
+                    cu_dev,
+                    graph_attr,
+                    (&mut zero as *mut u64).cast(),
+                ),
+                "graph memory's",
+            )?;
+        }
     }
+    Ok(eager + graphs)
 }
 
 /// A loaded kernel and the stream it runs on.
@@ -280,13 +300,42 @@ macro_rules! by_dtype {
     };
 }
 
-/// The per-row lengths on the device, or `None` (a null pointer to the kernels) when no row is
-/// padded: most calls, and one upload fewer.
-fn upload_lengths(dev: &CudaDevice, op: &GatedDeltaRule) -> Result<Option<CudaSlice<u32>>> {
-    if op.lengths.iter().all(|&l| l as usize == op.seq_len) {
-        return Ok(None);
-    }
-    Ok(Some(dev.clone_htod(&op.lengths)?))
+/// Per-row lengths as a kernel argument: their device address, or 0 (the kernels' "no row is
+/// padded"). They go up through [`crate::uploads`], so a CUDA graph capture reuses the copy its
+/// recording pass made; `_keep` holds that copy until the launch is queued.
+struct DeviceLengths {
+    _keep: Option<Tensor>,
+    ptr: u64,
+}
+
+fn device_lengths(dev: &CudaDevice, lengths: Option<&[u32]>) -> Result<DeviceLengths> {
+    let Some(lengths) = lengths else {
+        return Ok(DeviceLengths {
+            _keep: None,
+            ptr: 0,
+        });
+    };
+    let t = crate::uploads::upload(lengths.to_vec(), lengths.len(), &Device::Cuda(dev.clone()))?;
+    let ptr = {
+        let (storage, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cuda(s) = &*storage else {
+            bail!("row lengths were not uploaded to the CUDA device")
+        };
+        let stream = dev.cuda_stream();
+        let slice = s.as_cuda_slice::<u32>()?.slice(layout.start_offset()..);
+        let (ptr, _sync) = slice.device_ptr(&stream);
+        ptr
+    };
+    Ok(DeviceLengths {
+        _keep: Some(t),
+        ptr,
+    })
+}
+
+/// The delta rule's lengths, or none when no row is padded (most calls: one upload fewer).
+fn gdr_lengths(dev: &CudaDevice, op: &GatedDeltaRule) -> Result<DeviceLengths> {
+    let padded = op.lengths.iter().any(|&l| l as usize != op.seq_len);
+    device_lengths(dev, padded.then_some(op.lengths.as_slice()))
 }
 
 pub(crate) fn gated_delta_rule(
@@ -321,7 +370,7 @@ pub(crate) fn gated_delta_rule(
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
-    let lengths = upload_lengths(&k.dev, op)?;
+    let lengths = gdr_lengths(&k.dev, op)?;
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let n_out = op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim;
@@ -342,16 +391,12 @@ pub(crate) fn gated_delta_rule(
         dims.head_v_dim,
     ]
     .map(|x| x as i32);
-    let null = 0u64;
     by_dtype!(qkv.dtype(), "gated-delta-rule", |T| {
         let x = qkv.as_cuda_slice::<T>()?.slice(q0..q1);
         let out = k.output::<T>(n_out)?;
         let mut b = k.stream.launch_builder(&k.func);
         b.arg(&x).arg(&gb).arg(&mut st).arg(&out);
-        match &lengths {
-            Some(l) => b.arg(l),
-            None => b.arg(&null),
-        };
+        b.arg(&lengths.ptr);
         for v in &ints {
             b.arg(v);
         }
@@ -410,7 +455,7 @@ fn gated_delta_rule_chunked(
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
-    let lengths = upload_lengths(&prep.dev, op)?;
+    let lengths = gdr_lengths(&prep.dev, op)?;
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
@@ -432,7 +477,6 @@ fn gated_delta_rule_chunked(
         start += n;
         scratch.slice(start - n..start)
     });
-    let null = 0u64;
     let [t, hk, hv, dk, dv, nc] = [
         op.seq_len,
         dims.num_k_heads,
@@ -447,10 +491,7 @@ fn gated_delta_rule_chunked(
         let x = qkv.as_cuda_slice::<T>()?.slice(q0..q1);
         let mut b = prep.stream.launch_builder(&prep.func);
         b.arg(&x).arg(&gb);
-        match &lengths {
-            Some(l) => b.arg(l),
-            None => b.arg(&null),
-        };
+        b.arg(&lengths.ptr);
         b.arg(&wt).arg(&u).arg(&qt).arg(&kd).arg(&at).arg(&gtot);
         b.arg(&t).arg(&hk).arg(&hv).arg(&dk).arg(&dv);
         let cfg = LaunchConfig {
@@ -871,11 +912,7 @@ pub(crate) fn causal_conv1d_cached(
     if b_sz > 65535 || runs > 65535 {
         bail!("causal-conv1d: {b_sz} rows of {seq_len} steps exceed one launch; split the call")
     }
-    let lengths = op
-        .lengths
-        .as_ref()
-        .map(|l| k.dev.clone_htod(l))
-        .transpose()?;
+    let lengths = device_lengths(&k.dev, op.lengths.as_deref())?;
     by_dtype!(xs.dtype(), "causal-conv1d", |T| {
         let out = k.output::<T>(n)?;
         if n == 0 {
@@ -885,12 +922,9 @@ pub(crate) fn causal_conv1d_cached(
         let cache = cs.as_cuda_slice::<T>()?.slice(c0..c1);
         let w = ws.as_cuda_slice::<T>()?.slice(w0..w1);
         let mut b = k.stream.launch_builder(&k.func);
-        let (stride, null) = (xv.stride as i64, 0u64);
+        let stride = xv.stride as i64;
         b.arg(&x).arg(&stride).arg(&cache).arg(&w);
-        match &lengths {
-            Some(l) => b.arg(l),
-            None => b.arg(&null),
-        };
+        b.arg(&lengths.ptr);
         b.arg(&out);
         let ints = [b_sz, seq_len, channels, kernel].map(|v| v as i32);
         for v in &ints {

@@ -23,7 +23,7 @@ impl RowIndex {
                 candle_core::Error::Msg(format!("gather-rows: row index over u32 in {rows:?}"))
             })?;
         Ok(Self {
-            idx: Tensor::from_vec(idx, rows.len(), device)?,
+            idx: crate::uploads::upload(idx, rows.len(), device)?,
             max: rows.iter().copied().max(),
         })
     }

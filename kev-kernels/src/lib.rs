@@ -39,6 +39,7 @@ mod rows;
 mod swiglu;
 #[doc(hidden)]
 pub mod testing;
+pub mod uploads;
 
 pub use attention::{
     attention_gate, attention_gate_ref, causal_softmax, causal_softmax_ref, qk_norm_rope,

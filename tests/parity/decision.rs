@@ -202,6 +202,76 @@ fn batch_equals_one_by_one() {
     assert!(worst <= TOL_FORMS_F32, "{worst:e}");
 }
 
+/// `record` with two words of its state swapped: other token ids, most often the same token
+/// shapes (the caller checks).
+fn swapped_state(record: &Record) -> Record {
+    let mut words: Vec<&str> = record.state.split(' ').collect();
+    let n = words.len();
+    if n >= 3 {
+        words.swap(1, n - 2);
+    }
+    let mut twin = record.clone();
+    twin.state = words.join(" ");
+    twin
+}
+
+/// On CUDA, [`DecisionModel::forward`] replays a graph for a record shape seen before: the
+/// replayed logits equal the eager ones for the record that was captured and for another
+/// record of the same shape (its ids written into the graph's inputs). Elsewhere this checks
+/// the two loads agree and that no graph is reported.
+#[test]
+fn graph_replays_equal_eager_forwards() {
+    let opts = LoadOptions::default()
+        .with_dtype(DType::F32)
+        .with_backend(backend());
+    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
+    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    let shape = |r: &Record| {
+        let e = graphs.encode(r).unwrap();
+        let (state, rows) = e.rows();
+        let rows: Vec<_> = rows
+            .iter()
+            .map(|row| (row.ids.len(), row.decide, row.opts.clone()))
+            .collect();
+        (state.len(), rows)
+    };
+    let pairs: Vec<(Record, Record)> = records()
+        .into_iter()
+        .map(|r| {
+            let twin = swapped_state(&r);
+            (r, twin)
+        })
+        .filter(|(r, t)| r.state != t.state && shape(r) == shape(t))
+        .collect();
+    assert!(
+        pairs.len() >= 2,
+        "too few same-shape twins: {}",
+        pairs.len()
+    );
+    let mut worst = 0f32;
+    for (r, twin) in &pairs {
+        let (want_r, want_t) = (eager.forward(r).unwrap(), eager.forward(twin).unwrap());
+        assert!(
+            max_delta(&want_r, &want_t) > 1e-3,
+            "twins must score differently, or a replay with stale ids would pass"
+        );
+        // First sight (eager), second (captured), then replays with each record's ids.
+        for (rec, want) in [(r, &want_r), (twin, &want_t), (r, &want_r), (twin, &want_t)] {
+            worst = worst.max(max_delta(&graphs.forward(rec).unwrap(), want));
+        }
+    }
+    assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
+    let stats = graphs.graph_stats();
+    eprintln!("graphs: {stats:?}, max |Δ logit| vs eager {worst:e}");
+    if graphs.device().is_cuda() {
+        assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+        assert_eq!(stats.captured, pairs.len());
+        assert_eq!(stats.replayed, 2 * pairs.len());
+    } else {
+        assert_eq!(stats, kev::GraphStats::default());
+    }
+}
+
 #[test]
 fn threads_share_one_model() {
     let model = load("kev-small", 1.0, DType::F32);

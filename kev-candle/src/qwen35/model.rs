@@ -239,6 +239,6 @@ impl Model {
             );
             m.extend(std::iter::repeat_n(0f32, seq_len));
         }
-        Tensor::from_vec(m, (cache.batch_size(), width), &self.device)
+        kev_kernels::uploads::upload(m, (cache.batch_size(), width), &self.device)
     }
 }

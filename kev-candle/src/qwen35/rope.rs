@@ -49,6 +49,6 @@ impl Rope {
             (*c, *s) = (angle.cos(), angle.sin());
         }
         let shape = (2, start.len(), seq_len, self.rotary_dim);
-        Tensor::from_vec(cos_sin, shape, device)?.to_dtype(dtype)
+        kev_kernels::uploads::upload(cos_sin, shape, device)?.to_dtype(dtype)
     }
 }

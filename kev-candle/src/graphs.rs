@@ -1,0 +1,232 @@
+//! CUDA graphs over one record's prefix-form scoring ([`DecisionModel::forward`]).
+//!
+//! One request is about a thousand small launches, and on the GPU its time is the host's: each
+//! candle op costs several microseconds to issue. A graph issues them all at once. The host
+//! code of a forward is fixed by the record's token *shapes* ([`PlanShape`]: piece widths, row
+//! lengths, head positions), not by its token ids, so the second record of a shape is run
+//! eagerly once more to record its uploads ([`kev_kernels::uploads`]), then captured; later
+//! records of that shape only copy their ids into the graph's input tensors and launch it. The
+//! kernels and their inputs are the same as eagerly, so are the numbers.
+//!
+//! [`DecisionModel::forward`]: crate::DecisionModel::forward
+//! [`PlanShape`]: crate::decision::PlanShape
+
+/// How the CUDA graphs of a model have fared: for benchmarks, tests and logs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Graphs captured (one per record shape seen twice).
+    pub captured: usize,
+    /// Forwards served by replaying a graph.
+    pub replayed: usize,
+    /// Captures that failed; those shapes run eagerly from then on.
+    pub failed: usize,
+    /// Why the last capture failed.
+    pub last_failure: Option<String>,
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::Graphs;
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::collections::{HashSet, VecDeque};
+    use std::sync::{Mutex, PoisonError};
+
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        CUgraphInstantiate_flags, CUstreamCaptureMode,
+    };
+    use candle_core::cuda_backend::cudarc::driver::CudaGraph;
+    use candle_core::{CudaDevice, Tensor};
+    use kev_core::{Error, Result};
+    use kev_kernels::uploads::{self, UploadMemo};
+
+    use super::GraphStats;
+    use crate::decision::{Plan, PlanShape};
+    use crate::DecisionModel;
+
+    /// Graphs kept (the most recently used shapes). Each holds its inputs and its output; the
+    /// driver shares the rest of the graphs' memory between them.
+    const KEEP: usize = 8;
+    /// Shapes remembered as seen once, before the memory of them is dropped.
+    const SEEN: usize = 4096;
+
+    /// The graphs of one model.
+    #[derive(Default)]
+    pub(crate) struct Graphs {
+        state: Mutex<State>,
+    }
+
+    #[derive(Default)]
+    struct State {
+        seen: HashSet<PlanShape>,
+        failed: HashSet<PlanShape>,
+        graphs: VecDeque<(PlanShape, Captured)>,
+        stats: GraphStats,
+    }
+
+    /// A captured forward. Field order is drop order: the output (a graph allocation) is freed
+    /// before the graph goes.
+    struct Captured {
+        logits: Tensor,
+        graph: CudaGraph,
+        ids: Vec<Tensor>,
+        _uploads: UploadMemo,
+    }
+
+    // SAFETY: CUDA graph objects may be used from any thread as long as no two threads use one
+    // at a time; a `Captured` is only ever touched with the `Graphs` mutex held.
+    unsafe impl Send for Captured {}
+
+    fn backend(context: &str, e: impl std::fmt::Display) -> Error {
+        Error::Device {
+            message: format!("CUDA graph, {context}: {e}"),
+        }
+    }
+
+    impl Graphs {
+        pub(crate) fn stats(&self) -> GraphStats {
+            self.lock().stats.clone()
+        }
+
+        fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+            self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        }
+
+        /// All options' logits of `plan`: replayed, captured, or eager (first sight of a shape,
+        /// or one that failed to capture).
+        pub(crate) fn logits(
+            &self,
+            model: &DecisionModel,
+            plan: &Plan,
+            dev: &CudaDevice,
+        ) -> Result<Vec<f32>> {
+            let shape = plan.shape();
+            // The lock is not held while the GPU works: other threads' forwards (on their own
+            // streams) go on; a graph in use is out of the list until it is done.
+            let action = {
+                let mut state = self.lock();
+                if let Some(i) = state.graphs.iter().position(|(s, _)| *s == shape) {
+                    Action::Replay(state.graphs.remove(i).expect("in range").1)
+                } else if state.failed.contains(&shape) {
+                    Action::Eager
+                } else if state.seen.remove(&shape) {
+                    Action::Capture
+                } else {
+                    if state.seen.len() >= SEEN {
+                        state.seen.clear();
+                    }
+                    state.seen.insert(shape.clone());
+                    Action::Eager
+                }
+            };
+            match action {
+                Action::Eager => model.plan_logits_eager(plan),
+                Action::Replay(graph) => {
+                    let out = graph.replay(model, plan);
+                    self.keep(shape, graph, |stats| stats.replayed += 1);
+                    out
+                }
+                Action::Capture => match capture(model, plan, dev) {
+                    Ok((graph, logits)) => {
+                        self.keep(shape, graph, |stats| stats.captured += 1);
+                        Ok(logits)
+                    }
+                    Err(why) => {
+                        let mut state = self.lock();
+                        state.failed.insert(shape);
+                        state.stats.failed += 1;
+                        state.stats.last_failure = Some(why);
+                        drop(state);
+                        model.plan_logits_eager(plan)
+                    }
+                },
+            }
+        }
+
+        /// Puts `graph` (back) at the most recent end of the list, dropping the oldest over [`KEEP`].
+        fn keep(&self, shape: PlanShape, graph: Captured, count: impl FnOnce(&mut GraphStats)) {
+            let mut state = self.lock();
+            count(&mut state.stats);
+            if state.graphs.len() >= KEEP {
+                state.graphs.pop_front();
+            }
+            state.graphs.push_back((shape, graph));
+        }
+    }
+
+    enum Action {
+        Eager,
+        Capture,
+        Replay(Captured),
+    }
+
+    impl Captured {
+        fn replay(&self, model: &DecisionModel, plan: &Plan) -> Result<Vec<f32>> {
+            for (slot, piece) in self.ids.iter().zip(plan.pieces()) {
+                let ids = model.upload_ids(piece)?;
+                slot.slice_set(&ids, 0, 0)
+                    .map_err(|e| backend("writing the token ids", e))?;
+            }
+            self.graph.launch().map_err(|e| backend("launch", e))?;
+            self.logits
+                .to_vec1::<f32>()
+                .map_err(|e| backend("reading the logits", e))
+        }
+    }
+
+    /// Records `plan`'s uploads in an eager run, captures a second run, launches it once and
+    /// returns the graph and its logits; on failure, why (the stream has left capture).
+    fn capture(
+        model: &DecisionModel,
+        plan: &Plan,
+        dev: &CudaDevice,
+    ) -> std::result::Result<(Captured, Vec<f32>), String> {
+        let ids = plan
+            .pieces()
+            .map(|p| model.upload_ids(p))
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| e.to_string())?;
+        let stream = dev.cuda_stream();
+        let (captured, memo, ended) = {
+            // candle's own small uploads (strides of non-contiguous operands) come from its
+            // cache while this guard lives; the recording run fills it.
+            let _candle_cache = dev.enable_cuda_graph_htod_cache();
+            let (warm, memo) = uploads::recording(|| model.plan_logits(plan, &ids));
+            drop(warm.map_err(|e| format!("recording run: {e}"))?);
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| format!("begin capture: {e}"))?;
+            let (captured, memo) = uploads::replaying(memo, || model.plan_logits(plan, &ids));
+            // Graph allocations still held at a relaunch (the logits) are freed by it.
+            let ended = stream.end_capture(
+                CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            );
+            (captured, memo, ended)
+        };
+        let (logits, graph) = match (captured, ended) {
+            (Ok(logits), Ok(Some(graph))) => (logits, graph),
+            (captured, ended) => {
+                // Frees issued into the abandoned capture left an error on the context.
+                let _ = stream.context().check_err();
+                return Err(match (captured, ended) {
+                    (Err(e), _) => format!("capture: {e}"),
+                    (_, Err(e)) => format!("end capture: {e}"),
+                    _ => "end capture: no graph".to_string(),
+                });
+            }
+        };
+        graph.launch().map_err(|e| format!("first launch: {e}"))?;
+        let out = logits
+            .to_vec1::<f32>()
+            .map_err(|e| format!("first launch: {e}"))?;
+        Ok((
+            Captured {
+                logits,
+                graph,
+                ids,
+                _uploads: memo,
+            },
+            out,
+        ))
+    }
+}
