@@ -605,7 +605,9 @@ pub(crate) fn rms_norm(
     let (w0, w1) = contiguous(wl, "rms-norm weight")?;
     let w = ws.as_cuda_slice::<f32>()?.slice(w0..w1);
     let n_out = xv.rows * xv.cols * if residual.is_some() { 2 } else { 1 };
-    let block = (xv.cols.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32;
+    // A thread per 16-byte vector of a row (the kernel's usual path: 8 values in 16 bits).
+    let per_thread = 16 / xs.dtype().size_in_bytes();
+    let block = (xv.cols.div_ceil(per_thread).next_multiple_of(32)).clamp(32, 1024) as u32;
     let cfg = LaunchConfig {
         grid_dim: (xv.rows as u32, 1, 1),
         block_dim: (block, 1, 1),

@@ -109,6 +109,16 @@ pub fn check_fused_ops(
         let got = rms_norm(&part(&proj_d, 0)?, &w1_d, eps)?;
         let want = rms_norm_ref(&part(&proj, 0)?, &w1, eps)?;
         check(&tag("rms-norm (slice)"), &got, &want, tol)?;
+        // A slice one element off (no 16-byte rows: CUDA's scalar path).
+        let off = |p: &Tensor| p.narrow(D::Minus1, 1, 64);
+        let got = rms_norm(&off(&proj_d)?, &w1_d, eps)?;
+        let want = rms_norm_ref(&off(&proj)?, &w1, eps)?;
+        check(&tag("rms-norm (unaligned slice)"), &got, &want, tol)?;
+        let (sum, normed) = add_rms_norm(&off(&proj_d)?, &part(&proj_d, 1)?, &w1_d, eps)?;
+        let want_sum = (off(&proj)? + part(&proj, 1)?)?;
+        check(&tag("add-rms-norm sum (unaligned)"), &sum, &want_sum, 0.0)?;
+        let want = rms_norm_ref(&want_sum, &w1, eps)?;
+        check(&tag("add-rms-norm normed (unaligned)"), &normed, &want, tol)?;
         let x = part(&proj, 0)?.contiguous()?;
         let got = rms_norm(&x.to_device(dev)?, &w1_d, eps)?;
         check(&tag("rms-norm"), &got, &rms_norm_ref(&x, &w1, eps)?, tol)?;
@@ -139,6 +149,14 @@ pub fn check_fused_ops(
 
         let (gu_d, gu) = on(patterned(&[b, t, 2 * 48], 1.9, 3.0)?)?;
         check(&tag("swiglu"), &swiglu(&gu_d)?, &swiglu_ref(&gu)?, tol)?;
+        // An intermediate size of no whole 16-byte vectors (CUDA's scalar path).
+        let (gu_d, gu) = on(patterned(&[b, t, 2 * 45], 1.7, 3.0)?)?;
+        check(
+            &tag("swiglu (odd)"),
+            &swiglu(&gu_d)?,
+            &swiglu_ref(&gu)?,
+            tol,
+        )?;
 
         // Attention: a [q | gate] per head projection viewed as [B, T, H, 2, hd].
         let (heads, hd, rot) = (3, 16, 8);

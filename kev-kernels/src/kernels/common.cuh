@@ -47,6 +47,33 @@ struct F16 {
     }
 };
 
+// 16-byte vectors of a dtype (8 bf16/f16 or 4 f32 values): one load instruction moves 8× (4×)
+// the bytes of a scalar one, which keeps enough bytes in flight to stream at DRAM bandwidth.
+// `p` must be 16-byte aligned.
+template <typename D>
+struct Vec16 {
+    static constexpr int N = 16 / sizeof(typename D::T);
+    union Raw {
+        uint4 word;
+        typename D::T e[N];
+    };
+    static __device__ __forceinline__ void load(const typename D::T* p, float* v) {
+        Raw r;
+        r.word = *reinterpret_cast<const uint4*>(p);
+        #pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = D::load(&r.e[i]);
+    }
+    static __device__ __forceinline__ void store(typename D::T* p, const float* v) {
+        Raw r;
+        #pragma unroll
+        for (int i = 0; i < N; ++i) D::store(&r.e[i], v[i]);
+        *reinterpret_cast<uint4*>(p) = r.word;
+    }
+};
+
+// Whether `p` is 16-byte aligned.
+__device__ __forceinline__ bool aligned16(const void* p) { return ((size_t)p & 15) == 0; }
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);

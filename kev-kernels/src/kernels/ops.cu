@@ -211,23 +211,55 @@ __device__ __forceinline__ float block_sum(float v) {
 template <typename D>
 __device__ void rmsnorm(const typename D::T* x, long xs, const typename D::T* h, long hs,
                         const float* w1, typename D::T* out, int rows, int cols, float eps) {
+    typedef Vec16<D> V;
     const int r = blockIdx.x;
     const typename D::T* xr = x + (size_t)r * xs;
+    const typename D::T* hr = h ? h + (size_t)r * hs : nullptr;
     typename D::T* sum = out + (size_t)r * cols;
     typename D::T* normed = out + (h ? (size_t)rows * cols : 0) + (size_t)r * cols;
+    const typename D::T* src = h ? sum : xr;  // what the second pass normalises
+    // Whole rows in 16-byte vectors where every row start is aligned (the usual case). Each
+    // thread re-reads in the second pass exactly what it wrote in the first.
+    const bool vec = cols % V::N == 0 && xs % V::N == 0 && aligned16(x) && aligned16(out) &&
+                     (!h || (hs % V::N == 0 && aligned16(h)));
     float ss = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = D::load(xr + c);
-        if (h) {
-            v = D::round(v + D::load(h + (size_t)r * hs + c));
-            D::store(sum + c, v);
+    if (vec) {
+        for (int c = threadIdx.x * V::N; c < cols; c += blockDim.x * V::N) {
+            float v[V::N];
+            V::load(xr + c, v);
+            if (hr) {
+                float hv[V::N];
+                V::load(hr + c, hv);
+                #pragma unroll
+                for (int i = 0; i < V::N; ++i) v[i] = D::round(v[i] + hv[i]);
+                V::store(sum + c, v);
+            }
+            #pragma unroll
+            for (int i = 0; i < V::N; ++i) ss += v[i] * v[i];
         }
-        ss += v * v;
+    } else {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v = D::load(xr + c);
+            if (hr) {
+                v = D::round(v + D::load(hr + c));
+                D::store(sum + c, v);
+            }
+            ss += v * v;
+        }
     }
     const float inv = rsqrtf(block_sum(ss) / cols + eps);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float v = h ? D::load(sum + c) : D::load(xr + c);
-        D::store(normed + c, v * inv * w1[c]);
+    if (vec) {
+        for (int c = threadIdx.x * V::N; c < cols; c += blockDim.x * V::N) {
+            float v[V::N];
+            V::load(src + c, v);
+            #pragma unroll
+            for (int i = 0; i < V::N; ++i) v[i] *= inv * w1[c + i];
+            V::store(normed + c, v);
+        }
+    } else {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            D::store(normed + c, D::load(src + c) * inv * w1[c]);
+        }
     }
 }
 
@@ -278,13 +310,26 @@ __device__ void gates(const typename D::T* ba, long s, const float* dt_bias, con
 // grid-stride loop spent more time dividing indices than moving data).
 template <typename D>
 __device__ void swiglu(const typename D::T* gu, typename D::T* out, int rows, int inter) {
+    typedef Vec16<D> V;
+    const bool vec = inter % V::N == 0 && aligned16(gu) && aligned16(out);
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const typename D::T* g = gu + (size_t)r * 2 * inter;
         const typename D::T* u = g + inter;
         typename D::T* o = out + (size_t)r * inter;
-        for (int c = threadIdx.x; c < inter; c += blockDim.x) {
-            const float gv = D::load(g + c);
-            D::store(o + c, D::round(gv / (1.f + expf(-gv))) * D::load(u + c));
+        if (vec) {
+            for (int c = threadIdx.x * V::N; c < inter; c += blockDim.x * V::N) {
+                float gv[V::N], uv[V::N];
+                V::load(g + c, gv);
+                V::load(u + c, uv);
+                #pragma unroll
+                for (int i = 0; i < V::N; ++i) gv[i] = D::round(gv[i] / (1.f + expf(-gv[i]))) * uv[i];
+                V::store(o + c, gv);
+            }
+        } else {
+            for (int c = threadIdx.x; c < inter; c += blockDim.x) {
+                const float gv = D::load(g + c);
+                D::store(o + c, D::round(gv / (1.f + expf(-gv))) * D::load(u + c));
+            }
         }
     }
 }
