@@ -7,7 +7,8 @@
 # Kev runs the prefix and batch forms (and the prefix form once more without CUDA graphs); the peers their competitive forms only (all three for one
 # request, batch for 8 records, prefix and batch for the long state). With .gpu/parity present
 # (scripts/gpu-build.sh), the 0.8B command first runs the CUDA parity suite. Results go to
-# $OUT (or bench/.cache): results-h200.jsonl, log-h200.txt, parity.txt.
+# $OUT (or bench/.cache): results-h200.jsonl, log-h200.txt, parity.txt. PEER_WORKLOADS ["one batch8
+# long"] picks the peers' workloads (fewer to fit a command's 10 minutes).
 set -uo pipefail
 case "${1:-}" in 0.8b|4b) ;; *) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;; esac
 cd "$(dirname "$0")/.."
@@ -25,6 +26,7 @@ quiet() { grep -vE "^\s*$" | grep -E "^==|FAILED|rror"; }
 bench/run_h200.sh gen peak kev 2>&1 | quiet
 # The same one-record prefix forms without CUDA graphs: the graphs' share of Kev's figure.
 KEV_FORMS=prefix WORKLOADS=one,long KEV_ARGS="--no-cuda-graphs --label eager" bench/run_h200.sh kev 2>&1 | quiet
-WORKLOADS=one PEER_FORMS=all bench/run_h200.sh peers 2>&1 | quiet
-WORKLOADS=batch8 PEER_FORMS=batch bench/run_h200.sh peers 2>&1 | quiet
-WORKLOADS=long PEER_FORMS=prefix,batch bench/run_h200.sh peers 2>&1 | quiet
+peers=${PEER_WORKLOADS:-one batch8 long}
+case " $peers " in *" one "*) WORKLOADS=one PEER_FORMS=all bench/run_h200.sh peers 2>&1 | quiet ;; esac
+case " $peers " in *" batch8 "*) WORKLOADS=batch8 PEER_FORMS=batch bench/run_h200.sh peers 2>&1 | quiet ;; esac
+case " $peers " in *" long "*) WORKLOADS=long PEER_FORMS=prefix,batch bench/run_h200.sh peers 2>&1 | quiet ;; esac

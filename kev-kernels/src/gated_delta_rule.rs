@@ -20,52 +20,36 @@ use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
 
-/// From this many steps on, [`GdrForm::Auto`] runs the chunked kernels on CUDA (a preparation
-/// kernel per chunk of 32 steps, then a scan over the chunks) instead of the step-by-step one,
-/// for bf16 and f16 models (f32 always runs step by step); from [`CHUNKED_MIN_LEN_WIDE`] steps
-/// already when the call has at least [`CHUNKED_WIDE_PAIRS`] (row, value head) pairs.
-/// `KEV_GDR_CHUNKED_MIN_LEN` replaces both lengths with one, for tuning.
+/// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
+/// preparation kernel per chunk of 32 steps, then a scan over the chunks) instead of the
+/// step-by-step one, for bf16 and f16 models (f32 always runs step by step).
+/// `KEV_GDR_CHUNKED_MIN_LEN` replaces it, for tuning.
 ///
-/// gdr_bench on the H200 (bf16, ms, chunked vs step by step, device memory kept in the pool as
-/// Kev's models do, 2026-11-30): 0.8B heads 0.163 vs 0.194 at 1 × 512 steps, 0.582 vs 0.799 at
-/// 8 × 512, 1.04 vs 1.55 at 1 × 4096; 4B heads 0.224 vs 0.312, 1.05 vs 1.41, 1.22 vs 2.39. At
-/// 48 steps (a branch) with 32 rows the chunked kernels lead (0.8B 0.333 vs 0.372, 4B 0.584 vs
-/// 0.719); with 4 rows they are level on the GPU (0.070 vs 0.070, 0.109 vs 0.120) but the
-/// one-request forward, which is host-bound, measured ~1 ms slower at 0.8B with them (two
-/// launches and their scratch instead of one launch).
-pub const CHUNKED_MIN_LEN: usize = 64;
+/// gdr_bench on the H200 (bf16, ms, chunked vs step by step, 2026-11-30): 0.8B heads 0.163 vs
+/// 0.194 at 1 × 512 steps, 0.582 vs 0.799 at 8 × 512, 1.04 vs 1.55 at 1 × 4096; 4B heads 0.224 vs
+/// 0.312, 1.05 vs 1.41, 1.22 vs 2.39; at 48 steps (a branch) with 32 rows 0.333 vs 0.372 (0.8B)
+/// and 0.584 vs 0.719 (4B). With a single request's 4 rows of 48 steps the threshold was 64
+/// while the forward was host-bound (two launches cost more than they saved); replayed as a
+/// CUDA graph, the chunked kernels make the whole request 7–8 % faster (0.8B 7.49 → 6.93 ms, 4B
+/// 19.08 → 17.61 ms, same command, sixth session), hence one chunk.
+pub const CHUNKED_MIN_LEN: usize = 32;
 
-/// The shorter threshold for wide calls (see [`CHUNKED_MIN_LEN`]): one chunk.
-pub const CHUNKED_MIN_LEN_WIDE: usize = 32;
-
-/// (row, value head) pairs from which [`CHUNKED_MIN_LEN_WIDE`] applies: 8 records' branches
-/// (32 rows) of the 0.8B model have 512.
-pub const CHUNKED_WIDE_PAIRS: usize = 512;
-
-/// Whether [`GdrForm::Auto`] takes the chunked kernels for `seq_len` steps over `pairs`
-/// (row, value head) pairs.
-fn auto_prefers_chunked(seq_len: usize, pairs: usize) -> bool {
+/// Whether [`GdrForm::Auto`] takes the chunked kernels for `seq_len` steps.
+fn auto_prefers_chunked(seq_len: usize) -> bool {
     static FORCED: OnceLock<Option<usize>> = OnceLock::new();
     let forced = FORCED.get_or_init(|| {
         std::env::var("KEV_GDR_CHUNKED_MIN_LEN")
             .ok()
             .and_then(|v| v.parse().ok())
     });
-    match *forced {
-        Some(min_len) => seq_len >= min_len,
-        None => {
-            seq_len >= CHUNKED_MIN_LEN
-                || (seq_len >= CHUNKED_MIN_LEN_WIDE && pairs >= CHUNKED_WIDE_PAIRS)
-        }
-    }
+    seq_len >= forced.unwrap_or(CHUNKED_MIN_LEN)
 }
 
 /// Which algorithm runs the recurrence, for backends that have both (CUDA, Dk ≤ 128); the others
 /// always run step by step. Both give the same results up to f32 rounding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GdrForm {
-    /// Chunked from [`CHUNKED_MIN_LEN`] steps on (from [`CHUNKED_MIN_LEN_WIDE`] for wide calls),
-    /// step by step below.
+    /// Chunked from [`CHUNKED_MIN_LEN`] steps on, step by step below.
     #[default]
     Auto,
     /// Step by step: T dependent steps, each one small.
@@ -119,10 +103,7 @@ impl GatedDeltaRule {
             // f32 is the exact path: the chunked form rounds differently (cumulative decays, the
             // triangular inverse), measured 1.4e-5 on a probability of the test model at its
             // largest LoRA scale against transformers, over the 1e-5 parity bound.
-            GdrForm::Auto => {
-                self.out_dtype != DType::F32
-                    && auto_prefers_chunked(self.seq_len, self.b_sz * self.dims.num_v_heads)
-            }
+            GdrForm::Auto => self.out_dtype != DType::F32 && auto_prefers_chunked(self.seq_len),
             GdrForm::Recurrent => false,
             GdrForm::Chunked => true,
         }

@@ -253,7 +253,7 @@ __device__ void rmsnorm(const typename D::T* x, long xs, const typename D::T* h,
             float v[V::N];
             V::load(src + c, v);
             #pragma unroll
-            for (int i = 0; i < V::N; ++i) v[i] *= inv * w1[c + i];
+            for (int i = 0; i < V::N; ++i) v[i] = v[i] * inv * w1[c + i];  // HF's order
             V::store(normed + c, v);
         }
     } else {
