@@ -67,6 +67,12 @@ impl Plan {
         self.state.iter().chain(&self.branches)
     }
 
+    /// Token positions computed (padding included).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn tokens(&self) -> usize {
+        self.pieces().map(|p| p.width * p.lengths.len()).sum()
+    }
+
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn shape(&self) -> PlanShape {
         PlanShape {

@@ -138,7 +138,8 @@ pub struct LoadOptions {
     /// `probs`) as a CUDA graph once a record of the same token shapes (state length, branch
     /// lengths, decision and option positions) comes a second time: one launch instead of about
     /// a thousand, the same kernels and numbers. Each distinct shape keeps a captured graph
-    /// (the few most recent). Ignored elsewhere. By default, true.
+    /// (the few most recent); records over 2048 token positions stay eager (a graph holds its
+    /// own copy of the working memory). Ignored elsewhere. By default, true.
     pub cuda_graphs: bool,
 }
 
