@@ -32,12 +32,12 @@ pub(crate) use cuda::Graphs;
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::collections::{HashSet, VecDeque};
-    use std::sync::{Mutex, PoisonError};
+    use std::sync::{Arc, Mutex, PoisonError};
 
     use candle_core::cuda_backend::cudarc::driver::sys::{
         CUgraphInstantiate_flags, CUstreamCaptureMode,
     };
-    use candle_core::cuda_backend::cudarc::driver::CudaGraph;
+    use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaStream};
     use candle_core::{CudaDevice, Tensor};
     use kev_core::{Error, Result};
     use kev_kernels::uploads::{self, UploadMemo};
@@ -68,6 +68,9 @@ mod cuda {
     struct State {
         seen: HashSet<PlanShape>,
         failed: HashSet<PlanShape>,
+        /// Shapes whose graph is out for a replay or being captured: other threads run them
+        /// eagerly meanwhile rather than capture a second graph.
+        busy: HashSet<PlanShape>,
         graphs: VecDeque<(PlanShape, Captured)>,
         stats: GraphStats,
     }
@@ -82,7 +85,8 @@ mod cuda {
     }
 
     // SAFETY: CUDA graph objects may be used from any thread as long as no two threads use one
-    // at a time; a `Captured` is only ever touched with the `Graphs` mutex held.
+    // at a time. A `Captured` has one owner at a time: the list (behind the mutex), or the one
+    // thread that took it out of the list to replay it.
     unsafe impl Send for Captured {}
 
     fn backend(context: &str, e: impl std::fmt::Display) -> Error {
@@ -113,13 +117,16 @@ mod cuda {
             // streams) go on; a graph in use is out of the list until it is done.
             let action = {
                 let mut state = self.lock();
-                if plan.tokens() > MAX_TOKENS {
+                if plan.tokens() > MAX_TOKENS
+                    || state.failed.contains(&shape)
+                    || state.busy.contains(&shape)
+                {
                     Action::Eager
                 } else if let Some(i) = state.graphs.iter().position(|(s, _)| *s == shape) {
+                    state.busy.insert(shape.clone());
                     Action::Replay(state.graphs.remove(i).expect("in range").1)
-                } else if state.failed.contains(&shape) {
-                    Action::Eager
                 } else if state.seen.remove(&shape) {
+                    state.busy.insert(shape.clone());
                     Action::Capture
                 } else {
                     if state.seen.len() >= SEEN {
@@ -131,36 +138,52 @@ mod cuda {
             };
             match action {
                 Action::Eager => model.plan_logits_eager(plan),
-                Action::Replay(graph) => {
-                    let out = graph.replay(model, plan);
-                    self.keep(shape, graph, |stats| stats.replayed += 1);
-                    out
-                }
+                Action::Replay(graph) => match graph.replay(model, plan) {
+                    Ok(out) => {
+                        self.settle(shape, Some(graph), |stats| stats.replayed += 1);
+                        Ok(out)
+                    }
+                    // A graph that failed to run is not kept (its next launch would likely
+                    // fail the same way); the error goes to the caller.
+                    Err(e) => {
+                        self.settle(shape, None, |_| {});
+                        Err(e)
+                    }
+                },
                 Action::Capture => match capture(model, plan, dev) {
                     Ok((graph, logits)) => {
-                        self.keep(shape, graph, |stats| stats.captured += 1);
+                        self.settle(shape, Some(graph), |stats| stats.captured += 1);
                         Ok(logits)
                     }
                     Err(why) => {
-                        let mut state = self.lock();
-                        state.failed.insert(shape);
-                        state.stats.failed += 1;
-                        state.stats.last_failure = Some(why);
-                        drop(state);
+                        self.settle(shape.clone(), None, |stats| {
+                            stats.failed += 1;
+                            stats.last_failure = Some(why);
+                        });
+                        self.lock().failed.insert(shape);
                         model.plan_logits_eager(plan)
                     }
                 },
             }
         }
 
-        /// Puts `graph` (back) at the most recent end of the list, dropping the oldest over [`KEEP`].
-        fn keep(&self, shape: PlanShape, graph: Captured, count: impl FnOnce(&mut GraphStats)) {
+        /// Ends a replay or capture of `shape`: counts it, and puts `graph` (if any) at the most
+        /// recent end of the list, dropping the oldest over [`KEEP`].
+        fn settle(
+            &self,
+            shape: PlanShape,
+            graph: Option<Captured>,
+            count: impl FnOnce(&mut GraphStats),
+        ) {
             let mut state = self.lock();
             count(&mut state.stats);
-            if state.graphs.len() >= KEEP {
-                state.graphs.pop_front();
+            state.busy.remove(&shape);
+            if let Some(graph) = graph {
+                if state.graphs.len() >= KEEP {
+                    state.graphs.pop_front();
+                }
+                state.graphs.push_back((shape, graph));
             }
-            state.graphs.push_back((shape, graph));
         }
     }
 
@@ -185,7 +208,8 @@ mod cuda {
     }
 
     /// Records `plan`'s uploads in an eager run, captures a second run, launches it once and
-    /// returns the graph and its logits; on failure, why (the stream has left capture).
+    /// returns the graph and its logits; on failure, why, with the stream out of capture and the
+    /// errors the abandoned capture left on the context taken.
     fn capture(
         model: &DecisionModel,
         plan: &Plan,
@@ -203,40 +227,90 @@ mod cuda {
             let _candle_cache = dev.enable_cuda_graph_htod_cache();
             let (warm, memo) = uploads::recording(|| model.plan_logits(plan, &ids));
             drop(warm.map_err(|e| format!("recording run: {e}"))?);
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .map_err(|e| format!("begin capture: {e}"))?;
+            let capturing = Capturing::begin(&stream)?;
             let (captured, memo) = uploads::replaying(memo, || model.plan_logits(plan, &ids));
-            // Graph allocations still held at a relaunch (the logits) are freed by it.
-            let ended = stream.end_capture(
-                CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-            );
+            let ended = capturing.end();
             (captured, memo, ended)
         };
         let (logits, graph) = match (captured, ended) {
-            (Ok(logits), Ok(Some(graph))) => (logits, graph),
+            (Ok(logits), Ok(graph)) => (logits, graph),
             (captured, ended) => {
-                // Frees issued into the abandoned capture left an error on the context.
-                let _ = stream.context().check_err();
-                return Err(match (captured, ended) {
+                let why = match (&captured, &ended) {
                     (Err(e), _) => format!("capture: {e}"),
-                    (_, Err(e)) => format!("end capture: {e}"),
-                    _ => "end capture: no graph".to_string(),
-                });
+                    (_, Err(e)) => e.clone(),
+                    _ => unreachable!("the first arm takes two successes"),
+                };
+                // Frees of memory from the abandoned capture leave errors on the context.
+                drop((captured, ended));
+                let _ = stream.context().check_err();
+                return Err(why);
             }
         };
-        graph.launch().map_err(|e| format!("first launch: {e}"))?;
-        let out = logits
-            .to_vec1::<f32>()
-            .map_err(|e| format!("first launch: {e}"))?;
-        Ok((
-            Captured {
-                logits,
-                graph,
-                ids,
-                _uploads: memo,
-            },
-            out,
-        ))
+        let first = graph.launch().map_err(|e| format!("first launch: {e}"));
+        let out = first.and_then(|()| {
+            logits
+                .to_vec1::<f32>()
+                .map_err(|e| format!("first launch: {e}"))
+        });
+        match out {
+            Ok(out) => Ok((
+                Captured {
+                    logits,
+                    graph,
+                    ids,
+                    _uploads: memo,
+                },
+                out,
+            )),
+            Err(why) => {
+                drop((logits, graph));
+                let _ = stream.context().check_err();
+                Err(why)
+            }
+        }
+    }
+
+    /// A capture in progress on `stream`; ended (and the graph dropped) if the thread unwinds
+    /// before [`Capturing::end`], so the stream never stays capturing.
+    struct Capturing<'a> {
+        stream: &'a Arc<CudaStream>,
+        open: bool,
+    }
+
+    impl<'a> Capturing<'a> {
+        fn begin(stream: &'a Arc<CudaStream>) -> std::result::Result<Self, String> {
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| format!("begin capture: {e}"))?;
+            Ok(Self { stream, open: true })
+        }
+
+        /// Ends the capture and instantiates the graph. Graph allocations still held at a
+        /// relaunch (the logits) are freed by it.
+        fn end(mut self) -> std::result::Result<CudaGraph, String> {
+            self.open = false;
+            // cudarc's `end_capture` first reports any error recorded on the context (frees
+            // inside an invalidated capture record some) and would then leave the stream
+            // capturing: take them first, and count them as this capture's failure.
+            let recorded = self.stream.context().check_err();
+            let ended = self.stream.end_capture(
+                CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            );
+            match (recorded, ended) {
+                (Ok(()), Ok(Some(graph))) => Ok(graph),
+                (Err(e), _) => Err(format!("during capture: {e}")),
+                (_, Err(e)) => Err(format!("end capture: {e}")),
+                (_, Ok(None)) => Err("end capture: no graph".to_string()),
+            }
+        }
+    }
+
+    impl Drop for Capturing<'_> {
+        fn drop(&mut self) {
+            if self.open {
+                let _ = self.stream.context().check_err();
+                let _ = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            }
+        }
     }
 }

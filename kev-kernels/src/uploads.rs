@@ -18,18 +18,54 @@ use candle_core::{bail, DType, Device, Result, Shape, Tensor, WithDType};
 pub trait Upload: WithDType {
     /// The value's bytes (little-endian), part of the memo key.
     fn key_bytes(values: &[Self]) -> Vec<u8>;
+
+    /// `values` copied to `dev` with cudarc directly: candle's own upload keeps every small
+    /// copy made while its graph cache is on, forever; the memo's copies live with their graph.
+    #[cfg(feature = "cuda")]
+    fn to_cuda(values: &[Self], dev: &candle_core::CudaDevice) -> Result<candle_core::CudaStorage>;
 }
 
-impl Upload for u32 {
-    fn key_bytes(values: &[Self]) -> Vec<u8> {
-        values.iter().flat_map(|v| v.to_le_bytes()).collect()
-    }
-}
+macro_rules! upload_impl {
+    ($t:ty) => {
+        impl Upload for $t {
+            fn key_bytes(values: &[Self]) -> Vec<u8> {
+                values.iter().flat_map(|v| v.to_le_bytes()).collect()
+            }
 
-impl Upload for f32 {
-    fn key_bytes(values: &[Self]) -> Vec<u8> {
-        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+            #[cfg(feature = "cuda")]
+            fn to_cuda(
+                values: &[Self],
+                dev: &candle_core::CudaDevice,
+            ) -> Result<candle_core::CudaStorage> {
+                use candle_core::cuda_backend::WrapErr;
+                let slice = dev.cuda_stream().clone_htod(values).w()?;
+                Ok(candle_core::CudaStorage::wrap_cuda_slice(
+                    slice,
+                    dev.clone(),
+                ))
+            }
+        }
+    };
+}
+upload_impl!(u32);
+upload_impl!(f32);
+
+/// A memo's copy of `values`, not through candle's graph cache where there is a choice.
+fn copy<T: Upload>(values: Vec<T>, shape: Shape, device: &Device) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        if values.len() != shape.elem_count() {
+            bail!("upload of {} values as {shape:?}", values.len())
+        }
+        let storage = candle_core::Storage::Cuda(T::to_cuda(&values, dev)?);
+        return Ok(Tensor::from_storage(
+            storage,
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        ));
     }
+    Tensor::from_vec(values, shape, device)
 }
 
 #[derive(PartialEq, Eq, Hash)]
@@ -87,7 +123,7 @@ pub fn upload<T: Upload>(
             if let Some(t) = memo.tensors.get(&key) {
                 return Ok(t.clone());
             }
-            let t = Tensor::from_vec(values, shape, device)?;
+            let t = copy(values, shape, device)?;
             memo.tensors.insert(key, t.clone());
             Ok(t)
         }
