@@ -251,11 +251,7 @@ impl DecisionModel {
 
     /// [`DecisionModel::plan_logits`] with fresh uploads, read back.
     pub(crate) fn plan_logits_eager(&self, plan: &Plan) -> Result<Vec<f32>> {
-        let ids = plan
-            .pieces()
-            .map(|p| self.upload_ids(p))
-            .collect::<Result<Vec<_>>>()?;
-        self.plan_logits(plan, &ids)?
+        self.plan_logits(plan, &self.upload_all(plan.pieces())?)?
             .to_vec1::<f32>()
             .map_err(backend_err("pointer head"))
     }
@@ -264,18 +260,46 @@ impl DecisionModel {
     /// options' logits `[M]` on the device, waiting for nothing.
     pub(crate) fn plan_logits(&self, plan: &Plan, ids: &[Tensor]) -> Result<Tensor> {
         let (state_ids, branch_ids) = ids.split_at(plan.state.len());
+        let cache = self.state_cache(1, &plan.state, state_ids)?;
+        let owners = vec![0; plan.rows.len()];
+        self.branch_logits(&cache, &owners, &plan.branches, branch_ids, &plan.rows)
+    }
+
+    /// A fresh cache of `rows` rows after `pieces` (the states; none: an empty state).
+    fn state_cache(&self, rows: usize, pieces: &[Piece], ids: &[Tensor]) -> Result<Cache> {
         let mut cache = self
             .model
-            .new_cache(1)
-            .map_err(backend_err("prefix cache"))?;
-        if !plan.state.is_empty() {
-            self.run_pieces(&plan.state, state_ids, &mut cache)?;
+            .new_cache(rows)
+            .map_err(backend_err("state cache"))?;
+        if !pieces.is_empty() {
+            self.run_pieces(pieces, ids, &mut cache)?;
         }
+        Ok(cache)
+    }
+
+    /// `pieces` (the branches), row i continuing row `owners[i]` of `cache` (on a copy), then
+    /// the head: all options' logits `[M]` on the device.
+    fn branch_logits(
+        &self,
+        cache: &Cache,
+        owners: &[usize],
+        pieces: &[Piece],
+        ids: &[Tensor],
+        rows: &[Row],
+    ) -> Result<Tensor> {
         let mut branch_cache = cache
-            .select_rows(&vec![0; plan.rows.len()])
+            .select_rows(owners)
             .map_err(backend_err("copying the prefix cache"))?;
-        let hidden = self.run_pieces(&plan.branches, branch_ids, &mut branch_cache)?;
-        self.head_logits(&hidden, &plan.rows)
+        let hidden = self.run_pieces(pieces, ids, &mut branch_cache)?;
+        self.head_logits(&hidden, rows)
+    }
+
+    /// Every piece's token ids on the device.
+    pub(crate) fn upload_all<'a>(
+        &self,
+        pieces: impl IntoIterator<Item = &'a Piece>,
+    ) -> Result<Vec<Tensor>> {
+        pieces.into_iter().map(|p| self.upload_ids(p)).collect()
     }
 
     /// Logits per question in row form: `state ++ branch_j` run on its own for each question.
@@ -322,13 +346,8 @@ impl DecisionModel {
 
     /// Runs already-encoded state ids into a prefix.
     fn prefix_of(&self, state: &str, state_ids: Vec<u32>) -> Result<Prefix> {
-        let mut cache = self
-            .model
-            .new_cache(1)
-            .map_err(backend_err("prefix cache"))?;
-        if !state_ids.is_empty() {
-            self.run(std::slice::from_ref(&state_ids), &mut cache)?;
-        }
+        let pieces = self.pieces(std::slice::from_ref(&state_ids));
+        let cache = self.state_cache(1, &pieces, &self.upload_all(&pieces)?)?;
         Ok(Prefix {
             state: state.to_string(),
             state_ids,
@@ -347,13 +366,8 @@ impl DecisionModel {
             .map(|r| self.encode(r).map(|e| e.rows()))
             .collect::<Result<_>>()?;
         let states: Vec<Vec<u32>> = encoded.iter().map(|(s, _)| s.clone()).collect();
-        let mut cache = self
-            .model
-            .new_cache(states.len())
-            .map_err(backend_err("batch cache"))?;
-        if states.iter().any(|s| !s.is_empty()) {
-            self.run(&states, &mut cache)?;
-        }
+        let pieces = self.pieces(&states);
+        let cache = self.state_cache(states.len(), &pieces, &self.upload_all(&pieces)?)?;
         let owners: Vec<usize> = encoded
             .iter()
             .enumerate()
@@ -398,12 +412,13 @@ impl DecisionModel {
     /// Runs `rows` as one right-padded batch, row i continuing row `owners[i]` of `cache`, and
     /// returns each row's logits.
     fn branches(&self, cache: &Cache, owners: &[usize], rows: &[Row]) -> Result<Vec<Vec<f32>>> {
-        let mut branch_cache = cache
-            .select_rows(owners)
-            .map_err(backend_err("copying the prefix cache"))?;
         let ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
-        let hidden = self.run(&ids, &mut branch_cache)?;
-        self.read_head(&hidden, rows)
+        let pieces = self.pieces(&ids);
+        let flat = self
+            .branch_logits(cache, owners, &pieces, &self.upload_all(&pieces)?, rows)?
+            .to_vec1::<f32>()
+            .map_err(backend_err("pointer head"))?;
+        Ok(split_logits(&flat, rows))
     }
 
     /// Right-pads `seqs` into `[B, T]` and cuts it into pieces of at most `prefill_chunk` steps.
@@ -436,11 +451,7 @@ impl DecisionModel {
     /// Runs `seqs` after `cache` ([`DecisionModel::pieces`]); returns the hidden states `[B, T, H]`.
     fn run(&self, seqs: &[Vec<u32>], cache: &mut Cache) -> Result<Tensor> {
         let pieces = self.pieces(seqs);
-        let ids = pieces
-            .iter()
-            .map(|p| self.upload_ids(p))
-            .collect::<Result<Vec<_>>>()?;
-        self.run_pieces(&pieces, &ids, cache)
+        self.run_pieces(&pieces, &self.upload_all(&pieces)?, cache)
     }
 
     /// Runs `pieces` (their ids on the device in `ids`) one after the other through `cache`.

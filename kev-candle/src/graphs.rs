@@ -215,11 +215,7 @@ mod cuda {
         plan: &Plan,
         dev: &CudaDevice,
     ) -> std::result::Result<(Captured, Vec<f32>), String> {
-        let ids = plan
-            .pieces()
-            .map(|p| model.upload_ids(p))
-            .collect::<Result<Vec<_>>>()
-            .map_err(|e| e.to_string())?;
+        let ids = model.upload_all(plan.pieces()).map_err(|e| e.to_string())?;
         let stream = dev.cuda_stream();
         let (captured, memo, ended) = {
             // candle's own small uploads (strides of non-contiguous operands) come from its

@@ -112,37 +112,32 @@ pub fn upload<T: Upload>(
     device: &Device,
 ) -> Result<Tensor> {
     let shape = shape.into();
-    MODE.with(|mode| match &mut *mode.borrow_mut() {
-        Mode::Direct => Tensor::from_vec(values, shape, device),
-        Mode::Record(memo) => {
-            let key = Key {
-                dtype: T::DTYPE,
-                dims: shape.dims().to_vec(),
-                bytes: T::key_bytes(&values),
-            };
-            if let Some(t) = memo.tensors.get(&key) {
-                return Ok(t.clone());
-            }
-            let t = copy(values, shape, device)?;
-            memo.tensors.insert(key, t.clone());
-            Ok(t)
+    MODE.with(|mode| {
+        let mut mode = mode.borrow_mut();
+        let (memo, replaying) = match &mut *mode {
+            Mode::Direct => return Tensor::from_vec(values, shape, device),
+            Mode::Record(memo) => (memo, false),
+            Mode::Replay(memo) => (memo, true),
+        };
+        let key = Key {
+            dtype: T::DTYPE,
+            dims: shape.dims().to_vec(),
+            bytes: T::key_bytes(&values),
+        };
+        if let Some(t) = memo.tensors.get(&key) {
+            return Ok(t.clone());
         }
-        Mode::Replay(memo) => {
-            let key = Key {
-                dtype: T::DTYPE,
-                dims: shape.dims().to_vec(),
-                bytes: T::key_bytes(&values),
-            };
-            match memo.tensors.get(&key) {
-                Some(t) => Ok(t.clone()),
-                None => bail!(
-                    "an upload of {:?} {:?} was not made by the recorded forward: the capture \
-                     would copy from host memory",
-                    T::DTYPE,
-                    shape.dims()
-                ),
-            }
+        if replaying {
+            bail!(
+                "an upload of {:?} {:?} was not made by the recorded forward: the capture \
+                 would copy from host memory",
+                T::DTYPE,
+                shape.dims()
+            )
         }
+        let t = copy(values, shape, device)?;
+        memo.tensors.insert(key, t.clone());
+        Ok(t)
     })
 }
 
