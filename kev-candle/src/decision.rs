@@ -414,11 +414,9 @@ impl DecisionModel {
     fn branches(&self, cache: &Cache, owners: &[usize], rows: &[Row]) -> Result<Vec<Vec<f32>>> {
         let ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
         let pieces = self.pieces(&ids);
-        let flat = self
-            .branch_logits(cache, owners, &pieces, &self.upload_all(&pieces)?, rows)?
-            .to_vec1::<f32>()
-            .map_err(backend_err("pointer head"))?;
-        Ok(split_logits(&flat, rows))
+        let logits =
+            self.branch_logits(cache, owners, &pieces, &self.upload_all(&pieces)?, rows)?;
+        read_per_row(&logits, rows)
     }
 
     /// Right-pads `seqs` into `[B, T]` and cuts it into pieces of at most `prefill_chunk` steps.
@@ -473,11 +471,7 @@ impl DecisionModel {
 
     /// Reads the head at each row's `decide` and `opts` positions of `hidden: [B, T, H]`.
     fn read_head(&self, hidden: &Tensor, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
-        let flat = self
-            .head_logits(hidden, rows)?
-            .to_vec1::<f32>()
-            .map_err(backend_err("pointer head"))?;
-        Ok(split_logits(&flat, rows))
+        read_per_row(&self.head_logits(hidden, rows)?, rows)
     }
 
     /// All rows' option logits `[M]` (f32, on the device) from `hidden: [B, T, H]`.
@@ -508,6 +502,14 @@ impl DecisionModel {
             )
             .map_err(&err)
     }
+}
+
+/// All options' logits `[M]` (on the device, in row order) read back and cut per row.
+fn read_per_row(logits: &Tensor, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
+    let flat = logits
+        .to_vec1::<f32>()
+        .map_err(backend_err("pointer head"))?;
+    Ok(split_logits(&flat, rows))
 }
 
 /// `flat` (all options' logits in row order) cut per row.
