@@ -59,6 +59,10 @@ struct Args {
     /// Run every forward eagerly on CUDA (no graph replays), for an A/B in one command.
     #[arg(long)]
     no_cuda_graphs: bool,
+    /// Bracket the timed runs with the CUDA profiler's start and stop, for
+    /// `ncu --profile-from-start off`: kernels of the load and warm-ups stay out of the profile.
+    #[arg(long)]
+    profile_timed: bool,
     /// Free text copied into every line.
     #[arg(long, default_value = "")]
     label: String,
@@ -264,6 +268,19 @@ fn pool_peak_mib(device: &candle_core::Device, reset: bool) -> Option<f64> {
     None
 }
 
+/// Starts or stops the CUDA profiler's range when `--profile-timed` asked for it.
+fn profiler(device: &candle_core::Device, wanted: bool, on: bool) -> Result<()> {
+    if !wanted {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return Ok(kev_kernels::profiler_range(d, on)?);
+    }
+    let _ = (device, on);
+    bail!("--profile-timed needs the CUDA backend")
+}
+
 /// Samples `gpu_used_mib` every 100 ms and keeps the largest value until dropped.
 struct GpuSampler {
     peak: Arc<AtomicU64>,
@@ -386,6 +403,9 @@ fn main() -> Result<()> {
             let mut times = Vec::with_capacity(args.repeats);
             let mut first = Vec::new();
             for i in 0..args.warmup + args.repeats {
+                if i == args.warmup {
+                    profiler(model.device(), args.profile_timed, true)?;
+                }
                 let t = Instant::now();
                 let probs = score(&model, &records, form)
                     .with_context(|| format!("{workload} {}", form.name()))?;
@@ -395,6 +415,7 @@ fn main() -> Result<()> {
                 }
                 first = probs.into_iter().next().unwrap_or_default();
             }
+            profiler(model.device(), args.profile_timed, false)?;
             let gpu_peak = sampler.map(GpuSampler::finish);
             let pool_peak = pool_peak_mib(model.device(), false);
             let med = median(&times);

@@ -50,7 +50,7 @@ pub use causal_conv1d::{
 };
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
 #[cfg(feature = "cuda")]
-pub use cuda::{keep_device_memory, pool_peak_bytes};
+pub use cuda::{keep_device_memory, pool_peak_bytes, profiler_range};
 pub use gated_delta_rule::{
     gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent, gated_delta_rule_ref,
     GdrDims, GdrForm, CHUNKED_MIN_LEN,

@@ -134,6 +134,11 @@ pub fn check_fused_ops(
         let got = gated_rms_norm(&x_d, &part(&proj_d, 2)?, &w_d, eps)?;
         let want = gated_rms_norm_ref(&x, &part(&proj, 2)?, &w, eps)?;
         check(&tag("gated-rms-norm"), &got, &want, tol)?;
+        // z one element off (CUDA's scalar path).
+        let z_off = |p: &Tensor| p.narrow(D::Minus1, 129, 64);
+        let got = gated_rms_norm(&x_d, &z_off(&proj_d)?, &w_d, eps)?;
+        let want = gated_rms_norm_ref(&x, &z_off(&proj)?, &w, eps)?;
+        check(&tag("gated-rms-norm (unaligned gate)"), &got, &want, tol)?;
 
         let dt_bias = patterned(&[hv], 0.5, 1.0)?;
         let neg_a = (patterned(&[hv], 0.9, 1.0)?.exp()? * -1.0)?;
@@ -213,16 +218,27 @@ pub fn check_fused_ops(
             candle_core::bail!("gather-rows accepted row 3 of a 3-row tensor")
         }
 
-        // The conv from a cache, x a slice of the projection, with and without padded rows.
-        let (cache_d, cache) = on(patterned(&[b, 3, 64], 2.5, 1.0)?)?;
-        let (w_d, w) = on(patterned(&[64, 4], 0.9, 0.5)?)?;
-        for lengths in [None, Some(&[t, 2][..])] {
-            let (y, next) = causal_conv1d_cached(&part(&proj_d, 1)?, &cache_d, &w_d, lengths)?;
-            let (y_ref, next_ref) =
-                causal_conv1d_cached_ref(&part(&proj, 1)?, &cache, &w, lengths)?;
-            let what = format!("conv-cached {lengths:?}");
-            check(&tag(&format!("{what} y")), &y, &y_ref, tol)?;
-            check(&tag(&format!("{what} next cache")), &next, &next_ref, 0.0)?;
+        // The conv from a cache, x a slice of the projection, with and without padded rows: 64
+        // aligned channels (CUDA's vector path), then 61 channels one element off (its scalar
+        // path, with a last group of 5), then a row of 19 steps (three runs of a thread).
+        let (long_d, long) = on(patterned(&[b, 19, 64], 1.1, 2.0)?)?;
+        let unaligned = |p: &Tensor| p.narrow(D::Minus1, 65, 61);
+        let cases: [(&str, Tensor, Tensor, usize); 3] = [
+            ("aligned", part(&proj_d, 1)?, part(&proj, 1)?, t),
+            ("unaligned", unaligned(&proj_d)?, unaligned(&proj)?, t),
+            ("19 steps", long_d, long, 19),
+        ];
+        for (case, x_d, x, steps) in cases {
+            let c = x.dim(D::Minus1)?;
+            let (cache_d, cache) = on(patterned(&[b, 3, c], 2.5, 1.0)?)?;
+            let (w_d, w) = on(patterned(&[c, 4], 0.9, 0.5)?)?;
+            for lengths in [None, Some(&[steps, 2][..])] {
+                let (y, next) = causal_conv1d_cached(&x_d, &cache_d, &w_d, lengths)?;
+                let (y_ref, next_ref) = causal_conv1d_cached_ref(&x, &cache, &w, lengths)?;
+                let what = format!("conv-cached {case} {lengths:?}");
+                check(&tag(&format!("{what} y")), &y, &y_ref, tol)?;
+                check(&tag(&format!("{what} next cache")), &next, &next_ref, 0.0)?;
+            }
         }
     }
     Ok(())

@@ -29,7 +29,10 @@
 //   columns per block (grid.x = ceil(Dv/32) or ceil(Dv/16)). See the tensor-core section below.
 
 #define CH 32            // steps per chunk
-#define CH_THREADS 128
+#define CH_THREADS 128   // threads of the FMA kernels
+#define TC_THREADS 256   // of the tensor-core kernels: 8 warps share a chunk's work, so one block
+                         // (what a short call has per multiprocessor) issues from every scheduler
+#define A_P 36           // row pitch of A [CH][CH]: rows float4-aligned for the solve's loads
 #define DM 128           // Dk and Dv, padded
 #define TP (CH + 4)      // row pitch of [DM][CH] tiles: float4-aligned, rows in different banks
 
@@ -58,7 +61,7 @@ struct StepTiles {
 // Step 1 of both preparation kernels: the chunk's q̂, k̂ (l2-normalised, q̂ scaled by 1/√Dk),
 // v, g and β, a warp per step (unrolled: the loads of a warp's steps are in flight together);
 // then the cumulative G and β·e^G. Ends with the block synchronised.
-template <typename D>
+template <typename D, int NTHREADS>
 __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv,
                                            const float* __restrict__ gb, const StepTiles& s,
                                            int T, int len, int t0, int b, int h, int kh, int hk,
@@ -67,8 +70,8 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
     const int channels = 2 * hk * dk + hv * dv;
     const float scale = rsqrtf((float)dk);
     #pragma unroll
-    for (int step = 0; step < CH / (CH_THREADS / 32); step++) {
-        const int i = warp + step * (CH_THREADS / 32), t = t0 + i;
+    for (int step = 0; step < CH / (NTHREADS / 32); step++) {
+        const int i = warp + step * (NTHREADS / 32), t = t0 + i;
         const bool valid = t < len;
         const typename D::T* row = qkv + ((size_t)b * T + (valid ? t : 0)) * channels;
         float q[4], k[4], qq = 0.f, kk = 0.f;
@@ -98,32 +101,37 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
         }
     }
     __syncthreads();
-    if (tid == 0) {
-        float acc = 0.f;
-        for (int i = 0; i < CH; i++) {
-            s.g[i] = acc += s.g[i];
-            s.bg[i] = s.beta[i] * expf(acc);
+    if (warp == 0) {  // the cumulative sum as a warp scan, a lane per step (CH = 32)
+        float acc = s.g[lane];
+        #pragma unroll
+        for (int off = 1; off < 32; off *= 2) {
+            const float up = __shfl_up_sync(0xffffffffu, acc, off);
+            if (lane >= off) acc += up;
         }
+        s.g[lane] = acc;
+        s.bg[lane] = s.beta[lane] * expf(acc);
     }
     __syncthreads();
 }
 
-// Step 3, warp 0: Tm = (I + A)⁻¹ for A strictly lower triangular (pitch ap), by forward
+// Step 3, warp 0: Tm = (I + A)⁻¹ for A strictly lower triangular (pitch A_P), by forward
 // substitution, lane j solving column j in registers (fully unrolled, so every lane runs the same
-// code and reads A as broadcasts: above the diagonal the column is zero and adds nothing). Two
-// partial sums halve the chain of dependent FMAs. Written transposed: tT[j·tp + i] = Tm[i][j].
-__device__ __forceinline__ void solve_unit_lower(const float* a, int ap, float* tT, int tp,
-                                                 int lane) {
+// code and reads A as broadcasts, four entries per load: above the diagonal the column is zero
+// and adds nothing). Two partial sums (even and odd s) halve the chain of dependent FMAs.
+// Written transposed: tT[j·tp + i] = Tm[i][j].
+__device__ __forceinline__ void solve_unit_lower(const float* a, float* tT, int tp, int lane) {
     float x[CH];
     #pragma unroll
     for (int i = 0; i < CH; i++) {
         float even = i == lane ? 1.f : 0.f, odd = 0.f;
         #pragma unroll
-        for (int s = 0; s + 1 < i; s += 2) {
-            even -= a[i * ap + s] * x[s];
-            odd -= a[i * ap + s + 1] * x[s + 1];
+        for (int s = 0; s < i; s += 4) {
+            const float4 r = ld4(&a[i * A_P + s]);
+            even -= r.x * x[s];
+            if (s + 1 < i) odd -= r.y * x[s + 1];
+            if (s + 2 < i) even -= r.z * x[s + 2];
+            if (s + 3 < i) odd -= r.w * x[s + 3];
         }
-        if (i % 2 == 1) even -= a[i * ap + i - 1] * x[i - 1];
         x[i] = even + odd;
     }
     #pragma unroll
@@ -133,10 +141,10 @@ __device__ __forceinline__ void solve_unit_lower(const float* a, int ap, float* 
 // A scan's operands of one chunk (Wᵀ, Q'ᵀ, K' in either layout, Aqkᵀ, the block's NCOL columns
 // of U, e^{G_CH}), loaded into registers a chunk ahead and stored to shared memory at the top of
 // the next round: the loads' latency hides behind the products.
-template <int NCOL>
+template <int NCOL, int NTHREADS>
 struct ChunkOperands {
-    static constexpr int N4 = DM * CH / 4 / CH_THREADS, NA = CH * CH / 4 / CH_THREADS,
-                         NU = CH * NCOL / CH_THREADS;
+    static constexpr int N4 = DM * CH / 4 / NTHREADS, NA = CH * CH / 4 / NTHREADS,
+                         NU = CH * NCOL / NTHREADS;
     float4 w[N4], q[N4], k[N4], a[NA];
     float u[NU], gtot;
 
@@ -151,15 +159,15 @@ struct ChunkOperands {
         const float4* a4 = reinterpret_cast<const float4*>(atq + c * CH * CH);
         #pragma unroll
         for (int j = 0; j < N4; j++) {
-            w[j] = w4[tid + j * CH_THREADS];
-            q[j] = q4[tid + j * CH_THREADS];
-            k[j] = k4[tid + j * CH_THREADS];
+            w[j] = w4[tid + j * NTHREADS];
+            q[j] = q4[tid + j * NTHREADS];
+            k[j] = k4[tid + j * NTHREADS];
         }
         #pragma unroll
-        for (int j = 0; j < NA; j++) a[j] = a4[tid + j * CH_THREADS];
+        for (int j = 0; j < NA; j++) a[j] = a4[tid + j * NTHREADS];
         #pragma unroll
         for (int j = 0; j < NU; j++) {
-            const int e = tid + j * CH_THREADS, col = c0 + e % NCOL;
+            const int e = tid + j * NTHREADS, col = c0 + e % NCOL;
             u[j] = col < dv ? u_[(c * CH + e / NCOL) * dv + col] : 0.f;
         }
         gtot = gt[c];
@@ -171,8 +179,8 @@ struct ChunkOperands {
 // blocks fit on an SM instead of two.
 #define P_QT 0                          // q̂ᵀ [DM][TP]
 #define P_KT (P_QT + DM * TP)           // k̂ᵀ [DM][TP] (steps 1–2)
-#define P_A P_KT                        // A [CH][CH+1] (steps 2–3)
-#define P_TT (P_A + CH * (CH + 1))      // Tmᵀ [CH][TP] (steps 3–4)
+#define P_A P_KT                        // A [CH][A_P] (steps 2–3)
+#define P_TT (P_A + CH * A_P)           // Tmᵀ [CH][TP] (steps 3–4)
 #define P_K (P_KT + DM * TP)            // k̂ [CH][DM]
 #define P_V (P_K + CH * DM)             // v [CH][DM]
 #define P_G (P_V + CH * DM)             // G, β, β·e^G [CH] each
@@ -189,7 +197,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     float(*kT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_KT);
     float(*kr)[DM] = reinterpret_cast<float(*)[DM]>(sm + P_K);
     float(*vr)[DM] = reinterpret_cast<float(*)[DM]>(sm + P_V);
-    float(*a)[CH + 1] = reinterpret_cast<float(*)[CH + 1]>(sm + P_A);
+    float(*a)[A_P] = reinterpret_cast<float(*)[A_P]>(sm + P_A);
     float(*tT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_TT);
     float *g_s = sm + P_G, *beta_s = g_s + CH, *bg_s = beta_s + CH;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -200,7 +208,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     const size_t c = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
     // 1. q̂, k̂ (both layouts), v, g, β of the chunk's steps.
-    load_chunk<D>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, TP, DM, DM},
+    load_chunk<D, CH_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, TP, DM, DM},
                   T, len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (threads 0–63) and Q̂K̂ᵀ (64–127), a 4×4 tile each → A (shared) and Aqkᵀ (global).
@@ -231,7 +239,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
 
     // 3. Warp 0: Tm = (I + A)⁻¹. The other warps meanwhile write Q'ᵀ and K'.
     if (warp == 0) {
-        solve_unit_lower(&a[0][0], CH + 1, &tT[0][0], TP, lane);
+        solve_unit_lower(&a[0][0], &tT[0][0], TP, lane);
     } else {
         const float gc = g_s[CH - 1];
         for (int e = tid - 32; e < DM * CH / 4; e += CH_THREADS - 32) {
@@ -326,21 +334,22 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
             const int r = ra + p, col = c0 + cs + q;
             s[p][q] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
-    ChunkOperands<32> next;  // the next chunk's operands, in flight while this one computes
+    typedef ChunkOperands<32, CH_THREADS> Ops;
+    Ops next;  // the next chunk's operands, in flight while this one computes
     next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
         #pragma unroll
         for (int p = 0; p < 8; p++) st4(&s_s[ra + p][cs], s[p][0], s[p][1], s[p][2], s[p][3]);
         #pragma unroll
-        for (int k = 0; k < ChunkOperands<32>::N4; k++) {
+        for (int k = 0; k < Ops::N4; k++) {
             reinterpret_cast<float4*>(sm + S_WT)[tid + k * CH_THREADS] = next.w[k];
             reinterpret_cast<float4*>(sm + S_QT)[tid + k * CH_THREADS] = next.q[k];
             reinterpret_cast<float4*>(sm + S_K)[tid + k * CH_THREADS] = next.k[k];
         }
         #pragma unroll
-        for (int k = 0; k < ChunkOperands<32>::NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = next.a[k];
+        for (int k = 0; k < Ops::NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = next.a[k];
         #pragma unroll
-        for (int k = 0; k < ChunkOperands<32>::NU; k++) (&u_s[0][0])[tid + k * CH_THREADS] = next.u[k];
+        for (int k = 0; k < Ops::NU; k++) (&u_s[0][0])[tid + k * CH_THREADS] = next.u[k];
         const float gc = next.gtot;
         __syncthreads();
         if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
@@ -493,11 +502,13 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, in
 #define PT_QT 0                          // q̂ᵀ
 #define PT_KT (PT_QT + DM * PT_P)        // k̂ᵀ
 #define PT_V (PT_KT + DM * PT_P)         // v
-#define PT_A (PT_V + CH * PT_VP)         // A [CH][CH+1]
-#define PT_TT (PT_A + CH * (CH + 1))     // Tmᵀ
+#define PT_A (PT_V + CH * PT_VP)         // A [CH][A_P]
+#define PT_TT (PT_A + CH * A_P)          // Tmᵀ
 #define PT_G (PT_TT + CH * PT_P)         // G, β, β·e^G [CH] each
-#define PREP_TC_SMEM ((PT_G + 3 * CH) * 4)  // 68096 bytes: GDRC_PREP_TC_SMEM in cuda.rs
+#define PREP_TC_SMEM ((PT_G + 3 * CH) * 4)  // 68480 bytes: GDRC_PREP_TC_SMEM in cuda.rs
 
+// TC_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
+// tiles per warp.
 template <typename D>
 __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
                              const unsigned int* __restrict__ lengths, float* __restrict__ wt,
@@ -515,23 +526,23 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
     const size_t cb = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
     // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps.
-    load_chunk<D>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, PT_P, 0, PT_VP}, T,
-                  len, t0, b, h, kh, hk, hv, dk, dv);
+    load_chunk<D, TC_THREADS>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, PT_P, 0, PT_VP}, T,
+                              len, t0, b, h, kh, hk, hv, dk, dv);
 
-    // 2. K̂K̂ᵀ (warps 0–1) and Q̂K̂ᵀ (warps 2–3), 16 steps × 32 each → A (shared), Aqkᵀ (global).
+    // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqkᵀ (global).
     {
-        const bool is_k = warp < 2;
-        const int mt = 16 * (warp % 2);
-        float acc[4][4] = {};
-        mma_16xn<true, DM, 4>(acc, is_k ? kT : qT, PT_P, mt, kT, PT_P, g, c);
+        const bool is_k = warp < 4;
+        const int mt = 16 * (warp % 2), nt = 16 * ((warp / 2) % 2);
+        float acc[2][4] = {};
+        mma_16xn<true, DM, 2>(acc, is_k ? kT : qT, PT_P, mt, kT + nt, PT_P, g, c);
         #pragma unroll
-        for (int n = 0; n < 4; n++)
+        for (int n = 0; n < 2; n++)
             #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int t = mt + g + 8 * (i / 2), s = 8 * n + 2 * c + i % 2;
+                const int t = mt + g + 8 * (i / 2), s = nt + 8 * n + 2 * c + i % 2;
                 const float decay = s <= t ? expf(g_s[t] - g_s[s]) : 0.f;  // masked before exp
                 if (is_k)
-                    a_s[t * (CH + 1) + s] = s < t ? beta_s[t] * decay * acc[n][i] : 0.f;
+                    a_s[t * A_P + s] = s < t ? beta_s[t] * decay * acc[n][i] : 0.f;
                 else
                     atq[(cb * CH + s) * CH + t] = tf32r(decay * acc[n][i]);
             }
@@ -540,10 +551,10 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
 
     // 3. Warp 0: Tm = (I + A)⁻¹. The other warps write Q'ᵀ and K'ᵀ.
     if (warp == 0) {
-        solve_unit_lower(a_s, CH + 1, tT, PT_P, lane);
+        solve_unit_lower(a_s, tT, PT_P, lane);
     } else {
         const float gc = g_s[CH - 1];
-        for (int e = tid - 32; e < DM * CH / 4; e += CH_THREADS - 32) {
+        for (int e = tid - 32; e < DM * CH / 4; e += TC_THREADS - 32) {
             const int r = e / (CH / 4), t = 4 * (e % (CH / 4));
             const float4 qv = ld4(&qT[r * PT_P + t]), kv = ld4(&kT[r * PT_P + t]);
             float eq[4], ek[4];
@@ -561,13 +572,13 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
     }
     __syncthreads();
 
-    // 4. [W | U] = Tm·[diag(β·e^G)·K̂ | diag(β)·V]: warps 0–1 W's columns 64·warp.., warps 2–3
-    //    U's columns 64·(warp − 2).., all 32 steps; the row factor is folded into Tm's fragment.
+    // 4. [W | U] = Tm·[diag(β·e^G)·K̂ | diag(β)·V]: warps 0–3 W's columns 32·warp.., warps 4–7
+    //    U's columns 32·(warp − 4).., all 32 steps; the row factor is folded into Tm's fragment.
     {
-        const bool is_w = warp < 2;
-        const int c0 = 64 * (warp % 2);
+        const bool is_w = warp < 4;
+        const int c0 = 32 * (warp % 4);
         const float* f = is_w ? bg_s : beta_s;
-        float acc[2][8][4] = {};
+        float acc[2][4][4] = {};
         #pragma unroll
         for (int k0 = 0; k0 < CH; k0 += 8) {
             const float f0 = f[k0 + c], f1 = f[k0 + c + 4];
@@ -581,7 +592,7 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
                 a[mi][3] = tf<true>(tT[(k0 + c + 4) * PT_P + m + 8] * f1);
             }
             #pragma unroll
-            for (int n = 0; n < 8; n++) {
+            for (int n = 0; n < 4; n++) {
                 unsigned bf[2];
                 if (is_w)
                     frag_b_t<true>(bf, kT, PT_P, k0, c0 + 8 * n, g, c);
@@ -594,7 +605,7 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
         #pragma unroll
         for (int mi = 0; mi < 2; mi++)
             #pragma unroll
-            for (int n = 0; n < 8; n++)
+            for (int n = 0; n < 4; n++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
@@ -619,12 +630,14 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
 #define T_D (T_U + CH * TC_SP)
 #define SCAN_TC_SMEM ((T_D + CH * TC_SP) * 4)  // 95232 bytes: GDRC_SCAN_TC_SMEM in cuda.rs
 
-// One block per NCOL (32 or 16) state columns. Warp w of 4: Δ = U − W·S for steps 16w.. (w < 2)
-// or P = Q'·S for steps 16(w−2).. (w ≥ 2), all the block's columns; then O = P + Aqk·Δ (w ≥ 2);
-// then S[32w..32w+31, :] += K'ᵀ·Δ, S held in mma accumulators. 16 columns double the blocks of a
+// One block of TC_THREADS per NCOL (32 or 16) state columns. Warp w of 8, with h = (w / 2) % 2
+// the half of the block's columns it takes: Δ = U − W·S for steps 16·(w % 2).. (w < 4) or
+// P = Q'·S for those steps (w ≥ 4); then O = P + Aqk·Δ (w ≥ 4); then S[16w..16w+15, :] += K'ᵀ·Δ
+// on all the block's columns, S held in mma accumulators. 16 columns double the blocks of a
 // call with few (row, head) pairs (a long state: 32 pairs fill 128 blocks of 32 columns, not an
-// H200's 132 SMs), at the price of reading each chunk's W, Q', K', Aqk twice as often. W, Q', K' and Aqk arrive rounded to TF32 (by the preparation kernel, where
-// the work is parallel); S and Δ are rounded as they are stored to shared memory.
+// H200's 132 SMs), at the price of reading each chunk's W, Q', K', Aqk twice as often. W, Q', K'
+// and Aqk arrive rounded to TF32 (by the preparation kernel, where the work is parallel); S and
+// Δ are rounded as they are stored to shared memory.
 template <typename D, int NCOL = 32>
 __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restrict__ u,
                              const float* __restrict__ qt, const float* __restrict__ kd,
@@ -636,66 +649,66 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
     float *at_s = sm + T_AT, *u_s = sm + T_U, *d_s = sm + T_D;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv;
-    constexpr int NT = NCOL / 8;  // n-tiles of the block's columns
+    constexpr int NS = NCOL / 8;   // n-tiles of the block's columns (the state update)
+    constexpr int NH = NCOL / 16;  // n-tiles of this warp's half (Δ, P, O)
     const int c0 = blockIdx.x * NCOL;
-    const bool is_delta = warp < 2;
-    const int mt = 16 * (warp % 2);  // the steps of this warp's Δ or P rows
+    const bool is_delta = warp < 4;
+    const int mt = 16 * (warp % 2);                // the steps of this warp's Δ or P rows
+    const int ch = (NCOL / 2) * ((warp / 2) % 2);  // its half of the block's columns
+    const int rs = 16 * warp;                      // its rows of S
     float* st = state + (size_t)bh * dk * dv;
-    // S rows 32·warp + 16·mi + g (+8), columns 8·n + 2c (+1): accumulator element i of [mi][n].
-    float s[2][NT][4];
+    // S rows rs + g (+8), columns 8·n + 2c (+1): accumulator element i of [n].
+    float s[NS][4];
     #pragma unroll
-    for (int mi = 0; mi < 2; mi++)
+    for (int n = 0; n < NS; n++)
         #pragma unroll
-        for (int n = 0; n < NT; n++)
-            #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int r = 32 * warp + 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
-                s[mi][n][i] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
-            }
-    ChunkOperands<NCOL> next;  // the next chunk's operands, in flight while this one computes
+        for (int i = 0; i < 4; i++) {
+            const int r = rs + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
+            s[n][i] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
+        }
+    typedef ChunkOperands<NCOL, TC_THREADS> Ops;
+    Ops next;  // the next chunk's operands, in flight while this one computes
     next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
         // This round's operands into shared memory: S (a rounded copy), W, Q', K', Aqk, U.
         #pragma unroll
-        for (int mi = 0; mi < 2; mi++)
+        for (int n = 0; n < NS; n++)
             #pragma unroll
-            for (int n = 0; n < NT; n++)
-                #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    const int r = 32 * warp + 16 * mi + g + 8 * hf, col = 8 * n + 2 * c;
-                    *reinterpret_cast<float2*>(&s_s[r * TC_SP + col]) =
-                        make_float2(tf32r(s[mi][n][2 * hf]), tf32r(s[mi][n][2 * hf + 1]));
-                }
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = rs + g + 8 * hf, col = 8 * n + 2 * c;
+                *reinterpret_cast<float2*>(&s_s[r * TC_SP + col]) =
+                    make_float2(tf32r(s[n][2 * hf]), tf32r(s[n][2 * hf + 1]));
+            }
         #pragma unroll
-        for (int k = 0; k < ChunkOperands<NCOL>::N4; k++) {
-            const int e = tid + k * CH_THREADS, r = e / (CH / 4), t = 4 * (e % (CH / 4));
+        for (int k = 0; k < Ops::N4; k++) {
+            const int e = tid + k * TC_THREADS, r = e / (CH / 4), t = 4 * (e % (CH / 4));
             *reinterpret_cast<float4*>(&wt_s[r * TC_TP + t]) = next.w[k];
             *reinterpret_cast<float4*>(&qt_s[r * TC_TP + t]) = next.q[k];
             *reinterpret_cast<float4*>(&k_s[r * TC_KP + t]) = next.k[k];
         }
         #pragma unroll
-        for (int k = 0; k < ChunkOperands<NCOL>::NA; k++) {
-            const int e = tid + k * CH_THREADS;
+        for (int k = 0; k < Ops::NA; k++) {
+            const int e = tid + k * TC_THREADS;
             *reinterpret_cast<float4*>(&at_s[(e / (CH / 4)) * TC_TP + 4 * (e % (CH / 4))]) = next.a[k];
         }
         #pragma unroll
-        for (int k = 0; k < ChunkOperands<NCOL>::NU; k++) {
-            const int e = tid + k * CH_THREADS;
+        for (int k = 0; k < Ops::NU; k++) {
+            const int e = tid + k * TC_THREADS;
             u_s[(e / NCOL) * TC_SP + e % NCOL] = next.u[k];
         }
         const float gc = next.gtot;
         __syncthreads();
         if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
 
-        // Δ = U − W·S (warps 0–1) or P = Q'·S (warps 2–3): 16 steps × 32 columns per warp.
-        float acc[NT][4] = {};
-        mma_16xn<false, DM, NT>(acc, is_delta ? wt_s : qt_s, TC_TP, mt, s_s, TC_SP, g, c);
+        // Δ = U − W·S (warps 0–3) or P = Q'·S (warps 4–7): 16 steps × NCOL/2 columns per warp.
+        float acc[NH][4] = {};
+        mma_16xn<false, DM, NH>(acc, is_delta ? wt_s : qt_s, TC_TP, mt, s_s + ch, TC_SP, g, c);
         if (is_delta) {
             #pragma unroll
-            for (int n = 0; n < NT; n++)
+            for (int n = 0; n < NH; n++)
                 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    const int idx = (mt + g + 8 * hf) * TC_SP + 8 * n + 2 * c;
+                    const int idx = (mt + g + 8 * hf) * TC_SP + ch + 8 * n + 2 * c;
                     const float2 uu = *reinterpret_cast<const float2*>(&u_s[idx]);
                     *reinterpret_cast<float2*>(&d_s[idx]) = make_float2(
                         tf32r(uu.x - acc[n][2 * hf]), tf32r(uu.y - acc[n][2 * hf + 1]));
@@ -703,86 +716,81 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
         }
         __syncthreads();
 
-        // O = P + Aqk·Δ (warps 2–3), stored.
+        // O = P + Aqk·Δ (warps 4–7), stored.
         if (!is_delta) {
-            mma_16xn<false, CH, NT>(acc, at_s, TC_TP, mt, d_s, TC_SP, g, c);
+            mma_16xn<false, CH, NH>(acc, at_s, TC_TP, mt, d_s + ch, TC_SP, g, c);
             #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int tt = chunk * CH + mt + g + 8 * hf;
                 if (tt < T) {
                     typename D::T* o = out + (((size_t)b * T + tt) * hv + h) * dv;
                     #pragma unroll
-                    for (int n = 0; n < NT; n++)
+                    for (int n = 0; n < NH; n++)
                         #pragma unroll
                         for (int q = 0; q < 2; q++) {
-                            const int col = c0 + 8 * n + 2 * c + q;
+                            const int col = c0 + ch + 8 * n + 2 * c + q;
                             if (col < dv) D::store(o + col, acc[n][2 * hf + q]);
                         }
                 }
             }
         }
-        // S ← e^{G_CH}·S + K'ᵀ·Δ on this warp's 32 rows.
+        // S ← e^{G_CH}·S + K'ᵀ·Δ on this warp's 16 rows.
         #pragma unroll
-        for (int mi = 0; mi < 2; mi++)
+        for (int n = 0; n < NS; n++)
             #pragma unroll
-            for (int n = 0; n < NT; n++)
-                #pragma unroll
-                for (int i = 0; i < 4; i++) s[mi][n][i] *= gc;
+            for (int i = 0; i < 4; i++) s[n][i] *= gc;
         #pragma unroll
         for (int k0 = 0; k0 < CH; k0 += 8) {
-            unsigned bf[NT][2];
+            unsigned a[4];
+            frag_a<false>(a, k_s, TC_KP, rs, k0, g, c);
             #pragma unroll
-            for (int n = 0; n < NT; n++) frag_b<false>(bf[n], d_s, TC_SP, k0, 8 * n, g, c);
-            #pragma unroll
-            for (int mi = 0; mi < 2; mi++) {
-                unsigned a[4];
-                frag_a<false>(a, k_s, TC_KP, 32 * warp + 16 * mi, k0, g, c);
-                #pragma unroll
-                for (int n = 0; n < NT; n++) mma8(s[mi][n], a, bf[n]);
+            for (int n = 0; n < NS; n++) {
+                unsigned bf[2];
+                frag_b<false>(bf, d_s, TC_SP, k0, 8 * n, g, c);
+                mma8(s[n], a, bf);
             }
         }
         __syncthreads();  // everything of this chunk in shared memory is consumed
     }
     #pragma unroll
-    for (int mi = 0; mi < 2; mi++)
+    for (int n = 0; n < NS; n++)
         #pragma unroll
-        for (int n = 0; n < NT; n++)
-            #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int r = 32 * warp + 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
-                if (r < dk && col < dv) st[(size_t)r * dv + col] = s[mi][n][i];
-            }
+        for (int i = 0; i < 4; i++) {
+            const int r = rs + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
+            if (r < dk && col < dv) st[(size_t)r * dv + col] = s[n][i];
+        }
 }
 
 #endif
 
 // Entry points: gdrc_{prep,scan}_<dtype> (FMA) and gdrc_{prep,scan}_tc_<dtype> (tensor cores).
-#define GDRC(KIND, TAG, D)                                                                        \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep##KIND##_##TAG(             \
+#define GDRC(KIND, TAG, D, THREADS, SCAN_BLOCKS)                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS) gdrc_prep##KIND##_##TAG(                \
         const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
         float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
         gdrc_prep##KIND<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);        \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan##KIND##_##TAG(             \
+    extern "C" __global__ void __launch_bounds__(THREADS, SCAN_BLOCKS) gdrc_scan##KIND##_##TAG(   \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
         gdrc_scan##KIND<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);              \
     }
-GDRC(, f32, F32)
-GDRC(, bf16, BF16)
-GDRC(, f16, F16)
+GDRC(, f32, F32, CH_THREADS, 1)
+GDRC(, bf16, BF16, CH_THREADS, 1)
+GDRC(, f16, F16, CH_THREADS, 1)
 #if __CUDA_ARCH__ >= 800
-GDRC(_tc, bf16, BF16)
-GDRC(_tc, f16, F16)
+// The tensor-core scans: two blocks per SM (registers capped at 128), as their shared memory allows.
+GDRC(_tc, bf16, BF16, TC_THREADS, 2)
+GDRC(_tc, f16, F16, TC_THREADS, 2)
 #define GDRC_SCAN_TC(NCOL, TAG, D)                                                                \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_scan_tc##NCOL##_##TAG(          \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gdrc_scan_tc##NCOL##_##TAG(        \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
         gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);           \
     }
 GDRC_SCAN_TC(16, bf16, BF16)
 GDRC_SCAN_TC(16, f16, F16)
-static_assert(PREP_TC_SMEM == 68096, "PREP_TC_SMEM");
+static_assert(PREP_TC_SMEM == 68480, "PREP_TC_SMEM");
 static_assert(SCAN_TC_SMEM == 95232, "SCAN_TC_SMEM");
 #endif
 

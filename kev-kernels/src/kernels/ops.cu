@@ -266,25 +266,58 @@ __device__ void rmsnorm(const typename D::T* x, long xs, const typename D::T* h,
 // gnorm_<dtype>: the DeltaNet output norm, one warp per (row, head): x [rows·heads, dv]
 // contiguous, z rows (stride zs) holding heads·dv gate values, w [dv] in the dtype.
 //   out = round(round(round(x̂)·w) · silu(z))   (HF Qwen3_5RMSNormGated)
+// Aligned rows move as 16-byte vectors (a lane S = N values at a time); others element by element
+// (S = 1).
+template <typename D, int S>
+struct Run {  // S values at a time: one 16-byte vector (S = N)
+    static __device__ __forceinline__ void load(const typename D::T* p, float* v) { Vec16<D>::load(p, v); }
+    static __device__ __forceinline__ void store(typename D::T* p, const float* v) { Vec16<D>::store(p, v); }
+};
+template <typename D>
+struct Run<D, 1> {  // or one scalar
+    static __device__ __forceinline__ void load(const typename D::T* p, float* v) { v[0] = D::load(p); }
+    static __device__ __forceinline__ void store(typename D::T* p, const float* v) { D::store(p, v[0]); }
+};
+template <typename D, int S>
+__device__ __forceinline__ void gnorm_row(const typename D::T* xr, const typename D::T* zr,
+                                          const typename D::T* w, typename D::T* orow, int dv,
+                                          float eps, int lane) {
+    float ss = 0.f;
+    for (int c = lane * S; c < dv; c += 32 * S) {
+        float v[S];
+        Run<D, S>::load(xr + c, v);
+        #pragma unroll
+        for (int i = 0; i < S; i++) ss += v[i] * v[i];
+    }
+    const float inv = rsqrtf(warp_sum(ss) / dv + eps);
+    for (int c = lane * S; c < dv; c += 32 * S) {
+        float v[S], wv[S], g[S];
+        Run<D, S>::load(xr + c, v);
+        Run<D, S>::load(w + c, wv);
+        Run<D, S>::load(zr + c, g);
+        #pragma unroll
+        for (int i = 0; i < S; i++) {
+            const float n = D::round(D::round(v[i] * inv) * wv[i]);
+            v[i] = n * (g[i] / (1.f + expf(-g[i])));
+        }
+        Run<D, S>::store(orow + c, v);
+    }
+}
 template <typename D>
 __device__ void gnorm(const typename D::T* x, const typename D::T* z, long zs,
                       const typename D::T* w, typename D::T* out, int groups, int heads, int dv,
                       float eps) {
+    constexpr int N = Vec16<D>::N;
     const int gi = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (gi >= groups) return;
     const typename D::T* xr = x + (size_t)gi * dv;
     const typename D::T* zr = z + (size_t)(gi / heads) * zs + (size_t)(gi % heads) * dv;
-    float ss = 0.f;
-    for (int c = lane; c < dv; c += 32) {
-        const float v = D::load(xr + c);
-        ss += v * v;
-    }
-    const float inv = rsqrtf(warp_sum(ss) / dv + eps);
-    for (int c = lane; c < dv; c += 32) {
-        const float n = D::round(D::round(D::load(xr + c) * inv) * D::load(w + c));
-        const float g = D::load(zr + c);
-        D::store(out + (size_t)gi * dv + c, n * (g / (1.f + expf(-g))));
-    }
+    typename D::T* orow = out + (size_t)gi * dv;
+    if (dv % N == 0 && aligned16(x) && aligned16(z) && aligned16(w) && aligned16(out) &&
+        (zs * sizeof(typename D::T)) % 16 == 0)
+        gnorm_row<D, N>(xr, zr, w, orow, dv, eps, lane);
+    else
+        gnorm_row<D, 1>(xr, zr, w, orow, dv, eps, lane);
 }
 
 // gates_<dtype>: ba rows (stride s) of [b (hv) | a (hv)] → gb [rows, hv, 2] f32:
@@ -476,47 +509,87 @@ ATTN(f16, F16)
 // the next cache in the same launch. x rows (stride xs) [B, T, C]; cache [B, K-1, C]; w [C, K].
 // out = [y: B·T·C | next: B·(K-1)·C]: y as conv_<dtype>; next[b, r] = window row lengths[b] + r
 // (the K-1 raw inputs before row b's end; lengths null: every row has T).
-// grid = (ceil(C / blockDim.x), B, ceil(T / CONV_RUN) + 1). A thread owns one channel of a run
-// of CONV_RUN steps and slides the window along it, so each input is read once per run, not K
-// times; the last z slice writes the next cache.
-#define CONV_RUN 16
+// grid = (ceil(C / (CONV_VEC·blockDim.x)), B, ceil(T / CONV_RUN) + 1). A thread owns CONV_VEC
+// channels of a run of CONV_RUN steps and slides the window along it, so each input is read once
+// per run, not K times; the last z slice writes the next cache. With K = 4 and 16-byte aligned
+// rows a thread moves its channels as 16-byte vectors (2-byte loads left the kernel far from DRAM
+// bandwidth); otherwise it walks them one by one.
+#define CONV_RUN 8
+#define CONV_VEC 8
 template <typename D>
-__device__ void conv_cached(const typename D::T* x, long xs, const typename D::T* cache,
-                            const typename D::T* w, const unsigned int* lengths,
-                            typename D::T* out, int B, int T, int C, int K) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
-    if (c >= C) return;
-    // The window row p of batch row b: K-1 cached rows, then x.
-    auto window = [&](int p) {
-        return p < K - 1 ? D::load(cache + ((size_t)b * (K - 1) + p) * C + c)
-                         : D::load(x + ((size_t)b * T + p - (K - 1)) * xs + c);
+__device__ __forceinline__ void load8(const typename D::T* p, float* v) {
+    #pragma unroll
+    for (int j = 0; j < CONV_VEC; j += Vec16<D>::N) Vec16<D>::load(p + j, v + j);
+}
+template <typename D>
+__device__ __forceinline__ void store8(typename D::T* p, const float* v) {
+    #pragma unroll
+    for (int j = 0; j < CONV_VEC; j += Vec16<D>::N) Vec16<D>::store(p + j, v + j);
+}
+template <typename D>
+__device__ void conv_cached(const typename D::T* __restrict__ x, long xs,
+                            const typename D::T* __restrict__ cache,
+                            const typename D::T* __restrict__ w,
+                            const unsigned int* __restrict__ lengths,
+                            typename D::T* __restrict__ out, int B, int T, int C, int K) {
+    typedef typename D::T E;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * CONV_VEC, b = blockIdx.y;
+    if (c0 >= C) return;
+    const int nc = min(CONV_VEC, C - c0);
+    const bool last = blockIdx.z == gridDim.z - 1;
+    const int end = lengths ? (int)lengths[b] : T;
+    const int t0 = blockIdx.z * CONV_RUN, t1 = min(t0 + CONV_RUN, T);
+    // Row p of batch row b's window, from channel c: K-1 cached rows, then x.
+    auto row = [&](int p, int c) -> const E* {
+        return p < K - 1 ? cache + ((size_t)b * (K - 1) + p) * C + c
+                         : x + ((size_t)b * T + p - (K - 1)) * xs + c;
     };
-    if (blockIdx.z == gridDim.z - 1) {
-        const int end = lengths ? (int)lengths[b] : T;
-        typename D::T* next = out + (size_t)B * T * C + (size_t)b * (K - 1) * C + c;
-        for (int r = 0; r < K - 1; r++) D::store(next + (size_t)r * C, window(end + r));
+    E* next = out + (size_t)B * T * C + (size_t)b * (K - 1) * C;
+    E* y = out + (size_t)b * T * C;
+    const bool vec = nc == CONV_VEC && K == 4 && aligned16(x) && aligned16(cache) && aligned16(w) &&
+                     aligned16(out) && (xs * sizeof(E)) % 16 == 0 && (C * sizeof(E)) % 16 == 0;
+    if (vec) {
+        float raw[4 * CONV_VEC];  // w[c0..c0+8, 0..4] by channel
+        load8<D>(w + (size_t)c0 * 4, raw);
+        load8<D>(w + (size_t)c0 * 4 + CONV_VEC, raw + CONV_VEC);
+        load8<D>(w + (size_t)c0 * 4 + 2 * CONV_VEC, raw + 2 * CONV_VEC);
+        load8<D>(w + (size_t)c0 * 4 + 3 * CONV_VEC, raw + 3 * CONV_VEC);
+        if (last) {  // K - 1 = 3 rows
+            float v[3][CONV_VEC];
+            #pragma unroll
+            for (int r = 0; r < 3; r++) load8<D>(row(end + r, c0), v[r]);
+            #pragma unroll
+            for (int r = 0; r < 3; r++) store8<D>(next + (size_t)r * C + c0, v[r]);
+            return;
+        }
+        // The run's K-1+CONV_RUN window rows, all loads in flight at once (a loop that loads
+        // row by row waits a memory round trip per step).
+        float win[CONV_RUN + 3][CONV_VEC], o[CONV_VEC];
+        #pragma unroll
+        for (int p = 0; p < CONV_RUN + 3; p++)
+            if (t0 + p < t1 + 3) load8<D>(row(t0 + p, c0), win[p]);
+        #pragma unroll
+        for (int r = 0; r < CONV_RUN; r++) {
+            if (t0 + r >= t1) break;
+            #pragma unroll
+            for (int i = 0; i < CONV_VEC; i++) {
+                const float acc = raw[4 * i] * win[r][i] + raw[4 * i + 1] * win[r + 1][i] +
+                                  raw[4 * i + 2] * win[r + 2][i] + raw[4 * i + 3] * win[r + 3][i];
+                o[i] = acc / (1.f + expf(-acc));
+            }
+            store8<D>(y + (size_t)(t0 + r) * C + c0, o);
+        }
         return;
     }
-    const int t0 = blockIdx.z * CONV_RUN, t1 = min(t0 + CONV_RUN, T);
-    typename D::T* y = out + ((size_t)b * T) * C + c;
-    if (K == 4) {
-        const float w0 = D::load(w + c * 4), w1 = D::load(w + c * 4 + 1),
-                    w2 = D::load(w + c * 4 + 2), w3 = D::load(w + c * 4 + 3);
-        float x0 = window(t0), x1 = window(t0 + 1), x2 = window(t0 + 2);
-        #pragma unroll 4
-        for (int t = t0; t < t1; t++) {
-            const float x3 = window(t + 3);
-            const float acc = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3;
-            D::store(y + (size_t)t * C, acc / (1.f + expf(-acc)));
-            x0 = x1;
-            x1 = x2;
-            x2 = x3;
+    for (int c = c0; c < c0 + nc; c++) {
+        if (last) {
+            for (int r = 0; r < K - 1; r++) next[(size_t)r * C + c] = *row(end + r, c);
+            continue;
         }
-    } else {
         for (int t = t0; t < t1; t++) {
             float acc = 0.f;
-            for (int j = 0; j < K; j++) acc += D::load(w + c * K + j) * window(t + j);
-            D::store(y + (size_t)t * C, acc / (1.f + expf(-acc)));
+            for (int j = 0; j < K; j++) acc += D::load(w + c * K + j) * D::load(row(t + j, c));
+            D::store(y + (size_t)t * C + c, acc / (1.f + expf(-acc)));
         }
     }
 }
