@@ -14,7 +14,7 @@ use kev_core::{Checkpoint, Encoder, Encoding, Error, LoadOptions, Record, Result
 use crate::device::{select_device, select_dtype, settle};
 use crate::head::{softmax, PointerHead};
 use crate::lora::Adapter;
-use crate::qwen35::{Cache, Config, Model};
+use crate::qwen35::{Cache, Config, Model, Split};
 use crate::weights::Weights;
 
 /// Token id used to right-pad branches and states (never read: both layer kinds are causal and
@@ -259,6 +259,19 @@ impl DecisionModel {
     /// Runs `plan` with `ids` (one tensor per piece, [`Plan::pieces`] order) and returns all
     /// options' logits `[M]` on the device, waiting for nothing.
     pub(crate) fn plan_logits(&self, plan: &Plan, ids: &[Tensor]) -> Result<Tensor> {
+        if let ([state], [branches]) = (&plan.state[..], &plan.branches[..]) {
+            // One piece each (a state within `prefill_chunk`): one pass over the layers.
+            let hidden = Split::new(
+                state.width,
+                branches.lengths.len(),
+                branches.width,
+                Some(&branches.lengths),
+                self.device(),
+            )
+            .and_then(|split| self.model.forward_split(&ids[0], &ids[1], &split))
+            .map_err(backend_err("backbone forward"))?;
+            return self.head_logits(&hidden, &plan.rows);
+        }
         let (state_ids, branch_ids) = ids.split_at(plan.state.len());
         let cache = self.state_cache(1, &plan.state, state_ids)?;
         let owners = vec![0; plan.rows.len()];

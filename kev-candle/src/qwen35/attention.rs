@@ -7,7 +7,7 @@ use candle_nn::Linear;
 use kev_kernels::{attention_gate, causal_softmax, qk_norm_rope};
 
 use super::norm::ZeroCenteredRmsNorm;
-use super::{linear, linear_cat, Config};
+use super::{linear, linear_cat, Config, Split};
 use crate::weights::Weights;
 
 /// One full-attention layer.
@@ -65,9 +65,41 @@ impl Attention {
         k_cache: &mut Option<Tensor>,
         v_cache: &mut Option<Tensor>,
     ) -> Result<Tensor> {
-        let (b_sz, seq_len, _) = xs.dims3()?;
-        let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let proj = self.qkv_proj.forward(xs)?;
+        self.o_proj
+            .forward(&self.attend(&proj, cos_sin, key_bias, k_cache, v_cache)?)
+    }
+
+    /// The state row and its branch rows packed as `xs: [S + B·T, H]` ([`Split`]), with each
+    /// part's RoPE and key bias: every branch row attends to the state's keys of this layer.
+    pub fn forward_split(
+        &self,
+        xs: &Tensor,
+        split: &Split,
+        (cos_sin_s, key_bias_s): (&Tensor, &Tensor),
+        (cos_sin_b, key_bias_b): (&Tensor, &Tensor),
+    ) -> Result<Tensor> {
+        let (proj_s, proj_b) = split.parts(&self.qkv_proj.forward(xs)?)?;
+        let (mut k, mut v) = (None, None);
+        let out_s = self.attend(&proj_s, cos_sin_s, key_bias_s, &mut k, &mut v)?;
+        let branch_cache = |t: Option<Tensor>| t.map(|t| split.to_branches(&t)).transpose();
+        let (mut k, mut v) = (branch_cache(k)?, branch_cache(v)?);
+        let out_b = self.attend(&proj_b, cos_sin_b, key_bias_b, &mut k, &mut v)?;
+        self.o_proj.forward(&split.join(&out_s, &out_b)?)
+    }
+
+    /// Everything between the projections, from `proj: [B, T, ..]` (the stacked q/gate, k, v
+    /// outputs) to the gated heads `[B, T, Hq·hd]` that `o_proj` reads.
+    fn attend(
+        &self,
+        proj: &Tensor,
+        cos_sin: &Tensor,
+        key_bias: &Tensor,
+        k_cache: &mut Option<Tensor>,
+        v_cache: &mut Option<Tensor>,
+    ) -> Result<Tensor> {
+        let (b_sz, seq_len, _) = proj.dims3()?;
+        let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // Views into the projection, no copies: per query head `[q | gate]`, then K, then V.
         let q_gate = proj
             .reshape((b_sz, seq_len, nq + nkv, 2, hd))?
@@ -105,6 +137,6 @@ impl Attention {
             kv_len,
         ))?;
         let out = probs.matmul(&v)?.reshape((b_sz, nq, seq_len, hd))?;
-        self.o_proj.forward(&attention_gate(&out, &gate)?)
+        attention_gate(&out, &gate)
     }
 }

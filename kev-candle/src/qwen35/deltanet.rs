@@ -6,7 +6,7 @@ use candle_nn::Linear;
 use kev_kernels::{causal_conv1d_cached, deltanet_gates, gated_delta_rule, GdrDims};
 
 use super::norm::GatedRmsNorm;
-use super::{linear, linear_cat, Config};
+use super::{linear, linear_cat, Config, Split};
 use crate::weights::Weights;
 
 /// One Gated DeltaNet layer.
@@ -83,28 +83,70 @@ impl GatedDeltaNet {
         state: &Tensor,
         lengths: &[usize],
     ) -> Result<Tensor> {
-        let (b_sz, seq_len, _) = xs.dims3()?;
+        let proj = self.in_proj.forward(xs)?; // [B, T, C + Hv·Dv + 2·Hv]
+        let gb = self.gates(&proj)?;
+        let o = self.recur(&proj, &gb, conv, state, lengths)?;
+        self.out(&o, &self.z(&proj)?)
+    }
+
+    /// The state row and its branch rows packed as `xs: [S + B·T, H]` ([`Split`]): each branch
+    /// row continues from the state's conv window and recurrent state of this layer.
+    pub fn forward_split(&self, xs: &Tensor, split: &Split) -> Result<Tensor> {
         let GdrDims {
             num_v_heads: hv,
+            head_k_dim: dk,
             head_v_dim: dv,
             ..
         } = self.dims;
-        let c = self.dims.channels();
-        let proj = self.in_proj.forward(xs)?; // [B, T, C + Hv·Dv + 2·Hv]
-        let qkv = proj.narrow(D::Minus1, 0, c)?;
-        let z = proj.narrow(D::Minus1, c, hv * dv)?;
-        let ba = proj.narrow(D::Minus1, c + hv * dv, 2 * hv)?;
+        let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
+        let gb = self.gates(&proj)?; // [N, Hv, 2]
+        let ((proj_s, proj_b), (gb_s, gb_b)) = (split.parts(&proj)?, split.parts(&gb)?);
+        let (c, k) = self.conv1d.dims2()?;
+        let mut conv = Tensor::zeros((1, k - 1, c), xs.dtype(), xs.device())?;
+        let state = Tensor::zeros((1, hv, dk, dv), DType::F32, xs.device())?;
+        let s_len = split.state_len();
+        let o_s = self.recur(&proj_s, &gb_s, &mut conv, &state, &[s_len])?;
+        let mut conv_b = split.to_branches(&conv)?;
+        let state_b = split.to_branches(&state)?;
+        let o_b = self.recur(&proj_b, &gb_b, &mut conv_b, &state_b, split.lengths())?;
+        let o = split.join(&o_s, &o_b)?; // [N, Hv, Dv]
+        self.out(&o, &self.z(&proj)?)
+    }
 
+    /// g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as
+    /// HF), from projection rows `proj: [.., C + Hv·Dv + 2·Hv]`: `[.., Hv, 2]`.
+    fn gates(&self, proj: &Tensor) -> Result<Tensor> {
+        let (hv, dv) = (self.dims.num_v_heads, self.dims.head_v_dim);
+        let ba = proj.narrow(D::Minus1, self.dims.channels() + hv * dv, 2 * hv)?;
+        deltanet_gates(&ba, &self.dt_bias, &self.neg_a)
+    }
+
+    /// The output gate's columns of `proj`.
+    fn z(&self, proj: &Tensor) -> Result<Tensor> {
+        let (hv, dv) = (self.dims.num_v_heads, self.dims.head_v_dim);
+        proj.narrow(D::Minus1, self.dims.channels(), hv * dv)
+    }
+
+    /// The conv and the delta rule of projection rows `proj: [B, T, ..]` with their gates `gb`,
+    /// continuing from `conv` (replaced by the window at each row's end) and `state` (updated in
+    /// place): `[B, T, Hv, Dv]`.
+    fn recur(
+        &self,
+        proj: &Tensor,
+        gb: &Tensor,
+        conv: &mut Tensor,
+        state: &Tensor,
+        lengths: &[usize],
+    ) -> Result<Tensor> {
+        let qkv = proj.narrow(D::Minus1, 0, self.dims.channels())?;
         let (mixed, next) = causal_conv1d_cached(&qkv, conv, &self.conv1d, Some(lengths))?;
         *conv = next;
+        gated_delta_rule(&mixed, gb, state, self.dims, Some(lengths))
+    }
 
-        // g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as HF).
-        let gb = deltanet_gates(&ba, &self.dt_bias, &self.neg_a)?; // [B, T, Hv, 2]
-        let o = gated_delta_rule(&mixed, &gb, state, self.dims, Some(lengths))?; // [B, T, Hv, Dv]
-        let o = self
-            .norm
-            .forward(&o, &z)?
-            .reshape((b_sz, seq_len, hv * dv))?;
+    /// The gated norm of `o` (`[.., Hv, Dv]`) by `z`, then `out_proj`: `[.., H]`.
+    fn out(&self, o: &Tensor, z: &Tensor) -> Result<Tensor> {
+        let o = self.norm.forward(o, z)?.flatten_from(D::Minus2)?;
         self.out_proj.forward(&o)
     }
 }

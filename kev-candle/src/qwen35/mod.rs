@@ -9,10 +9,12 @@ mod mlp;
 mod model;
 mod norm;
 mod rope;
+mod split;
 
 pub use cache::{Cache, LayerCache};
 pub use config::{Config, LayerType};
 pub use model::Model;
+pub use split::Split;
 
 use candle_nn::Linear;
 

@@ -11,6 +11,7 @@ use super::deltanet::GatedDeltaNet;
 use super::mlp::Mlp;
 use super::norm::ZeroCenteredRmsNorm;
 use super::rope::Rope;
+use super::split::Split;
 use super::{Config, LayerType};
 use crate::weights::Weights;
 
@@ -33,6 +34,16 @@ struct Step<'a> {
     /// Attention's per-key bias, `[B, S+T]` (with attention layers only).
     key_bias: Option<Tensor>,
     lengths: &'a [usize],
+}
+
+/// Inputs every layer of one [`Model::forward_split`] shares: the state's and the branches' RoPE
+/// and key bias.
+struct SplitStep<'a> {
+    split: &'a Split,
+    /// `[2, 1, S, rotary_dim]`, `[2, B, T, rotary_dim]`.
+    cos_sin: (Tensor, Tensor),
+    /// `[1, S]`, `[B, S+T]` (with attention layers only).
+    key_bias: Option<(Tensor, Tensor)>,
 }
 
 impl DecoderLayer {
@@ -71,23 +82,54 @@ impl DecoderLayer {
         cache: &mut LayerCache,
         step: &Step,
     ) -> Result<(Tensor, Tensor)> {
-        let (xs, h) = match pending {
-            Some(p) => self.input_layernorm.forward_residual(xs, p)?,
-            None => (xs.clone(), self.input_layernorm.forward(xs)?),
-        };
-        let h = match (&self.mixer, cache) {
+        self.around_mixer(xs, pending, |h| match (&self.mixer, cache) {
             (Mixer::Attention(attn), LayerCache::Attention { k, v }) => {
                 let key_bias = step
                     .key_bias
                     .as_ref()
                     .expect("the key bias is built when attention layers exist");
-                attn.forward(&h, &step.cos_sin, key_bias, k, v)?
+                attn.forward(h, &step.cos_sin, key_bias, k, v)
             }
             (Mixer::DeltaNet(gdn), LayerCache::DeltaNet { conv, state }) => {
-                gdn.forward(&h, conv, state, step.lengths)?
+                gdn.forward(h, conv, state, step.lengths)
             }
             _ => candle_core::bail!("cache layer kind does not match the model layer"),
+        })
+    }
+
+    /// [`DecoderLayer::forward`] on a packed state and its branches ([`Split`]).
+    fn forward_split(
+        &self,
+        xs: &Tensor,
+        pending: Option<&Tensor>,
+        step: &SplitStep,
+    ) -> Result<(Tensor, Tensor)> {
+        self.around_mixer(xs, pending, |h| match &self.mixer {
+            Mixer::Attention(attn) => {
+                let (bias_s, bias_b) = step
+                    .key_bias
+                    .as_ref()
+                    .expect("the key bias is built when attention layers exist");
+                let (cs_s, cs_b) = &step.cos_sin;
+                attn.forward_split(h, step.split, (cs_s, bias_s), (cs_b, bias_b))
+            }
+            Mixer::DeltaNet(gdn) => gdn.forward_split(h, step.split),
+        })
+    }
+
+    /// The input norm (with the pending add), `mix`, the post-attention norm (with its add) and
+    /// the MLP: the new stream and the MLP's output, not yet added.
+    fn around_mixer(
+        &self,
+        xs: &Tensor,
+        pending: Option<&Tensor>,
+        mix: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (xs, h) = match pending {
+            Some(p) => self.input_layernorm.forward_residual(xs, p)?,
+            None => (xs.clone(), self.input_layernorm.forward(xs)?),
         };
+        let h = mix(&h)?;
         let (xs, h) = self.post_attention_layernorm.forward_residual(&xs, &h)?;
         Ok((xs, self.mlp.forward(&h)?))
     }
@@ -223,6 +265,53 @@ impl Model {
             Some(h) => Ok(self.norm.forward_residual(&xs, &h)?.1),
             None => self.norm.forward(&xs),
         }
+    }
+
+    /// A state row `state_ids: [1, S]` and branch rows `branch_ids: [B, T]` that continue it, in
+    /// one pass over the layers ([`Split`]); returns the branch rows' final-norm hidden states
+    /// `[B, T, H]`. The same as [`Model::forward`] on the state, then on the branches with
+    /// copies of its cache, except for the order of sums inside the taller matrix products.
+    pub fn forward_split(
+        &self,
+        state_ids: &Tensor,
+        branch_ids: &Tensor,
+        split: &Split,
+    ) -> Result<Tensor> {
+        let (s_len, rows, width) = (split.state_len(), split.rows(), split.width());
+        if state_ids.dims() != [1, s_len] || branch_ids.dims() != [rows, width] {
+            candle_core::bail!(
+                "ids {:?} and {:?} do not fit a {s_len}-token state and {rows} rows of {width}",
+                state_ids.dims(),
+                branch_ids.dims()
+            )
+        }
+        let rope = |start: &[usize], len| self.rope.at(start, len, self.dtype, &self.device);
+        let zeros = |rows: usize, width: usize| {
+            kev_kernels::uploads::upload(vec![0f32; rows * width], (rows, width), &self.device)
+        };
+        let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
+        // The state has no padding: its keys are all visible to every branch row.
+        let key_bias = has_attention
+            .then(|| Ok::<_, candle_core::Error>((zeros(1, s_len)?, zeros(rows, s_len + width)?)))
+            .transpose()?;
+        let step = SplitStep {
+            split,
+            cos_sin: (rope(&[0], s_len)?, rope(&vec![s_len; rows], width)?),
+            key_bias,
+        };
+        let ids = Tensor::cat(&[state_ids.flatten_all()?, branch_ids.flatten_all()?], 0)?;
+        let mut xs = self.embed_tokens.forward(&ids)?; // [S + B·T, H]
+        let mut pending = None;
+        for layer in &self.layers {
+            let (stream, mlp_out) = layer.forward_split(&xs, pending.as_ref(), &step)?;
+            xs = stream;
+            pending = Some(mlp_out);
+        }
+        let hidden = match pending {
+            Some(h) => self.norm.forward_residual(&xs, &h)?.1,
+            None => self.norm.forward(&xs)?,
+        };
+        Ok(split.parts(&hidden)?.1)
     }
 
     /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached
