@@ -261,9 +261,14 @@ impl Model {
             }
         }
         cache.advance(seq_len, lengths);
+        self.final_norm(&xs, pending.as_ref())
+    }
+
+    /// The final norm of the stream `xs` plus the last layer's MLP output if not yet added.
+    fn final_norm(&self, xs: &Tensor, pending: Option<&Tensor>) -> Result<Tensor> {
         match pending {
-            Some(h) => Ok(self.norm.forward_residual(&xs, &h)?.1),
-            None => self.norm.forward(&xs),
+            Some(h) => Ok(self.norm.forward_residual(xs, h)?.1),
+            None => self.norm.forward(xs),
         }
     }
 
@@ -307,11 +312,7 @@ impl Model {
             xs = stream;
             pending = Some(mlp_out);
         }
-        let hidden = match pending {
-            Some(h) => self.norm.forward_residual(&xs, &h)?.1,
-            None => self.norm.forward(&xs)?,
-        };
-        Ok(split.parts(&hidden)?.1)
+        Ok(split.parts(&self.final_norm(&xs, pending.as_ref())?)?.1)
     }
 
     /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached
