@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32};
+use crate::cpu::{as_f32, from_f32, silu_in_place};
 use crate::rows::{as_rows, rows};
 
 /// The op; `kernel` is K (the weight's second dim).
@@ -44,8 +44,9 @@ impl CustomOp2 for CausalConv1d {
                     for j in 0..k {
                         acc += w[c * k + j] * x[base + j * channels + c];
                     }
-                    *o = acc / (1.0 + (-acc).exp());
+                    *o = acc;
                 }
+                silu_in_place(out_row);
             });
         let storage = from_f32(out, xs.dtype())?;
         Ok((storage, Shape::from((b_sz, seq_len, channels))))
@@ -149,35 +150,48 @@ impl CustomOp3 for CausalConv1dCached {
     ) -> Result<(CpuStorage, Shape)> {
         let (b_sz, seq_len, channels) = xl.shape().dims3()?;
         let k = wl.dims()[1];
-        let x = rows(xl, "causal-conv1d x")?.read_f32(xs, "causal-conv1d x")?;
+        // x in place when it is f32 (a row view of the projection), else packed as f32.
+        let view = rows(xl, "causal-conv1d x")?;
+        let packed;
+        let (x, x0, x_stride) = match xs {
+            CpuStorage::F32(v) => (&v[..], view.offset, view.stride),
+            _ => {
+                packed = view.read_f32(xs, "causal-conv1d x")?;
+                (&packed[..], 0, channels)
+            }
+        };
         let cache = as_f32(cs, cl, "causal-conv1d cache")?;
         let w = as_f32(ws, wl, "causal-conv1d weight")?;
         // Window row p of batch row b: the K−1 cached rows, then x.
-        let at = |b: usize, p: usize, c: usize| {
+        let window = |b: usize, p: usize| -> &[f32] {
             if p < k - 1 {
-                cache[(b * (k - 1) + p) * channels + c]
+                &cache[(b * (k - 1) + p) * channels..][..channels]
             } else {
-                x[(b * seq_len + p - (k - 1)) * channels + c]
+                &x[x0 + (b * seq_len + p - (k - 1)) * x_stride..][..channels]
             }
         };
+        // The taps by row (wt[j][c] = w[c][j]): each tap is one multiply-add along a window row,
+        // over contiguous channels (the compiler vectorises it), in the same order as before.
+        let w = &w[..];
+        let wt: Vec<f32> = (0..k)
+            .flat_map(|j| (0..channels).map(move |c| w[c * k + j]))
+            .collect();
         let ny = b_sz * seq_len * channels;
         let mut out = vec![0f32; ny + b_sz * (k - 1) * channels];
         let (y, next) = out.split_at_mut(ny);
         y.par_chunks_mut(channels).enumerate().for_each(|(row, y)| {
             let (b, t) = (row / seq_len, row % seq_len);
-            for (c, o) in y.iter_mut().enumerate() {
-                let acc: f32 = (0..k).map(|j| w[c * k + j] * at(b, t + j, c)).sum();
-                *o = acc / (1.0 + (-acc).exp());
+            for (j, taps) in wt.chunks_exact(channels).enumerate() {
+                for ((o, &xv), &wv) in y.iter_mut().zip(window(b, t + j)).zip(taps) {
+                    *o += wv * xv;
+                }
             }
+            silu_in_place(y);
         });
-        for (i, v) in next.iter_mut().enumerate() {
-            let (c, r, b) = (
-                i % channels,
-                (i / channels) % (k - 1),
-                i / (channels * (k - 1)),
-            );
+        for (i, next) in next.chunks_exact_mut(channels).enumerate() {
+            let (b, r) = (i / (k - 1), i % (k - 1));
             let len = self.lengths.as_ref().map_or(seq_len, |l| l[b] as usize);
-            *v = at(b, len + r, c);
+            next.copy_from_slice(window(b, len + r));
         }
         Ok((from_f32(out, xs.dtype())?, Self::out_shape(xl, k)?))
     }

@@ -11,7 +11,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32};
+use crate::cpu::{as_f32, from_f32, silu_in_place};
 use crate::rows::{as_rows, rounder, rows};
 
 /// Zero-centred RMSNorm, `x̂·w1` with `w1 = 1 + w` (f32), optionally after a residual add.
@@ -156,8 +156,10 @@ impl CustomOp3 for GatedRmsNorm {
             .for_each(|(o, (x, z))| {
                 let ms = x.iter().map(|&a| f64::from(a * a)).sum::<f64>() / dv as f64;
                 let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
-                for (((o, &a), &g), &w) in o.iter_mut().zip(x).zip(z).zip(w.iter()) {
-                    *o = round(round(a * inv) * w) * (g / (1.0 + (-g).exp()));
+                o.copy_from_slice(z);
+                silu_in_place(o);
+                for ((o, &a), &w) in o.iter_mut().zip(x).zip(w.iter()) {
+                    *o *= round(round(a * inv) * w);
                 }
             });
         Ok((from_f32(out, xs.dtype())?, xl.shape().clone()))

@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32};
+use crate::cpu::{as_f32, from_f32, silu_in_place};
 use crate::rows::rounder;
 
 /// The op on a contiguous `[.., 2·I]` input.
@@ -33,8 +33,10 @@ impl CustomOp1 for SwiGlu {
             .zip(gu.par_chunks(2 * inter))
             .for_each(|(o, row)| {
                 let (gate, up) = row.split_at(inter);
-                for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-                    *o = round(g / (1.0 + (-g).exp())) * u;
+                o.copy_from_slice(gate);
+                silu_in_place(o);
+                for (o, &u) in o.iter_mut().zip(up) {
+                    *o = round(*o) * u;
                 }
             });
         Ok((from_f32(out, s.dtype())?, out_shape(l)))
