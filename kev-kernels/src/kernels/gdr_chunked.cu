@@ -52,9 +52,11 @@ __device__ __forceinline__ void outer4(float (&acc)[4][4], const float4& x, cons
 }
 
 // Where step 1 of a preparation kernel puts a chunk's inputs in shared memory: q̂ᵀ and k̂ᵀ
-// [DM][tp], k̂ [CH][kp] (optional), v [CH][vp], and G, β, β·e^G [CH] each.
+// [DM][tp], k̂ [CH][kp] (optional), v [CH][vp], and G, β, β·e^G [CH] each; optionally e^G and
+// e^{G_CH−G} [CH] each (eg, egc), so later steps read the chunk's decays instead of
+// recomputing them per element.
 struct StepTiles {
-    float *qT, *kT, *kr, *vr, *g, *beta, *bg;
+    float *qT, *kT, *kr, *vr, *g, *beta, *bg, *eg, *egc;
     int tp, kp, vp;
 };
 
@@ -109,7 +111,12 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
             if (lane >= off) acc += up;
         }
         s.g[lane] = acc;
-        s.bg[lane] = s.beta[lane] * expf(acc);
+        const float e = expf(acc);
+        s.bg[lane] = s.beta[lane] * e;
+        if (s.eg) {
+            s.eg[lane] = e;
+            s.egc[lane] = expf(__shfl_sync(0xffffffffu, acc, CH - 1) - acc);
+        }
     }
     __syncthreads();
 }
@@ -208,7 +215,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     const size_t c = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
     // 1. q̂, k̂ (both layouts), v, g, β of the chunk's steps.
-    load_chunk<D, CH_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, TP, DM, DM},
+    load_chunk<D, CH_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, nullptr, nullptr, TP, DM, DM},
                   T, len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (threads 0–63) and Q̂K̂ᵀ (64–127), a 4×4 tile each → A (shared) and Aqkᵀ (global).
@@ -479,20 +486,38 @@ __device__ __forceinline__ void frag_b_t(unsigned (&b)[2], const float* x, int p
 }
 
 // acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT: a warp's 16 × 8·NT product, X
-// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp).
+// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp). Fully unrolled from
+// per-lane base pointers, so every fragment load has a constant offset: partly unrolled, two
+// thirds of the scan's instructions were address arithmetic (ncu, session 8). With one n-tile,
+// odd k-steps accumulate apart and are added at the end: two chains of dependent mmas, half as
+// long (a chain's latency bounds a round of the scan).
 template <bool R, int K, int NT>
 __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, int xp, int m0,
                                          const float* y, int yp, int g, int c) {
-    #pragma unroll 4
+    const float* xa = x + c * xp + m0 + g;
+    const float* yb = y + c * yp + g;
+    float odd[4] = {};
+    #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 8) {
         unsigned a[4];
-        frag_a_t<R>(a, x, xp, m0, k0, g, c);
+        a[0] = tf<R>(xa[k0 * xp]);
+        a[1] = tf<R>(xa[k0 * xp + 8]);
+        a[2] = tf<R>(xa[(k0 + 4) * xp]);
+        a[3] = tf<R>(xa[(k0 + 4) * xp + 8]);
         #pragma unroll
         for (int n = 0; n < NT; n++) {
             unsigned bf[2];
-            frag_b<R>(bf, y, yp, k0, 8 * n, g, c);
-            mma8(acc[n], a, bf);
+            bf[0] = tf<R>(yb[k0 * yp + 8 * n]);
+            bf[1] = tf<R>(yb[(k0 + 4) * yp + 8 * n]);
+            if (NT == 1 && (k0 / 8) % 2 == 1)
+                mma8(odd, a, bf);
+            else
+                mma8(acc[n], a, bf);
         }
+    }
+    if (NT == 1) {
+        #pragma unroll
+        for (int i = 0; i < 4; i++) acc[0][i] += odd[i];
     }
 }
 
@@ -504,8 +529,8 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, in
 #define PT_V (PT_KT + DM * PT_P)         // v
 #define PT_A (PT_V + CH * PT_VP)         // A [CH][A_P]
 #define PT_TT (PT_A + CH * A_P)          // Tmᵀ
-#define PT_G (PT_TT + CH * PT_P)         // G, β, β·e^G [CH] each
-#define PREP_TC_SMEM ((PT_G + 3 * CH) * 4)  // 68480 bytes: GDRC_PREP_TC_SMEM in cuda.rs
+#define PT_G (PT_TT + CH * PT_P)         // G, β, β·e^G, e^G, e^{G_CH−G} [CH] each
+#define PREP_TC_SMEM ((PT_G + 5 * CH) * 4)  // 68736 bytes: GDRC_PREP_TC_SMEM in cuda.rs
 
 // TC_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
 // tiles per warp.
@@ -517,7 +542,8 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
                              int hv, int dk, int dv) {
     extern __shared__ __align__(16) float sm[];
     float *qT = sm + PT_QT, *kT = sm + PT_KT, *vr = sm + PT_V, *a_s = sm + PT_A, *tT = sm + PT_TT;
-    float *g_s = sm + PT_G, *beta_s = g_s + CH, *bg_s = beta_s + CH;
+    float *g_s = sm + PT_G, *beta_s = g_s + CH, *bg_s = beta_s + CH, *eg_s = bg_s + CH;
+    float* egc_s = eg_s + CH;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int chunk = blockIdx.x, nc = gridDim.x;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv, kh = h / (hv / hk);
@@ -526,7 +552,7 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
     const size_t cb = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
     // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps.
-    load_chunk<D, TC_THREADS>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, PT_P, 0, PT_VP}, T,
+    load_chunk<D, TC_THREADS>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, eg_s, egc_s, PT_P, 0, PT_VP}, T,
                               len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqkᵀ (global).
@@ -557,16 +583,11 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
         for (int e = tid - 32; e < DM * CH / 4; e += TC_THREADS - 32) {
             const int r = e / (CH / 4), t = 4 * (e % (CH / 4));
             const float4 qv = ld4(&qT[r * PT_P + t]), kv = ld4(&kT[r * PT_P + t]);
-            float eq[4], ek[4];
-            #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                eq[j] = expf(g_s[t + j]);
-                ek[j] = expf(gc - g_s[t + j]);
-            }
-            st4(&qt[(cb * DM + r) * CH + t], tf32r(eq[0] * qv.x), tf32r(eq[1] * qv.y),
-                tf32r(eq[2] * qv.z), tf32r(eq[3] * qv.w));
-            st4(&kd[(cb * DM + r) * CH + t], tf32r(ek[0] * kv.x), tf32r(ek[1] * kv.y),
-                tf32r(ek[2] * kv.z), tf32r(ek[3] * kv.w));
+            const float4 eq = ld4(&eg_s[t]), ek = ld4(&egc_s[t]);
+            st4(&qt[(cb * DM + r) * CH + t], tf32r(eq.x * qv.x), tf32r(eq.y * qv.y),
+                tf32r(eq.z * qv.z), tf32r(eq.w * qv.w));
+            st4(&kd[(cb * DM + r) * CH + t], tf32r(ek.x * kv.x), tf32r(ek.y * kv.y),
+                tf32r(ek.z * kv.z), tf32r(ek.w * kv.w));
         }
         if (tid == 32) gtot[cb] = expf(gc);
     }
@@ -790,7 +811,7 @@ GDRC(_tc, f16, F16, TC_THREADS, 2)
     }
 GDRC_SCAN_TC(16, bf16, BF16)
 GDRC_SCAN_TC(16, f16, F16)
-static_assert(PREP_TC_SMEM == 68480, "PREP_TC_SMEM");
+static_assert(PREP_TC_SMEM == 68736, "PREP_TC_SMEM");
 static_assert(SCAN_TC_SMEM == 95232, "SCAN_TC_SMEM");
 #endif
 
