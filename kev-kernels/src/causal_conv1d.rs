@@ -222,6 +222,24 @@ pub fn causal_conv1d_cached(
     weight: &Tensor,
     lengths: Option<&[usize]>,
 ) -> Result<(Tensor, Tensor)> {
+    let (y, next) = causal_conv1d_cached_view(x, cache, weight, lengths)?;
+    if x.device().is_metal() {
+        return Ok((y, next)); // composed: the next cache is already a tensor of its own
+    }
+    // The cache outlives this step (a prefix keeps it): give it storage of its own, or it would
+    // keep the whole output, y included, alive.
+    Ok((y, next.copy()?))
+}
+
+/// [`causal_conv1d_cached`] with the next cache left as a view into the op's output (which it
+/// keeps alive): for a caller that reads it once, right away, and saves the copy (one launch per
+/// layer of a one-pass forward).
+pub fn causal_conv1d_cached_view(
+    x: &Tensor,
+    cache: &Tensor,
+    weight: &Tensor,
+    lengths: Option<&[usize]>,
+) -> Result<(Tensor, Tensor)> {
     let (b_sz, seq_len, channels) = x.dims3()?;
     let (w_channels, k) = weight.dims2()?;
     if w_channels != channels || k < 2 || cache.dims() != [b_sz, k - 1, channels] {
@@ -251,12 +269,9 @@ pub fn causal_conv1d_cached(
     let out = as_rows(x)?.apply_op3_no_bwd(&cache.contiguous()?, &weight.contiguous()?, &op)?;
     let ny = b_sz * seq_len * channels;
     let y = out.narrow(0, 0, ny)?.reshape((b_sz, seq_len, channels))?;
-    // The cache outlives this step (a prefix keeps it): give it storage of its own, or it would
-    // keep the whole output, y included, alive.
     let next = out
         .narrow(0, ny, b_sz * (k - 1) * channels)?
-        .reshape((b_sz, k - 1, channels))?
-        .copy()?;
+        .reshape((b_sz, k - 1, channels))?;
     Ok((y, next))
 }
 

@@ -46,7 +46,8 @@ pub use attention::{
     qk_norm_rope_ref,
 };
 pub use causal_conv1d::{
-    causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_ref,
+    causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_cached_view,
+    causal_conv1d_ref,
 };
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
 #[cfg(feature = "cuda")]

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Linear;
-use kev_kernels::{causal_conv1d_cached, deltanet_gates, gated_delta_rule, GdrDims};
+use kev_kernels::{causal_conv1d_cached_view, deltanet_gates, gated_delta_rule, GdrDims};
 
 use super::norm::GatedRmsNorm;
 use super::{linear, linear_cat, Config, Split};
@@ -85,7 +85,9 @@ impl GatedDeltaNet {
     ) -> Result<Tensor> {
         let proj = self.in_proj.forward(xs)?; // [B, T, C + Hv·Dv + 2·Hv]
         let gb = self.gates(&proj)?;
-        let o = self.recur(&proj, &gb, conv, state, lengths)?;
+        let (o, next) = self.recur(&proj, &gb, conv, state, lengths)?;
+        // The cache outlives this step: its own storage, not a view into the conv's output.
+        *conv = next.copy()?;
         self.out(&o, &self.z(&proj)?)
     }
 
@@ -102,13 +104,15 @@ impl GatedDeltaNet {
         let gb = self.gates(&proj)?; // [N, Hv, 2]
         let ((proj_s, proj_b), (gb_s, gb_b)) = (split.parts(&proj)?, split.parts(&gb)?);
         let (c, k) = self.conv1d.dims2()?;
-        let mut conv = Tensor::zeros((1, k - 1, c), xs.dtype(), xs.device())?;
+        let conv = Tensor::zeros((1, k - 1, c), xs.dtype(), xs.device())?;
         let state = Tensor::zeros((1, hv, dk, dv), DType::F32, xs.device())?;
         let s_len = split.state_len();
-        let o_s = self.recur(&proj_s, &gb_s, &mut conv, &state, &[s_len])?;
-        let mut conv_b = split.to_branches(&conv)?;
+        // The conv windows stay views into the conv's output: read once (gathered to the
+        // branch rows) or never (the branches' own).
+        let (o_s, window) = self.recur(&proj_s, &gb_s, &conv, &state, &[s_len])?;
+        let conv_b = split.to_branches(&window)?;
         let state_b = split.to_branches(&state)?;
-        let o_b = self.recur(&proj_b, &gb_b, &mut conv_b, &state_b, split.lengths())?;
+        let (o_b, _) = self.recur(&proj_b, &gb_b, &conv_b, &state_b, split.lengths())?;
         let o = split.join(&o_s, &o_b)?; // [N, Hv, Dv]
         self.out(&o, &self.z(&proj)?)
     }
@@ -128,20 +132,22 @@ impl GatedDeltaNet {
     }
 
     /// The conv and the delta rule of projection rows `proj: [B, T, ..]` with their gates `gb`,
-    /// continuing from `conv` (replaced by the window at each row's end) and `state` (updated in
-    /// place): `[B, T, Hv, Dv]`.
+    /// continuing from the conv window `conv` and `state` (updated in place): `[B, T, Hv, Dv]`,
+    /// and the window at each row's end (a view into the conv's output).
     fn recur(
         &self,
         proj: &Tensor,
         gb: &Tensor,
-        conv: &mut Tensor,
+        conv: &Tensor,
         state: &Tensor,
         lengths: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let qkv = proj.narrow(D::Minus1, 0, self.dims.channels())?;
-        let (mixed, next) = causal_conv1d_cached(&qkv, conv, &self.conv1d, Some(lengths))?;
-        *conv = next;
-        gated_delta_rule(&mixed, gb, state, self.dims, Some(lengths))
+        let (mixed, next) = causal_conv1d_cached_view(&qkv, conv, &self.conv1d, Some(lengths))?;
+        Ok((
+            gated_delta_rule(&mixed, gb, state, self.dims, Some(lengths))?,
+            next,
+        ))
     }
 
     /// The gated norm of `o` (`[.., Hv, Dv]`) by `z`, then `out_proj`: `[.., H]`.

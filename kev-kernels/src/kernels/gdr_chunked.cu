@@ -486,18 +486,20 @@ __device__ __forceinline__ void frag_b_t(unsigned (&b)[2], const float* x, int p
 }
 
 // acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT: a warp's 16 × 8·NT product, X
-// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp). Fully unrolled from
-// per-lane base pointers, so every fragment load has a constant offset: partly unrolled, two
-// thirds of the scan's instructions were address arithmetic (ncu, session 8). With one n-tile,
-// odd k-steps accumulate apart and are added at the end: two chains of dependent mmas, half as
-// long (a chain's latency bounds a round of the scan).
+// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp). Fragments load from
+// per-lane base pointers. With one n-tile (the 16-column scan) the loop is fully unrolled, so
+// every load has a constant offset (partly unrolled, two thirds of that scan's instructions were
+// address arithmetic: ncu, session 8), and odd k-steps accumulate apart, added at the end: two
+// chains of dependent mmas, half as long. The other callers keep a 4-way unroll: fully unrolled,
+// the preparation and the 32-column scan measured 2 µs slower each.
 template <bool R, int K, int NT>
 __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, int xp, int m0,
                                          const float* y, int yp, int g, int c) {
     const float* xa = x + c * xp + m0 + g;
     const float* yb = y + c * yp + g;
     float odd[4] = {};
-    #pragma unroll
+    constexpr int UNROLL = NT == 1 ? K / 8 : 4;
+    #pragma unroll UNROLL
     for (int k0 = 0; k0 < K; k0 += 8) {
         unsigned a[4];
         a[0] = tf<R>(xa[k0 * xp]);
