@@ -7,14 +7,15 @@ use std::sync::OnceLock;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
 
 use crate::causal_conv1d::CausalConv1d;
-use crate::gated_delta_rule::GatedDeltaRule;
+use crate::gated_delta_rule::{GatedDeltaRule, GdrSplit};
 use crate::rows::{rows, strided4};
 
 /// A CUDA source file (`common.cuh` prepended), compiled to PTX with NVRTC on first use and
@@ -60,6 +61,11 @@ const GDRC_PREP_SMEM: u32 = 70016;
 const GDRC_SCAN_SMEM: u32 = 77824;
 const GDRC_PREP_TC_SMEM: u32 = 68736;
 const GDRC_SCAN_TC_SMEM: u32 = 95232;
+/// `mode` bits of the tensor-core scans (`SCAN_*` in gdr_chunked.cu): read the state first (else
+/// start at zero), write it at the end, share row 0's among all rows.
+const SCAN_READ: i32 = 1;
+const SCAN_WRITE: i32 = 2;
+const SCAN_SHARED: i32 = 4;
 const CONV_BLOCK: u32 = 256;
 /// Steps per thread of the cached conv (`CONV_RUN` in ops.cu).
 const CONV_RUN: usize = 8;
@@ -124,6 +130,14 @@ struct Gpu {
     /// mma.sync on TF32 operands (compute capability 8.0 and later).
     tensor_cores: bool,
     multiprocessors: usize,
+}
+
+/// Whether `device` is a CUDA GPU with the tensor cores the chunked kernels use.
+pub(crate) fn has_tensor_cores(device: &Device) -> bool {
+    match device {
+        Device::Cuda(dev) => gpu(dev).is_ok_and(|g| g.tensor_cores),
+        _ => false,
+    }
 }
 
 fn gpu(dev: &CudaDevice) -> Result<Gpu> {
@@ -456,32 +470,29 @@ fn gated_delta_rule_chunked(
     let dtag = tag(qkv.dtype(), "gated-delta-rule")?;
     // bf16/f16 on tensor cores (TF32 products) where the GPU has them; f32 models keep full f32
     // products. The two pairs differ in K''s scratch layout, so they never mix.
-    let gpu = gpu(qkv.device())?;
-    let tc = qkv.dtype() != DType::F32 && gpu.tensor_cores;
+    let tc = qkv.dtype() != DType::F32 && gpu(qkv.device())?.tensor_cores;
     let heads = op.b_sz * dims.num_v_heads;
-    // The tensor-core scan takes 16 state columns per block instead of 32 where 32 would leave
-    // multiprocessors idle (a long state has few (row, head) pairs).
-    let narrow = tc && heads * dims.head_v_dim.div_ceil(32) < gpu.multiprocessors;
-    let scan_cols = if narrow { 16 } else { 32 };
-    let (prep_name, scan_name, prep_smem, scan_smem) = match (tc, narrow) {
-        (false, _) => ("gdrc_prep_", "gdrc_scan_", GDRC_PREP_SMEM, GDRC_SCAN_SMEM),
-        (true, false) => (
-            "gdrc_prep_tc_",
-            "gdrc_scan_tc_",
-            GDRC_PREP_TC_SMEM,
-            GDRC_SCAN_TC_SMEM,
-        ),
-        (true, true) => (
-            "gdrc_prep_tc_",
-            "gdrc_scan_tc16_",
-            GDRC_PREP_TC_SMEM,
-            GDRC_SCAN_TC_SMEM,
-        ),
-    };
     let load = |name: &str| Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("{name}{dtag}"));
-    let (prep, scan) = (load(prep_name)?, load(scan_name)?);
-    prep.allow_shared_memory(prep_smem)?;
-    scan.allow_shared_memory(scan_smem)?;
+    let (prep, (scan, scan_cols)) = if tc {
+        let prep = load("gdrc_prep_tc_")?;
+        prep.allow_shared_memory(GDRC_PREP_TC_SMEM)?;
+        (prep, tc_scan(qkv.device(), dtag, heads, dims.head_v_dim)?)
+    } else {
+        let (prep, scan) = (load("gdrc_prep_")?, load("gdrc_scan_")?);
+        prep.allow_shared_memory(GDRC_PREP_SMEM)?;
+        scan.allow_shared_memory(GDRC_SCAN_SMEM)?;
+        (prep, (scan, 32))
+    };
+    let prep_smem = if tc {
+        GDRC_PREP_TC_SMEM
+    } else {
+        GDRC_PREP_SMEM
+    };
+    let scan_smem = if tc {
+        GDRC_SCAN_TC_SMEM
+    } else {
+        GDRC_SCAN_SMEM
+    };
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
@@ -489,24 +500,9 @@ fn gated_delta_rule_chunked(
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
-    let rows = heads * chunks * GDRC_CHUNK;
-    // Scratch: every element is written by the preparation kernel before the scan reads it.
-    // One allocation cut into parts (a short call is host-bound, and every allocation and free
-    // costs host time), the float4-read parts first so they stay aligned.
-    let sizes = [
-        rows * GDRC_MAX_DIM,    // Wᵀ
-        rows * GDRC_MAX_DIM,    // Q'ᵀ
-        rows * GDRC_MAX_DIM,    // K' (K'ᵀ for the tensor-core pair)
-        rows * GDRC_CHUNK,      // Aqkᵀ
-        rows * dims.head_v_dim, // U
-        heads * chunks,         // e^{G_CH}
-    ];
-    let scratch = prep.output::<f32>(sizes.iter().sum())?;
-    let mut start = 0;
-    let [wt, qt, kd, at, u, gtot] = sizes.map(|n| {
-        start += n;
-        scratch.slice(start - n..start)
-    });
+    let layout = ScratchLayout::new(heads * chunks, dims.head_v_dim);
+    let scratch = prep.output::<f32>(layout.total())?;
+    let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);
     let [t, hk, hv, dk, dv, nc] = [
         op.seq_len,
         dims.num_k_heads,
@@ -538,6 +534,10 @@ fn gated_delta_rule_chunked(
         b.arg(&wt).arg(&u).arg(&qt).arg(&kd).arg(&at).arg(&gtot);
         b.arg(&mut st).arg(&out);
         b.arg(&t).arg(&hv).arg(&dk).arg(&dv).arg(&nc);
+        let mode = SCAN_READ | SCAN_WRITE;
+        if tc {
+            b.arg(&mode);
+        }
         let cfg = LaunchConfig {
             grid_dim: (dims.head_v_dim.div_ceil(scan_cols) as u32, heads as u32, 1),
             block_dim: block,
@@ -551,6 +551,184 @@ fn gated_delta_rule_chunked(
             scan.dev.clone(),
         )));
         Ok(())
+    })
+}
+
+/// The tensor-core scan for `heads` (row · head) pairs: 16 state columns per block instead of 32
+/// where 32 would leave multiprocessors idle (a long state has few pairs). The kernel and its
+/// columns per block.
+fn tc_scan(dev: &CudaDevice, dtag: &str, heads: usize, dv: usize) -> Result<(Kernel, usize)> {
+    let narrow = heads * dv.div_ceil(32) < gpu(dev)?.multiprocessors;
+    let (name, cols) = if narrow {
+        ("gdrc_scan_tc16_", 16)
+    } else {
+        ("gdrc_scan_tc_", 32)
+    };
+    let scan = Kernel::load_from(&GDR_CHUNKED, dev, &format!("{name}{dtag}"))?;
+    scan.allow_shared_memory(GDRC_SCAN_TC_SMEM)?;
+    Ok((scan, cols))
+}
+
+/// Where the chunked kernels' scratch parts lie, for `blocks` (row · head, chunk) blocks: Wᵀ,
+/// Q'ᵀ, K' (K'ᵀ for the tensor-core pair), Aqkᵀ, U, e^{G_CH}, each `blocks ×` its per-block size.
+/// Every element is written by a preparation kernel before a scan reads it. One allocation cut
+/// into parts (a short call is host-bound, and every allocation and free costs host time), the
+/// float4-read parts first so they stay aligned.
+struct ScratchLayout {
+    blocks: usize,
+    per_block: [usize; 6],
+}
+
+impl ScratchLayout {
+    fn new(blocks: usize, dv: usize) -> Self {
+        let (c, d) = (GDRC_CHUNK, GDRC_MAX_DIM);
+        Self {
+            blocks,
+            per_block: [c * d, c * d, c * d, c * c, c * dv, 1],
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.blocks * self.per_block.iter().sum::<usize>()
+    }
+
+    /// The parts from block `first` on.
+    fn parts<'a>(&self, scratch: &'a CudaSlice<f32>, first: usize) -> [CudaView<'a, f32>; 6] {
+        let mut start = 0;
+        self.per_block.map(|n| {
+            start += self.blocks * n;
+            scratch.slice(start - (self.blocks - first) * n..start)
+        })
+    }
+}
+
+/// [`crate::gated_delta_rule_split`]: one record's state row and its branch rows, on the
+/// tensor-core kernels in three launches. One preparation grid takes both parts' chunks (they
+/// do not depend on the state); the state's scan starts from zero and writes its final state;
+/// the branches' scan reads that state in place (shared by every branch row, written by none).
+/// Both scans write into one packed output, `[S + B·T, Hv, Dv]`.
+pub(crate) fn gated_delta_rule_split(
+    op: &GdrSplit,
+    qa: &CudaStorage,
+    la: &Layout,
+    qb: &CudaStorage,
+    lb: &Layout,
+    gb: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dims = op.dims;
+    let dev = qa.device();
+    let dtag = tag(qa.dtype(), "gated-delta-rule")?;
+    if !gpu(dev)?.tensor_cores || qa.dtype() == DType::F32 || qb.dtype() != qa.dtype() {
+        bail!("gated-delta-rule-split: needs bf16/f16 inputs and tensor cores")
+    }
+    let (hv, dv) = (dims.num_v_heads, dims.head_v_dim);
+    let (s_len, rows, width) = (op.state_len, op.rows, op.width);
+    let (nc_a, nc_b) = (s_len.div_ceil(GDRC_CHUNK), width.div_ceil(GDRC_CHUNK));
+    let (blocks_a, blocks_b) = (nc_a * hv, nc_b * rows * hv);
+    let prep = Kernel::load_from(&GDR_CHUNKED, dev, &format!("gdrc_prep2_tc_{dtag}"))?;
+    prep.allow_shared_memory(GDRC_PREP_TC_SMEM)?;
+    let (scan_a, cols_a) = tc_scan(dev, dtag, hv, dv)?;
+    let (scan_b, cols_b) = tc_scan(dev, dtag, rows * hv, dv)?;
+    let (a0, a1) = contiguous(la, "gated-delta-rule-split state qkv")?;
+    let (b0, b1) = contiguous(lb, "gated-delta-rule-split branch qkv")?;
+    let (g0, g1) = contiguous(lg, "gated-delta-rule-split gates")?;
+    let gates = gb.as_cuda_slice::<f32>()?;
+    let g_split = g0 + s_len * hv * 2;
+    let (gb_a, gb_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
+    let padded = op.lengths.iter().any(|&l| l as usize != width);
+    let lengths = device_lengths(&prep.dev, padded.then_some(op.lengths.as_slice()))?;
+    let layout = ScratchLayout::new(blocks_a + blocks_b, dv);
+    let scratch = prep.output::<f32>(layout.total())?;
+    let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);
+    // Written whole by the state's scan before the branches' scan reads it.
+    let mut state = prep.output::<f32>(hv * dims.head_k_dim * dv)?;
+    let ints = |xs: &[usize]| xs.iter().map(|&x| x as i32).collect::<Vec<_>>();
+    let [hk_i, hv_i, dk_i, dv_i] = [dims.num_k_heads, hv, dims.head_k_dim, dv].map(|x| x as i32);
+    let geometry = ints(&[s_len, nc_a, hv, width, nc_b]);
+    by_dtype!(qa.dtype(), "gated-delta-rule-split", |T| {
+        let xa = qa.as_cuda_slice::<T>()?.slice(a0..a1);
+        let xb = qb.as_cuda_slice::<T>()?.slice(b0..b1);
+        let mut b = prep.stream.launch_builder(&prep.func);
+        b.arg(&xa)
+            .arg(&gb_a)
+            .arg(&geometry[0])
+            .arg(&geometry[1])
+            .arg(&geometry[2]);
+        b.arg(&xb)
+            .arg(&gb_b)
+            .arg(&lengths.ptr)
+            .arg(&geometry[3])
+            .arg(&geometry[4]);
+        b.arg(&wt).arg(&u).arg(&qt).arg(&kd).arg(&at).arg(&gtot);
+        b.arg(&hk_i).arg(&hv_i).arg(&dk_i).arg(&dv_i);
+        let cfg = LaunchConfig {
+            grid_dim: ((blocks_a + blocks_b) as u32, 1, 1),
+            block_dim: (GDRC_TC_THREADS, 1, 1),
+            shared_mem_bytes: GDRC_PREP_TC_SMEM,
+        };
+        // SAFETY: argument types and order match `gdrc_prep2_tc_*`; the scratch holds one block
+        // per launched block, the inputs have the shapes the wrapper checked (Dk, Dv ≤ 128).
+        unsafe { b.launch(cfg) }.w()?;
+
+        let out = scan_a.output::<T>((s_len + rows * width) * hv * dv)?;
+        let out_a = out.slice(0..s_len * hv * dv);
+        let out_b = out.slice(s_len * hv * dv..);
+        let parts_b = layout.parts(&scratch, blocks_a);
+        for (scan, cols, parts, o, t, nc, heads, mode) in [
+            (
+                &scan_a,
+                cols_a,
+                [&wt, &u, &qt, &kd, &at, &gtot],
+                &out_a,
+                s_len,
+                nc_a,
+                hv,
+                SCAN_WRITE,
+            ),
+            (
+                &scan_b,
+                cols_b,
+                [
+                    &parts_b[0],
+                    &parts_b[4],
+                    &parts_b[1],
+                    &parts_b[2],
+                    &parts_b[3],
+                    &parts_b[5],
+                ],
+                &out_b,
+                width,
+                nc_b,
+                rows * hv,
+                SCAN_READ | SCAN_SHARED,
+            ),
+        ] {
+            let [t_i, nc_i] = [t, nc].map(|x| x as i32);
+            let mut b = scan.stream.launch_builder(&scan.func);
+            for p in parts {
+                b.arg(p);
+            }
+            b.arg(&mut state).arg(o);
+            b.arg(&t_i)
+                .arg(&hv_i)
+                .arg(&dk_i)
+                .arg(&dv_i)
+                .arg(&nc_i)
+                .arg(&mode);
+            let cfg = LaunchConfig {
+                grid_dim: (dv.div_ceil(cols) as u32, heads as u32, 1),
+                block_dim: (GDRC_TC_THREADS, 1, 1),
+                shared_mem_bytes: GDRC_SCAN_TC_SMEM,
+            };
+            // SAFETY: argument types and order match `gdrc_scan_tc*`; each scan reads the scratch
+            // blocks of its own part, writes its own rows of `out`; the branches' scan only
+            // reads the state (SCAN_SHARED without SCAN_WRITE), after the state's scan on the
+            // same stream wrote it.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        let shape = Shape::from((s_len + rows * width, hv, dv));
+        Ok((CudaStorage::wrap_cuda_slice(out, prep.dev.clone()), shape))
     })
 }
 

@@ -81,6 +81,121 @@ impl GdrDims {
     }
 }
 
+/// The op of [`gated_delta_rule_split`]: inputs the state's `[q | k | v]` rows, the branches'
+/// and the packed gates; output the packed `o`. CUDA only (the wrapper composes
+/// [`gated_delta_rule`] calls elsewhere).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct GdrSplit {
+    pub(crate) dims: GdrDims,
+    pub(crate) state_len: usize,
+    pub(crate) rows: usize,
+    pub(crate) width: usize,
+    /// The branch rows' real steps.
+    pub(crate) lengths: Vec<u32>,
+}
+
+impl candle_core::CustomOp3 for GdrSplit {
+    fn name(&self) -> &'static str {
+        "gated-delta-rule-split"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("gated-delta-rule-split runs on CUDA only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qa: &candle_core::CudaStorage,
+        la: &Layout,
+        qb: &candle_core::CudaStorage,
+        lb: &Layout,
+        gb: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::gated_delta_rule_split(self, qa, la, qb, lb, gb, lg)
+    }
+}
+
+/// One record's state row and the branch rows that continue it (the one-pass prefix form), in
+/// three launches on CUDA's chunked tensor-core kernels where the composition takes eight (a
+/// zero state, two preparations, two scans, the state copied to the branch rows, two copies
+/// joining the outputs): one preparation grid for both parts, the state's scan from zero, then
+/// the branches' scan reading the state's final state in place; both write one packed output.
+///
+/// `state_qkv: [1, S, C]` and `branch_qkv: [B, T, C]` are the conv outputs, `gb: [S + B·T, Hv, 2]`
+/// the gates packed as the rows, `lengths` the branch rows' real steps. Returns
+/// `o: [S + B·T, Hv, Dv]`: the numbers of [`gated_delta_rule`] run on the state from a zero state,
+/// then on the branch rows from copies of its final state (the same kernels, blocks and sums).
+/// `None` where this form does not apply (not CUDA, an f32 model, no tensor cores, heads over
+/// 128, a part shorter than [`CHUNKED_MIN_LEN`] steps): compose those two calls there.
+pub fn gated_delta_rule_split(
+    state_qkv: &Tensor,
+    branch_qkv: &Tensor,
+    gb: &Tensor,
+    dims: GdrDims,
+    lengths: &[usize],
+) -> Result<Option<Tensor>> {
+    let (one, s_len, c) = state_qkv.dims3()?;
+    let (rows, width, cb) = branch_qkv.dims3()?;
+    if one != 1
+        || c != dims.channels()
+        || cb != c
+        || gb.dims() != [s_len + rows * width, dims.num_v_heads, 2]
+    {
+        bail!(
+            "gated-delta-rule-split: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
+            state_qkv.dims(),
+            branch_qkv.dims(),
+            gb.dims()
+        )
+    }
+    if lengths.len() != rows || lengths.iter().any(|&l| l > width) {
+        bail!("gated-delta-rule-split: lengths {lengths:?} do not fit {rows} rows of {width} steps")
+    }
+    if !fused_split_applies(state_qkv, dims, s_len, width) || rows == 0 {
+        return Ok(None);
+    }
+    let op = GdrSplit {
+        dims,
+        state_len: s_len,
+        rows,
+        width,
+        lengths: lengths.iter().map(|&l| l as u32).collect(),
+    };
+    let gb = gb.to_dtype(DType::F32)?.contiguous()?;
+    Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
+        &branch_qkv.contiguous()?,
+        &gb,
+        &op,
+    )?))
+}
+
+/// Whether [`gated_delta_rule_split`] has its fused form here: the conditions under which
+/// [`gated_delta_rule`] would run both parts on the chunked tensor-core kernels.
+#[cfg(feature = "cuda")]
+fn fused_split_applies(x: &Tensor, dims: GdrDims, s_len: usize, width: usize) -> bool {
+    x.device().is_cuda()
+        && x.dtype() != DType::F32
+        && crate::cuda::has_tensor_cores(x.device())
+        && dims.head_k_dim.max(dims.head_v_dim) <= 128
+        && auto_prefers_chunked(s_len)
+        && auto_prefers_chunked(width)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_split_applies(_: &Tensor, _: GdrDims, _: usize, _: usize) -> bool {
+    false
+}
+
 /// The op: one in-place destination (the state), `o` handed back through `out`.
 /// Fields are what every backend's kernel needs.
 pub(crate) struct GatedDeltaRule {

@@ -54,7 +54,7 @@ pub use chunked::{gated_delta_rule_chunked, CHUNK};
 pub use cuda::{keep_device_memory, pool_peak_bytes, profiler_range};
 pub use gated_delta_rule::{
     gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent, gated_delta_rule_ref,
-    GdrDims, GdrForm, CHUNKED_MIN_LEN,
+    gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{gather_rows, RowIndex};

@@ -4,7 +4,9 @@
 
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, dims, patterned};
-use kev_kernels::{causal_conv1d, gated_delta_rule, gated_delta_rule_as, GdrDims, GdrForm};
+use kev_kernels::{
+    causal_conv1d, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_split, GdrDims, GdrForm,
+};
 
 use crate::common::{check, device};
 
@@ -112,6 +114,67 @@ fn gated_delta_rule_on_device_continues_exactly() -> Result<()> {
             &whole_state,
             tol,
         )?;
+    }
+    Ok(())
+}
+
+/// The one-pass form's fused delta rule (state, then branches continuing it, packed) against the
+/// composition it replaces, on the test device: the same kernels and sums, so exactly equal
+/// where the fused form runs (CUDA, bf16); elsewhere it declines (`None`) and the model composes.
+#[test]
+fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
+    let dev = device();
+    // A state of 3 chunks (the last partial), branch rows of 2 chunks ending in either chunk or
+    // empty; the test model's heads and the 0.8B model's.
+    for (s_len, width, lengths, d) in [
+        (70, 40, vec![40usize, 33, 0], dims(2, 4, 32, 16)),
+        (96, 48, vec![48usize, 47, 36, 41], dims(16, 16, 128, 128)),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let rows = lengths.len();
+            let (state_qkv, gb_s, _) = testing::gdr_inputs(1, s_len, d, 0.3)?;
+            let (branch_qkv, gb_b, _) = testing::gdr_inputs(rows, width, d, 1.3)?;
+            let hv = d.num_v_heads;
+            let on = |t: &Tensor| t.to_device(&dev);
+            let (qa, qb) = (
+                on(&state_qkv.to_dtype(dtype)?)?,
+                on(&branch_qkv.to_dtype(dtype)?)?,
+            );
+            let (gb_s, gb_b) = (on(&gb_s)?, on(&gb_b)?);
+            let gb = Tensor::cat(
+                &[
+                    gb_s.reshape((s_len, hv, 2))?,
+                    gb_b.reshape((rows * width, hv, 2))?,
+                ],
+                0,
+            )?;
+            let fused = gated_delta_rule_split(&qa, &qb, &gb, d, &lengths)?;
+            let state = Tensor::zeros((1, hv, d.head_k_dim, d.head_v_dim), DType::F32, &dev)?;
+            let o_s = gated_delta_rule(&qa, &gb_s, &state, d, None)?;
+            let state_b = state
+                .broadcast_as((rows, hv, d.head_k_dim, d.head_v_dim))?
+                .contiguous()?;
+            let o_b = gated_delta_rule(&qb, &gb_b, &state_b, d, Some(&lengths))?;
+            let composed = Tensor::cat(&[o_s.flatten(0, 1)?, o_b.flatten(0, 1)?], 0)?;
+            let tag = format!(
+                "gdr split {dtype:?} s={s_len} t={width} dk={}",
+                d.head_k_dim
+            );
+            match fused {
+                Some(o) => {
+                    assert!(
+                        dev.is_cuda() && dtype != DType::F32,
+                        "{tag}: fused off CUDA bf16"
+                    );
+                    let diff = check(&tag, &o, &composed, 0.0)?;
+                    assert_eq!(diff.max_abs, 0.0, "{tag}: not the composition's numbers");
+                }
+                None => assert!(
+                    !dev.is_cuda() || dtype == DType::F32,
+                    "{tag}: CUDA bf16 declined the fused form"
+                ),
+            }
+        }
     }
     Ok(())
 }

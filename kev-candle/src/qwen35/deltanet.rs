@@ -3,7 +3,9 @@
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Linear;
-use kev_kernels::{causal_conv1d_cached_view, deltanet_gates, gated_delta_rule, GdrDims};
+use kev_kernels::{
+    causal_conv1d_cached_view, deltanet_gates, gated_delta_rule, gated_delta_rule_split, GdrDims,
+};
 
 use super::norm::GatedRmsNorm;
 use super::{linear, linear_cat, Config, Split};
@@ -85,9 +87,11 @@ impl GatedDeltaNet {
     ) -> Result<Tensor> {
         let proj = self.in_proj.forward(xs)?; // [B, T, C + Hv·Dv + 2·Hv]
         let gb = self.gates(&proj)?;
-        let (o, next) = self.recur(&proj, &gb, conv, state, lengths)?;
+        let (mixed, next) =
+            causal_conv1d_cached_view(&self.qkv(&proj)?, conv, &self.conv1d, Some(lengths))?;
         // The cache outlives this step: its own storage, not a view into the conv's output.
         *conv = next.copy()?;
+        let o = gated_delta_rule(&mixed, &gb, state, self.dims, Some(lengths))?;
         self.out(&o, &self.z(&proj)?)
     }
 
@@ -102,18 +106,29 @@ impl GatedDeltaNet {
         } = self.dims;
         let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
         let gb = self.gates(&proj)?; // [N, Hv, 2]
-        let ((proj_s, proj_b), (gb_s, gb_b)) = (split.parts(&proj)?, split.parts(&gb)?);
+        let (proj_s, proj_b) = split.parts(&proj)?;
         let (c, k) = self.conv1d.dims2()?;
-        let conv = Tensor::zeros((1, k - 1, c), xs.dtype(), xs.device())?;
-        let state = Tensor::zeros((1, hv, dk, dv), DType::F32, xs.device())?;
         let s_len = split.state_len();
-        // The conv windows stay views into the conv's output: read once (gathered to the
-        // branch rows) or never (the branches' own).
-        let (o_s, window) = self.recur(&proj_s, &gb_s, &conv, &state, &[s_len])?;
+        // The conv windows stay views into the conv's output: the state's is read once (copied
+        // to the branch rows), the branches' never.
+        let conv = Tensor::zeros((1, k - 1, c), xs.dtype(), xs.device())?;
+        let (mixed_s, window) =
+            causal_conv1d_cached_view(&self.qkv(&proj_s)?, &conv, &self.conv1d, Some(&[s_len]))?;
         let conv_b = split.to_branches(&window)?;
-        let state_b = split.to_branches(&state)?;
-        let (o_b, _) = self.recur(&proj_b, &gb_b, &conv_b, &state_b, split.lengths())?;
-        let o = split.join(&o_s, &o_b)?; // [N, Hv, Dv]
+        let lengths = split.lengths();
+        let qkv_b = self.qkv(&proj_b)?;
+        let (mixed_b, _) = causal_conv1d_cached_view(&qkv_b, &conv_b, &self.conv1d, Some(lengths))?;
+        let o = match gated_delta_rule_split(&mixed_s, &mixed_b, &gb, self.dims, lengths)? {
+            Some(o) => o, // [N, Hv, Dv]
+            None => {
+                let (gb_s, gb_b) = split.parts(&gb)?;
+                let state = Tensor::zeros((1, hv, dk, dv), DType::F32, xs.device())?;
+                let o_s = gated_delta_rule(&mixed_s, &gb_s, &state, self.dims, Some(&[s_len]))?;
+                let state_b = split.to_branches(&state)?;
+                let o_b = gated_delta_rule(&mixed_b, &gb_b, &state_b, self.dims, Some(lengths))?;
+                split.join(&o_s, &o_b)?
+            }
+        };
         self.out(&o, &self.z(&proj)?)
     }
 
@@ -131,23 +146,9 @@ impl GatedDeltaNet {
         proj.narrow(D::Minus1, self.dims.channels(), hv * dv)
     }
 
-    /// The conv and the delta rule of projection rows `proj: [B, T, ..]` with their gates `gb`,
-    /// continuing from the conv window `conv` and `state` (updated in place): `[B, T, Hv, Dv]`,
-    /// and the window at each row's end (a view into the conv's output).
-    fn recur(
-        &self,
-        proj: &Tensor,
-        gb: &Tensor,
-        conv: &Tensor,
-        state: &Tensor,
-        lengths: &[usize],
-    ) -> Result<(Tensor, Tensor)> {
-        let qkv = proj.narrow(D::Minus1, 0, self.dims.channels())?;
-        let (mixed, next) = causal_conv1d_cached_view(&qkv, conv, &self.conv1d, Some(lengths))?;
-        Ok((
-            gated_delta_rule(&mixed, gb, state, self.dims, Some(lengths))?,
-            next,
-        ))
+    /// The `[q | k | v]` columns of `proj`.
+    fn qkv(&self, proj: &Tensor) -> Result<Tensor> {
+        proj.narrow(D::Minus1, 0, self.dims.channels())
     }
 
     /// The gated norm of `o` (`[.., Hv, Dv]`) by `z`, then `out_proj`: `[.., H]`.

@@ -535,23 +535,23 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, in
 #define PREP_TC_SMEM ((PT_G + 5 * CH) * 4)  // 68736 bytes: GDRC_PREP_TC_SMEM in cuda.rs
 
 // TC_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
-// tiles per warp.
+// tiles per warp. The block prepares chunk `chunk` of (row · head) `bh` into scratch block `cb`.
 template <typename D>
-__device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
-                             const unsigned int* __restrict__ lengths, float* __restrict__ wt,
-                             float* __restrict__ u, float* __restrict__ qt, float* __restrict__ kd,
-                             float* __restrict__ atq, float* __restrict__ gtot, int T, int hk,
-                             int hv, int dk, int dv) {
+__device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
+                                const float* __restrict__ gb,
+                                const unsigned int* __restrict__ lengths, float* __restrict__ wt,
+                                float* __restrict__ u, float* __restrict__ qt,
+                                float* __restrict__ kd, float* __restrict__ atq,
+                                float* __restrict__ gtot, int T, int hk, int hv, int dk, int dv,
+                                int chunk, int bh, size_t cb) {
     extern __shared__ __align__(16) float sm[];
     float *qT = sm + PT_QT, *kT = sm + PT_KT, *vr = sm + PT_V, *a_s = sm + PT_A, *tT = sm + PT_TT;
     float *g_s = sm + PT_G, *beta_s = g_s + CH, *bg_s = beta_s + CH, *eg_s = bg_s + CH;
     float* egc_s = eg_s + CH;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-    const int chunk = blockIdx.x, nc = gridDim.x;
-    const int bh = blockIdx.y, b = bh / hv, h = bh % hv, kh = h / (hv / hk);
+    const int b = bh / hv, h = bh % hv, kh = h / (hv / hk);
     const int len = lengths ? min((int)lengths[b], T) : T;
     const int t0 = chunk * CH;
-    const size_t cb = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
     // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps.
     load_chunk<D, TC_THREADS>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, eg_s, egc_s, PT_P, 0, PT_VP}, T,
@@ -640,6 +640,37 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
     }
 }
 
+// One block per chunk (grid.x) and (row · head) (grid.y).
+template <typename D>
+__device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
+                             const unsigned int* __restrict__ lengths, float* __restrict__ wt,
+                             float* __restrict__ u, float* __restrict__ qt, float* __restrict__ kd,
+                             float* __restrict__ atq, float* __restrict__ gtot, int T, int hk,
+                             int hv, int dk, int dv) {
+    gdrc_prep_tc_at<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv, blockIdx.x,
+                       blockIdx.y, (size_t)blockIdx.y * gridDim.x + blockIdx.x);
+}
+
+// Two calls' chunks in one grid (gdrc_prep2_tc_<dtype>): a record's state row (a: nc_a chunks of
+// each of its bh_a heads, no padding) and its branch rows (b: nc_b chunks each, padded past
+// len_b). They do not depend on each other, and one launch fills the GPU where the state alone
+// leaves it half idle. Linear block i is scratch block i: the state's blocks first, so the
+// branches' scan reads its operands from scratch block nc_a·bh_a on.
+template <typename D>
+__device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a, int t_a, int nc_a,
+                              int bh_a, const typename D::T* qkv_b, const float* gb_b,
+                              const unsigned int* len_b, int t_b, int nc_b, float* wt, float* u,
+                              float* qt, float* kd, float* atq, float* gtot, int hk, int hv,
+                              int dk, int dv) {
+    const int i = blockIdx.x, na = nc_a * bh_a;
+    if (i < na)
+        gdrc_prep_tc_at<D>(qkv_a, gb_a, nullptr, wt, u, qt, kd, atq, gtot, t_a, hk, hv, dk, dv,
+                           i % nc_a, i / nc_a, i);
+    else
+        gdrc_prep_tc_at<D>(qkv_b, gb_b, len_b, wt, u, qt, kd, atq, gtot, t_b, hk, hv, dk, dv,
+                           (i - na) % nc_b, (i - na) / nc_b, i);
+}
+
 // Shared memory of the tensor-core scan, in floats.
 #define TC_TP 40   // Wᵀ, Q'ᵀ [DM][..], Aqkᵀ [CH][..]: A operands stored transposed
 #define TC_KP 36   // K'ᵀ [DM][..]: the A operand of the state update, stored by rows
@@ -661,12 +692,18 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
 // H200's 132 SMs), at the price of reading each chunk's W, Q', K', Aqk twice as often. W, Q', K'
 // and Aqk arrive rounded to TF32 (by the preparation kernel, where the work is parallel); S and
 // Δ are rounded as they are stored to shared memory.
+// `mode` (SCAN_*): whether the state is read first (else it starts at zero), written at the end,
+// and shared by all rows (head h of every row reads row 0's: branches continuing one state, none
+// of them writing it back).
+#define SCAN_READ 1
+#define SCAN_WRITE 2
+#define SCAN_SHARED 4
 template <typename D, int NCOL = 32>
 __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restrict__ u,
                              const float* __restrict__ qt, const float* __restrict__ kd,
                              const float* __restrict__ atq, const float* __restrict__ gtot,
                              float* __restrict__ state, typename D::T* __restrict__ out, int T,
-                             int hv, int dk, int dv, int nc) {
+                             int hv, int dk, int dv, int nc, int mode) {
     extern __shared__ __align__(16) float sm[];
     float *s_s = sm + T_S, *wt_s = sm + T_WT, *qt_s = sm + T_QT, *k_s = sm + T_K;
     float *at_s = sm + T_AT, *u_s = sm + T_U, *d_s = sm + T_D;
@@ -679,7 +716,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
     const int mt = 16 * (warp % 2);                // the steps of this warp's Δ or P rows
     const int ch = (NCOL / 2) * ((warp / 2) % 2);  // its half of the block's columns
     const int rs = 16 * warp;                      // its rows of S
-    float* st = state + (size_t)bh * dk * dv;
+    float* st = state + (size_t)(mode & SCAN_SHARED ? h : bh) * dk * dv;
     // S rows rs + g (+8), columns 8·n + 2c (+1): accumulator element i of [n].
     float s[NS][4];
     #pragma unroll
@@ -687,7 +724,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
         #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int r = rs + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
-            s[n][i] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
+            s[n][i] = (mode & SCAN_READ) && r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
     typedef ChunkOperands<NCOL, TC_THREADS> Ops;
     Ops next;  // the next chunk's operands, in flight while this one computes
@@ -775,6 +812,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
         }
         __syncthreads();  // everything of this chunk in shared memory is consumed
     }
+    if (!(mode & SCAN_WRITE)) return;
     #pragma unroll
     for (int n = 0; n < NS; n++)
         #pragma unroll
@@ -786,33 +824,49 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
 
 #endif
 
-// Entry points: gdrc_{prep,scan}_<dtype> (FMA) and gdrc_{prep,scan}_tc_<dtype> (tensor cores).
-#define GDRC(KIND, TAG, D, THREADS, SCAN_BLOCKS)                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS) gdrc_prep##KIND##_##TAG(                \
+// Entry points: gdrc_{prep,scan}_<dtype> (FMA) and, on tensor cores, gdrc_prep_tc_<dtype>,
+// gdrc_prep2_tc_<dtype> (two calls' chunks in one grid) and gdrc_scan_tc{,16}_<dtype> (32 or 16
+// state columns per block, with a SCAN_* mode).
+#define GDRC(TAG, D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep_##TAG(                     \
         const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
         float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
-        gdrc_prep##KIND<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);        \
+        gdrc_prep<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);              \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS, SCAN_BLOCKS) gdrc_scan##KIND##_##TAG(   \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS, 1) gdrc_scan_##TAG(                  \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
-        gdrc_scan##KIND<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);              \
+        gdrc_scan<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);                    \
     }
-GDRC(, f32, F32, CH_THREADS, 1)
-GDRC(, bf16, BF16, CH_THREADS, 1)
-GDRC(, f16, F16, CH_THREADS, 1)
+GDRC(f32, F32)
+GDRC(bf16, BF16)
+GDRC(f16, F16)
 #if __CUDA_ARCH__ >= 800
 // The tensor-core scans: two blocks per SM (registers capped at 128), as their shared memory allows.
-GDRC(_tc, bf16, BF16, TC_THREADS, 2)
-GDRC(_tc, f16, F16, TC_THREADS, 2)
-#define GDRC_SCAN_TC(NCOL, TAG, D)                                                                \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gdrc_scan_tc##NCOL##_##TAG(        \
+#define GDRC_SCAN_TC(NAME, NCOL, D)                                                               \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) NAME(                             \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
-        const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
-        gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);           \
+        const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc,        \
+        int mode) {                                                                               \
+        gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc, mode);     \
     }
-GDRC_SCAN_TC(16, bf16, BF16)
-GDRC_SCAN_TC(16, f16, F16)
+#define GDRC_TC(TAG, D)                                                                           \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) gdrc_prep_tc_##TAG(                  \
+        const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
+        float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
+        gdrc_prep_tc<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);           \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) gdrc_prep2_tc_##TAG(                 \
+        const D::T* qkv_a, const float* gb_a, int t_a, int nc_a, int bh_a, const D::T* qkv_b,     \
+        const float* gb_b, const unsigned int* len_b, int t_b, int nc_b, float* wt, float* u,     \
+        float* qt, float* kd, float* atq, float* gtot, int hk, int hv, int dk, int dv) {          \
+        gdrc_prep2_tc<D>(qkv_a, gb_a, t_a, nc_a, bh_a, qkv_b, gb_b, len_b, t_b, nc_b, wt, u, qt,  \
+                         kd, atq, gtot, hk, hv, dk, dv);                                          \
+    }                                                                                             \
+    GDRC_SCAN_TC(gdrc_scan_tc_##TAG, 32, D)                                                       \
+    GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)
+GDRC_TC(bf16, BF16)
+GDRC_TC(f16, F16)
 static_assert(PREP_TC_SMEM == 68736, "PREP_TC_SMEM");
 static_assert(SCAN_TC_SMEM == 95232, "SCAN_TC_SMEM");
 #endif
