@@ -391,8 +391,9 @@ fn main() -> Result<()> {
         // Tokenizing is inside every timed run (the API takes records); the peers time from
         // token ids. This is its share: the records encoded one after another, as the prefix
         // form does (the batch form encodes them in parallel).
-        let mut encode_times = Vec::with_capacity(args.repeats);
-        for _ in 0..args.repeats.max(3) {
+        let encode_runs = args.repeats.max(3);
+        let mut encode_times = Vec::with_capacity(encode_runs);
+        for _ in 0..encode_runs {
             let t = Instant::now();
             for r in &records {
                 model.encode(r)?;
