@@ -827,12 +827,14 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
 // Entry points: gdrc_{prep,scan}_<dtype> (FMA) and, on tensor cores, gdrc_prep_tc_<dtype>,
 // gdrc_prep2_tc_<dtype> (two calls' chunks in one grid) and gdrc_scan_tc{,16}_<dtype> (32 or 16
 // state columns per block, with a SCAN_* mode).
-#define GDRC(TAG, D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdrc_prep_##TAG(                     \
+#define GDRC_PREP(NAME, BODY, THREADS, D)                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                   \
         const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
         float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
-        gdrc_prep<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);              \
-    }                                                                                             \
+        BODY<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);                   \
+    }
+#define GDRC(TAG, D)                                                                              \
+    GDRC_PREP(gdrc_prep_##TAG, gdrc_prep, CH_THREADS, D)                                          \
     extern "C" __global__ void __launch_bounds__(CH_THREADS, 1) gdrc_scan_##TAG(                  \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
@@ -851,11 +853,7 @@ GDRC(f16, F16)
         gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc, mode);     \
     }
 #define GDRC_TC(TAG, D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) gdrc_prep_tc_##TAG(                  \
-        const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
-        float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
-        gdrc_prep_tc<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);           \
-    }                                                                                             \
+    GDRC_PREP(gdrc_prep_tc_##TAG, gdrc_prep_tc, TC_THREADS, D)                                    \
     extern "C" __global__ void __launch_bounds__(TC_THREADS) gdrc_prep2_tc_##TAG(                 \
         const D::T* qkv_a, const float* gb_a, int t_a, int nc_a, int bh_a, const D::T* qkv_b,     \
         const float* gb_b, const unsigned int* len_b, int t_b, int nc_b, float* wt, float* u,     \
