@@ -643,23 +643,19 @@ pub(crate) fn gated_delta_rule_split(
     let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);
     // Written whole by the state's scan before the branches' scan reads it.
     let mut state = prep.output::<f32>(hv * dims.head_k_dim * dv)?;
-    let ints = |xs: &[usize]| xs.iter().map(|&x| x as i32).collect::<Vec<_>>();
     let [hk_i, hv_i, dk_i, dv_i] = [dims.num_k_heads, hv, dims.head_k_dim, dv].map(|x| x as i32);
-    let geometry = ints(&[s_len, nc_a, hv, width, nc_b]);
+    let [s_i, nc_a_i, w_i, nc_b_i] = [s_len, nc_a, width, nc_b].map(|x| x as i32);
     by_dtype!(qa.dtype(), "gated-delta-rule-split", |T| {
         let xa = qa.as_cuda_slice::<T>()?.slice(a0..a1);
         let xb = qb.as_cuda_slice::<T>()?.slice(b0..b1);
         let mut b = prep.stream.launch_builder(&prep.func);
-        b.arg(&xa)
-            .arg(&gb_a)
-            .arg(&geometry[0])
-            .arg(&geometry[1])
-            .arg(&geometry[2]);
+        // The state: one row of hv heads, unpadded.
+        b.arg(&xa).arg(&gb_a).arg(&s_i).arg(&nc_a_i).arg(&hv_i);
         b.arg(&xb)
             .arg(&gb_b)
             .arg(&lengths.ptr)
-            .arg(&geometry[3])
-            .arg(&geometry[4]);
+            .arg(&w_i)
+            .arg(&nc_b_i);
         b.arg(&wt).arg(&u).arg(&qt).arg(&kd).arg(&at).arg(&gtot);
         b.arg(&hk_i).arg(&hv_i).arg(&dk_i).arg(&dv_i);
         let cfg = LaunchConfig {
@@ -674,7 +670,7 @@ pub(crate) fn gated_delta_rule_split(
         let out = scan_a.output::<T>((s_len + rows * width) * hv * dv)?;
         let out_a = out.slice(0..s_len * hv * dv);
         let out_b = out.slice(s_len * hv * dv..);
-        let parts_b = layout.parts(&scratch, blocks_a);
+        let [wt_b, qt_b, kd_b, at_b, u_b, gtot_b] = layout.parts(&scratch, blocks_a);
         for (scan, cols, parts, o, t, nc, heads, mode) in [
             (
                 &scan_a,
@@ -689,14 +685,7 @@ pub(crate) fn gated_delta_rule_split(
             (
                 &scan_b,
                 cols_b,
-                [
-                    &parts_b[0],
-                    &parts_b[4],
-                    &parts_b[1],
-                    &parts_b[2],
-                    &parts_b[3],
-                    &parts_b[5],
-                ],
+                [&wt_b, &u_b, &qt_b, &kd_b, &at_b, &gtot_b],
                 &out_b,
                 width,
                 nc_b,
