@@ -473,25 +473,19 @@ fn gated_delta_rule_chunked(
     let tc = qkv.dtype() != DType::F32 && gpu(qkv.device())?.tensor_cores;
     let heads = op.b_sz * dims.num_v_heads;
     let load = |name: &str| Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("{name}{dtag}"));
-    let (prep, (scan, scan_cols)) = if tc {
-        let prep = load("gdrc_prep_tc_")?;
-        prep.allow_shared_memory(GDRC_PREP_TC_SMEM)?;
-        (prep, tc_scan(qkv.device(), dtag, heads, dims.head_v_dim)?)
+    let (prep_smem, scan_smem) = if tc {
+        (GDRC_PREP_TC_SMEM, GDRC_SCAN_TC_SMEM)
     } else {
-        let (prep, scan) = (load("gdrc_prep_")?, load("gdrc_scan_")?);
-        prep.allow_shared_memory(GDRC_PREP_SMEM)?;
-        scan.allow_shared_memory(GDRC_SCAN_SMEM)?;
-        (prep, (scan, 32))
+        (GDRC_PREP_SMEM, GDRC_SCAN_SMEM)
     };
-    let prep_smem = if tc {
-        GDRC_PREP_TC_SMEM
+    let prep = load(if tc { "gdrc_prep_tc_" } else { "gdrc_prep_" })?;
+    prep.allow_shared_memory(prep_smem)?;
+    let (scan, scan_cols) = if tc {
+        tc_scan(qkv.device(), dtag, heads, dims.head_v_dim)?
     } else {
-        GDRC_PREP_SMEM
-    };
-    let scan_smem = if tc {
-        GDRC_SCAN_TC_SMEM
-    } else {
-        GDRC_SCAN_SMEM
+        let scan = load("gdrc_scan_")?;
+        scan.allow_shared_memory(scan_smem)?;
+        (scan, 32)
     };
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
