@@ -82,8 +82,8 @@ impl GdrDims {
 }
 
 /// The op of [`gated_delta_rule_split`]: inputs the state's `[q | k | v]` rows, the branches'
-/// and the packed gates; output the packed `o`. CUDA only (the wrapper composes
-/// [`gated_delta_rule`] calls elsewhere).
+/// and the packed gates; output the packed `o`. CUDA only: elsewhere the wrapper returns `None`
+/// and its caller composes [`gated_delta_rule`] calls.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct GdrSplit {
     pub(crate) dims: GdrDims,
@@ -135,8 +135,12 @@ impl candle_core::CustomOp3 for GdrSplit {
 /// the gates packed as the rows, `lengths` the branch rows' real steps. Returns
 /// `o: [S + B·T, Hv, Dv]`: the numbers of [`gated_delta_rule`] run on the state from a zero state,
 /// then on the branch rows from copies of its final state (the same kernels, blocks and sums).
-/// `None` where this form does not apply (not CUDA, an f32 model, no tensor cores, heads over
-/// 128, a part shorter than [`CHUNKED_MIN_LEN`] steps): compose those two calls there.
+/// `None` where this form does not apply (not CUDA, an f32 model, no tensor cores, Dk or Dv over
+/// 128, an empty part, no branch rows, a part shorter than [`CHUNKED_MIN_LEN`] steps or its
+/// `KEV_GDR_CHUNKED_MIN_LEN` override): compose those two calls there.
+///
+/// Errors name what does not fit: shapes, head counts (Hv a multiple of Hk > 0), lengths, the
+/// two parts' dtypes, gates other than f32.
 pub fn gated_delta_rule_split(
     state_qkv: &Tensor,
     branch_qkv: &Tensor,
@@ -158,10 +162,23 @@ pub fn gated_delta_rule_split(
             gb.dims()
         )
     }
+    let (hk, hv) = (dims.num_k_heads, dims.num_v_heads);
+    if hk == 0 || hv % hk != 0 {
+        bail!("gated-delta-rule-split: {hv} value heads are not a multiple of {hk} key heads")
+    }
     if lengths.len() != rows || lengths.iter().any(|&l| l > width) {
         bail!("gated-delta-rule-split: lengths {lengths:?} do not fit {rows} rows of {width} steps")
     }
-    if !fused_split_applies(state_qkv, dims, s_len, width) || rows == 0 {
+    if state_qkv.dtype() != branch_qkv.dtype() || gb.dtype() != DType::F32 {
+        bail!(
+            "gated-delta-rule-split: state {:?} and branches {:?} must share a dtype, gates must be f32 (got {:?})",
+            state_qkv.dtype(),
+            branch_qkv.dtype(),
+            gb.dtype()
+        )
+    }
+    if s_len == 0 || width == 0 || rows == 0 || !fused_split_applies(state_qkv, dims, s_len, width)
+    {
         return Ok(None);
     }
     let op = GdrSplit {
@@ -171,10 +188,9 @@ pub fn gated_delta_rule_split(
         width,
         lengths: lengths.iter().map(|&l| l as u32).collect(),
     };
-    let gb = gb.to_dtype(DType::F32)?.contiguous()?;
     Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
         &branch_qkv.contiguous()?,
-        &gb,
+        &gb.contiguous()?,
         &op,
     )?))
 }

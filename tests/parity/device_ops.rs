@@ -179,6 +179,76 @@ fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
     Ok(())
 }
 
+/// What does not fit is an error naming it; an empty part declines the fused form.
+#[test]
+fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
+    let dev = device();
+    let d = dims(2, 4, 32, 16);
+    let (s_len, rows, width) = (40, 2, 33);
+    let on = |t: Tensor| t.to_device(&dev);
+    let qa = on(patterned(&[1, s_len, d.channels()], 0.1, 1.0)?.to_dtype(DType::BF16)?)?;
+    let qb = on(patterned(&[rows, width, d.channels()], 0.2, 1.0)?.to_dtype(DType::BF16)?)?;
+    let gb = on(patterned(&[s_len + rows * width, 4, 2], 0.3, 0.5)?)?;
+    let lengths = [33, 20];
+    let refused = |what: &str, r: Result<Option<Tensor>>, needle: &str| {
+        let e = r.expect_err(what).to_string();
+        assert!(e.contains(needle), "{what}: `{e}` does not say `{needle}`");
+    };
+    let zero_k = GdrDims {
+        num_k_heads: 0,
+        ..d
+    };
+    // Its [q | k | v] rows would be v alone: shapes that fit, head counts that do not.
+    let (qa0, qb0) = (
+        qa.narrow(2, 0, zero_k.channels())?,
+        qb.narrow(2, 0, zero_k.channels())?,
+    );
+    refused(
+        "no key heads",
+        gated_delta_rule_split(&qa0, &qb0, &gb, zero_k, &lengths),
+        "key heads",
+    );
+    refused(
+        "3 value heads over 2 key heads",
+        gated_delta_rule_split(&qa, &qb, &gb, dims(2, 3, 32, 16), &lengths),
+        "do not fit",
+    );
+    refused(
+        "a length past the width",
+        gated_delta_rule_split(&qa, &qb, &gb, d, &[33, 34]),
+        "lengths",
+    );
+    refused(
+        "gates of another shape",
+        gated_delta_rule_split(
+            &qa,
+            &qb,
+            &gb.narrow(0, 1, s_len + rows * width - 1)?,
+            d,
+            &lengths,
+        ),
+        "do not fit",
+    );
+    refused(
+        "branches in another dtype",
+        gated_delta_rule_split(&qa, &qb.to_dtype(DType::F32)?, &gb, d, &lengths),
+        "share a dtype",
+    );
+    refused(
+        "bf16 gates",
+        gated_delta_rule_split(&qa, &qb, &gb.to_dtype(DType::BF16)?, d, &lengths),
+        "gates must be f32",
+    );
+    let empty = on(Tensor::zeros(
+        (rows, 0, d.channels()),
+        DType::BF16,
+        &candle_core::Device::Cpu,
+    )?)?;
+    let declined = gated_delta_rule_split(&qa, &empty, &gb.narrow(0, 0, s_len)?, d, &[0, 0])?;
+    assert!(declined.is_none(), "empty branch rows take the composition");
+    Ok(())
+}
+
 #[test]
 fn causal_conv1d_on_device_matches_cpu() -> Result<()> {
     let dev = device();

@@ -4,7 +4,8 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Linear;
 use kev_kernels::{
-    causal_conv1d_cached_view, deltanet_gates, gated_delta_rule, gated_delta_rule_split, GdrDims,
+    causal_conv1d_cached, causal_conv1d_cached_view, deltanet_gates, gated_delta_rule,
+    gated_delta_rule_split, GdrDims,
 };
 
 use super::norm::GatedRmsNorm;
@@ -88,9 +89,8 @@ impl GatedDeltaNet {
         let proj = self.in_proj.forward(xs)?; // [B, T, C + Hv·Dv + 2·Hv]
         let gb = self.gates(&proj)?;
         let (mixed, next) =
-            causal_conv1d_cached_view(&self.qkv(&proj)?, conv, &self.conv1d, Some(lengths))?;
-        // The cache outlives this step: its own storage, not a view into the conv's output.
-        *conv = next.copy()?;
+            causal_conv1d_cached(&self.qkv(&proj)?, conv, &self.conv1d, Some(lengths))?;
+        *conv = next;
         let o = gated_delta_rule(&mixed, &gb, state, self.dims, Some(lengths))?;
         self.out(&o, &self.z(&proj)?)
     }
