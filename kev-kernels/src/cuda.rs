@@ -376,10 +376,11 @@ fn device_lengths(dev: &CudaDevice, lengths: Option<&[u32]>) -> Result<DeviceLen
     })
 }
 
-/// The delta rule's lengths, or none when no row is padded (most calls: one upload fewer).
-fn gdr_lengths(dev: &CudaDevice, op: &GatedDeltaRule) -> Result<DeviceLengths> {
-    let padded = op.lengths.iter().any(|&l| l as usize != op.seq_len);
-    device_lengths(dev, padded.then_some(op.lengths.as_slice()))
+/// The delta rule's lengths (rows of `steps` steps), or none when no row is padded (most calls:
+/// one upload fewer).
+fn gdr_lengths(dev: &CudaDevice, lengths: &[u32], steps: usize) -> Result<DeviceLengths> {
+    let padded = lengths.iter().any(|&l| l as usize != steps);
+    device_lengths(dev, padded.then_some(lengths))
 }
 
 pub(crate) fn gated_delta_rule(
@@ -414,7 +415,7 @@ pub(crate) fn gated_delta_rule(
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
-    let lengths = gdr_lengths(&k.dev, op)?;
+    let lengths = gdr_lengths(&k.dev, &op.lengths, op.seq_len)?;
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let n_out = op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim;
@@ -490,7 +491,7 @@ fn gated_delta_rule_chunked(
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
-    let lengths = gdr_lengths(&prep.dev, op)?;
+    let lengths = gdr_lengths(&prep.dev, &op.lengths, op.seq_len)?;
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
@@ -630,8 +631,7 @@ pub(crate) fn gated_delta_rule_split(
     let gates = gb.as_cuda_slice::<f32>()?;
     let g_split = g0 + s_len * hv * 2;
     let (gb_a, gb_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
-    let padded = op.lengths.iter().any(|&l| l as usize != width);
-    let lengths = device_lengths(&prep.dev, padded.then_some(op.lengths.as_slice()))?;
+    let lengths = gdr_lengths(&prep.dev, &op.lengths, width)?;
     let layout = ScratchLayout::new(blocks_a + blocks_b, dv);
     let scratch = prep.output::<f32>(layout.total())?;
     let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);
