@@ -68,7 +68,7 @@ const SCAN_WRITE: i32 = 2;
 const SCAN_SHARED: i32 = 4;
 const CONV_BLOCK: u32 = 256;
 /// Steps per thread of the cached conv (`CONV_RUN` in ops.cu).
-const CONV_RUN: usize = 8;
+const CONV_RUN: usize = 4;
 /// Channels per thread of the cached conv (`CONV_VEC` in ops.cu).
 const CONV_VEC: u32 = 8;
 /// Threads per block of the cached conv: each moves CONV_VEC channels.
@@ -849,9 +849,10 @@ pub(crate) fn gated_rms_norm(
     let dv = w1 - w0;
     let groups = (x1 - x0) / dv;
     let heads = zv.cols / dv;
+    // Half a warp per group (ops.cu): 16 groups per block of 8 warps.
     const WARPS_PER_BLOCK: usize = 8;
     let cfg = LaunchConfig {
-        grid_dim: (groups.div_ceil(WARPS_PER_BLOCK) as u32, 1, 1),
+        grid_dim: (groups.div_ceil(2 * WARPS_PER_BLOCK) as u32, 1, 1),
         block_dim: ((32 * WARPS_PER_BLOCK) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -865,7 +866,7 @@ pub(crate) fn gated_rms_norm(
         let (zs_, eps) = (zv.stride as i64, op.eps);
         b.arg(&x).arg(&z).arg(&zs_).arg(&w).arg(&out);
         b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&eps);
-        // SAFETY: argument types and order match `gnorm_*` in ops.cu; one warp per group.
+        // SAFETY: argument types and order match `gnorm_*` in ops.cu; half a warp per group.
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })
@@ -987,10 +988,12 @@ pub(crate) fn causal_softmax(
     let (b_sz, groups, t_len, s_len) = sl.shape().dims4()?;
     let (s0, s1) = contiguous(sl, "causal-softmax scores")?;
     let (m0, m1) = contiguous(ml, "causal-softmax key bias")?;
-    let block = s_len.next_multiple_of(32).clamp(32, 256) as u32;
+    // A warp per row, 8 rows per block (ops.cu).
+    const ROWS_PER_BLOCK: usize = 8;
+    let rows = b_sz * groups * t_len;
     let cfg = LaunchConfig {
-        grid_dim: ((b_sz * groups * t_len) as u32, 1, 1),
-        block_dim: (block, 1, 1),
+        grid_dim: (rows.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1),
+        block_dim: (32 * ROWS_PER_BLOCK as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let bias = ms.as_cuda_slice::<f32>()?.slice(m0..m1);
@@ -999,14 +1002,16 @@ pub(crate) fn causal_softmax(
         let out = k.output::<T>(s1 - s0)?;
         let mut b = k.stream.launch_builder(&k.func);
         let ints = [groups, t_len, s_len].map(|v| v as i32);
+        let rows_ = rows as i64;
         b.arg(&s)
             .arg(&bias)
             .arg(&out)
             .arg(&ints[0])
             .arg(&ints[1])
             .arg(&ints[2])
-            .arg(&op.scale);
-        // SAFETY: argument types and order match `causal_softmax_*` in ops.cu; one block per row.
+            .arg(&op.scale)
+            .arg(&rows_);
+        // SAFETY: argument types and order match `causal_softmax_*` in ops.cu; a warp per row.
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })

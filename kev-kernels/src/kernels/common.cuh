@@ -3,8 +3,10 @@
 
 #define L2NORM_EPS 1e-6f
 
+// `FAST`: whether SiLU and sigmoid may use the fast intrinsics (see `silu` below).
 struct F32 {
     typedef float T;
+    static constexpr bool FAST = false;
     static __device__ __forceinline__ float load(const float* p) { return *p; }
     static __device__ __forceinline__ void store(float* p, float v) { *p = v; }
     static __device__ __forceinline__ float round(float v) { return v; }
@@ -12,6 +14,7 @@ struct F32 {
 
 struct BF16 {
     typedef unsigned short T;
+    static constexpr bool FAST = true;
     static __device__ __forceinline__ float load(const unsigned short* p) {
         return __uint_as_float(((unsigned int)*p) << 16);
     }
@@ -30,6 +33,7 @@ struct BF16 {
 
 struct F16 {
     typedef unsigned short T;
+    static constexpr bool FAST = true;
     static __device__ __forceinline__ float load(const unsigned short* p) {
         float f;
         asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(*p));
@@ -73,6 +77,27 @@ struct Vec16 {
 
 // Whether `p` is 16-byte aligned.
 __device__ __forceinline__ bool aligned16(const void* p) { return ((size_t)p & 15) == 0; }
+
+// SiLU and sigmoid in f32, for results rounded to the dtype D. For bf16 and f16 (8 and 11
+// significant bits) they use __expf and __fdividef: a few f32 ulp off torch's expf and IEEE
+// division, which moves a rounded result by one unit of the dtype about once in 10^4 (bf16) to
+// 10^3 (f16) values, far inside what parity allows; and the elementwise kernels around them were
+// bound by issuing expf's and the division's instructions, not by memory (ncu, session 9). f32
+// keeps torch's exact formula, which the f32 parity checks hold to 1e-5.
+template <typename D>
+__device__ __forceinline__ float silu(float x) {
+    return D::FAST ? __fdividef(x, 1.f + __expf(-x)) : x / (1.f + expf(-x));
+}
+template <typename D>
+__device__ __forceinline__ float sigmoid(float x) {
+    return D::FAST ? __fdividef(1.f, 1.f + __expf(-x)) : 1.f / (1.f + expf(-x));
+}
+
+// e^x for probabilities rounded to the dtype D, as silu above.
+template <typename D>
+__device__ __forceinline__ float exp_d(float x) {
+    return D::FAST ? __expf(x) : expf(x);
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll

@@ -163,7 +163,7 @@ __device__ void conv(const typename D::T* __restrict__ x, const typename D::T* _
         const typename D::T* xs = x + ((size_t)b * (T + K - 1) + t) * C + c;
         float acc = 0.f;
         for (int j = 0; j < K; j++) acc += D::load(w + c * K + j) * D::load(xs + (size_t)j * C);
-        D::store(y + idx, acc / (1.f + expf(-acc)));
+        D::store(y + idx, silu<D>(acc));
     }
 }
 
@@ -263,11 +263,13 @@ __device__ void rmsnorm(const typename D::T* x, long xs, const typename D::T* h,
     }
 }
 
-// gnorm_<dtype>: the DeltaNet output norm, one warp per (row, head): x [rows·heads, dv]
+// gnorm_<dtype>: the DeltaNet output norm, one half-warp per (row, head): x [rows·heads, dv]
 // contiguous, z rows (stride zs) holding heads·dv gate values, w [dv] in the dtype.
 //   out = round(round(round(x̂)·w) · silu(z))   (HF Qwen3_5RMSNormGated)
 // Aligned rows move as 16-byte vectors (a lane S = N values at a time); others element by element
-// (S = 1).
+// (S = 1). Half a warp per row: a 128-wide bf16 row is 16 vectors, so a whole warp left half its
+// lanes idle. When a row is exactly one vector per lane (Qwen3.5's heads), x, z and w are all
+// loaded before the reduction and x stays in registers: one memory round trip, not two.
 template <typename D, int S>
 struct Run {  // S values at a time: one 16-byte vector (S = N)
     static __device__ __forceinline__ void load(const typename D::T* p, float* v) { Vec16<D>::load(p, v); }
@@ -278,29 +280,51 @@ struct Run<D, 1> {  // or one scalar
     static __device__ __forceinline__ void load(const typename D::T* p, float* v) { v[0] = D::load(p); }
     static __device__ __forceinline__ void store(typename D::T* p, const float* v) { D::store(p, v[0]); }
 };
+// Sum over the 16 lanes of a half-warp (both halves of the warp must call it).
+__device__ __forceinline__ float half_warp_sum(float v) {
+    #pragma unroll
+    for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+template <typename D, int S>
+__device__ __forceinline__ void gnorm_out(const float* v, const float* wv, const float* g,
+                                          float inv, typename D::T* o) {
+    float r[S];
+    #pragma unroll
+    for (int i = 0; i < S; i++) r[i] = D::round(D::round(v[i] * inv) * wv[i]) * silu<D>(g[i]);
+    Run<D, S>::store(o, r);
+}
 template <typename D, int S>
 __device__ __forceinline__ void gnorm_row(const typename D::T* xr, const typename D::T* zr,
                                           const typename D::T* w, typename D::T* orow, int dv,
-                                          float eps, int lane) {
+                                          float eps, int sub, bool active) {
+    if (dv == 16 * S) {  // one run per lane
+        float v[S] = {}, wv[S] = {}, g[S] = {}, ss = 0.f;
+        if (active) {
+            Run<D, S>::load(xr + sub * S, v);
+            Run<D, S>::load(w + sub * S, wv);
+            Run<D, S>::load(zr + sub * S, g);
+        }
+        #pragma unroll
+        for (int i = 0; i < S; i++) ss += v[i] * v[i];
+        const float inv = rsqrtf(half_warp_sum(ss) / dv + eps);
+        if (active) gnorm_out<D, S>(v, wv, g, inv, orow + sub * S);
+        return;
+    }
     float ss = 0.f;
-    for (int c = lane * S; c < dv; c += 32 * S) {
+    for (int c = sub * S; active && c < dv; c += 16 * S) {
         float v[S];
         Run<D, S>::load(xr + c, v);
         #pragma unroll
         for (int i = 0; i < S; i++) ss += v[i] * v[i];
     }
-    const float inv = rsqrtf(warp_sum(ss) / dv + eps);
-    for (int c = lane * S; c < dv; c += 32 * S) {
+    const float inv = rsqrtf(half_warp_sum(ss) / dv + eps);
+    for (int c = sub * S; active && c < dv; c += 16 * S) {
         float v[S], wv[S], g[S];
         Run<D, S>::load(xr + c, v);
         Run<D, S>::load(w + c, wv);
         Run<D, S>::load(zr + c, g);
-        #pragma unroll
-        for (int i = 0; i < S; i++) {
-            const float n = D::round(D::round(v[i] * inv) * wv[i]);
-            v[i] = n * (g[i] / (1.f + expf(-g[i])));
-        }
-        Run<D, S>::store(orow + c, v);
+        gnorm_out<D, S>(v, wv, g, inv, orow + c);
     }
 }
 template <typename D>
@@ -308,16 +332,18 @@ __device__ void gnorm(const typename D::T* x, const typename D::T* z, long zs,
                       const typename D::T* w, typename D::T* out, int groups, int heads, int dv,
                       float eps) {
     constexpr int N = Vec16<D>::N;
-    const int gi = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (gi >= groups) return;
-    const typename D::T* xr = x + (size_t)gi * dv;
-    const typename D::T* zr = z + (size_t)(gi / heads) * zs + (size_t)(gi % heads) * dv;
-    typename D::T* orow = out + (size_t)gi * dv;
+    const int gi = blockIdx.x * (blockDim.x / 16) + threadIdx.x / 16, sub = threadIdx.x % 16;
+    if (blockIdx.x * (blockDim.x / 16) + (threadIdx.x / 32) * 2 >= groups) return;  // whole warps
+    const bool active = gi < groups;
+    const int row = active ? gi : 0;
+    const typename D::T* xr = x + (size_t)row * dv;
+    const typename D::T* zr = z + (size_t)(row / heads) * zs + (size_t)(row % heads) * dv;
+    typename D::T* orow = out + (size_t)row * dv;
     if (dv % N == 0 && aligned16(x) && aligned16(z) && aligned16(w) && aligned16(out) &&
         (zs * sizeof(typename D::T)) % 16 == 0)
-        gnorm_row<D, N>(xr, zr, w, orow, dv, eps, lane);
+        gnorm_row<D, N>(xr, zr, w, orow, dv, eps, sub, active);
     else
-        gnorm_row<D, 1>(xr, zr, w, orow, dv, eps, lane);
+        gnorm_row<D, 1>(xr, zr, w, orow, dv, eps, sub, active);
 }
 
 // gates_<dtype>: ba rows (stride s) of [b (hv) | a (hv)] → gb [rows, hv, 2] f32:
@@ -333,7 +359,7 @@ __device__ void gates(const typename D::T* ba, long s, const float* dt_bias, con
         const float b = D::load(row + h), a = D::load(row + hv + h) + dt_bias[h];
         const float sp = a > 20.f ? a : log1pf(expf(a));
         gb[2 * i] = neg_a[h] * sp;
-        gb[2 * i + 1] = D::round(1.f / (1.f + expf(-b)));
+        gb[2 * i + 1] = D::round(sigmoid<D>(b));
     }
 }
 
@@ -355,13 +381,13 @@ __device__ void swiglu(const typename D::T* gu, typename D::T* out, int rows, in
                 V::load(g + c, gv);
                 V::load(u + c, uv);
                 #pragma unroll
-                for (int i = 0; i < V::N; ++i) gv[i] = D::round(gv[i] / (1.f + expf(-gv[i]))) * uv[i];
+                for (int i = 0; i < V::N; ++i) gv[i] = D::round(silu<D>(gv[i])) * uv[i];
                 V::store(o + c, gv);
             }
         } else {
             for (int c = threadIdx.x; c < inter; c += blockDim.x) {
                 const float gv = D::load(g + c);
-                D::store(o + c, D::round(gv / (1.f + expf(-gv))) * D::load(u + c));
+                D::store(o + c, D::round(silu<D>(gv)) * D::load(u + c));
             }
         }
     }
@@ -433,39 +459,68 @@ __device__ void qknorm_rope(const typename D::T* x, long sb, long st, long sh, c
     }
 }
 
-// causal_softmax_<dtype>: one block per row of scores [B, G, T, S] (dtype, contiguous; G = heads
+// causal_softmax_<dtype>: one warp per row of scores [B, G, T, S] (dtype, contiguous; G = heads
 // as the caller groups them; the T queries are the last T of the S keys), key_bias [B, S] f32
 // (0 or −inf per key) → probs, same shape and dtype:
 //   p = round(softmax_f32(round(s·scale) + key_bias)) over the keys up to the query's own;
 // later keys get 0. Only the [B, S] bias crosses from the host, not a [B, T, S] mask.
+// A warp per row (blocks of 8 rows) with 16-byte loads where rows are aligned: a block per row
+// spent its time in block reductions and scheduling, 20 µs a launch for a 512-key state at 4B
+// (ncu, session 9). The three passes re-read the row, from L1 after the first.
+template <typename D, int S_>
+__device__ __forceinline__ float softmax_max(const typename D::T* sr, const float* mr, int seen,
+                                             float scale, int lane) {
+    float mx = NEG_INF;
+    for (int c = lane * S_; c < seen; c += 32 * S_) {
+        float v[S_];
+        Run<D, S_>::load(sr + c, v);
+        #pragma unroll
+        for (int i = 0; i < S_; i++)
+            if (c + i < seen) mx = fmaxf(mx, D::round(v[i] * scale) + mr[c + i]);
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    return mx;
+}
+template <typename D, int S_>
+__device__ __forceinline__ void softmax_row(const typename D::T* sr, const float* mr,
+                                            typename D::T* pr, int S, int seen, float scale,
+                                            int lane) {
+    const float mx = softmax_max<D, S_>(sr, mr, seen, scale, lane);
+    float sum = 0.f;
+    for (int c = lane * S_; c < seen; c += 32 * S_) {
+        float v[S_];
+        Run<D, S_>::load(sr + c, v);
+        #pragma unroll
+        for (int i = 0; i < S_; i++)
+            if (c + i < seen) sum += exp_d<D>(D::round(v[i] * scale) + mr[c + i] - mx);
+    }
+    const float inv = 1.f / warp_sum(sum);
+    for (int c = lane * S_; c < S; c += 32 * S_) {
+        float v[S_];
+        if (c < seen) Run<D, S_>::load(sr + c, v);
+        #pragma unroll
+        for (int i = 0; i < S_; i++)
+            v[i] = c + i < seen ? exp_d<D>(D::round(v[i] * scale) + mr[c + i] - mx) * inv : 0.f;
+        Run<D, S_>::store(pr + c, v);
+    }
+}
 template <typename D>
 __device__ void causal_softmax(const typename D::T* s, const float* key_bias, typename D::T* p,
-                               int G, int T, int S, float scale) {
-    __shared__ float red[32];
-    const long r = blockIdx.x;
-    const int t = r % T, b = r / ((long)G * T);
+                               int G, int T, int S, float scale, long rows) {
+    const long r = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (r >= rows) return;  // whole warps
+    const int lane = threadIdx.x % 32, t = r % T;
+    const long b = r / ((long)G * T);
     const int seen = S - T + t + 1;  // keys this query may see
     const typename D::T* sr = s + r * S;
     const float* mr = key_bias + (size_t)b * S;
-    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, nw = blockDim.x / 32;
-    float mx = NEG_INF;
-    for (int c = threadIdx.x; c < seen; c += blockDim.x)
-        mx = fmaxf(mx, D::round(D::load(sr + c) * scale) + mr[c]);
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    if (lane == 0) red[w] = mx;
-    __syncthreads();
-    mx = lane < nw ? red[lane] : NEG_INF;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float sum = 0.f;
-    for (int c = threadIdx.x; c < seen; c += blockDim.x)
-        sum += expf(D::round(D::load(sr + c) * scale) + mr[c] - mx);
-    sum = block_sum(sum);
-    const float inv = 1.f / sum;
-    for (int c = threadIdx.x; c < S; c += blockDim.x)
-        D::store(p + r * S + c,
-                 c < seen ? expf(D::round(D::load(sr + c) * scale) + mr[c] - mx) * inv : 0.f);
+    typename D::T* pr = p + r * S;
+    constexpr int N = Vec16<D>::N;
+    if (S % N == 0 && aligned16(s) && aligned16(p))
+        softmax_row<D, N>(sr, mr, pr, S, seen, scale, lane);
+    else
+        softmax_row<D, 1>(sr, mr, pr, S, seen, scale, lane);
 }
 
 // attn_gate_<dtype>: o [B, H, T, hd] contiguous, gate [B, T, H, hd] (strides sb, st, sh) →
@@ -482,7 +537,7 @@ __device__ void attn_gate(const typename D::T* o, const typename D::T* g, long s
             const int h = i / hd, c = i - h * hd;
             const float gv = D::load(gr + h * sh + c);
             const float ov = D::load(o + (((size_t)b * H + h) * T + t) * hd + c);
-            D::store(outr + i, ov * D::round(1.f / (1.f + expf(-gv))));
+            D::store(outr + i, ov * D::round(sigmoid<D>(gv)));
         }
     }
 }
@@ -494,8 +549,9 @@ __device__ void attn_gate(const typename D::T* o, const typename D::T* g, long s
         qknorm_rope<D>(x, sb, st, sh, w1, cosv, sinv, out, B, T, H, hd, rot, eps);               \
     }                                                                                            \
     extern "C" __global__ void causal_softmax_##TAG(const D::T* s, const float* key_bias,       \
-                                                    D::T* p, int G, int T, int S, float scale) { \
-        causal_softmax<D>(s, key_bias, p, G, T, S, scale);                                       \
+                                                    D::T* p, int G, int T, int S, float scale,   \
+                                                    long rows) {                                 \
+        causal_softmax<D>(s, key_bias, p, G, T, S, scale, rows);                                 \
     }                                                                                            \
     extern "C" __global__ void attn_gate_##TAG(const D::T* o, const D::T* g, long sb, long st, \
                                                long sh, D::T* out, int B, int T, int H, int hd) { \
@@ -513,8 +569,10 @@ ATTN(f16, F16)
 // channels of a run of CONV_RUN steps and slides the window along it, so each input is read once
 // per run, not K times; the last z slice writes the next cache. With K = 4 and 16-byte aligned
 // rows a thread moves its channels as 16-byte vectors (2-byte loads left the kernel far from DRAM
-// bandwidth); otherwise it walks them one by one.
-#define CONV_RUN 8
+// bandwidth); otherwise it walks them one by one. Runs of 4 steps, not 8: with 8, a 512-step
+// state gave each multiprocessor too few warps to hide the loads' latency (11–22 µs a launch on
+// the H200, ncu, session 9).
+#define CONV_RUN 4
 #define CONV_VEC 8
 template <typename D>
 __device__ __forceinline__ void load8(const typename D::T* p, float* v) {
@@ -575,7 +633,7 @@ __device__ void conv_cached(const typename D::T* __restrict__ x, long xs,
             for (int i = 0; i < CONV_VEC; i++) {
                 const float acc = raw[4 * i] * win[r][i] + raw[4 * i + 1] * win[r + 1][i] +
                                   raw[4 * i + 2] * win[r + 2][i] + raw[4 * i + 3] * win[r + 3][i];
-                o[i] = acc / (1.f + expf(-acc));
+                o[i] = silu<D>(acc);
             }
             store8<D>(y + (size_t)(t0 + r) * C + c0, o);
         }
@@ -589,7 +647,7 @@ __device__ void conv_cached(const typename D::T* __restrict__ x, long xs,
         for (int t = t0; t < t1; t++) {
             float acc = 0.f;
             for (int j = 0; j < K; j++) acc += D::load(w + c * K + j) * D::load(row(t + j, c));
-            D::store(y + (size_t)t * C + c, acc / (1.f + expf(-acc)));
+            D::store(y + (size_t)t * C + c, silu<D>(acc));
         }
     }
 }
