@@ -275,6 +275,85 @@ pub fn causal_conv1d_cached_view(
     Ok((y, next))
 }
 
+/// The one-pass forward's conv: `[x_state; x_branches]` run as [`causal_conv1d_cached`] would be
+/// run twice (the state from zeros, each branch from the state's last K−1 inputs), in one CUDA
+/// launch; inputs rows (possibly strided), `weight: [C, K]`. CUDA only.
+struct CausalConv1dSplit;
+
+impl CustomOp3 for CausalConv1dSplit {
+    fn name(&self) -> &'static str {
+        "causal-conv1d-split"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("causal-conv1d-split: CUDA only (`causal_conv1d_split` composes elsewhere)")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+        bs: &candle_core::CudaStorage,
+        bl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::causal_conv1d_split(ss, sl, bs, bl, ws, wl)?;
+        let (s, c) = (sl.dims()[1], sl.dims()[2]);
+        Ok((out, Shape::from((s + bl.dims()[0] * bl.dims()[1], c))))
+    }
+}
+
+/// A record's conv in one launch on CUDA: the state `x_state: [1, S, C]` from zeros, then its
+/// branches `x_branches: [B, T, C]`, each continuing the state's last K−1 inputs (read in place,
+/// not copied to the branch rows). Returns `[S + B·T, C]`: the state's rows, then each branch's
+/// (padded steps included, as [`causal_conv1d_cached`] computes them). `None` off CUDA or when a
+/// part is empty: the caller composes it from [`causal_conv1d_cached_view`], which gives
+/// the same numbers (the same products per output).
+pub fn causal_conv1d_split(
+    x_state: &Tensor,
+    x_branches: &Tensor,
+    weight: &Tensor,
+) -> Result<Option<Tensor>> {
+    let (one, s_len, channels) = x_state.dims3()?;
+    let (b_sz, t_len, b_channels) = x_branches.dims3()?;
+    let (w_channels, k) = weight.dims2()?;
+    if one != 1 || b_channels != channels || w_channels != channels || k < 2 {
+        bail!(
+            "causal-conv1d-split: state {:?} / branches {:?} do not fit weight {:?}",
+            x_state.dims(),
+            x_branches.dims(),
+            weight.dims()
+        )
+    }
+    let dtype = x_state.dtype();
+    if x_branches.dtype() != dtype || weight.dtype() != dtype {
+        bail!(
+            "causal-conv1d-split: mixed dtypes (state {dtype:?}, branches {:?}, weight {:?})",
+            x_branches.dtype(),
+            weight.dtype()
+        )
+    }
+    if !x_state.device().is_cuda() || s_len == 0 || b_sz * t_len == 0 {
+        return Ok(None);
+    }
+    let out = as_rows(x_state)?.apply_op3_no_bwd(
+        &as_rows(x_branches)?,
+        &weight.contiguous()?,
+        &CausalConv1dSplit,
+    )?;
+    Ok(Some(out))
+}
+
 /// [`causal_conv1d_cached`] from the window op and tensor ops (the test reference, and the
 /// Metal path).
 pub fn causal_conv1d_cached_ref(

@@ -1086,6 +1086,59 @@ pub(crate) fn gather_rows(
     })
 }
 
+/// The one-pass forward's conv (`conv_split_*`): `xs` `[1, S, C]` rows from zeros, `xb`
+/// `[B, T, C]` rows continuing the state's last K−1 inputs; out `[S + B·T, C]`.
+pub(crate) fn causal_conv1d_split(
+    ss: &CudaStorage,
+    sl: &Layout,
+    bs: &CudaStorage,
+    bl: &Layout,
+    ws: &CudaStorage,
+    wl: &Layout,
+) -> Result<CudaStorage> {
+    let k = Kernel::load(
+        ss.device(),
+        &format!("conv_split_{}", tag(ss.dtype(), "causal-conv1d")?),
+    )?;
+    let (_, s_len, channels) = sl.shape().dims3()?;
+    let (b_sz, t_len, _) = bl.shape().dims3()?;
+    let kernel = wl.dims()[1];
+    let sv = rows(sl, "causal-conv1d state")?;
+    let bv = rows(bl, "causal-conv1d branches")?;
+    let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
+    let n = (s_len + b_sz * t_len) * channels;
+    // The grid is (channel blocks, 1, runs): CUDA caps z at 65535.
+    let runs = s_len.div_ceil(CONV_RUN) + b_sz * t_len.div_ceil(CONV_RUN);
+    if runs > 65535 {
+        bail!("causal-conv1d: {s_len} state steps and {b_sz} rows of {t_len} exceed one launch")
+    }
+    by_dtype!(ss.dtype(), "causal-conv1d", |T| {
+        let out = k.output::<T>(n)?;
+        let xs = ss.as_cuda_slice::<T>()?.slice(sv.span());
+        let xb = bs.as_cuda_slice::<T>()?.slice(bv.span());
+        let w = ws.as_cuda_slice::<T>()?.slice(w0..w1);
+        let mut b = k.stream.launch_builder(&k.func);
+        let (s_stride, b_stride) = (sv.stride as i64, bv.stride as i64);
+        let [s_, b_, t_, c_, k_] = [s_len, b_sz, t_len, channels, kernel].map(|v| v as i32);
+        b.arg(&xs).arg(&s_stride).arg(&s_).arg(&xb).arg(&b_stride);
+        b.arg(&b_).arg(&t_).arg(&w).arg(&out).arg(&c_).arg(&k_);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (channels as u32).div_ceil(CONV_VEC * CONV_CACHED_BLOCK),
+                1,
+                runs as u32,
+            ),
+            block_dim: (CONV_CACHED_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match `conv_split_*` in ops.cu; a thread per CONV_VEC
+        // channels below C and run of steps below S or T; reads stay inside the views the
+        // layouts describe (the wrapper checked that both parts and the weight have C channels).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
 pub(crate) fn causal_conv1d_cached(
     op: &crate::causal_conv1d::CausalConv1dCached,
     xs: &CudaStorage,

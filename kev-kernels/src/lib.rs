@@ -10,7 +10,8 @@
 //!   [`gated_delta_rule_chunked`] is the chunked form as plain tensor ops, for any backend.
 //! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
 //!   with its K−1 previous inputs so that a run can continue from a cache;
-//!   [`causal_conv1d_cached`] takes that cache separately and returns the next one.
+//!   [`causal_conv1d_cached`] takes that cache separately and returns the next one;
+//!   [`causal_conv1d_split`] runs a record's state and its branches in one CUDA launch.
 //!
 //! And the fused elementwise ops:
 //!
@@ -47,7 +48,7 @@ pub use attention::{
 };
 pub use causal_conv1d::{
     causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_cached_view,
-    causal_conv1d_ref,
+    causal_conv1d_ref, causal_conv1d_split,
 };
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
 #[cfg(feature = "cuda")]

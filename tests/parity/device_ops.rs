@@ -5,7 +5,8 @@
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, dims, patterned};
 use kev_kernels::{
-    causal_conv1d, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_split, GdrDims, GdrForm,
+    causal_conv1d, causal_conv1d_cached_view, gated_delta_rule, gated_delta_rule_as,
+    gated_delta_rule_split, GdrDims, GdrForm,
 };
 
 use crate::common::{check, device};
@@ -259,6 +260,50 @@ fn causal_conv1d_on_device_matches_cpu() -> Result<()> {
         let y_dev = causal_conv1d(&x.to_device(&dev)?, &w.to_device(&dev)?)?;
         let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
         check(&format!("conv {dtype:?}"), &y_dev, &y_cpu, tol)?;
+    }
+    Ok(())
+}
+
+/// The one-pass form's conv (state from zeros, branches continuing its last inputs, one launch)
+/// against the composition it replaces, on the test device: the same products per output, so
+/// exactly equal where it runs (CUDA); elsewhere it declines (`None`) and the model composes.
+/// Inputs are column slices of a wider projection (as in the model): 16-byte aligned rows with
+/// 96 channels (the vector path), and rows shifted by one element with 37 (element by element);
+/// a 2-step state is shorter than the conv's window (the rest is zeros).
+#[test]
+fn causal_conv1d_split_equals_its_composition() -> Result<()> {
+    let dev = device();
+    for (s_len, rows, width, channels, shift) in [
+        (45usize, 3usize, 13usize, 96usize, 0usize),
+        (2, 2, 6, 96, 0),
+        (19, 3, 9, 37, 1),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
+            let wide = channels + 24;
+            let proj = on(patterned(&[s_len + rows * width, wide], 0.4, 2.0)?)?;
+            let w = on(patterned(&[channels, 4], 1.7, 0.5)?)?;
+            let cols = proj.narrow(1, shift, channels)?;
+            let x_s = cols.narrow(0, 0, s_len)?.unsqueeze(0)?;
+            let x_b = cols
+                .narrow(0, s_len, rows * width)?
+                .reshape((rows, width, channels))?;
+            let split = kev_kernels::causal_conv1d_split(&x_s, &x_b, &w)?;
+            let zeros = Tensor::zeros((1, 3, channels), dtype, &dev)?;
+            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(&[s_len]))?;
+            let window = window.broadcast_as((rows, 3, channels))?.contiguous()?;
+            let (y_b, _) = causal_conv1d_cached_view(&x_b, &window, &w, None)?;
+            let composed = Tensor::cat(&[y_s.flatten(0, 1)?, y_b.flatten(0, 1)?], 0)?;
+            let tag = format!("conv split {dtype:?} s={s_len} t={width} c={channels}");
+            match split {
+                Some(y) => {
+                    assert!(dev.is_cuda(), "{tag}: ran off CUDA");
+                    let diff = check(&tag, &y, &composed, 0.0)?;
+                    assert_eq!(diff.max_abs, 0.0, "{tag}: not the composition's numbers");
+                }
+                None => assert!(!dev.is_cuda(), "{tag}: CUDA declined the one-launch form"),
+            }
+        }
     }
     Ok(())
 }

@@ -4,8 +4,8 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Linear;
 use kev_kernels::{
-    causal_conv1d_cached, causal_conv1d_cached_view, deltanet_gates, gated_delta_rule,
-    gated_delta_rule_split, GdrDims,
+    causal_conv1d_cached, causal_conv1d_cached_view, causal_conv1d_split, deltanet_gates,
+    gated_delta_rule, gated_delta_rule_split, GdrDims,
 };
 
 use super::norm::GatedRmsNorm;
@@ -107,17 +107,24 @@ impl GatedDeltaNet {
         let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
         let gb = self.gates(&proj)?; // [N, Hv, 2]
         let (proj_s, proj_b) = split.parts(&proj)?;
-        let (c, k) = self.conv1d.dims2()?;
         let s_len = split.state_len();
-        // The conv windows stay views into the conv's output: the state's is read once (copied
-        // to the branch rows), the branches' never.
-        let conv = Tensor::zeros((1, k - 1, c), xs.dtype(), xs.device())?;
-        let (mixed_s, window) =
-            causal_conv1d_cached_view(&self.qkv(&proj_s)?, &conv, &self.conv1d, Some(&[s_len]))?;
-        let conv_b = split.to_branches(&window)?;
         let lengths = split.lengths();
-        let qkv_b = self.qkv(&proj_b)?;
-        let (mixed_b, _) = causal_conv1d_cached_view(&qkv_b, &conv_b, &self.conv1d, Some(lengths))?;
+        let (qkv_s, qkv_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
+        let (mixed_s, mixed_b) = match causal_conv1d_split(&qkv_s, &qkv_b, &self.conv1d)? {
+            Some(mixed) => split.parts(&mixed)?, // one launch (CUDA)
+            None => {
+                // The conv windows stay views into the conv's output: the state's is read once
+                // (copied to the branch rows), the branches' never.
+                let (c, k) = self.conv1d.dims2()?;
+                let zeros = Tensor::zeros((1, k - 1, c), xs.dtype(), xs.device())?;
+                let (mixed_s, window) =
+                    causal_conv1d_cached_view(&qkv_s, &zeros, &self.conv1d, Some(&[s_len]))?;
+                let conv_b = split.to_branches(&window)?;
+                let (mixed_b, _) =
+                    causal_conv1d_cached_view(&qkv_b, &conv_b, &self.conv1d, Some(lengths))?;
+                (mixed_s, mixed_b)
+            }
+        };
         let o = match gated_delta_rule_split(&mixed_s, &mixed_b, &gb, self.dims, lengths)? {
             Some(o) => o, // [N, Hv, Dv]
             None => {

@@ -584,48 +584,31 @@ __device__ __forceinline__ void store8(typename D::T* p, const float* v) {
     #pragma unroll
     for (int j = 0; j < CONV_VEC; j += Vec16<D>::N) Vec16<D>::store(p + j, v + j);
 }
-template <typename D>
-__device__ void conv_cached(const typename D::T* __restrict__ x, long xs,
-                            const typename D::T* __restrict__ cache,
-                            const typename D::T* __restrict__ w,
-                            const unsigned int* __restrict__ lengths,
-                            typename D::T* __restrict__ out, int B, int T, int C, int K) {
-    typedef typename D::T E;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * CONV_VEC, b = blockIdx.y;
-    if (c0 >= C) return;
-    const int nc = min(CONV_VEC, C - c0);
-    const bool last = blockIdx.z == gridDim.z - 1;
-    const int end = lengths ? (int)lengths[b] : T;
-    const int t0 = blockIdx.z * CONV_RUN, t1 = min(t0 + CONV_RUN, T);
-    // Row p of batch row b's window, from channel c: K-1 cached rows, then x.
-    auto row = [&](int p, int c) -> const E* {
-        return p < K - 1 ? cache + ((size_t)b * (K - 1) + p) * C + c
-                         : x + ((size_t)b * T + p - (K - 1)) * xs + c;
-    };
-    E* next = out + (size_t)B * T * C + (size_t)b * (K - 1) * C;
-    E* y = out + (size_t)b * T * C;
-    const bool vec = nc == CONV_VEC && K == 4 && aligned16(x) && aligned16(cache) && aligned16(w) &&
-                     aligned16(out) && (xs * sizeof(E)) % 16 == 0 && (C * sizeof(E)) % 16 == 0;
+// One thread's run of the conv: steps t0..t1 (at most CONV_RUN) of channels c0..c0+nc, window
+// row p (row 0 is K−1 steps before step 0) read through `row(p, c)`: a pointer, or null for a
+// zero row. Outputs at y (row pitch C). `vec`: 8 channels as 16-byte vectors and K = 4.
+template <typename D, typename Row>
+__device__ __forceinline__ void conv_run(const Row& row, const typename D::T* __restrict__ w,
+                                         typename D::T* __restrict__ y, int t0, int t1, int c0,
+                                         int nc, int C, int K, bool vec) {
     if (vec) {
         float raw[4 * CONV_VEC];  // w[c0..c0+8, 0..4] by channel
-        load8<D>(w + (size_t)c0 * 4, raw);
-        load8<D>(w + (size_t)c0 * 4 + CONV_VEC, raw + CONV_VEC);
-        load8<D>(w + (size_t)c0 * 4 + 2 * CONV_VEC, raw + 2 * CONV_VEC);
-        load8<D>(w + (size_t)c0 * 4 + 3 * CONV_VEC, raw + 3 * CONV_VEC);
-        if (last) {  // K - 1 = 3 rows
-            float v[3][CONV_VEC];
-            #pragma unroll
-            for (int r = 0; r < 3; r++) load8<D>(row(end + r, c0), v[r]);
-            #pragma unroll
-            for (int r = 0; r < 3; r++) store8<D>(next + (size_t)r * C + c0, v[r]);
-            return;
-        }
+        #pragma unroll
+        for (int j = 0; j < 4; j++) load8<D>(w + (size_t)c0 * 4 + j * CONV_VEC, raw + j * CONV_VEC);
         // The run's K-1+CONV_RUN window rows, all loads in flight at once (a loop that loads
         // row by row waits a memory round trip per step).
         float win[CONV_RUN + 3][CONV_VEC], o[CONV_VEC];
         #pragma unroll
         for (int p = 0; p < CONV_RUN + 3; p++)
-            if (t0 + p < t1 + 3) load8<D>(row(t0 + p, c0), win[p]);
+            if (t0 + p < t1 + 3) {
+                const typename D::T* src = row(t0 + p, c0);
+                if (src) {
+                    load8<D>(src, win[p]);
+                } else {
+                    #pragma unroll
+                    for (int i = 0; i < CONV_VEC; i++) win[p][i] = 0.f;
+                }
+            }
         #pragma unroll
         for (int r = 0; r < CONV_RUN; r++) {
             if (t0 + r >= t1) break;
@@ -639,17 +622,90 @@ __device__ void conv_cached(const typename D::T* __restrict__ x, long xs,
         }
         return;
     }
-    for (int c = c0; c < c0 + nc; c++) {
-        if (last) {
-            for (int r = 0; r < K - 1; r++) next[(size_t)r * C + c] = *row(end + r, c);
-            continue;
-        }
+    for (int c = c0; c < c0 + nc; c++)
         for (int t = t0; t < t1; t++) {
             float acc = 0.f;
-            for (int j = 0; j < K; j++) acc += D::load(w + c * K + j) * D::load(row(t + j, c));
+            for (int j = 0; j < K; j++) {
+                const typename D::T* src = row(t + j, c);
+                acc += D::load(w + c * K + j) * (src ? D::load(src) : 0.f);
+            }
             D::store(y + (size_t)t * C + c, silu<D>(acc));
         }
+}
+
+template <typename D>
+__device__ void conv_cached(const typename D::T* __restrict__ x, long xs,
+                            const typename D::T* __restrict__ cache,
+                            const typename D::T* __restrict__ w,
+                            const unsigned int* __restrict__ lengths,
+                            typename D::T* __restrict__ out, int B, int T, int C, int K) {
+    typedef typename D::T E;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * CONV_VEC, b = blockIdx.y;
+    if (c0 >= C) return;
+    const int nc = min(CONV_VEC, C - c0);
+    const int end = lengths ? (int)lengths[b] : T;
+    const int t0 = blockIdx.z * CONV_RUN, t1 = min(t0 + CONV_RUN, T);
+    // Row p of batch row b's window, from channel c: K-1 cached rows, then x.
+    auto row = [&](int p, int c) -> const E* {
+        return p < K - 1 ? cache + ((size_t)b * (K - 1) + p) * C + c
+                         : x + ((size_t)b * T + p - (K - 1)) * xs + c;
+    };
+    const bool vec = nc == CONV_VEC && K == 4 && aligned16(x) && aligned16(cache) && aligned16(w) &&
+                     aligned16(out) && (xs * sizeof(E)) % 16 == 0 && (C * sizeof(E)) % 16 == 0;
+    if (blockIdx.z == gridDim.z - 1) {  // the next cache: window rows end..end+K-1
+        E* next = out + (size_t)B * T * C + (size_t)b * (K - 1) * C;
+        if (vec) {  // K - 1 = 3 rows
+            float v[3][CONV_VEC];
+            #pragma unroll
+            for (int r = 0; r < 3; r++) load8<D>(row(end + r, c0), v[r]);
+            #pragma unroll
+            for (int r = 0; r < 3; r++) store8<D>(next + (size_t)r * C + c0, v[r]);
+        } else {
+            for (int c = c0; c < c0 + nc; c++)
+                for (int r = 0; r < K - 1; r++) next[(size_t)r * C + c] = *row(end + r, c);
+        }
+        return;
     }
+    conv_run<D>(row, w, out + (size_t)b * T * C, t0, t1, c0, nc, C, K, vec);
+}
+
+// conv_split_<dtype>: the one-pass forward's conv, a record's state and its branches in one launch.
+// xs rows (stride ss) [S, C] start from zeros; xb rows (stride bs) [B, T, C] each continue the
+// state's last K-1 inputs, read in place; w [C, K] → out [S + B·T, C]: the state's rows, then
+// each branch's. No next cache: nothing keeps one. grid = (ceil(C / (CONV_VEC·blockDim.x)), 1,
+// ceil(S / CONV_RUN) + B·ceil(T / CONV_RUN)). It replaces two conv launches and the copy of the
+// state's window to the branch rows, with the same arithmetic per output.
+template <typename D>
+__device__ void conv_split(const typename D::T* __restrict__ xs, long ss, int S,
+                           const typename D::T* __restrict__ xb, long bs, int B, int T,
+                           const typename D::T* __restrict__ w, typename D::T* __restrict__ out,
+                           int C, int K) {
+    typedef typename D::T E;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * CONV_VEC;
+    if (c0 >= C) return;
+    const int nc = min(CONV_VEC, C - c0);
+    const bool vec = nc == CONV_VEC && K == 4 && aligned16(xs) && aligned16(xb) && aligned16(w) &&
+                     aligned16(out) && (ss * sizeof(E)) % 16 == 0 &&
+                     (bs * sizeof(E)) % 16 == 0 && (C * sizeof(E)) % 16 == 0;
+    const int runs_s = (S + CONV_RUN - 1) / CONV_RUN, runs_b = (T + CONV_RUN - 1) / CONV_RUN;
+    const int z = blockIdx.z;
+    if (z < runs_s) {
+        auto row = [&](int p, int c) -> const E* {
+            const int t = p - (K - 1);
+            return t >= 0 ? xs + (size_t)t * ss + c : nullptr;
+        };
+        const int t0 = z * CONV_RUN;
+        conv_run<D>(row, w, out, t0, min(t0 + CONV_RUN, S), c0, nc, C, K, vec);
+        return;
+    }
+    const int b = (z - runs_s) / runs_b, t0 = ((z - runs_s) % runs_b) * CONV_RUN;
+    auto row = [&](int p, int c) -> const E* {
+        const int t = p - (K - 1);
+        if (t >= 0) return xb + ((size_t)b * T + t) * bs + c;
+        return S + t >= 0 ? xs + (size_t)(S + t) * ss + c : nullptr;
+    };
+    conv_run<D>(row, w, out + ((size_t)S + (size_t)b * T) * C, t0, min(t0 + CONV_RUN, T), c0, nc,
+                C, K, vec);
 }
 
 #define CONV_CACHED(TAG, D)                                                                      \
@@ -657,6 +713,11 @@ __device__ void conv_cached(const typename D::T* __restrict__ x, long xs,
                                                  const D::T* w, const unsigned int* lengths,    \
                                                  D::T* out, int B, int T, int C, int K) {       \
         conv_cached<D>(x, xs, cache, w, lengths, out, B, T, C, K);                              \
+    }                                                                                           \
+    extern "C" __global__ void conv_split_##TAG(const D::T* xs, long ss, int S, const D::T* xb,  \
+                                                long bs, int B, int T, const D::T* w, D::T* out, \
+                                                int C, int K) {                                 \
+        conv_split<D>(xs, ss, S, xb, bs, B, T, w, out, C, K);                                   \
     }
 CONV_CACHED(f32, F32)
 CONV_CACHED(bf16, BF16)
