@@ -1086,6 +1086,19 @@ pub(crate) fn gather_rows(
     })
 }
 
+/// The conv kernels' grid: a thread per CONV_VEC channels, `(rows, runs)` as y and z.
+fn conv_launch(channels: usize, rows: usize, runs: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            (channels as u32).div_ceil(CONV_VEC * CONV_CACHED_BLOCK),
+            rows as u32,
+            runs as u32,
+        ),
+        block_dim: (CONV_CACHED_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The one-pass forward's conv (`conv_split_*`): `xs` `[1, S, C]` rows from zeros, `xb`
 /// `[B, T, C]` rows continuing the state's last K−1 inputs; out `[S + B·T, C]`.
 pub(crate) fn causal_conv1d_split(
@@ -1122,15 +1135,7 @@ pub(crate) fn causal_conv1d_split(
         let [s_, b_, t_, c_, k_] = [s_len, b_sz, t_len, channels, kernel].map(|v| v as i32);
         b.arg(&xs).arg(&s_stride).arg(&s_).arg(&xb).arg(&b_stride);
         b.arg(&b_).arg(&t_).arg(&w).arg(&out).arg(&c_).arg(&k_);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                (channels as u32).div_ceil(CONV_VEC * CONV_CACHED_BLOCK),
-                1,
-                runs as u32,
-            ),
-            block_dim: (CONV_CACHED_BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = conv_launch(channels, 1, runs);
         // SAFETY: argument types and order match `conv_split_*` in ops.cu; a thread per CONV_VEC
         // channels below C and run of steps below S or T; reads stay inside the views the
         // layouts describe (the wrapper checked that both parts and the weight have C channels).
@@ -1181,15 +1186,7 @@ pub(crate) fn causal_conv1d_cached(
         for v in &ints {
             b.arg(v);
         }
-        let cfg = LaunchConfig {
-            grid_dim: (
-                (channels as u32).div_ceil(CONV_VEC * CONV_CACHED_BLOCK),
-                b_sz as u32,
-                runs as u32,
-            ),
-            block_dim: (CONV_CACHED_BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = conv_launch(channels, b_sz, runs);
         // SAFETY: argument types and order match `conv_cached_*` in ops.cu; a thread per CONV_VEC channels
         // below C and batch row, steps below T; reads stay inside the views the layouts describe.
         unsafe { b.launch(cfg) }.w()?;
