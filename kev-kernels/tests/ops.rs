@@ -3,7 +3,8 @@
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, assert_close, patterned};
 use kev_kernels::{
-    causal_conv1d, causal_conv1d_ref, gated_delta_rule, gated_delta_rule_ref, GdrDims,
+    causal_conv1d, causal_conv1d_ref, causal_conv1d_split, gated_delta_rule, gated_delta_rule_ref,
+    GdrDims,
 };
 
 /// f32 op vs f32 reference on unit-scale data: same math, different summation order.
@@ -155,6 +156,33 @@ fn gated_delta_rule_rejects_bad_shapes() -> Result<()> {
     assert!(err.to_string().contains("gated-delta-rule"), "{err}");
     let err = gated_delta_rule(&qkv, &gb, &state.to_dtype(DType::F16)?, c.dims, None).unwrap_err();
     assert!(err.to_string().contains("state must be f32"), "{err}");
+    Ok(())
+}
+
+/// The one-launch conv of a state and its branches: what does not fit is an error naming it;
+/// off CUDA it declines (`None`) and the caller composes.
+#[test]
+fn causal_conv1d_split_refuses_what_does_not_fit() -> Result<()> {
+    let state = patterned(&[1, 10, 24], 0.4, 2.0)?;
+    let branches = patterned(&[3, 5, 24], 0.4, 1.0)?;
+    let w = patterned(&[24, 4], 1.7, 0.5)?;
+    let refused = |s: &Tensor, b: &Tensor, w: &Tensor, needle: &str| {
+        let e = causal_conv1d_split(s, b, w).unwrap_err().to_string();
+        assert!(e.contains(needle), "`{e}` does not say `{needle}`");
+    };
+    refused(&state.narrow(2, 0, 20)?, &branches, &w, "do not fit weight");
+    refused(
+        &state.repeat((2, 1, 1))?,
+        &branches,
+        &w,
+        "do not fit weight",
+    );
+    refused(&state, &branches, &w.narrow(1, 0, 1)?, "do not fit weight");
+    refused(&state, &branches.to_dtype(DType::BF16)?, &w, "mixed dtypes");
+    assert!(
+        causal_conv1d_split(&state, &branches, &w)?.is_none(),
+        "the CPU composes"
+    );
     Ok(())
 }
 
