@@ -3,7 +3,8 @@
 
 #define L2NORM_EPS 1e-6f
 
-// `FAST`: whether SiLU and sigmoid may use the fast intrinsics (see `silu` below).
+// `FAST`: whether SiLU, sigmoid and the softmax's exp may use the fast intrinsics (see `silu`
+// below).
 struct F32 {
     typedef float T;
     static constexpr bool FAST = false;
