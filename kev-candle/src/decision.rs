@@ -32,7 +32,7 @@ pub struct DecisionModel {
     checkpoint: Checkpoint,
     /// Longest piece one forward pass runs ([`LoadOptions::prefill_chunk`]).
     prefill_chunk: usize,
-    /// One-record forwards replayed as CUDA graphs ([`LoadOptions::cuda_graphs`]).
+    /// Forwards (one record or a batch) replayed as CUDA graphs ([`LoadOptions::cuda_graphs`]).
     #[cfg(feature = "cuda")]
     graphs: Option<crate::graphs::Graphs>,
 }
@@ -44,11 +44,16 @@ pub(crate) struct Piece {
     lengths: Vec<usize>,
 }
 
-/// What scoring one record in prefix form runs: the state's pieces into a fresh cache, then the
-/// branches' pieces as one batch on copies of it, then the head at each row's positions.
+/// What scoring records in prefix form runs: the states' pieces (one row per record) into a
+/// fresh cache, then all branches' pieces as one batch, each branch row on a copy of its
+/// record's cache row, then the head at each row's positions.
 pub(crate) struct Plan {
     state: Vec<Piece>,
+    /// Records, so rows of the state cache (its pieces are empty when every state is).
+    records: usize,
     branches: Vec<Piece>,
+    /// The record (state row) of each branch row.
+    owners: Vec<usize>,
     rows: Vec<Row>,
 }
 
@@ -58,7 +63,9 @@ pub(crate) struct Plan {
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub(crate) struct PlanShape {
     state_pieces: usize,
+    records: usize,
     pieces: Vec<(usize, Vec<usize>)>,
+    owners: Vec<usize>,
     heads: Vec<(usize, Vec<usize>)>,
 }
 
@@ -74,10 +81,18 @@ impl Plan {
         self.pieces().map(|p| p.width * p.lengths.len()).sum()
     }
 
+    /// Token positions of the longest row: a state (padded) and a branch (padded).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn row_positions(&self) -> usize {
+        self.pieces().map(|p| p.width).sum()
+    }
+
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn shape(&self) -> PlanShape {
         PlanShape {
             state_pieces: self.state.len(),
+            records: self.records,
+            owners: self.owners.clone(),
             pieces: self
                 .pieces()
                 .map(|p| (p.width, p.lengths.clone()))
@@ -216,19 +231,46 @@ impl DecisionModel {
     /// replays a CUDA graph ([`LoadOptions::cuda_graphs`]).
     pub fn forward(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
         let (state, rows) = self.encode(record)?.rows();
-        let branch_ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
-        let plan = Plan {
-            state: self.pieces(std::slice::from_ref(&state)),
+        self.plan_logits_split(self.plan(vec![(state, rows)]))
+            .map(|mut per_record| per_record.remove(0))
+    }
+
+    /// The plan scoring `records` (each a state and its rows) in one go.
+    fn plan(&self, records: Vec<(Vec<u32>, Vec<Row>)>) -> Plan {
+        let states: Vec<&[u32]> = records.iter().map(|(s, _)| s.as_slice()).collect();
+        let state = self.pieces(&states);
+        let owners: Vec<usize> = records
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (_, rows))| std::iter::repeat_n(i, rows.len()))
+            .collect();
+        let records_n = records.len();
+        let rows: Vec<Row> = records.into_iter().flat_map(|(_, rows)| rows).collect();
+        let branch_ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
+        Plan {
+            state,
+            records: records_n,
             branches: self.pieces(&branch_ids),
+            owners,
             rows,
-        };
-        #[cfg(feature = "cuda")]
-        if let (Some(graphs), Device::Cuda(dev)) = (&self.graphs, self.device()) {
-            let flat = graphs.logits(self, &plan, dev)?;
-            return Ok(split_logits(&flat, &plan.rows));
         }
+    }
+
+    /// Runs `plan` (replaying a CUDA graph where one serves) and cuts its logits per record and
+    /// question.
+    fn plan_logits_split(&self, plan: Plan) -> Result<Vec<Vec<Vec<f32>>>> {
+        #[cfg(feature = "cuda")]
+        let flat = match (&self.graphs, self.device()) {
+            (Some(graphs), Device::Cuda(dev)) => graphs.logits(self, &plan, dev)?,
+            _ => self.plan_logits_eager(&plan)?,
+        };
+        #[cfg(not(feature = "cuda"))]
         let flat = self.plan_logits_eager(&plan)?;
-        Ok(split_logits(&flat, &plan.rows))
+        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); plan.records];
+        for (owner, l) in plan.owners.iter().zip(split_logits(&flat, &plan.rows)) {
+            out[*owner].push(l);
+        }
+        Ok(out)
     }
 
     /// How the CUDA graphs of [`DecisionModel::forward`] have fared (all zero off CUDA).
@@ -260,8 +302,9 @@ impl DecisionModel {
     /// Runs `plan` with `ids` (one tensor per piece, [`Plan::pieces`] order) and returns all
     /// options' logits `[M]` on the device, waiting for nothing.
     pub(crate) fn plan_logits(&self, plan: &Plan, ids: &[Tensor]) -> Result<Tensor> {
-        if let ([state], [branches]) = (&plan.state[..], &plan.branches[..]) {
-            // One piece each (a state within `prefill_chunk`): one pass over the layers.
+        if let ([state], [branches], 1) = (&plan.state[..], &plan.branches[..], plan.records) {
+            // One record, one piece each (a state within `prefill_chunk`): one pass over the
+            // layers.
             let hidden = Split::new(
                 state.width,
                 branches.lengths.len(),
@@ -274,9 +317,8 @@ impl DecisionModel {
             return self.head_logits(&hidden, &plan.rows);
         }
         let (state_ids, branch_ids) = ids.split_at(plan.state.len());
-        let cache = self.state_cache(1, &plan.state, state_ids)?;
-        let owners = vec![0; plan.rows.len()];
-        self.branch_logits(&cache, &owners, &plan.branches, branch_ids, &plan.rows)
+        let cache = self.state_cache(plan.records, &plan.state, state_ids)?;
+        self.branch_logits(&cache, &plan.owners, &plan.branches, branch_ids, &plan.rows)
     }
 
     /// A fresh cache of `rows` rows after `pieces` (the states; none: an empty state).
@@ -370,7 +412,8 @@ impl DecisionModel {
     }
 
     /// Probabilities for many records at once: all states as one padded batch, then all branches
-    /// as one padded batch. Equal to scoring them one by one.
+    /// as one padded batch. Equal to scoring them one by one. On CUDA, a batch whose token shapes
+    /// were seen before replays a CUDA graph, as [`DecisionModel::forward`] does.
     pub fn probs_batch(&self, records: &[Record]) -> Result<Vec<Vec<Vec<f32>>>> {
         if records.is_empty() {
             return Ok(Vec::new());
@@ -383,22 +426,12 @@ impl DecisionModel {
             .par_iter()
             .map(|r| self.encode(r).map(|e| e.rows()))
             .collect();
-        let encoded: Vec<(Vec<u32>, Vec<Row>)> = encoded.into_iter().collect::<Result<_>>()?;
-        let states: Vec<Vec<u32>> = encoded.iter().map(|(s, _)| s.clone()).collect();
-        let pieces = self.pieces(&states);
-        let cache = self.state_cache(states.len(), &pieces, &self.upload_all(&pieces)?)?;
-        let owners: Vec<usize> = encoded
+        let encoded = encoded.into_iter().collect::<Result<Vec<_>>>()?;
+        let logits = self.plan_logits_split(self.plan(encoded))?;
+        Ok(logits
             .iter()
-            .enumerate()
-            .flat_map(|(i, (_, rows))| vec![i; rows.len()])
-            .collect();
-        let rows: Vec<Row> = encoded.into_iter().flat_map(|(_, rows)| rows).collect();
-        let logits = self.branches(&cache, &owners, &rows)?;
-        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); records.len()];
-        for (owner, l) in owners.into_iter().zip(logits) {
-            out[owner].push(softmax(&l));
-        }
-        Ok(out)
+            .map(|questions| questions.iter().map(|l| softmax(l)).collect())
+            .collect())
     }
 
     fn logits_and_prefix(
@@ -439,15 +472,18 @@ impl DecisionModel {
     }
 
     /// Right-pads `seqs` into `[B, T]` and cuts it into pieces of at most `prefill_chunk` steps.
-    fn pieces(&self, seqs: &[Vec<u32>]) -> Vec<Piece> {
-        let width = seqs.iter().map(Vec::len).max().unwrap_or(0);
+    fn pieces<S: AsRef<[u32]>>(&self, seqs: &[S]) -> Vec<Piece> {
+        let width = seqs.iter().map(|s| s.as_ref().len()).max().unwrap_or(0);
         (0..width)
             .step_by(self.prefill_chunk)
             .map(|start| {
                 let end = (start + self.prefill_chunk).min(width);
                 let rows: Vec<&[u32]> = seqs
                     .iter()
-                    .map(|s| &s[start.min(s.len())..end.min(s.len())])
+                    .map(|s| {
+                        let s = s.as_ref();
+                        &s[start.min(s.len())..end.min(s.len())]
+                    })
                     .collect();
                 Piece {
                     ids: rows

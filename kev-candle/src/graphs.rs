@@ -1,4 +1,5 @@
-//! CUDA graphs over one record's prefix-form scoring ([`DecisionModel::forward`]).
+//! CUDA graphs over prefix-form scoring ([`DecisionModel::forward`], and
+//! [`DecisionModel::probs_batch`] for a batch of records).
 //!
 //! One request is about a thousand small launches, and on the GPU its time is the host's: each
 //! candle op costs several microseconds to issue. A graph issues them all at once. The host
@@ -6,11 +7,14 @@
 //! lengths, head positions), not by its token ids, so the second record of a shape is run
 //! eagerly once more to record its uploads ([`kev_kernels::uploads`]), then captured; later
 //! records of that shape only copy their ids into the graph's input tensors and launch it. The
-//! kernels and their inputs are the same as eagerly, so are the numbers. Long records (over
-//! `MAX_TOKENS` positions) stay eager: their host time is small beside their GPU time, and a
-//! graph would hold a second copy of their working memory.
+//! kernels and their inputs are the same as eagerly, so are the numbers. A batch is one plan
+//! (its states' rows, then all its branches), so a batch of the same shapes replays as well.
+//! Long rows (over `MAX_ROW_POSITIONS`) and large batches (over `MAX_TOKENS` positions) stay
+//! eager: their host time is small beside their GPU time, and a graph would hold a second copy
+//! of their working memory.
 //!
 //! [`DecisionModel::forward`]: crate::DecisionModel::forward
+//! [`DecisionModel::probs_batch`]: crate::DecisionModel::probs_batch
 //! [`PlanShape`]: crate::decision::PlanShape
 
 /// How the CUDA graphs of a model have fared: for benchmarks, tests and logs.
@@ -51,12 +55,16 @@ mod cuda {
     const KEEP: usize = 8;
     /// Shapes remembered as seen once, before the memory of them is dropped.
     const SEEN: usize = 4096;
-    /// Records computing more token positions than this run eagerly. A graph reserves its own
+    /// Plans whose rows are longer than this (a long state) run eagerly. A graph reserves its own
     /// copy of the forward's working memory (the driver keeps graph memory apart from the pool
-    /// eager forwards use), while a long forward's host time is small beside its GPU time: with
-    /// a 4096-token state a graph saved 10 % at 0.8B and 2 % at 4B on the H200 but held 2.9 and
+    /// eager forwards use), while a long row's host time is small beside its GPU time: with a
+    /// 4096-token state a graph saved 10 % at 0.8B and 2 % at 4B on the H200 but held 2.9 and
     /// 5.6 GiB more (sixth session); one request (704 positions) held the same or +0.7 GiB.
-    const MAX_TOKENS: usize = 2048;
+    const MAX_ROW_POSITIONS: usize = 2048;
+    /// Plans computing more token positions than this (a large batch) run eagerly, for the same
+    /// reason. 8 records of a 512-token state and 4 questions compute 5632; eagerly, their host
+    /// time was 5 of 29 ms at 0.8B and 10 of 101 ms at 4B on the H200 (tenth session).
+    const MAX_TOKENS: usize = 8192;
 
     /// The graphs of one model.
     #[derive(Default)]
@@ -118,6 +126,7 @@ mod cuda {
             let action = {
                 let mut state = self.lock();
                 if plan.tokens() > MAX_TOKENS
+                    || plan.row_positions() > MAX_ROW_POSITIONS
                     || state.failed.contains(&shape)
                     || state.busy.contains(&shape)
                 {

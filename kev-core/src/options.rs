@@ -134,12 +134,13 @@ pub struct LoadOptions {
     /// in exactness: pieces continue the cache like the next request would. Must be > 0. By
     /// default, [`DEFAULT_PREFILL_CHUNK`].
     pub prefill_chunk: usize,
-    /// On CUDA, replay the one-record prefix-form forward (`DecisionModel::forward` and
-    /// `probs`) as a CUDA graph once a record of the same token shapes (state length, branch
-    /// lengths, decision and option positions) comes a second time: one launch instead of about
-    /// a thousand, the same kernels and numbers. Each distinct shape keeps a captured graph
-    /// (the few most recent); records over 2048 token positions stay eager (a graph holds its
-    /// own copy of the working memory). Ignored elsewhere. By default, true.
+    /// On CUDA, replay the prefix-form forward (`DecisionModel::forward`, `probs` and
+    /// `probs_batch`) as a CUDA graph once a record or batch of the same token shapes (state
+    /// lengths, branch lengths, decision and option positions) comes a second time: one launch
+    /// instead of about a thousand, the same kernels and numbers. Each distinct shape keeps a
+    /// captured graph (the few most recent); rows over 2048 token positions and batches over
+    /// 8192 stay eager (a graph holds its own copy of the working memory). Ignored elsewhere.
+    /// By default, true.
     pub cuda_graphs: bool,
 }
 

@@ -272,6 +272,67 @@ fn graph_replays_equal_eager_forwards() {
     }
 }
 
+/// The same for [`DecisionModel::probs_batch`]: a batch of records and a batch of their
+/// same-shape twins, each run eagerly, captured, then replayed, against a model without graphs.
+#[test]
+fn graph_replays_equal_eager_batches() {
+    let opts = LoadOptions::default()
+        .with_dtype(DType::F32)
+        .with_backend(backend());
+    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
+    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    let shape = |r: &Record| {
+        let (state, rows) = graphs.encode(r).unwrap().rows();
+        let rows: Vec<_> = rows
+            .iter()
+            .map(|row| (row.ids.len(), row.decide, row.opts.clone()))
+            .collect();
+        (state.len(), rows)
+    };
+    let (batch, twins): (Vec<Record>, Vec<Record>) = records()
+        .into_iter()
+        .map(|r| {
+            let twin = swapped_state(&r);
+            (r, twin)
+        })
+        .filter(|(r, t)| r.state != t.state && shape(r) == shape(t))
+        .unzip();
+    assert!(
+        batch.len() >= 2,
+        "too few same-shape twins: {}",
+        batch.len()
+    );
+    let flat = |p: Vec<Vec<Vec<f32>>>| -> Vec<Vec<f32>> { p.into_iter().flatten().collect() };
+    let want_b = flat(eager.probs_batch(&batch).unwrap());
+    let want_t = flat(eager.probs_batch(&twins).unwrap());
+    assert!(
+        max_delta(&want_b, &want_t) > 1e-3,
+        "twin batches must score differently, or a replay with stale ids would pass"
+    );
+    let mut worst = 0f32;
+    // First sight (eager), second (captured), then replays with each batch's ids.
+    for (recs, want) in [
+        (&batch, &want_b),
+        (&twins, &want_t),
+        (&batch, &want_b),
+        (&twins, &want_t),
+    ] {
+        worst = worst.max(max_delta(&flat(graphs.probs_batch(recs).unwrap()), want));
+    }
+    assert!(
+        worst <= 1e-6,
+        "graph vs eager probabilities differ by {worst:e}"
+    );
+    let stats = graphs.graph_stats();
+    eprintln!("graphs: {stats:?}, max |Δp| vs eager {worst:e}");
+    if graphs.device().is_cuda() {
+        assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+        assert_eq!((stats.captured, stats.replayed), (1, 2));
+    } else {
+        assert_eq!(stats, kev::GraphStats::default());
+    }
+}
+
 #[test]
 fn threads_share_one_model() {
     let model = load("kev-small", 1.0, DType::F32);
