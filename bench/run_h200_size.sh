@@ -4,7 +4,7 @@
 #
 #   bench/run_h200_size.sh 0.8b      # on the GPU machine, from a copy holding .gpu/ and .whl/
 #
-# Kev runs the prefix and batch forms (and the prefix form once more without CUDA graphs); the peers their competitive forms only (all three for one
+# Kev runs the prefix and batch forms (and both once more without CUDA graphs); the peers their competitive forms only (all three for one
 # request, batch for 8 records, prefix and batch for the long state). With .gpu/parity present
 # (scripts/gpu-build.sh), the 0.8B command first runs the CUDA parity suite. Results go to
 # $OUT (or bench/.cache): results-h200.jsonl, log-h200.txt, parity.txt. PEER_WORKLOADS ["one batch8
@@ -24,8 +24,10 @@ fi
 export REPEATS=${REPEATS:-5} WARMUP=${WARMUP:-2} KEV_BIN=${KEV_BIN:-.gpu/bench} SIZES=$size KEV_FORMS=prefix,batch
 quiet() { grep -vE "^\s*$" | grep -E "^==|FAILED|rror"; }
 bench/run_h200.sh gen peak kev 2>&1 | quiet
-# The same one-record prefix forms without CUDA graphs: the graphs' share of Kev's figure.
+# The same prefix forms, and the 8-record batch form, without CUDA graphs: the graphs' share of
+# Kev's figure.
 KEV_FORMS=prefix WORKLOADS=one,long KEV_ARGS="--no-cuda-graphs --label eager" bench/run_h200.sh kev 2>&1 | quiet
+KEV_FORMS=batch WORKLOADS=batch8 KEV_ARGS="--no-cuda-graphs --label eager" bench/run_h200.sh kev 2>&1 | quiet
 peers=${PEER_WORKLOADS:-one batch8 long}
 case " $peers " in *" one "*) WORKLOADS=one PEER_FORMS=all bench/run_h200.sh peers 2>&1 | quiet ;; esac
 case " $peers " in *" batch8 "*) WORKLOADS=batch8 PEER_FORMS=batch bench/run_h200.sh peers 2>&1 | quiet ;; esac

@@ -60,7 +60,7 @@ const GDRC_MAX_DIM: usize = 128;
 const GDRC_PREP_SMEM: u32 = 70016;
 const GDRC_SCAN_SMEM: u32 = 77824;
 const GDRC_PREP_TC_SMEM: u32 = 68736;
-const GDRC_SCAN_TC_SMEM: u32 = 95232;
+const GDRC_SCAN_TC_SMEM: u32 = 83456;
 /// `mode` bits of the tensor-core scans (`SCAN_*` in gdr_chunked.cu): read the state first (else
 /// start at zero), write it at the end, share row 0's among all rows.
 const SCAN_READ: i32 = 1;
@@ -470,7 +470,7 @@ fn gated_delta_rule_chunked(
     let dims = op.dims;
     let dtag = tag(qkv.dtype(), "gated-delta-rule")?;
     // bf16/f16 on tensor cores (TF32 products) where the GPU has them; f32 models keep full f32
-    // products. The two pairs differ in K''s scratch layout, so they never mix.
+    // products. The two pairs lay out W, Q', K' and Aqk differently, so they never mix.
     let tc = qkv.dtype() != DType::F32 && gpu(qkv.device())?.tensor_cores;
     let heads = op.b_sz * dims.num_v_heads;
     let load = |name: &str| Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("{name}{dtag}"));
@@ -564,8 +564,9 @@ fn tc_scan(dev: &CudaDevice, dtag: &str, heads: usize, dv: usize) -> Result<(Ker
     Ok((scan, cols))
 }
 
-/// Where the chunked kernels' scratch parts lie, for `blocks` (row · head, chunk) blocks: Wᵀ,
-/// Q'ᵀ, K' (K'ᵀ for the tensor-core pair), Aqkᵀ, U, e^{G_CH}, each `blocks ×` its per-block size.
+/// Where the chunked kernels' scratch parts lie, for `blocks` (row · head, chunk) blocks: W, Q',
+/// K', Aqk (each transposed or not, as the kernel pair reads it), U, e^{G_CH}, each `blocks ×`
+/// its per-block size.
 /// Every element is written by a preparation kernel before a scan reads it. One allocation cut
 /// into parts (a short call is host-bound, and every allocation and free costs host time), the
 /// float4-read parts first so they stay aligned.

@@ -26,7 +26,8 @@
 //   per thread) and is mirrored to shared memory as the operand of W·S and Q'·S.
 // gdrc_prep_tc_<dtype>, gdrc_scan_tc_<dtype>, gdrc_scan_tc16_<dtype> (bf16/f16, compute capability
 //   ≥ 8.0): the same on tensor cores, PREP_TC_SMEM and SCAN_TC_SMEM; the scan with 32 or 16
-//   columns per block (grid.x = ceil(Dv/32) or ceil(Dv/16)). See the tensor-core section below.
+//   columns per block (grid.x = ceil(Dv/32) or ceil(Dv/16)), W and Q' by rows and K', Aqk
+//   transposed in scratch (for ldmatrix). See the tensor-core section below.
 
 #define CH 32            // steps per chunk
 #define CH_THREADS 128   // threads of the FMA kernels
@@ -431,8 +432,11 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
 // does not compound across chunks. f32 models keep the FMA kernels (full f32 products).
 // Shared-memory pitches put the 32 lanes of a fragment load in 32 different banks: ≡ 8 (mod 32)
 // for tiles read along their rows' index, ≡ 4 for tiles read across it.
-// Scratch layout as the FMA kernels, except K' stored transposed (kd [c][128][CH]: K'ᵀ), the A
-// operand of the state update, and Wᵀ, Q'ᵀ, K'ᵀ, Aqkᵀ stored already rounded to TF32.
+// Scratch layout: each product's operand with k along its rows, as ldmatrix reads it (see
+// ldsm4): W and Q' by rows (wt, qt [c][CH][128]: the A operands of W·S and Q'·S), K'ᵀ (kd
+// [c][128][CH]: the A operand of the state update), Aqkᵀ (at [c][CH][CH], transposed into
+// shared memory by the scan); all four already rounded to TF32. U and e^{G_CH} as the FMA
+// kernels.
 
 __device__ __forceinline__ float tf32r(float x) {
     unsigned r;
@@ -523,6 +527,70 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, in
     }
 }
 
+// ldmatrix on TF32 tiles: an 8×8 tile of 16-bit elements is an 8×4 tile of 32-bit words, and
+// lane (g, c) receives word (g, c) of each of the four tiles: the m16n8k8 .tf32 fragment
+// element of a matrix stored with k along the rows (A as x[m][k], B as y[n][k]). One ldmatrix
+// replaces four scalar loads, and the operands arrive as stored (already rounded to TF32), so the
+// products are those of the scalar loads. Lanes 8i..8i+7 give the row addresses of tile i;
+// rows 16-byte aligned, and a pitch ≡ 4 (mod 32) floats keeps a tile's 8 rows in distinct banks.
+__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const float* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// This lane's row address for an A fragment (tiles: rows +0/+8, then words +0/+4) of x[m][k].
+__device__ __forceinline__ const float* ldsm_a(const float* x, int p, int m0, int lane) {
+    return x + (m0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * p + 4 * (lane >> 4);
+}
+// ... for the B fragments of two n-tiles (tiles: words +0/+4 of rows n0.., then of rows n0+8..)
+// of y[n][k]: registers {0, 1} are n-tile 0's fragment, {2, 3} n-tile 1's.
+__device__ __forceinline__ const float* ldsm_b2(const float* y, int p, int n0, int lane) {
+    return y + (n0 + (lane & 7) + 8 * (lane >> 4)) * p + 4 * ((lane >> 3) & 1);
+}
+// ... for the B fragments of one n-tile at two k-steps (words +0, +4, +8, +12): registers
+// {0, 1} are k-step k0's fragment, {2, 3} k-step k0 + 8's.
+__device__ __forceinline__ const float* ldsm_bk(const float* y, int p, int n0, int lane) {
+    return y + (n0 + (lane & 7)) * p + 4 * (lane >> 3);
+}
+
+// acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT (1 or 2), X stored by rows
+// (x[m][k]) and Y transposed (y[n][k]), both already TF32, by ldmatrix: a warp's 16 × 8·NT
+// product, fully unrolled (every load at a constant offset). Two n-tiles are two chains of
+// dependent mmas; one n-tile alternates its k-steps between two accumulators (added at the
+// end) for the same effect.
+template <int K, int NT>
+__device__ __forceinline__ void mma_ldsm(float (&acc)[NT][4], const float* x, int xp, int m0,
+                                         const float* y, int yp, int lane) {
+    static_assert(NT == 1 || NT == 2, "one or two n-tiles");
+    const float* xa = ldsm_a(x, xp, m0, lane);
+    if (NT == 2) {
+        const float* yb = ldsm_b2(y, yp, 0, lane);
+        #pragma unroll
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            unsigned a[4], b[4];
+            ldsm4(a, xa + k0);
+            ldsm4(b, yb + k0);
+            mma8(acc[0], a, {b[0], b[1]});
+            mma8(acc[NT - 1], a, {b[2], b[3]});
+        }
+    } else {
+        const float* yb = ldsm_bk(y, yp, 0, lane);
+        float odd[4] = {};
+        #pragma unroll
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            unsigned a0[4], a1[4], b[4];
+            ldsm4(a0, xa + k0);
+            ldsm4(a1, xa + k0 + 8);
+            ldsm4(b, yb + k0);
+            mma8(acc[0], a0, {b[0], b[1]});
+            mma8(odd, a1, {b[2], b[3]});
+        }
+        #pragma unroll
+        for (int i = 0; i < 4; i++) acc[0][i] += odd[i];
+    }
+}
+
 // Shared memory of the tensor-core preparation kernel, in floats.
 #define PT_P 40                          // pitch of q̂ᵀ, k̂ᵀ [DM][..] and Tmᵀ [CH][..]
 #define PT_VP 136                        // pitch of v [CH][..]
@@ -532,6 +600,9 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, in
 #define PT_A (PT_V + CH * PT_VP)         // A [CH][A_P]
 #define PT_TT (PT_A + CH * A_P)          // Tmᵀ
 #define PT_G (PT_TT + CH * PT_P)         // G, β, β·e^G, e^G, e^{G_CH−G} [CH] each
+#define PT_WS 132                        // pitch of W [CH][..] on its way out in k̂ᵀ's tile
+#define PT_QS 129                        // pitch of Q' [CH][..] on its way out in v's (odd, so
+                                         // a lane per step stores to distinct banks)
 #define PREP_TC_SMEM ((PT_G + 5 * CH) * 4)  // 68736 bytes: GDRC_PREP_TC_SMEM in cuda.rs
 
 // TC_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
@@ -577,17 +648,14 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
     }
     __syncthreads();
 
-    // 3. Warp 0: Tm = (I + A)⁻¹. The other warps write Q'ᵀ and K'ᵀ.
+    // 3. Warp 0: Tm = (I + A)⁻¹. The other warps write K'ᵀ.
     if (warp == 0) {
         solve_unit_lower(a_s, tT, PT_P, lane);
     } else {
         const float gc = g_s[CH - 1];
         for (int e = tid - 32; e < DM * CH / 4; e += TC_THREADS - 32) {
             const int r = e / (CH / 4), t = 4 * (e % (CH / 4));
-            const float4 qv = ld4(&qT[r * PT_P + t]), kv = ld4(&kT[r * PT_P + t]);
-            const float4 eq = ld4(&eg_s[t]), ek = ld4(&egc_s[t]);
-            st4(&qt[(cb * DM + r) * CH + t], tf32r(eq.x * qv.x), tf32r(eq.y * qv.y),
-                tf32r(eq.z * qv.z), tf32r(eq.w * qv.w));
+            const float4 kv = ld4(&kT[r * PT_P + t]), ek = ld4(&egc_s[t]);
             st4(&kd[(cb * DM + r) * CH + t], tf32r(ek.x * kv.x), tf32r(ek.y * kv.y),
                 tf32r(ek.z * kv.z), tf32r(ek.w * kv.w));
         }
@@ -597,6 +665,9 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
 
     // 4. [W | U] = Tm·[diag(β·e^G)·K̂ | diag(β)·V]: warps 0–3 W's columns 32·warp.., warps 4–7
     //    U's columns 32·(warp − 4).., all 32 steps; the row factor is folded into Tm's fragment.
+    //    W and Q' (rows of 128) go out through shared memory, so that a warp writes whole rows:
+    //    written from the fragments or a column of q̂ᵀ, 4- to 16-byte pieces land in parts of
+    //    32-byte sectors of many rows, and the kernel took twice as long (ncu, session 10).
     {
         const bool is_w = warp < 4;
         const int c0 = 32 * (warp % 4);
@@ -625,6 +696,8 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
                 for (int mi = 0; mi < 2; mi++) mma8(acc[mi][n], a[mi], bf);
             }
         }
+        __syncthreads();  // k̂ᵀ and v are consumed: they hold W and Q' on their way out
+        float *w_st = kT, *q_st = vr;
         #pragma unroll
         for (int mi = 0; mi < 2; mi++)
             #pragma unroll
@@ -633,10 +706,22 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
                 for (int i = 0; i < 4; i++) {
                     const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
                     if (is_w)
-                        wt[(cb * DM + col) * CH + t] = tf32r(acc[mi][n][i]);
+                        w_st[t * PT_WS + col] = tf32r(acc[mi][n][i]);
                     else if (col < dv)
                         u[(cb * CH + t) * dv + col] = acc[mi][n][i];
                 }
+        // Q' = diag(e^G)·Q̂, transposed from q̂ᵀ: a lane per step on both sides, no bank shared.
+        for (int e = tid; e < CH * DM; e += TC_THREADS) {
+            const int t = e % CH, r = e / CH;
+            q_st[t * PT_QS + r] = tf32r(eg_s[t] * qT[r * PT_P + t]);
+        }
+        __syncthreads();
+        for (int e = tid; e < CH * DM / 4; e += TC_THREADS) {
+            const int t = e / (DM / 4), r = 4 * (e % (DM / 4));
+            *reinterpret_cast<float4*>(&wt[(cb * CH + t) * DM + r]) = ld4(&w_st[t * PT_WS + r]);
+        }
+        for (int e = tid; e < CH * DM; e += TC_THREADS)
+            qt[(cb * CH + e / DM) * DM + e % DM] = q_st[(e / DM) * PT_QS + e % DM];
     }
 }
 
@@ -671,18 +756,19 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a, int
                            (i - na) % nc_b, (i - na) / nc_b, i);
 }
 
-// Shared memory of the tensor-core scan, in floats.
-#define TC_TP 40   // Wᵀ, Q'ᵀ [DM][..], Aqkᵀ [CH][..]: A operands stored transposed
-#define TC_KP 36   // K'ᵀ [DM][..]: the A operand of the state update, stored by rows
-#define TC_SP 40   // S [DM][..], U and Δ [CH][..]: B operands
+// Shared memory of the tensor-core scan, in floats. Every product operand is stored with k along
+// its rows, at a pitch ≡ 4 (mod 32), for ldmatrix.
+#define TC_LP 132  // W, Q' [CH][..] and Sᵀ [NCOL][..]: rows of DM
+#define TC_CP 36   // K'ᵀ [DM][..], Aqk [CH][..] and Δᵀ [NCOL][..]: rows of CH
+#define TC_UP 40   // U [CH][..], read as float2
 #define T_S 0
-#define T_WT (T_S + DM * TC_SP)
-#define T_QT (T_WT + DM * TC_TP)
-#define T_K (T_QT + DM * TC_TP)
-#define T_AT (T_K + DM * TC_KP)
-#define T_U (T_AT + CH * TC_TP)
-#define T_D (T_U + CH * TC_SP)
-#define SCAN_TC_SMEM ((T_D + CH * TC_SP) * 4)  // 95232 bytes: GDRC_SCAN_TC_SMEM in cuda.rs
+#define T_W (T_S + 32 * TC_LP)
+#define T_Q (T_W + CH * TC_LP)
+#define T_K (T_Q + CH * TC_LP)
+#define T_A (T_K + DM * TC_CP)
+#define T_U (T_A + CH * TC_CP)
+#define T_D (T_U + CH * TC_UP)
+#define SCAN_TC_SMEM ((T_D + 32 * TC_CP) * 4)  // 83456 bytes: GDRC_SCAN_TC_SMEM in cuda.rs
 
 // One block of TC_THREADS per NCOL (32 or 16) state columns. Warp w of 8, with h = (w / 2) % 2
 // the half of the block's columns it takes: Δ = U − W·S for steps 16·(w % 2).. (w < 4) or
@@ -691,7 +777,7 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a, int
 // call with few (row, head) pairs (a long state: 32 pairs fill 128 blocks of 32 columns, not an
 // H200's 132 SMs), at the price of reading each chunk's W, Q', K', Aqk twice as often. W, Q', K'
 // and Aqk arrive rounded to TF32 (by the preparation kernel, where the work is parallel); S and
-// Δ are rounded as they are stored to shared memory.
+// Δ are rounded as they are stored to shared memory, transposed (Sᵀ, Δᵀ: the B operands).
 // `mode` (SCAN_*): whether the state is read first (else it starts at zero), written at the end,
 // and shared by all rows (head h of every row reads row 0's: branches continuing one state, none
 // of them writing it back).
@@ -705,8 +791,8 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
                              float* __restrict__ state, typename D::T* __restrict__ out, int T,
                              int hv, int dk, int dv, int nc, int mode) {
     extern __shared__ __align__(16) float sm[];
-    float *s_s = sm + T_S, *wt_s = sm + T_WT, *qt_s = sm + T_QT, *k_s = sm + T_K;
-    float *at_s = sm + T_AT, *u_s = sm + T_U, *d_s = sm + T_D;
+    float *st_s = sm + T_S, *w_s = sm + T_W, *q_s = sm + T_Q, *k_s = sm + T_K;
+    float *a_s = sm + T_A, *u_s = sm + T_U, *dt_s = sm + T_D;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv;
     constexpr int NS = NCOL / 8;   // n-tiles of the block's columns (the state update)
@@ -726,35 +812,40 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
             const int r = rs + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
             s[n][i] = (mode & SCAN_READ) && r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
+    // The state update's A operand (K'ᵀ rows rs..) and B operands (Δᵀ), per lane.
+    const float* ka = ldsm_a(k_s, TC_CP, rs, lane);
+    const float* db = ldsm_b2(dt_s, TC_CP, 0, lane);
     typedef ChunkOperands<NCOL, TC_THREADS> Ops;
     Ops next;  // the next chunk's operands, in flight while this one computes
     next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
-        // This round's operands into shared memory: S (a rounded copy), W, Q', K', Aqk, U.
+        // This round's operands into shared memory: Sᵀ (a rounded copy), W, Q', K'ᵀ, Aqk, U.
         #pragma unroll
         for (int n = 0; n < NS; n++)
             #pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                const int r = rs + g + 8 * hf, col = 8 * n + 2 * c;
-                *reinterpret_cast<float2*>(&s_s[r * TC_SP + col]) =
-                    make_float2(tf32r(s[n][2 * hf]), tf32r(s[n][2 * hf + 1]));
-            }
+            for (int i = 0; i < 4; i++)
+                st_s[(8 * n + 2 * c + i % 2) * TC_LP + rs + g + 8 * (i / 2)] = tf32r(s[n][i]);
         #pragma unroll
         for (int k = 0; k < Ops::N4; k++) {
-            const int e = tid + k * TC_THREADS, r = e / (CH / 4), t = 4 * (e % (CH / 4));
-            *reinterpret_cast<float4*>(&wt_s[r * TC_TP + t]) = next.w[k];
-            *reinterpret_cast<float4*>(&qt_s[r * TC_TP + t]) = next.q[k];
-            *reinterpret_cast<float4*>(&k_s[r * TC_KP + t]) = next.k[k];
+            const int e = tid + k * TC_THREADS;
+            const int t = e / (DM / 4), r = 4 * (e % (DM / 4));  // W, Q' [CH][DM]
+            *reinterpret_cast<float4*>(&w_s[t * TC_LP + r]) = next.w[k];
+            *reinterpret_cast<float4*>(&q_s[t * TC_LP + r]) = next.q[k];
+            const int rk = e / (CH / 4), tk = 4 * (e % (CH / 4));  // K'ᵀ [DM][CH]
+            *reinterpret_cast<float4*>(&k_s[rk * TC_CP + tk]) = next.k[k];
         }
         #pragma unroll
-        for (int k = 0; k < Ops::NA; k++) {
-            const int e = tid + k * TC_THREADS;
-            *reinterpret_cast<float4*>(&at_s[(e / (CH / 4)) * TC_TP + 4 * (e % (CH / 4))]) = next.a[k];
+        for (int k = 0; k < Ops::NA; k++) {  // Aqkᵀ [CH][CH] → Aqk
+            const int e = tid + k * TC_THREADS, sa = e / (CH / 4), ta = 4 * (e % (CH / 4));
+            a_s[ta * TC_CP + sa] = next.a[k].x;
+            a_s[(ta + 1) * TC_CP + sa] = next.a[k].y;
+            a_s[(ta + 2) * TC_CP + sa] = next.a[k].z;
+            a_s[(ta + 3) * TC_CP + sa] = next.a[k].w;
         }
         #pragma unroll
         for (int k = 0; k < Ops::NU; k++) {
             const int e = tid + k * TC_THREADS;
-            u_s[(e / NCOL) * TC_SP + e % NCOL] = next.u[k];
+            u_s[(e / NCOL) * TC_UP + e % NCOL] = next.u[k];
         }
         const float gc = next.gtot;
         __syncthreads();
@@ -762,23 +853,21 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
 
         // Δ = U − W·S (warps 0–3) or P = Q'·S (warps 4–7): 16 steps × NCOL/2 columns per warp.
         float acc[NH][4] = {};
-        mma_16xn<false, DM, NH>(acc, is_delta ? wt_s : qt_s, TC_TP, mt, s_s + ch, TC_SP, g, c);
+        mma_ldsm<DM, NH>(acc, is_delta ? w_s : q_s, TC_LP, mt, st_s + ch * TC_LP, TC_LP, lane);
         if (is_delta) {
             #pragma unroll
             for (int n = 0; n < NH; n++)
                 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    const int idx = (mt + g + 8 * hf) * TC_SP + ch + 8 * n + 2 * c;
-                    const float2 uu = *reinterpret_cast<const float2*>(&u_s[idx]);
-                    *reinterpret_cast<float2*>(&d_s[idx]) = make_float2(
-                        tf32r(uu.x - acc[n][2 * hf]), tf32r(uu.y - acc[n][2 * hf + 1]));
+                for (int i = 0; i < 4; i++) {
+                    const int t = mt + g + 8 * (i / 2), col = ch + 8 * n + 2 * c + i % 2;
+                    dt_s[col * TC_CP + t] = tf32r(u_s[t * TC_UP + col] - acc[n][i]);
                 }
         }
         __syncthreads();
 
         // O = P + Aqk·Δ (warps 4–7), stored.
         if (!is_delta) {
-            mma_16xn<false, CH, NH>(acc, at_s, TC_TP, mt, d_s + ch, TC_SP, g, c);
+            mma_ldsm<CH, NH>(acc, a_s, TC_CP, mt, dt_s + ch * TC_CP, TC_CP, lane);
             #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int tt = chunk * CH + mt + g + 8 * hf;
@@ -802,12 +891,13 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
         #pragma unroll
         for (int k0 = 0; k0 < CH; k0 += 8) {
             unsigned a[4];
-            frag_a<false>(a, k_s, TC_KP, rs, k0, g, c);
+            ldsm4(a, ka + k0);
             #pragma unroll
-            for (int n = 0; n < NS; n++) {
-                unsigned bf[2];
-                frag_b<false>(bf, d_s, TC_SP, k0, 8 * n, g, c);
-                mma8(s[n], a, bf);
+            for (int n = 0; n < NS; n += 2) {
+                unsigned bf[4];
+                ldsm4(bf, db + 8 * n * TC_CP + k0);
+                mma8(s[n], a, {bf[0], bf[1]});
+                mma8(s[n + 1], a, {bf[2], bf[3]});
             }
         }
         __syncthreads();  // everything of this chunk in shared memory is consumed
@@ -866,7 +956,8 @@ GDRC(f16, F16)
 GDRC_TC(bf16, BF16)
 GDRC_TC(f16, F16)
 static_assert(PREP_TC_SMEM == 68736, "PREP_TC_SMEM");
-static_assert(SCAN_TC_SMEM == 95232, "SCAN_TC_SMEM");
+static_assert(CH * PT_WS <= DM * PT_P && CH * PT_QS <= CH * PT_VP, "W and Q' fit where they leave");
+static_assert(SCAN_TC_SMEM == 83456, "SCAN_TC_SMEM");
 #endif
 
 // The host's copies of the shared-memory sizes must match.
