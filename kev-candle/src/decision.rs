@@ -231,7 +231,7 @@ impl DecisionModel {
     /// replays a CUDA graph ([`LoadOptions::cuda_graphs`]).
     pub fn forward(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
         let (state, rows) = self.encode(record)?.rows();
-        self.plan_logits_split(self.plan(vec![(state, rows)]))
+        self.logits_per_record(self.plan(vec![(state, rows)]))
             .map(|mut per_record| per_record.remove(0))
     }
 
@@ -258,7 +258,7 @@ impl DecisionModel {
 
     /// Runs `plan` (replaying a CUDA graph where one serves) and cuts its logits per record and
     /// question.
-    fn plan_logits_split(&self, plan: Plan) -> Result<Vec<Vec<Vec<f32>>>> {
+    fn logits_per_record(&self, plan: Plan) -> Result<Vec<Vec<Vec<f32>>>> {
         #[cfg(feature = "cuda")]
         let flat = match (&self.graphs, self.device()) {
             (Some(graphs), Device::Cuda(dev)) => graphs.logits(self, &plan, dev)?,
@@ -427,7 +427,7 @@ impl DecisionModel {
             .map(|r| self.encode(r).map(|e| e.rows()))
             .collect();
         let encoded = encoded.into_iter().collect::<Result<Vec<_>>>()?;
-        let logits = self.plan_logits_split(self.plan(encoded))?;
+        let logits = self.logits_per_record(self.plan(encoded))?;
         Ok(logits
             .iter()
             .map(|questions| questions.iter().map(|l| softmax(l)).collect())

@@ -146,9 +146,9 @@ __device__ __forceinline__ void solve_unit_lower(const float* a, float* tT, int 
     for (int i = 0; i < CH; i += 4) st4(&tT[lane * tp + i], x[i], x[i + 1], x[i + 2], x[i + 3]);
 }
 
-// A scan's operands of one chunk (Wᵀ, Q'ᵀ, K' in either layout, Aqkᵀ, the block's NCOL columns
-// of U, e^{G_CH}), loaded into registers a chunk ahead and stored to shared memory at the top of
-// the next round: the loads' latency hides behind the products.
+// A scan's operands of one chunk (W, Q', K', Aqk in the kernel pair's layout, the block's NCOL
+// columns of U, e^{G_CH}), loaded into registers a chunk ahead and stored to shared memory at the
+// top of the next round: the loads' latency hides behind the products.
 template <int NCOL, int NTHREADS>
 struct ChunkOperands {
     static constexpr int N4 = DM * CH / 4 / NTHREADS, NA = CH * CH / 4 / NTHREADS,
