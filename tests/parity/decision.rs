@@ -215,20 +215,12 @@ fn swapped_state(record: &Record) -> Record {
     twin
 }
 
-/// On CUDA, [`DecisionModel::forward`] replays a graph for a record shape seen before: the
-/// replayed logits equal the eager ones for the record that was captured and for another
-/// record of the same shape (its ids written into the graph's inputs). Elsewhere this checks
-/// the two loads agree and that no graph is reported.
-#[test]
-fn graph_replays_equal_eager_forwards() {
-    let opts = LoadOptions::default()
-        .with_dtype(DType::F32)
-        .with_backend(backend());
-    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
-    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+/// The fixture's records paired with their state-swapped twins, where a twin has another state
+/// but the same token shapes (state length, branch lengths, head positions): what one CUDA graph
+/// serves. At least two pairs, so a test over them can tell a replay from a stale one.
+fn same_shape_twins(model: &DecisionModel) -> Vec<(Record, Record)> {
     let shape = |r: &Record| {
-        let e = graphs.encode(r).unwrap();
-        let (state, rows) = e.rows();
+        let (state, rows) = model.encode(r).unwrap().rows();
         let rows: Vec<_> = rows
             .iter()
             .map(|row| (row.ids.len(), row.decide, row.opts.clone()))
@@ -248,6 +240,21 @@ fn graph_replays_equal_eager_forwards() {
         "too few same-shape twins: {}",
         pairs.len()
     );
+    pairs
+}
+
+/// On CUDA, [`DecisionModel::forward`] replays a graph for a record shape seen before: the
+/// replayed logits equal the eager ones for the record that was captured and for another
+/// record of the same shape (its ids written into the graph's inputs). Elsewhere this checks
+/// the two loads agree and that no graph is reported.
+#[test]
+fn graph_replays_equal_eager_forwards() {
+    let opts = LoadOptions::default()
+        .with_dtype(DType::F32)
+        .with_backend(backend());
+    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
+    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    let pairs = same_shape_twins(&graphs);
     let mut worst = 0f32;
     for (r, twin) in &pairs {
         let (want_r, want_t) = (eager.forward(r).unwrap(), eager.forward(twin).unwrap());
@@ -281,27 +288,7 @@ fn graph_replays_equal_eager_batches() {
         .with_backend(backend());
     let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
     let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
-    let shape = |r: &Record| {
-        let (state, rows) = graphs.encode(r).unwrap().rows();
-        let rows: Vec<_> = rows
-            .iter()
-            .map(|row| (row.ids.len(), row.decide, row.opts.clone()))
-            .collect();
-        (state.len(), rows)
-    };
-    let (batch, twins): (Vec<Record>, Vec<Record>) = records()
-        .into_iter()
-        .map(|r| {
-            let twin = swapped_state(&r);
-            (r, twin)
-        })
-        .filter(|(r, t)| r.state != t.state && shape(r) == shape(t))
-        .unzip();
-    assert!(
-        batch.len() >= 2,
-        "too few same-shape twins: {}",
-        batch.len()
-    );
+    let (batch, twins): (Vec<Record>, Vec<Record>) = same_shape_twins(&graphs).into_iter().unzip();
     let flat = |p: Vec<Vec<Vec<f32>>>| -> Vec<Vec<f32>> { p.into_iter().flatten().collect() };
     let want_b = flat(eager.probs_batch(&batch).unwrap());
     let want_t = flat(eager.probs_batch(&twins).unwrap());
