@@ -456,24 +456,6 @@ __device__ __forceinline__ void mma8(float (&d)[4], const unsigned (&a)[4], cons
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// The A fragment (rows m0.., columns k0..) of a matrix stored by rows (x[m][k], pitch ≡ 4) or
-// transposed (x[k][m], pitch ≡ 8).
-template <bool R>
-__device__ __forceinline__ void frag_a(unsigned (&a)[4], const float* x, int p, int m0, int k0,
-                                       int g, int c) {
-    a[0] = tf<R>(x[(m0 + g) * p + k0 + c]);
-    a[1] = tf<R>(x[(m0 + g + 8) * p + k0 + c]);
-    a[2] = tf<R>(x[(m0 + g) * p + k0 + c + 4]);
-    a[3] = tf<R>(x[(m0 + g + 8) * p + k0 + c + 4]);
-}
-template <bool R>
-__device__ __forceinline__ void frag_a_t(unsigned (&a)[4], const float* x, int p, int m0, int k0,
-                                         int g, int c) {
-    a[0] = tf<R>(x[(k0 + c) * p + m0 + g]);
-    a[1] = tf<R>(x[(k0 + c) * p + m0 + g + 8]);
-    a[2] = tf<R>(x[(k0 + c + 4) * p + m0 + g]);
-    a[3] = tf<R>(x[(k0 + c + 4) * p + m0 + g + 8]);
-}
 // The B fragment (rows k0.., columns n0..) of a matrix stored by rows (x[k][n], pitch ≡ 8) or
 // transposed (x[n][k], pitch ≡ 4).
 template <bool R>
@@ -490,20 +472,15 @@ __device__ __forceinline__ void frag_b_t(unsigned (&b)[2], const float* x, int p
 }
 
 // acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT: a warp's 16 × 8·NT product, X
-// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp). Fragments load from
-// per-lane base pointers. With one n-tile (the 16-column scan) the loop is fully unrolled, so
-// every load has a constant offset (partly unrolled, two thirds of that scan's instructions were
-// address arithmetic: ncu, session 8), and odd k-steps accumulate apart, added at the end: two
-// chains of dependent mmas, half as long. The other callers keep a 4-way unroll: fully unrolled,
-// the preparation and the 32-column scan measured 2 µs slower each.
+// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp), by scalar fragment
+// loads from per-lane base pointers (the preparation's K̂K̂ᵀ and Q̂K̂ᵀ, whose operands are the
+// chunk's q̂ᵀ and k̂ᵀ tiles). A 4-way unroll: fully unrolled, the preparation measured 2 µs slower.
 template <bool R, int K, int NT>
 __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, int xp, int m0,
                                          const float* y, int yp, int g, int c) {
     const float* xa = x + c * xp + m0 + g;
     const float* yb = y + c * yp + g;
-    float odd[4] = {};
-    constexpr int UNROLL = NT == 1 ? K / 8 : 4;
-    #pragma unroll UNROLL
+    #pragma unroll 4
     for (int k0 = 0; k0 < K; k0 += 8) {
         unsigned a[4];
         a[0] = tf<R>(xa[k0 * xp]);
@@ -515,15 +492,8 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, in
             unsigned bf[2];
             bf[0] = tf<R>(yb[k0 * yp + 8 * n]);
             bf[1] = tf<R>(yb[(k0 + 4) * yp + 8 * n]);
-            if (NT == 1 && (k0 / 8) % 2 == 1)
-                mma8(odd, a, bf);
-            else
-                mma8(acc[n], a, bf);
+            mma8(acc[n], a, bf);
         }
-    }
-    if (NT == 1) {
-        #pragma unroll
-        for (int i = 0; i < 4; i++) acc[0][i] += odd[i];
     }
 }
 
@@ -760,7 +730,7 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a, int
 // its rows, at a pitch ≡ 4 (mod 32), for ldmatrix.
 #define TC_LP 132  // W, Q' [CH][..] and Sᵀ [NCOL][..]: rows of DM
 #define TC_CP 36   // K'ᵀ [DM][..], Aqk [CH][..] and Δᵀ [NCOL][..]: rows of CH
-#define TC_UP 40   // U [CH][..], read as float2
+#define TC_UP 40   // U [CH][..]
 #define T_S 0
 #define T_W (T_S + 32 * TC_LP)
 #define T_Q (T_W + CH * TC_LP)
