@@ -457,17 +457,18 @@ impl DecisionModel {
             None => Some(self.prefix_of(&record.state, state.clone())?),
         };
         let prefix = given.or(computed.as_ref()).expect("one of the two is set");
-        let logits = self.branches(&prefix.cache, &vec![0; rows.len()], &rows)?;
+        let logits = self.branches(&prefix.cache, &rows)?;
         Ok((logits, computed))
     }
 
-    /// Runs `rows` as one right-padded batch, row i continuing row `owners[i]` of `cache`, and
-    /// returns each row's logits.
-    fn branches(&self, cache: &Cache, owners: &[usize], rows: &[Row]) -> Result<Vec<Vec<f32>>> {
-        let ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
+    /// Runs `rows` as one right-padded batch, each continuing (a copy of) the one state row of
+    /// `cache`, and returns each row's logits.
+    fn branches(&self, cache: &Cache, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
+        let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
         let pieces = self.pieces(&ids);
+        let owners = vec![0; rows.len()];
         let logits =
-            self.branch_logits(cache, owners, &pieces, &self.upload_all(&pieces)?, rows)?;
+            self.branch_logits(cache, &owners, &pieces, &self.upload_all(&pieces)?, rows)?;
         read_per_row(&logits, rows)
     }
 
