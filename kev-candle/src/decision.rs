@@ -10,6 +10,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use kev_core::{Checkpoint, Encoder, Encoding, Error, LoadOptions, Record, Result, Row};
+use kev_kernels::SplitRows;
 use rayon::prelude::*;
 
 use crate::device::{select_device, select_dtype, settle};
@@ -302,16 +303,16 @@ impl DecisionModel {
     /// Runs `plan` with `ids` (one tensor per piece, [`Plan::pieces`] order) and returns all
     /// options' logits `[M]` on the device, waiting for nothing.
     pub(crate) fn plan_logits(&self, plan: &Plan, ids: &[Tensor]) -> Result<Tensor> {
-        if let ([state], [branches], 1) = (&plan.state[..], &plan.branches[..], plan.records) {
-            // One record, one piece each (a state within `prefill_chunk`): one pass over the
-            // layers.
-            let hidden = Split::new(
+        if let ([state], [branches]) = (&plan.state[..], &plan.branches[..]) {
+            // One piece each (every state within `prefill_chunk`): one pass over the layers.
+            let hidden = SplitRows::new(
                 state.width,
-                branches.lengths.len(),
+                state.lengths.clone(),
                 branches.width,
-                Some(&branches.lengths),
-                self.device(),
+                branches.lengths.clone(),
+                plan.owners.clone(),
             )
+            .and_then(|rows| Split::new(rows, self.device()))
             .and_then(|split| self.model.forward_split(&ids[0], &ids[1], &split))
             .map_err(backend_err("backbone forward"))?;
             return self.head_logits(&hidden, &plan.rows);

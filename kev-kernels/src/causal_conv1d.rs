@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32, silu_in_place};
 use crate::rows::{as_rows, rows};
+use crate::split::SplitRows;
 
 /// The op; `kernel` is K (the weight's second dim).
 pub(crate) struct CausalConv1d {
@@ -276,9 +277,10 @@ pub fn causal_conv1d_cached_view(
 }
 
 /// The one-pass forward's conv: `[x_state; x_branches]` run as [`causal_conv1d_cached`] would be
-/// run twice (the state from zeros, each branch from the state's last K−1 inputs), in one CUDA
-/// launch; inputs rows (possibly strided), `weight: [C, K]`. CUDA only.
-struct CausalConv1dSplit;
+/// run twice (the states from zeros, each branch from its state row's last K−1 real inputs), in
+/// one CUDA launch; inputs rows (possibly strided), `weight: [C, K]`. CUDA only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct CausalConv1dSplit(SplitRows);
 
 impl CustomOp3 for CausalConv1dSplit {
     fn name(&self) -> &'static str {
@@ -307,32 +309,42 @@ impl CustomOp3 for CausalConv1dSplit {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::causal_conv1d_split(ss, sl, bs, bl, ws, wl)?;
-        let (s, c) = (sl.dims()[1], sl.dims()[2]);
-        Ok((out, Shape::from((s + bl.dims()[0] * bl.dims()[1], c))))
+        let out = crate::cuda::causal_conv1d_split(&self.0, ss, sl, bs, bl, ws, wl)?;
+        Ok((out, Shape::from((self.0.tokens(), sl.dims()[2]))))
     }
 }
 
-/// A record's conv in one launch on CUDA: the state `x_state: [1, S, C]` from zeros, then its
-/// branches `x_branches: [B, T, C]`, each continuing the state's last K−1 inputs (read in place,
-/// not copied to the branch rows). Returns `[S + B·T, C]`: the state's rows, then each branch's
-/// (padded steps included, as [`causal_conv1d_cached`] computes them). `None` off CUDA or when a
-/// part is empty: the caller composes it from [`causal_conv1d_cached_view`], which gives
-/// the same numbers (the same products per output).
+/// Records' convs in one launch on CUDA: the states `x_state: [R, S, C]` from zeros, then the
+/// branches `x_branches: [B, T, C]`, each continuing the last K−1 real inputs of its state row
+/// (`rows`: lengths and owners; read in place, not copied to the branch rows). Returns
+/// `[R·S + B·T, C]`: the states' rows, then each branch's (padded steps included, as
+/// [`causal_conv1d_cached`] computes them). `None` off CUDA or when a part is empty: the caller
+/// composes it from [`causal_conv1d_cached_view`], which gives the same numbers (the same
+/// products per output).
 pub fn causal_conv1d_split(
     x_state: &Tensor,
     x_branches: &Tensor,
     weight: &Tensor,
+    rows: &SplitRows,
 ) -> Result<Option<Tensor>> {
-    let (one, s_len, channels) = x_state.dims3()?;
+    let (states, s_len, channels) = x_state.dims3()?;
     let (b_sz, t_len, b_channels) = x_branches.dims3()?;
     let (w_channels, k) = weight.dims2()?;
-    if one != 1 || b_channels != channels || w_channels != channels || k < 2 {
+    if (states, s_len, b_sz, t_len)
+        != (rows.states(), rows.state_width(), rows.rows(), rows.width())
+        || b_channels != channels
+        || w_channels != channels
+        || k < 2
+    {
         bail!(
-            "causal-conv1d-split: state {:?} / branches {:?} do not fit weight {:?}",
+            "causal-conv1d-split: state {:?} / branches {:?} do not fit weight {:?} and {} state rows of {} steps, {} branch rows of {}",
             x_state.dims(),
             x_branches.dims(),
-            weight.dims()
+            weight.dims(),
+            rows.states(),
+            rows.state_width(),
+            rows.rows(),
+            rows.width()
         )
     }
     let dtype = x_state.dtype();
@@ -343,13 +355,13 @@ pub fn causal_conv1d_split(
             weight.dtype()
         )
     }
-    if !x_state.device().is_cuda() || s_len == 0 || b_sz * t_len == 0 {
+    if !x_state.device().is_cuda() || states * s_len == 0 || b_sz * t_len == 0 {
         return Ok(None);
     }
     let out = as_rows(x_state)?.apply_op3_no_bwd(
         &as_rows(x_branches)?,
         &weight.contiguous()?,
-        &CausalConv1dSplit,
+        &CausalConv1dSplit(rows.clone()),
     )?;
     Ok(Some(out))
 }

@@ -17,6 +17,7 @@ use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Layout, Result, 
 use crate::causal_conv1d::CausalConv1d;
 use crate::gated_delta_rule::{GatedDeltaRule, GdrSplit};
 use crate::rows::{rows, strided4};
+use crate::split::SplitRows;
 
 /// A CUDA source file (`common.cuh` prepended), compiled to PTX with NVRTC on first use and
 /// loaded as its own module, so a process pays only for the sources it runs.
@@ -527,7 +528,12 @@ fn gated_delta_rule_chunked(
         let out = scan.output::<T>(op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim)?;
         let mut b = scan.stream.launch_builder(&scan.func);
         b.arg(&wt).arg(&u).arg(&qt).arg(&kd).arg(&at).arg(&gtot);
-        b.arg(&mut st).arg(&out);
+        b.arg(&mut st);
+        let no_owners = 0u64;
+        if tc {
+            b.arg(&no_owners);
+        }
+        b.arg(&out);
         b.arg(&t).arg(&hv).arg(&dk).arg(&dv).arg(&nc);
         let mode = SCAN_READ | SCAN_WRITE;
         if tc {
@@ -598,11 +604,11 @@ impl ScratchLayout {
     }
 }
 
-/// [`crate::gated_delta_rule_split`]: one record's state row and its branch rows, on the
+/// [`crate::gated_delta_rule_split`]: records' state rows and their branch rows, on the
 /// tensor-core kernels in three launches. One preparation grid takes both parts' chunks (they
-/// do not depend on the state); the state's scan starts from zero and writes its final state;
-/// the branches' scan reads that state in place (shared by every branch row, written by none).
-/// Both scans write into one packed output, `[S + B·T, Hv, Dv]`.
+/// do not depend on the states); the states' scan starts from zero and writes their final
+/// states; the branches' scan reads its owner's state in place (shared by that record's branch
+/// rows, written by none). Both scans write into one packed output, `[R·S + B·T, Hv, Dv]`.
 pub(crate) fn gated_delta_rule_split(
     op: &GdrSplit,
     qa: &CudaStorage,
@@ -619,33 +625,45 @@ pub(crate) fn gated_delta_rule_split(
         bail!("gated-delta-rule-split: needs bf16/f16 inputs and tensor cores")
     }
     let (hv, dv) = (dims.num_v_heads, dims.head_v_dim);
-    let (s_len, rows, width) = (op.state_len, op.rows, op.width);
+    let split = &op.rows;
+    let (states, s_len) = (split.states(), split.state_width());
+    let (rows, width) = (split.rows(), split.width());
     let (nc_a, nc_b) = (s_len.div_ceil(GDRC_CHUNK), width.div_ceil(GDRC_CHUNK));
-    let (blocks_a, blocks_b) = (nc_a * hv, nc_b * rows * hv);
+    let (blocks_a, blocks_b) = (nc_a * states * hv, nc_b * rows * hv);
     let prep = Kernel::load_from(&GDR_CHUNKED, dev, &format!("gdrc_prep2_tc_{dtag}"))?;
     prep.allow_shared_memory(GDRC_PREP_TC_SMEM)?;
-    let (scan_a, cols_a) = tc_scan(dev, dtag, hv, dv)?;
+    let (scan_a, cols_a) = tc_scan(dev, dtag, states * hv, dv)?;
     let (scan_b, cols_b) = tc_scan(dev, dtag, rows * hv, dv)?;
     let (a0, a1) = contiguous(la, "gated-delta-rule-split state qkv")?;
     let (b0, b1) = contiguous(lb, "gated-delta-rule-split branch qkv")?;
     let (g0, g1) = contiguous(lg, "gated-delta-rule-split gates")?;
     let gates = gb.as_cuda_slice::<f32>()?;
-    let g_split = g0 + s_len * hv * 2;
+    let s_tokens = states * s_len;
+    let g_split = g0 + s_tokens * hv * 2;
     let (gb_a, gb_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
-    let lengths = gdr_lengths(&prep.dev, &op.lengths, width)?;
+    let branch_lengths: Vec<u32> = split.lengths().iter().map(|&l| l as u32).collect();
+    let lengths = gdr_lengths(&prep.dev, &branch_lengths, width)?;
+    let state_lengths = device_lengths(&prep.dev, split.padded_state_lengths().as_deref())?;
+    let owners = device_lengths(&prep.dev, split.kernel_owners().as_deref())?;
     let layout = ScratchLayout::new(blocks_a + blocks_b, dv);
     let scratch = prep.output::<f32>(layout.total())?;
     let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);
-    // Written whole by the state's scan before the branches' scan reads it.
-    let mut state = prep.output::<f32>(hv * dims.head_k_dim * dv)?;
+    // Written whole by the states' scan before the branches' scan reads it.
+    let mut state = prep.output::<f32>(states * hv * dims.head_k_dim * dv)?;
     let [hk_i, hv_i, dk_i, dv_i] = [dims.num_k_heads, hv, dims.head_k_dim, dv].map(|x| x as i32);
-    let [s_i, nc_a_i, w_i, nc_b_i] = [s_len, nc_a, width, nc_b].map(|x| x as i32);
+    let [s_i, nc_a_i, w_i, nc_b_i, bh_a_i] =
+        [s_len, nc_a, width, nc_b, states * hv].map(|x| x as i32);
     by_dtype!(qa.dtype(), "gated-delta-rule-split", |T| {
         let xa = qa.as_cuda_slice::<T>()?.slice(a0..a1);
         let xb = qb.as_cuda_slice::<T>()?.slice(b0..b1);
         let mut b = prep.stream.launch_builder(&prep.func);
-        // The state: one row of hv heads, unpadded.
-        b.arg(&xa).arg(&gb_a).arg(&s_i).arg(&nc_a_i).arg(&hv_i);
+        // The states: R rows of hv heads.
+        b.arg(&xa)
+            .arg(&gb_a)
+            .arg(&state_lengths.ptr)
+            .arg(&s_i)
+            .arg(&nc_a_i)
+            .arg(&bh_a_i);
         b.arg(&xb)
             .arg(&gb_b)
             .arg(&lengths.ptr)
@@ -662,25 +680,28 @@ pub(crate) fn gated_delta_rule_split(
         // per launched block, the inputs have the shapes the wrapper checked (Dk, Dv ≤ 128).
         unsafe { b.launch(cfg) }.w()?;
 
-        let out = scan_a.output::<T>((s_len + rows * width) * hv * dv)?;
-        let out_a = out.slice(0..s_len * hv * dv);
-        let out_b = out.slice(s_len * hv * dv..);
+        let out = scan_a.output::<T>(split.tokens() * hv * dv)?;
+        let out_a = out.slice(0..s_tokens * hv * dv);
+        let out_b = out.slice(s_tokens * hv * dv..);
         let [wt_b, qt_b, kd_b, at_b, u_b, gtot_b] = layout.parts(&scratch, blocks_a);
-        for (scan, cols, parts, o, t, nc, heads, mode) in [
+        let no_owners = 0u64;
+        for (scan, cols, parts, owners, o, t, nc, heads, mode) in [
             (
                 &scan_a,
                 cols_a,
                 [&wt, &u, &qt, &kd, &at, &gtot],
+                &no_owners,
                 &out_a,
                 s_len,
                 nc_a,
-                hv,
+                states * hv,
                 SCAN_WRITE,
             ),
             (
                 &scan_b,
                 cols_b,
                 [&wt_b, &u_b, &qt_b, &kd_b, &at_b, &gtot_b],
+                &owners.ptr,
                 &out_b,
                 width,
                 nc_b,
@@ -693,7 +714,7 @@ pub(crate) fn gated_delta_rule_split(
             for p in parts {
                 b.arg(p);
             }
-            b.arg(&mut state).arg(o);
+            b.arg(&mut state).arg(owners).arg(o);
             b.arg(&t_i)
                 .arg(&hv_i)
                 .arg(&dk_i)
@@ -707,11 +728,11 @@ pub(crate) fn gated_delta_rule_split(
             };
             // SAFETY: argument types and order match `gdrc_scan_tc*`; each scan reads the scratch
             // blocks of its own part, writes its own rows of `out`; the branches' scan only
-            // reads the state (SCAN_SHARED without SCAN_WRITE), after the state's scan on the
-            // same stream wrote it.
+            // reads the states (SCAN_SHARED without SCAN_WRITE, owners below R as `SplitRows`
+            // checks), after the states' scan on the same stream wrote them.
             unsafe { b.launch(cfg) }.w()?;
         }
-        let shape = Shape::from((s_len + rows * width, hv, dv));
+        let shape = Shape::from((split.tokens(), hv, dv));
         Ok((CudaStorage::wrap_cuda_slice(out, prep.dev.clone()), shape))
     })
 }
@@ -1100,9 +1121,10 @@ fn conv_launch(channels: usize, rows: usize, runs: usize) -> LaunchConfig {
     }
 }
 
-/// The one-pass forward's conv (`conv_split_*`): `xs` `[1, S, C]` rows from zeros, `xb`
-/// `[B, T, C]` rows continuing the state's last K−1 inputs; out `[S + B·T, C]`.
+/// The one-pass forward's conv (`conv_split_*`): `xs` `[R, S, C]` rows from zeros, `xb`
+/// `[B, T, C]` rows continuing their owners' last K−1 real inputs; out `[R·S + B·T, C]`.
 pub(crate) fn causal_conv1d_split(
+    split: &SplitRows,
     ss: &CudaStorage,
     sl: &Layout,
     bs: &CudaStorage,
@@ -1114,18 +1136,22 @@ pub(crate) fn causal_conv1d_split(
         ss.device(),
         &format!("conv_split_{}", tag(ss.dtype(), "causal-conv1d")?),
     )?;
-    let (_, s_len, channels) = sl.shape().dims3()?;
+    let (states, s_len, channels) = sl.shape().dims3()?;
     let (b_sz, t_len, _) = bl.shape().dims3()?;
     let kernel = wl.dims()[1];
     let sv = rows(sl, "causal-conv1d state")?;
     let bv = rows(bl, "causal-conv1d branches")?;
     let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
-    let n = (s_len + b_sz * t_len) * channels;
+    let n = split.tokens() * channels;
     // The grid is (channel blocks, 1, runs): CUDA caps z at 65535.
-    let runs = s_len.div_ceil(CONV_RUN) + b_sz * t_len.div_ceil(CONV_RUN);
+    let runs = states * s_len.div_ceil(CONV_RUN) + b_sz * t_len.div_ceil(CONV_RUN);
     if runs > 65535 {
-        bail!("causal-conv1d: {s_len} state steps and {b_sz} rows of {t_len} exceed one launch")
+        bail!(
+            "causal-conv1d: {states} states of {s_len} steps and {b_sz} rows of {t_len} exceed one launch"
+        )
     }
+    let state_lengths = device_lengths(&k.dev, split.padded_state_lengths().as_deref())?;
+    let owners = device_lengths(&k.dev, split.kernel_owners().as_deref())?;
     by_dtype!(ss.dtype(), "causal-conv1d", |T| {
         let out = k.output::<T>(n)?;
         let xs = ss.as_cuda_slice::<T>()?.slice(sv.span());
@@ -1133,13 +1159,20 @@ pub(crate) fn causal_conv1d_split(
         let w = ws.as_cuda_slice::<T>()?.slice(w0..w1);
         let mut b = k.stream.launch_builder(&k.func);
         let (s_stride, b_stride) = (sv.stride as i64, bv.stride as i64);
-        let [s_, b_, t_, c_, k_] = [s_len, b_sz, t_len, channels, kernel].map(|v| v as i32);
-        b.arg(&xs).arg(&s_stride).arg(&s_).arg(&xb).arg(&b_stride);
-        b.arg(&b_).arg(&t_).arg(&w).arg(&out).arg(&c_).arg(&k_);
+        let [r_, s_, b_, t_, c_, k_] =
+            [states, s_len, b_sz, t_len, channels, kernel].map(|v| v as i32);
+        b.arg(&xs)
+            .arg(&s_stride)
+            .arg(&r_)
+            .arg(&s_)
+            .arg(&state_lengths.ptr);
+        b.arg(&xb).arg(&b_stride).arg(&b_).arg(&t_).arg(&owners.ptr);
+        b.arg(&w).arg(&out).arg(&c_).arg(&k_);
         let cfg = conv_launch(channels, 1, runs);
         // SAFETY: argument types and order match `conv_split_*` in ops.cu; a thread per CONV_VEC
         // channels below C and run of steps below S or T; reads stay inside the views the
-        // layouts describe (the wrapper checked that both parts and the weight have C channels).
+        // layouts describe (the wrapper checked that both parts and the weight have C channels
+        // and the parts fit `split`, whose lengths are at most S and owners below R).
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })

@@ -19,6 +19,7 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, St
 use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
+use crate::split::SplitRows;
 
 /// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
 /// preparation kernel per chunk of 32 steps, then a scan over the chunks) instead of the
@@ -81,17 +82,13 @@ impl GdrDims {
     }
 }
 
-/// The op of [`gated_delta_rule_split`]: inputs the state's `[q | k | v]` rows, the branches'
+/// The op of [`gated_delta_rule_split`]: inputs the states' `[q | k | v]` rows, the branches'
 /// and the packed gates; output the packed `o`. CUDA only: elsewhere the wrapper returns `None`
 /// and its caller composes [`gated_delta_rule`] calls.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct GdrSplit {
     pub(crate) dims: GdrDims,
-    pub(crate) state_len: usize,
-    pub(crate) rows: usize,
-    pub(crate) width: usize,
-    /// The branch rows' real steps.
-    pub(crate) lengths: Vec<u32>,
+    pub(crate) rows: SplitRows,
 }
 
 impl candle_core::CustomOp3 for GdrSplit {
@@ -125,36 +122,47 @@ impl candle_core::CustomOp3 for GdrSplit {
     }
 }
 
-/// One record's state row and the branch rows that continue it (the one-pass prefix form), in
+/// Records' state rows and the branch rows that continue them (the one-pass prefix form), in
 /// three launches on CUDA's chunked tensor-core kernels where the composition takes eight (a
-/// zero state, two preparations, two scans, the state copied to the branch rows, two copies
-/// joining the outputs): one preparation grid for both parts, the state's scan from zero, then
-/// the branches' scan reading the state's final state in place; both write one packed output.
+/// zero state, two preparations, two scans, the states copied to the branch rows, two copies
+/// joining the outputs): one preparation grid for both parts, the states' scan from zero, then
+/// the branches' scan reading its state row's final state in place; both write one packed
+/// output.
 ///
-/// `state_qkv: [1, S, C]` and `branch_qkv: [B, T, C]` are the conv outputs, `gb: [S + B·T, Hv, 2]`
-/// the gates packed as the rows, `lengths` the branch rows' real steps. Returns
-/// `o: [S + B·T, Hv, Dv]`: the numbers of [`gated_delta_rule`] run on the state from a zero state,
-/// then on the branch rows from copies of its final state (the same kernels, blocks and sums).
-/// `None` where this form does not apply (not CUDA, an f32 model, no tensor cores, Dk or Dv over
-/// 128, an empty part, no branch rows, a part shorter than [`CHUNKED_MIN_LEN`] steps or its
-/// `KEV_GDR_CHUNKED_MIN_LEN` override): compose those two calls there.
+/// `state_qkv: [R, S, C]` and `branch_qkv: [B, T, C]` are the conv outputs, `gb: [R·S + B·T, Hv,
+/// 2]` the gates packed as the rows, `rows` their real lengths and owners. Returns
+/// `o: [R·S + B·T, Hv, Dv]`: the numbers of [`gated_delta_rule`] run on the states from zero
+/// states, then on the branch rows from copies of their states' final states (the same kernels,
+/// blocks and sums). `None` where this form does not apply (not CUDA, an f32 model, no tensor
+/// cores, Dk or Dv over 128, an empty part, no branch rows, a part shorter than
+/// [`CHUNKED_MIN_LEN`] steps or its `KEV_GDR_CHUNKED_MIN_LEN` override): compose those two calls
+/// there.
 ///
-/// Errors name what does not fit: shapes, head counts (Hv a multiple of Hk > 0), lengths, the
-/// two parts' dtypes, gates other than f32.
+/// Errors name what does not fit: shapes against `rows`, head counts (Hv a multiple of Hk > 0),
+/// the two parts' dtypes, gates other than f32.
 pub fn gated_delta_rule_split(
     state_qkv: &Tensor,
     branch_qkv: &Tensor,
     gb: &Tensor,
     dims: GdrDims,
-    lengths: &[usize],
+    rows: &SplitRows,
 ) -> Result<Option<Tensor>> {
-    let (one, s_len, c) = state_qkv.dims3()?;
-    let (rows, width, cb) = branch_qkv.dims3()?;
-    if one != 1
-        || c != dims.channels()
-        || cb != c
-        || gb.dims() != [s_len + rows * width, dims.num_v_heads, 2]
+    let (states, s_len, c) = state_qkv.dims3()?;
+    let (b_rows, width, cb) = branch_qkv.dims3()?;
+    if (states, s_len, b_rows, width)
+        != (rows.states(), rows.state_width(), rows.rows(), rows.width())
     {
+        bail!(
+            "gated-delta-rule-split: state {:?} and branches {:?} do not fit {} state rows of {} steps and {} branch rows of {}",
+            state_qkv.dims(),
+            branch_qkv.dims(),
+            rows.states(),
+            rows.state_width(),
+            rows.rows(),
+            rows.width()
+        )
+    }
+    if c != dims.channels() || cb != c || gb.dims() != [rows.tokens(), dims.num_v_heads, 2] {
         bail!(
             "gated-delta-rule-split: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
             state_qkv.dims(),
@@ -166,9 +174,6 @@ pub fn gated_delta_rule_split(
     if hk == 0 || hv % hk != 0 {
         bail!("gated-delta-rule-split: {hv} value heads are not a multiple of {hk} key heads")
     }
-    if lengths.len() != rows || lengths.iter().any(|&l| l > width) {
-        bail!("gated-delta-rule-split: lengths {lengths:?} do not fit {rows} rows of {width} steps")
-    }
     if state_qkv.dtype() != branch_qkv.dtype() || gb.dtype() != DType::F32 {
         bail!(
             "gated-delta-rule-split: state {:?} and branches {:?} must share a dtype, gates must be f32 (got {:?})",
@@ -177,16 +182,17 @@ pub fn gated_delta_rule_split(
             gb.dtype()
         )
     }
-    if s_len == 0 || width == 0 || rows == 0 || !fused_split_applies(state_qkv, dims, s_len, width)
+    if states == 0
+        || s_len == 0
+        || width == 0
+        || b_rows == 0
+        || !fused_split_applies(state_qkv, dims, s_len, width)
     {
         return Ok(None);
     }
     let op = GdrSplit {
         dims,
-        state_len: s_len,
-        rows,
-        width,
-        lengths: lengths.iter().map(|&l| l as u32).collect(),
+        rows: rows.clone(),
     };
     Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
         &branch_qkv.contiguous()?,

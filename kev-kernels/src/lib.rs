@@ -11,7 +11,8 @@
 //! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
 //!   with its K−1 previous inputs so that a run can continue from a cache;
 //!   [`causal_conv1d_cached`] takes that cache separately and returns the next one;
-//!   [`causal_conv1d_split`] runs a record's state and its branches in one CUDA launch.
+//!   [`causal_conv1d_split`] runs records' states and their branches in one CUDA launch
+//!   ([`SplitRows`] says how the rows divide).
 //!
 //! And the fused elementwise ops:
 //!
@@ -37,6 +38,7 @@ mod gather;
 mod metal;
 mod norm;
 mod rows;
+mod split;
 mod swiglu;
 #[doc(hidden)]
 pub mod testing;
@@ -60,4 +62,5 @@ pub use gated_delta_rule::{
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{gather_rows, RowIndex};
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
+pub use split::SplitRows;
 pub use swiglu::{swiglu, swiglu_ref};

@@ -6,7 +6,7 @@ use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, dims, patterned};
 use kev_kernels::{
     causal_conv1d, causal_conv1d_cached_view, gated_delta_rule, gated_delta_rule_as,
-    gated_delta_rule_split, GdrDims, GdrForm,
+    gated_delta_rule_split, GdrDims, GdrForm, SplitRows,
 };
 
 use crate::common::{check, device};
@@ -119,21 +119,49 @@ fn gated_delta_rule_on_device_continues_exactly() -> Result<()> {
     Ok(())
 }
 
-/// The one-pass form's fused delta rule (state, then branches continuing it, packed) against the
-/// composition it replaces, on the test device: the same kernels and sums, so exactly equal
+/// `t: [R, ..]` on the test device, row `owners[i]` as row i.
+fn pick_rows(t: &Tensor, owners: &[usize]) -> Result<Tensor> {
+    let idx: Vec<u32> = owners.iter().map(|&o| o as u32).collect();
+    let idx = Tensor::new(idx.as_slice(), t.device())?;
+    t.index_select(&idx, 0)?.contiguous()
+}
+
+/// The one-pass form's fused delta rule (states, then branches continuing them, packed) against
+/// the composition it replaces, on the test device: the same kernels and sums, so exactly equal
 /// where the fused form runs (CUDA, bf16); elsewhere it declines (`None`) and the model composes.
 #[test]
 fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
     let dev = device();
-    // A state of 3 chunks (the last partial), branch rows of 2 chunks ending in either chunk or
-    // empty; the test model's heads and the 0.8B model's.
-    for (s_len, width, lengths, d) in [
-        (70, 40, vec![40usize, 33, 0], dims(2, 4, 32, 16)),
-        (96, 48, vec![48usize, 47, 36, 41], dims(16, 16, 128, 128)),
+    // One state of 3 chunks (the last partial), branch rows of 2 chunks ending in either chunk
+    // or empty, with the test model's heads; three padded states (one ending in its first
+    // chunk) and branch rows continuing them out of order, with the 0.8B model's heads.
+    for (state_lengths, width, lengths, owners, d) in [
+        (
+            vec![70],
+            40,
+            vec![40usize, 33, 0],
+            vec![0, 0, 0],
+            dims(2, 4, 32, 16),
+        ),
+        (
+            vec![96, 70, 20],
+            48,
+            vec![48usize, 47, 36, 41],
+            vec![2, 0, 0, 1],
+            dims(16, 16, 128, 128),
+        ),
     ] {
         for dtype in [DType::F32, DType::BF16] {
-            let rows = lengths.len();
-            let (state_qkv, gb_s, _) = testing::gdr_inputs(1, s_len, d, 0.3)?;
+            let (states, rows) = (state_lengths.len(), lengths.len());
+            let s_len = *state_lengths.iter().max().unwrap();
+            let split = SplitRows::new(
+                s_len,
+                state_lengths.clone(),
+                width,
+                lengths.clone(),
+                owners.clone(),
+            )?;
+            let (state_qkv, gb_s, _) = testing::gdr_inputs(states, s_len, d, 0.3)?;
             let (branch_qkv, gb_b, _) = testing::gdr_inputs(rows, width, d, 1.3)?;
             let hv = d.num_v_heads;
             let on = |t: &Tensor| t.to_device(&dev);
@@ -144,21 +172,19 @@ fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
             let (gb_s, gb_b) = (on(&gb_s)?, on(&gb_b)?);
             let gb = Tensor::cat(
                 &[
-                    gb_s.reshape((s_len, hv, 2))?,
+                    gb_s.reshape((states * s_len, hv, 2))?,
                     gb_b.reshape((rows * width, hv, 2))?,
                 ],
                 0,
             )?;
-            let fused = gated_delta_rule_split(&qa, &qb, &gb, d, &lengths)?;
-            let state = Tensor::zeros((1, hv, d.head_k_dim, d.head_v_dim), DType::F32, &dev)?;
-            let o_s = gated_delta_rule(&qa, &gb_s, &state, d, None)?;
-            let state_b = state
-                .broadcast_as((rows, hv, d.head_k_dim, d.head_v_dim))?
-                .contiguous()?;
+            let fused = gated_delta_rule_split(&qa, &qb, &gb, d, &split)?;
+            let state = Tensor::zeros((states, hv, d.head_k_dim, d.head_v_dim), DType::F32, &dev)?;
+            let o_s = gated_delta_rule(&qa, &gb_s, &state, d, Some(&state_lengths))?;
+            let state_b = pick_rows(&state, &owners)?;
             let o_b = gated_delta_rule(&qb, &gb_b, &state_b, d, Some(&lengths))?;
             let composed = Tensor::cat(&[o_s.flatten(0, 1)?, o_b.flatten(0, 1)?], 0)?;
             let tag = format!(
-                "gdr split {dtype:?} s={s_len} t={width} dk={}",
+                "gdr split {dtype:?} states {state_lengths:?} t={width} dk={}",
                 d.head_k_dim
             );
             match fused {
@@ -190,7 +216,10 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
     let qa = on(patterned(&[1, s_len, d.channels()], 0.1, 1.0)?.to_dtype(DType::BF16)?)?;
     let qb = on(patterned(&[rows, width, d.channels()], 0.2, 1.0)?.to_dtype(DType::BF16)?)?;
     let gb = on(patterned(&[s_len + rows * width, 4, 2], 0.3, 0.5)?)?;
-    let lengths = [33, 20];
+    let split = |lengths: Vec<usize>, owners: Vec<usize>| {
+        SplitRows::new(s_len, vec![s_len], width, lengths, owners)
+    };
+    let fits = split(vec![33, 20], vec![0, 0])?;
     let refused = |what: &str, r: Result<Option<Tensor>>, needle: &str| {
         let e = r.expect_err(what).to_string();
         assert!(e.contains(needle), "{what}: `{e}` does not say `{needle}`");
@@ -206,18 +235,34 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
     );
     refused(
         "no key heads",
-        gated_delta_rule_split(&qa0, &qb0, &gb, zero_k, &lengths),
+        gated_delta_rule_split(&qa0, &qb0, &gb, zero_k, &fits),
         "key heads",
     );
     refused(
         "3 value heads over 2 key heads",
-        gated_delta_rule_split(&qa, &qb, &gb, dims(2, 3, 32, 16), &lengths),
+        gated_delta_rule_split(&qa, &qb, &gb, dims(2, 3, 32, 16), &fits),
         "do not fit",
     );
     refused(
         "a length past the width",
-        gated_delta_rule_split(&qa, &qb, &gb, d, &[33, 34]),
-        "lengths",
+        split(vec![33, 34], vec![0, 0]).map(|_| None),
+        "longer than the width",
+    );
+    refused(
+        "an owner past the state rows",
+        split(vec![33, 20], vec![0, 1]).map(|_| None),
+        "continues state row 1 of 1",
+    );
+    refused(
+        "rows the split does not describe",
+        gated_delta_rule_split(
+            &qa,
+            &qb,
+            &gb,
+            d,
+            &SplitRows::new(s_len, vec![s_len], width, vec![33], vec![0])?,
+        ),
+        "do not fit 1 state rows",
     );
     refused(
         "gates of another shape",
@@ -226,18 +271,18 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
             &qb,
             &gb.narrow(0, 1, s_len + rows * width - 1)?,
             d,
-            &lengths,
+            &fits,
         ),
         "do not fit",
     );
     refused(
         "branches in another dtype",
-        gated_delta_rule_split(&qa, &qb.to_dtype(DType::F32)?, &gb, d, &lengths),
+        gated_delta_rule_split(&qa, &qb.to_dtype(DType::F32)?, &gb, d, &fits),
         "share a dtype",
     );
     refused(
         "bf16 gates",
-        gated_delta_rule_split(&qa, &qb, &gb.to_dtype(DType::BF16)?, d, &lengths),
+        gated_delta_rule_split(&qa, &qb, &gb.to_dtype(DType::BF16)?, d, &fits),
         "gates must be f32",
     );
     let empty = on(Tensor::zeros(
@@ -245,7 +290,8 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
         DType::BF16,
         &candle_core::Device::Cpu,
     )?)?;
-    let declined = gated_delta_rule_split(&qa, &empty, &gb.narrow(0, 0, s_len)?, d, &[0, 0])?;
+    let no_steps = SplitRows::new(s_len, vec![s_len], 0, vec![0, 0], vec![0, 0])?;
+    let declined = gated_delta_rule_split(&qa, &empty, &gb.narrow(0, 0, s_len)?, d, &no_steps)?;
     assert!(declined.is_none(), "empty branch rows take the composition");
     Ok(())
 }
@@ -264,38 +310,53 @@ fn causal_conv1d_on_device_matches_cpu() -> Result<()> {
     Ok(())
 }
 
-/// The one-pass form's conv (state from zeros, branches continuing its last inputs, one launch)
-/// against the composition it replaces, on the test device: the same products per output, so
-/// exactly equal where it runs (CUDA); elsewhere it declines (`None`) and the model composes.
-/// Inputs are column slices of a wider projection (as in the model): 16-byte aligned rows with
-/// 96 channels (the vector path), and rows shifted by one element with 37 (element by element);
-/// a 2-step state is shorter than the conv's window (the rest is zeros).
+/// The one-pass form's conv (states from zeros, branches continuing their state rows' last
+/// inputs, one launch) against the composition it replaces, on the test device: the same
+/// products per output, so exactly equal where it runs (CUDA); elsewhere it declines (`None`)
+/// and the model composes. Inputs are column slices of a wider projection (as in the model):
+/// 16-byte aligned rows with 96 channels (the vector path), and rows shifted by one element with
+/// 37 (element by element); a 2-step state is shorter than the conv's window (the rest is
+/// zeros); padded states whose branch rows continue them out of order.
 #[test]
 fn causal_conv1d_split_equals_its_composition() -> Result<()> {
     let dev = device();
-    for (s_len, rows, width, channels, shift) in [
-        (45usize, 3usize, 13usize, 96usize, 0usize),
-        (2, 2, 6, 96, 0),
-        (19, 3, 9, 37, 1),
+    for (state_lengths, owners, width, channels, shift) in [
+        (vec![45usize], vec![0usize, 0, 0], 13usize, 96usize, 0usize),
+        (vec![2], vec![0, 0], 6, 96, 0),
+        (vec![19], vec![0, 0, 0], 9, 37, 1),
+        (vec![30, 2, 17], vec![2, 0, 1, 1], 11, 96, 0),
+        (vec![19, 25], vec![1, 0, 1], 9, 37, 1),
     ] {
         for dtype in [DType::F32, DType::BF16] {
+            let (states, rows) = (state_lengths.len(), owners.len());
+            let s_len = *state_lengths.iter().max().unwrap();
+            let split = SplitRows::new(
+                s_len,
+                state_lengths.clone(),
+                width,
+                vec![width; rows],
+                owners.clone(),
+            )?;
             let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
             let wide = channels + 24;
-            let proj = on(patterned(&[s_len + rows * width, wide], 0.4, 2.0)?)?;
+            let proj = on(patterned(&[split.tokens(), wide], 0.4, 2.0)?)?;
             let w = on(patterned(&[channels, 4], 1.7, 0.5)?)?;
             let cols = proj.narrow(1, shift, channels)?;
-            let x_s = cols.narrow(0, 0, s_len)?.unsqueeze(0)?;
+            let x_s = cols
+                .narrow(0, 0, states * s_len)?
+                .reshape((states, s_len, channels))?;
             let x_b = cols
-                .narrow(0, s_len, rows * width)?
+                .narrow(0, states * s_len, rows * width)?
                 .reshape((rows, width, channels))?;
-            let split = kev_kernels::causal_conv1d_split(&x_s, &x_b, &w)?;
-            let zeros = Tensor::zeros((1, 3, channels), dtype, &dev)?;
-            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(&[s_len]))?;
-            let window = window.broadcast_as((rows, 3, channels))?.contiguous()?;
+            let fused = kev_kernels::causal_conv1d_split(&x_s, &x_b, &w, &split)?;
+            let zeros = Tensor::zeros((states, 3, channels), dtype, &dev)?;
+            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(&state_lengths))?;
+            let window = pick_rows(&window, &owners)?;
             let (y_b, _) = causal_conv1d_cached_view(&x_b, &window, &w, None)?;
             let composed = Tensor::cat(&[y_s.flatten(0, 1)?, y_b.flatten(0, 1)?], 0)?;
-            let tag = format!("conv split {dtype:?} s={s_len} t={width} c={channels}");
-            match split {
+            let tag =
+                format!("conv split {dtype:?} states {state_lengths:?} t={width} c={channels}");
+            match fused {
                 Some(y) => {
                     assert!(dev.is_cuda(), "{tag}: ran off CUDA");
                     let diff = check(&tag, &y, &composed, 0.0)?;

@@ -70,8 +70,8 @@ impl Attention {
             .forward(&self.attend(&proj, cos_sin, key_bias, k_cache, v_cache)?)
     }
 
-    /// The state row and its branch rows packed as `xs: [S + B·T, H]` ([`Split`]), with each
-    /// part's RoPE and key bias: every branch row attends to the state's keys of this layer.
+    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`Split`]), with each
+    /// part's RoPE and key bias: every branch row attends to its state row's keys of this layer.
     pub fn forward_split(
         &self,
         xs: &Tensor,

@@ -95,8 +95,8 @@ impl GatedDeltaNet {
         self.out(&o, &self.z(&proj)?)
     }
 
-    /// The state row and its branch rows packed as `xs: [S + B·T, H]` ([`Split`]): each branch
-    /// row continues from the state's conv window and recurrent state of this layer.
+    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`Split`]): each branch
+    /// row continues from its state row's conv window and recurrent state of this layer.
     pub fn forward_split(&self, xs: &Tensor, split: &Split) -> Result<Tensor> {
         let GdrDims {
             num_v_heads: hv,
@@ -104,35 +104,45 @@ impl GatedDeltaNet {
             head_v_dim: dv,
             ..
         } = self.dims;
+        let rows = split.rows();
         let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
         let gb = self.gates(&proj)?; // [N, Hv, 2]
         let (proj_s, proj_b) = split.parts(&proj)?;
-        let s_len = split.state_len();
-        let lengths = split.lengths();
         let (qkv_s, qkv_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
-        let (mixed_s, mixed_b) = match causal_conv1d_split(&qkv_s, &qkv_b, &self.conv1d)? {
+        let (mixed_s, mixed_b) = match causal_conv1d_split(&qkv_s, &qkv_b, &self.conv1d, rows)? {
             Some(mixed) => split.parts(&mixed)?, // one launch (CUDA)
             None => {
-                // The conv windows stay views into the conv's output: the state's is read once
+                // The conv windows stay views into the conv's output: the states' are read once
                 // (copied to the branch rows), the branches' never.
                 let (c, k) = self.conv1d.dims2()?;
-                let zeros = Tensor::zeros((1, k - 1, c), xs.dtype(), xs.device())?;
-                let (mixed_s, window) =
-                    causal_conv1d_cached_view(&qkv_s, &zeros, &self.conv1d, Some(&[s_len]))?;
+                let zeros = Tensor::zeros((rows.states(), k - 1, c), xs.dtype(), xs.device())?;
+                let (mixed_s, window) = causal_conv1d_cached_view(
+                    &qkv_s,
+                    &zeros,
+                    &self.conv1d,
+                    Some(rows.state_lengths()),
+                )?;
                 let conv_b = split.to_branches(&window)?;
                 let (mixed_b, _) =
-                    causal_conv1d_cached_view(&qkv_b, &conv_b, &self.conv1d, Some(lengths))?;
+                    causal_conv1d_cached_view(&qkv_b, &conv_b, &self.conv1d, Some(rows.lengths()))?;
                 (mixed_s, mixed_b)
             }
         };
-        let o = match gated_delta_rule_split(&mixed_s, &mixed_b, &gb, self.dims, lengths)? {
+        let o = match gated_delta_rule_split(&mixed_s, &mixed_b, &gb, self.dims, rows)? {
             Some(o) => o, // [N, Hv, Dv]
             None => {
                 let (gb_s, gb_b) = split.parts(&gb)?;
-                let state = Tensor::zeros((1, hv, dk, dv), DType::F32, xs.device())?;
-                let o_s = gated_delta_rule(&mixed_s, &gb_s, &state, self.dims, Some(&[s_len]))?;
+                let state = Tensor::zeros((rows.states(), hv, dk, dv), DType::F32, xs.device())?;
+                let o_s = gated_delta_rule(
+                    &mixed_s,
+                    &gb_s,
+                    &state,
+                    self.dims,
+                    Some(rows.state_lengths()),
+                )?;
                 let state_b = split.to_branches(&state)?;
-                let o_b = gated_delta_rule(&mixed_b, &gb_b, &state_b, self.dims, Some(lengths))?;
+                let o_b =
+                    gated_delta_rule(&mixed_b, &gb_b, &state_b, self.dims, Some(rows.lengths()))?;
                 split.join(&o_s, &o_b)?
             }
         };

@@ -36,13 +36,13 @@ struct Step<'a> {
     lengths: &'a [usize],
 }
 
-/// Inputs every layer of one [`Model::forward_split`] shares: the state's and the branches' RoPE
+/// Inputs every layer of one [`Model::forward_split`] shares: the states' and the branches' RoPE
 /// and key bias.
 struct SplitStep<'a> {
     split: &'a Split,
-    /// `[2, 1, S, rotary_dim]`, `[2, B, T, rotary_dim]`.
+    /// `[2, R, S, rotary_dim]`, `[2, B, T, rotary_dim]`.
     cos_sin: (Tensor, Tensor),
-    /// `[1, S]`, `[B, S+T]` (with attention layers only).
+    /// `[R, S]`, `[B, S+T]` (with attention layers only).
     key_bias: Option<(Tensor, Tensor)>,
 }
 
@@ -272,40 +272,66 @@ impl Model {
         }
     }
 
-    /// A state row `state_ids: [1, S]` and branch rows `branch_ids: [B, T]` that continue it, in
-    /// one pass over the layers ([`Split`]); returns the branch rows' final-norm hidden states
-    /// `[B, T, H]`. The same as [`Model::forward`] on the state, then on the branches with
-    /// copies of its cache, except for the order of sums inside the taller matrix products.
+    /// State rows `state_ids: [R, S]` and branch rows `branch_ids: [B, T]` that continue them,
+    /// in one pass over the layers ([`Split`]); returns the branch rows' final-norm hidden states
+    /// `[B, T, H]`. The same as [`Model::forward`] on the states, then on the branches with
+    /// copies of their state rows' cache, except for the order of sums inside the taller matrix
+    /// products.
     pub fn forward_split(
         &self,
         state_ids: &Tensor,
         branch_ids: &Tensor,
         split: &Split,
     ) -> Result<Tensor> {
-        let (s_len, rows, width) = (split.state_len(), split.rows(), split.width());
-        if state_ids.dims() != [1, s_len] || branch_ids.dims() != [rows, width] {
+        let rows = split.rows();
+        let (states, s_len) = (rows.states(), rows.state_width());
+        let (b_rows, width) = (rows.rows(), rows.width());
+        if state_ids.dims() != [states, s_len] || branch_ids.dims() != [b_rows, width] {
             candle_core::bail!(
-                "ids {:?} and {:?} do not fit a {s_len}-token state and {rows} rows of {width}",
+                "ids {:?} and {:?} do not fit {states} states of {s_len} and {b_rows} rows of {width}",
                 state_ids.dims(),
                 branch_ids.dims()
             )
         }
         let rope = |start: &[usize], len| self.rope.at(start, len, self.dtype, &self.device);
-        let zeros = |rows: usize, width: usize| {
-            kev_kernels::uploads::upload(vec![0f32; rows * width], (rows, width), &self.device)
+        let upload = |bias: Vec<f32>, rows: usize, width: usize| {
+            kev_kernels::uploads::upload(bias, (rows, width), &self.device)
         };
+        // A state's padding is seen only by its own later pads (causality); a branch row sees
+        // its state row's real keys and its own.
+        let owner_lengths: Vec<usize> = rows
+            .owners()
+            .iter()
+            .map(|&o| rows.state_lengths()[o])
+            .collect();
         let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
-        // The state has no padding: its keys are all visible to every branch row.
         let key_bias = has_attention
-            .then(|| Ok::<_, candle_core::Error>((zeros(1, s_len)?, zeros(rows, s_len + width)?)))
+            .then(|| {
+                let branch_bias = owner_lengths
+                    .iter()
+                    .flat_map(|&len| {
+                        (0..s_len + width).map(move |p| {
+                            if p < s_len && p >= len {
+                                f32::NEG_INFINITY
+                            } else {
+                                0f32
+                            }
+                        })
+                    })
+                    .collect();
+                Ok::<_, candle_core::Error>((
+                    upload(vec![0f32; states * s_len], states, s_len)?,
+                    upload(branch_bias, b_rows, s_len + width)?,
+                ))
+            })
             .transpose()?;
         let step = SplitStep {
             split,
-            cos_sin: (rope(&[0], s_len)?, rope(&vec![s_len; rows], width)?),
+            cos_sin: (rope(&vec![0; states], s_len)?, rope(&owner_lengths, width)?),
             key_bias,
         };
         let ids = Tensor::cat(&[state_ids.flatten_all()?, branch_ids.flatten_all()?], 0)?;
-        let mut xs = self.embed_tokens.forward(&ids)?; // [S + B·T, H]
+        let mut xs = self.embed_tokens.forward(&ids)?; // [R·S + B·T, H]
         let mut pending = None;
         for layer in &self.layers {
             let (stream, mlp_out) = layer.forward_split(&xs, pending.as_ref(), &step)?;

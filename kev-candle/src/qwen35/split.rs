@@ -1,90 +1,58 @@
-//! A state row and the branch rows that continue it, packed as one batch of token rows, so one
-//! forward runs both (the prefix form of one record in a single pass over the layers).
+//! Records' state rows and the branch rows that continue them, packed as one batch of token
+//! rows, so one forward runs both (the prefix form in a single pass over the layers).
 //!
-//! Row-wise work (norms, projections, the MLP) takes all `state_len + rows·width` token rows at
-//! once: one launch and one read of each weight instead of two, and taller matrix products. Only
-//! the sequence mixers look at the two parts apart: within a layer, the state's part runs first
-//! and every branch row continues from the state's conv window, recurrent state and keys of that
-//! same layer, exactly as a second forward on copies of the state's cache would.
+//! Row-wise work (norms, projections, the MLP) takes all `R·S + B·T` token rows at once: one
+//! launch and one read of each weight instead of two, and taller matrix products. Only the
+//! sequence mixers look at the two parts apart: within a layer, the states' part runs first and
+//! every branch row continues from its state row's conv window, recurrent state and keys of that
+//! same layer, exactly as a second forward on copies of the states' cache would.
 
 use candle_core::{Device, Result, Tensor};
-use kev_kernels::RowIndex;
+use kev_kernels::{RowIndex, SplitRows};
 
-/// How the packed token rows divide: the state's `state_len` first, then `rows` branch rows of
-/// `width` steps (right padding beyond `lengths[b]`).
+/// How the packed token rows divide ([`SplitRows`]), with the branch rows' owners on the device
+/// for copying state rows to them.
 pub struct Split {
-    state_len: usize,
-    rows: usize,
-    width: usize,
-    lengths: Vec<usize>,
-    /// `rows` zeros: every branch row copies the state row's cache.
+    rows: SplitRows,
     owners: RowIndex,
 }
 
 impl Split {
-    /// `lengths`: the branch rows' real steps (`None`: all `width`).
-    pub fn new(
-        state_len: usize,
-        rows: usize,
-        width: usize,
-        lengths: Option<&[usize]>,
-        device: &Device,
-    ) -> Result<Self> {
-        let lengths = lengths.map_or_else(|| vec![width; rows], <[usize]>::to_vec);
-        if state_len == 0 || lengths.len() != rows || lengths.iter().any(|&l| l > width) {
-            candle_core::bail!(
-                "a split of a {state_len}-token state and {rows} rows of {width} steps with lengths {lengths:?}"
-            )
+    pub fn new(rows: SplitRows, device: &Device) -> Result<Self> {
+        if rows.states() == 0 || rows.state_width() == 0 {
+            candle_core::bail!("a split needs at least one state step ({rows:?})")
         }
-        Ok(Self {
-            state_len,
-            rows,
-            width,
-            lengths,
-            owners: RowIndex::new(&vec![0; rows], device)?,
-        })
+        let owners = RowIndex::new(rows.owners(), device)?;
+        Ok(Self { rows, owners })
     }
 
-    /// The state's tokens (S).
-    pub fn state_len(&self) -> usize {
-        self.state_len
+    /// The shapes, lengths and owners.
+    pub fn rows(&self) -> &SplitRows {
+        &self.rows
     }
 
-    /// Branch rows (B).
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Steps per branch row, padding included (T).
-    pub fn width(&self) -> usize {
-        self.width
-    }
-
-    /// The branch rows' real steps.
-    pub fn lengths(&self) -> &[usize] {
-        &self.lengths
-    }
-
-    /// A cache tensor of the state row (`[1, ..]`) copied to every branch row.
+    /// A cache tensor of the state rows (`[R, ..]`) copied to the branch rows (`[B, ..]`).
     pub fn to_branches(&self, t: &Tensor) -> Result<Tensor> {
         kev_kernels::gather_rows(t, &self.owners)
     }
 
-    /// Views of packed `t: [N, ..]` (rows contiguous) as the state `[1, S, ..]` and the branches
-    /// `[B, T, ..]`; no copies.
+    /// Views of packed `t: [N, ..]` (rows contiguous) as the states `[R, S, ..]` and the
+    /// branches `[B, T, ..]`; no copies.
     pub fn parts(&self, t: &Tensor) -> Result<(Tensor, Tensor)> {
         let rest = &t.dims()[1..];
         let shape = |b: usize, w: usize| [&[b, w][..], rest].concat();
+        let r = &self.rows;
+        let s_tokens = r.states() * r.state_width();
         let state = t
-            .narrow(0, 0, self.state_len)?
-            .reshape(shape(1, self.state_len))?;
+            .narrow(0, 0, s_tokens)?
+            .reshape(shape(r.states(), r.state_width()))?;
         let branches = t
-            .narrow(0, self.state_len, self.rows * self.width)?
-            .reshape(shape(self.rows, self.width))?;
+            .narrow(0, s_tokens, r.rows() * r.width())?
+            .reshape(shape(r.rows(), r.width()))?;
         Ok((state, branches))
     }
 
-    /// The inverse of [`Split::parts`] (a copy): `[1, S, ..]` and `[B, T, ..]` packed as `[N, ..]`.
+    /// The inverse of [`Split::parts`] (a copy): `[R, S, ..]` and `[B, T, ..]` packed as `[N, ..]`.
     pub fn join(&self, state: &Tensor, branches: &Tensor) -> Result<Tensor> {
         let flat = |t: &Tensor| t.flatten(0, 1);
         Tensor::cat(&[flat(state)?, flat(branches)?], 0)

@@ -706,20 +706,21 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
                        blockIdx.y, (size_t)blockIdx.y * gridDim.x + blockIdx.x);
 }
 
-// Two calls' chunks in one grid (gdrc_prep2_tc_<dtype>): a record's state row (a: nc_a chunks of
-// each of its bh_a heads, no padding) and its branch rows (b: nc_b chunks each, padded past
-// len_b). They do not depend on each other, and one launch fills the GPU where the state alone
-// leaves it half idle. Linear block i is scratch block i: the state's blocks first, so the
+// Two calls' chunks in one grid (gdrc_prep2_tc_<dtype>): the records' state rows (a: nc_a chunks of
+// each of their bh_a row·heads, padded past len_a) and their branch rows (b: nc_b chunks each,
+// padded past len_b). They do not depend on each other, and one launch fills the GPU where the
+// states alone leave it half idle. Linear block i is scratch block i: the state's blocks first, so the
 // branches' scan reads its operands from scratch block nc_a·bh_a on.
 template <typename D>
-__device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a, int t_a, int nc_a,
-                              int bh_a, const typename D::T* qkv_b, const float* gb_b,
+__device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
+                              const unsigned int* len_a, int t_a, int nc_a, int bh_a,
+                              const typename D::T* qkv_b, const float* gb_b,
                               const unsigned int* len_b, int t_b, int nc_b, float* wt, float* u,
                               float* qt, float* kd, float* atq, float* gtot, int hk, int hv,
                               int dk, int dv) {
     const int i = blockIdx.x, na = nc_a * bh_a;
     if (i < na)
-        gdrc_prep_tc_at<D>(qkv_a, gb_a, nullptr, wt, u, qt, kd, atq, gtot, t_a, hk, hv, dk, dv,
+        gdrc_prep_tc_at<D>(qkv_a, gb_a, len_a, wt, u, qt, kd, atq, gtot, t_a, hk, hv, dk, dv,
                            i % nc_a, i / nc_a, i);
     else
         gdrc_prep_tc_at<D>(qkv_b, gb_b, len_b, wt, u, qt, kd, atq, gtot, t_b, hk, hv, dk, dv,
@@ -749,8 +750,8 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a, int
 // and Aqk arrive rounded to TF32 (by the preparation kernel, where the work is parallel); S and
 // Δ are rounded as they are stored to shared memory, transposed (Sᵀ, Δᵀ: the B operands).
 // `mode` (SCAN_*): whether the state is read first (else it starts at zero), written at the end,
-// and shared by all rows (head h of every row reads row 0's: branches continuing one state, none
-// of them writing it back).
+// and shared between rows (head h of row b reads row owners[b]'s, row 0's if owners is null:
+// branches continuing their records' states, none of them writing it back).
 #define SCAN_READ 1
 #define SCAN_WRITE 2
 #define SCAN_SHARED 4
@@ -758,8 +759,9 @@ template <typename D, int NCOL = 32>
 __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restrict__ u,
                              const float* __restrict__ qt, const float* __restrict__ kd,
                              const float* __restrict__ atq, const float* __restrict__ gtot,
-                             float* __restrict__ state, typename D::T* __restrict__ out, int T,
-                             int hv, int dk, int dv, int nc, int mode) {
+                             float* __restrict__ state, const unsigned int* __restrict__ owners,
+                             typename D::T* __restrict__ out, int T, int hv, int dk, int dv, int nc,
+                             int mode) {
     extern __shared__ __align__(16) float sm[];
     float *st_s = sm + T_S, *w_s = sm + T_W, *q_s = sm + T_Q, *k_s = sm + T_K;
     float *a_s = sm + T_A, *u_s = sm + T_U, *dt_s = sm + T_D;
@@ -772,7 +774,8 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
     const int mt = 16 * (warp % 2);                // the steps of this warp's Δ or P rows
     const int ch = (NCOL / 2) * ((warp / 2) % 2);  // its half of the block's columns
     const int rs = 16 * warp;                      // its rows of S
-    float* st = state + (size_t)(mode & SCAN_SHARED ? h : bh) * dk * dv;
+    const int row = mode & SCAN_SHARED ? (owners ? (int)owners[b] : 0) : b;
+    float* st = state + ((size_t)row * hv + h) * dk * dv;
     // S rows rs + g (+8), columns 8·n + 2c (+1): accumulator element i of [n].
     float s[NS][4];
     #pragma unroll
@@ -908,18 +911,20 @@ GDRC(f16, F16)
 #define GDRC_SCAN_TC(NAME, NCOL, D)                                                               \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) NAME(                             \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
-        const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc,        \
-        int mode) {                                                                               \
-        gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc, mode);     \
+        const float* gtot, float* state, const unsigned int* owners, D::T* out, int T, int hv,    \
+        int dk, int dv, int nc, int mode) {                                                       \
+        gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, owners, out, T, hv, dk, dv, nc,    \
+                              mode);                                                              \
     }
 #define GDRC_TC(TAG, D)                                                                           \
     GDRC_PREP(gdrc_prep_tc_##TAG, gdrc_prep_tc, TC_THREADS, D)                                    \
     extern "C" __global__ void __launch_bounds__(TC_THREADS) gdrc_prep2_tc_##TAG(                 \
-        const D::T* qkv_a, const float* gb_a, int t_a, int nc_a, int bh_a, const D::T* qkv_b,     \
-        const float* gb_b, const unsigned int* len_b, int t_b, int nc_b, float* wt, float* u,     \
-        float* qt, float* kd, float* atq, float* gtot, int hk, int hv, int dk, int dv) {          \
-        gdrc_prep2_tc<D>(qkv_a, gb_a, t_a, nc_a, bh_a, qkv_b, gb_b, len_b, t_b, nc_b, wt, u, qt,  \
-                         kd, atq, gtot, hk, hv, dk, dv);                                          \
+        const D::T* qkv_a, const float* gb_a, const unsigned int* len_a, int t_a, int nc_a,       \
+        int bh_a, const D::T* qkv_b, const float* gb_b, const unsigned int* len_b, int t_b,       \
+        int nc_b, float* wt, float* u, float* qt, float* kd, float* atq, float* gtot, int hk,     \
+        int hv, int dk, int dv) {                                                                 \
+        gdrc_prep2_tc<D>(qkv_a, gb_a, len_a, t_a, nc_a, bh_a, qkv_b, gb_b, len_b, t_b, nc_b, wt,  \
+                         u, qt, kd, atq, gtot, hk, hv, dk, dv);                                   \
     }                                                                                             \
     GDRC_SCAN_TC(gdrc_scan_tc_##TAG, 32, D)                                                       \
     GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)

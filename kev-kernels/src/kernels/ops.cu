@@ -669,15 +669,19 @@ __device__ void conv_cached(const typename D::T* __restrict__ x, long xs,
     conv_run<D>(row, w, out + (size_t)b * T * C, t0, t1, c0, nc, C, K, vec);
 }
 
-// conv_split_<dtype>: the one-pass forward's conv, a record's state and its branches in one launch.
-// xs rows (stride ss) [S, C] start from zeros; xb rows (stride bs) [B, T, C] each continue the
-// state's last K-1 inputs, read in place; w [C, K] → out [S + B·T, C]: the state's rows, then
-// each branch's. No next cache: nothing keeps one. grid = (ceil(C / (CONV_VEC·blockDim.x)), 1,
-// ceil(S / CONV_RUN) + B·ceil(T / CONV_RUN)). It replaces two conv launches and the copy of the
-// state's window to the branch rows, with the same arithmetic per output.
+// conv_split_<dtype>: the one-pass forward's conv, the records' states and their branches in one
+// launch. xs rows (stride ss) [R, S, C]: state row r has len_s[r] real steps (null: all S) and
+// starts from zeros; xb rows (stride bs) [B, T, C]: branch row b continues the last K-1 real
+// inputs of state row owners[b] (null: row 0), read in place; w [C, K] → out [R·S + B·T, C]: the
+// states' rows, then each branch's. No next cache: nothing keeps one. grid = (ceil(C /
+// (CONV_VEC·blockDim.x)), 1, R·ceil(S / CONV_RUN) + B·ceil(T / CONV_RUN)). It replaces two conv
+// launches and the copy of the states' windows to the branch rows, with the same arithmetic per
+// output.
 template <typename D>
-__device__ void conv_split(const typename D::T* __restrict__ xs, long ss, int S,
+__device__ void conv_split(const typename D::T* __restrict__ xs, long ss, int R, int S,
+                           const unsigned int* __restrict__ len_s,
                            const typename D::T* __restrict__ xb, long bs, int B, int T,
+                           const unsigned int* __restrict__ owners,
                            const typename D::T* __restrict__ w, typename D::T* __restrict__ out,
                            int C, int K) {
     typedef typename D::T E;
@@ -689,23 +693,27 @@ __device__ void conv_split(const typename D::T* __restrict__ xs, long ss, int S,
                      (bs * sizeof(E)) % 16 == 0 && (C * sizeof(E)) % 16 == 0;
     const int runs_s = (S + CONV_RUN - 1) / CONV_RUN, runs_b = (T + CONV_RUN - 1) / CONV_RUN;
     const int z = blockIdx.z;
-    if (z < runs_s) {
+    if (z < R * runs_s) {
+        const int r = z / runs_s, t0 = (z % runs_s) * CONV_RUN;
+        const E* x = xs + (size_t)r * S * ss;
         auto row = [&](int p, int c) -> const E* {
             const int t = p - (K - 1);
-            return t >= 0 ? xs + (size_t)t * ss + c : nullptr;
+            return t >= 0 ? x + (size_t)t * ss + c : nullptr;
         };
-        const int t0 = z * CONV_RUN;
-        conv_run<D>(row, w, out, t0, min(t0 + CONV_RUN, S), c0, nc, C, K, vec);
+        conv_run<D>(row, w, out + (size_t)r * S * C, t0, min(t0 + CONV_RUN, S), c0, nc, C, K,
+                    vec);
         return;
     }
-    const int b = (z - runs_s) / runs_b, t0 = ((z - runs_s) % runs_b) * CONV_RUN;
+    const int b = (z - R * runs_s) / runs_b, t0 = ((z - R * runs_s) % runs_b) * CONV_RUN;
+    const int o = owners ? (int)owners[b] : 0, end = len_s ? (int)len_s[o] : S;
+    const E* x = xs + (size_t)o * S * ss;
     auto row = [&](int p, int c) -> const E* {
         const int t = p - (K - 1);
         if (t >= 0) return xb + ((size_t)b * T + t) * bs + c;
-        return S + t >= 0 ? xs + (size_t)(S + t) * ss + c : nullptr;
+        return end + t >= 0 ? x + (size_t)(end + t) * ss + c : nullptr;
     };
-    conv_run<D>(row, w, out + ((size_t)S + (size_t)b * T) * C, t0, min(t0 + CONV_RUN, T), c0, nc,
-                C, K, vec);
+    conv_run<D>(row, w, out + ((size_t)R * S + (size_t)b * T) * C, t0, min(t0 + CONV_RUN, T), c0,
+                nc, C, K, vec);
 }
 
 #define CONV_CACHED(TAG, D)                                                                      \
@@ -714,10 +722,11 @@ __device__ void conv_split(const typename D::T* __restrict__ xs, long ss, int S,
                                                  D::T* out, int B, int T, int C, int K) {       \
         conv_cached<D>(x, xs, cache, w, lengths, out, B, T, C, K);                              \
     }                                                                                           \
-    extern "C" __global__ void conv_split_##TAG(const D::T* xs, long ss, int S, const D::T* xb,  \
-                                                long bs, int B, int T, const D::T* w, D::T* out, \
-                                                int C, int K) {                                 \
-        conv_split<D>(xs, ss, S, xb, bs, B, T, w, out, C, K);                                   \
+    extern "C" __global__ void conv_split_##TAG(                                                \
+        const D::T* xs, long ss, int R, int S, const unsigned int* len_s, const D::T* xb,       \
+        long bs, int B, int T, const unsigned int* owners, const D::T* w, D::T* out, int C,     \
+        int K) {                                                                                \
+        conv_split<D>(xs, ss, R, S, len_s, xb, bs, B, T, owners, w, out, C, K);                 \
     }
 CONV_CACHED(f32, F32)
 CONV_CACHED(bf16, BF16)
