@@ -61,7 +61,7 @@ const GDRC_MAX_DIM: usize = 128;
 const GDRC_PREP_SMEM: u32 = 70016;
 const GDRC_SCAN_SMEM: u32 = 77824;
 const GDRC_PREP_TC_SMEM: u32 = 68736;
-const GDRC_SCAN_TC_SMEM: u32 = 83456;
+const GDRC_SCAN_TC_SMEM: u32 = 46592;
 /// `mode` bits of the tensor-core scans (`SCAN_*` in gdr_chunked.cu): read the state first (else
 /// start at zero), write it at the end, share row 0's among all rows.
 const SCAN_READ: i32 = 1;
@@ -128,7 +128,7 @@ pub fn keep_device_memory(dev: &CudaDevice) -> Result<()> {
 /// supported.
 #[derive(Clone, Copy)]
 struct Gpu {
-    /// mma.sync on TF32 operands (compute capability 8.0 and later).
+    /// mma.sync on TF32 and bf16 operands (compute capability 8.0 and later).
     tensor_cores: bool,
     multiprocessors: usize,
 }
@@ -249,7 +249,7 @@ impl Kernel {
     }
 
     fn load_from(src: &Source, dev: &CudaDevice, name: &str) -> Result<Self> {
-        // The chunked delta rule's tensor-core kernels need compute_80 PTX (mma.sync on TF32);
+        // The chunked delta rule's tensor-core kernels need compute_80 PTX (mma.sync, ldmatrix);
         // everything else compiles for NVRTC's default target and runs on any CUDA GPU.
         let arch =
             (std::ptr::eq(src, &GDR_CHUNKED) && gpu(dev)?.tensor_cores).then_some("compute_80");
@@ -470,8 +470,9 @@ fn gated_delta_rule_chunked(
 ) -> Result<()> {
     let dims = op.dims;
     let dtag = tag(qkv.dtype(), "gated-delta-rule")?;
-    // bf16/f16 on tensor cores (TF32 products) where the GPU has them; f32 models keep full f32
-    // products. The two pairs lay out W, Q', K' and Aqk differently, so they never mix.
+    // bf16/f16 on tensor cores (TF32 products in the preparation, bf16 in the scan) where the GPU
+    // has them; f32 models keep full f32 products. The two pairs lay out W, Q', K' and Aqk
+    // differently, so they never mix.
     let tc = qkv.dtype() != DType::F32 && gpu(qkv.device())?.tensor_cores;
     let heads = op.b_sz * dims.num_v_heads;
     let load = |name: &str| Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("{name}{dtag}"));
@@ -496,7 +497,7 @@ fn gated_delta_rule_chunked(
     let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
-    let layout = ScratchLayout::new(heads * chunks, dims.head_v_dim);
+    let layout = ScratchLayout::new(heads * chunks, dims.head_v_dim, tc);
     let scratch = prep.output::<f32>(layout.total())?;
     let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);
     let [t, hk, hv, dk, dv, nc] = [
@@ -571,8 +572,8 @@ fn tc_scan(dev: &CudaDevice, dtag: &str, heads: usize, dv: usize) -> Result<(Ker
 }
 
 /// Where the chunked kernels' scratch parts lie, for `blocks` (row · head, chunk) blocks: W, Q',
-/// K', Aqk (each transposed or not, as the kernel pair reads it), U, e^{G_CH}, each `blocks ×`
-/// its per-block size.
+/// K', Aqk (each transposed or not, as the kernel pair reads it; f32, or bf16 in half as many
+/// floats for the tensor-core pair), U, e^{G_CH}, each `blocks ×` its per-block size.
 /// Every element is written by a preparation kernel before a scan reads it. One allocation cut
 /// into parts (a short call is host-bound, and every allocation and free costs host time), the
 /// float4-read parts first so they stay aligned.
@@ -582,11 +583,13 @@ struct ScratchLayout {
 }
 
 impl ScratchLayout {
-    fn new(blocks: usize, dv: usize) -> Self {
+    fn new(blocks: usize, dv: usize, bf16_operands: bool) -> Self {
         let (c, d) = (GDRC_CHUNK, GDRC_MAX_DIM);
+        let per_float = if bf16_operands { 2 } else { 1 };
+        let [cd, cc] = [c * d, c * c].map(|n| n / per_float);
         Self {
             blocks,
-            per_block: [c * d, c * d, c * d, c * c, c * dv, 1],
+            per_block: [cd, cd, cd, cc, c * dv, 1],
         }
     }
 
@@ -645,7 +648,7 @@ pub(crate) fn gated_delta_rule_split(
     let lengths = gdr_lengths(&prep.dev, &branch_lengths, width)?;
     let state_lengths = device_lengths(&prep.dev, split.padded_state_lengths().as_deref())?;
     let owners = device_lengths(&prep.dev, split.kernel_owners().as_deref())?;
-    let layout = ScratchLayout::new(blocks_a + blocks_b, dv);
+    let layout = ScratchLayout::new(blocks_a + blocks_b, dv, true);
     let scratch = prep.output::<f32>(layout.total())?;
     let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);
     // Written whole by the states' scan before the branches' scan reads it.

@@ -10,7 +10,7 @@
 //   S     ← e^{G_CH}·S + K'ᵀ·Δ          K'_t = e^{G_CH−G_t}·k̂_t
 // Steps at or past a row's length get g = β = 0 and k̂ = q̂ = v = 0: they output 0 and leave the
 // state alone, like the recurrent kernel. Everything is f32 (the tensor-core pair below: f32 with
-// TF32 products); the output is rounded to the dtype.
+// TF32 products in the preparation, bf16 ones in the scan); the output is rounded to the dtype.
 // Dk and Dv are at most 128 (zero-padded to it inside).
 //
 // Every product is register-tiled (each thread a 4×4 to 4×16 block of outputs, operands read as
@@ -27,7 +27,7 @@
 // gdrc_prep_tc_<dtype>, gdrc_scan_tc_<dtype>, gdrc_scan_tc16_<dtype> (bf16/f16, compute capability
 //   ≥ 8.0): the same on tensor cores, PREP_TC_SMEM and SCAN_TC_SMEM; the scan with 32 or 16
 //   columns per block (grid.x = ceil(Dv/32) or ceil(Dv/16)), W and Q' by rows and K', Aqk
-//   transposed in scratch (for ldmatrix). See the tensor-core section below.
+//   transposed in scratch (for ldmatrix), in bf16. See the tensor-core section below.
 
 #define CH 32            // steps per chunk
 #define CH_THREADS 128   // threads of the FMA kernels
@@ -424,19 +424,20 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
 
 #if __CUDA_ARCH__ >= 800  // mma.sync on TF32 (compiled for compute_80 where the GPU has it)
 // ---- Tensor-core kernels (bf16 and f16 models) ----
-// The same two kernels with every product a warp-wide mma.sync m16n8k8 on TF32 operands (f32
-// accumulate). The FMA forms above issue thousands of instructions per thread and chunk at low
-// occupancy and are bound by their latency (ncu, 4B heads: prep 0.45 ms and scan 0.71 ms for 4096
-// steps). TF32 keeps 10 mantissa bits of each operand, more than the bf16/f16 activations the
-// products come from; the state is accumulated in f32 (the mma's C operand), so the rounding
-// does not compound across chunks. f32 models keep the FMA kernels (full f32 products).
-// Shared-memory pitches put the 32 lanes of a fragment load in 32 different banks: ≡ 8 (mod 32)
-// for tiles read along their rows' index, ≡ 4 for tiles read across it.
-// Scratch layout: each product's operand with k along its rows, as ldmatrix reads it (see
-// ldsm4): W and Q' by rows (wt, qt [c][CH][128]: the A operands of W·S and Q'·S), K'ᵀ (kd
+// The same two kernels with every product a warp-wide mma.sync (f32 accumulate). The FMA forms
+// above issue thousands of instructions per thread and chunk at low occupancy and are bound by
+// their latency (ncu, 4B heads: prep 0.45 ms and scan 0.71 ms for 4096 steps). The preparation
+// multiplies TF32 operands (m16n8k8): its products build the triangular solve's inputs. The scan
+// multiplies bf16 operands (m16n8k16, see mma16): half the bytes and instructions of TF32, the
+// rounding flash-linear-attention's chunked kernels apply; its state is accumulated in f32 (the
+// mma's C operand), so the rounding does not compound across chunks. f32 models keep the FMA
+// kernels (full f32 products).
+// The preparation's scalar fragment loads read shared memory at pitches that put the 32 lanes in
+// 32 different banks: ≡ 8 (mod 32) for tiles read along their rows' index, ≡ 4 across it.
+// Scratch layout: each scan operand with k along its rows, as ldmatrix reads it (see ldsm4), in
+// bf16: W and Q' by rows (wt, qt [c][CH][128]: the A operands of W·S and Q'·S), K'ᵀ (kd
 // [c][128][CH]: the A operand of the state update), Aqkᵀ (at [c][CH][CH], transposed into
-// shared memory by the scan); all four already rounded to TF32. U and e^{G_CH} as the FMA
-// kernels.
+// shared memory by the scan). U and e^{G_CH} in f32 as the FMA kernels.
 
 __device__ __forceinline__ float tf32r(float x) {
     unsigned r;
@@ -497,64 +498,86 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, in
     }
 }
 
-// ldmatrix on TF32 tiles: an 8×8 tile of 16-bit elements is an 8×4 tile of 32-bit words, and
-// lane (g, c) receives word (g, c) of each of the four tiles: the m16n8k8 .tf32 fragment
-// element of a matrix stored with k along the rows (A as x[m][k], B as y[n][k]). One ldmatrix
-// replaces four scalar loads, and the operands arrive as stored (already rounded to TF32), so the
-// products are those of the scalar loads. Lanes 8i..8i+7 give the row addresses of tile i;
-// rows 16-byte aligned, and a pitch ≡ 4 (mod 32) floats keeps a tile's 8 rows in distinct banks.
-__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const float* p) {
+// The scan's operands are bf16 (16-bit words, as the activations they come from): one m16n8k16
+// mma takes twice the products of a TF32 m16n8k8, and every operand moves half the bytes. The
+// state is accumulated in f32 (the mma's C operand) and rounded to bf16 only as an operand, as
+// flash-linear-attention's chunked kernels do.
+typedef unsigned short bf16_t;
+// x rounded to bf16 (nearest even), and two values packed with `lo` in the low half.
+__device__ __forceinline__ bf16_t bf16r(float x) {
+    bf16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// d += a·b for one 16×8 tile over k = 16 (the PTX ISA's m16n8k16 .bf16 fragments).
+__device__ __forceinline__ void mma16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// ldmatrix: lane (g, c) receives word (g, c) of each of four 8 × 8 tiles of 16-bit elements,
+// which is the m16n8k16 fragment of a matrix stored with k along its rows (A as x[m][k], B as
+// y[n][k]). Lanes 8i..8i+7 give the row addresses of tile i; rows 16-byte aligned, and a pitch
+// ≡ 16 (mod 128) bytes keeps a tile's 8 rows in distinct banks.
+__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const bf16_t* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
 }
-// This lane's row address for an A fragment (tiles: rows +0/+8, then words +0/+4) of x[m][k].
-__device__ __forceinline__ const float* ldsm_a(const float* x, int p, int m0, int lane) {
-    return x + (m0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * p + 4 * (lane >> 4);
+// This lane's row address for an A fragment (tiles: rows +0/+8, then k +0/+8) of x[m][k].
+__device__ __forceinline__ const bf16_t* ldsm_a(const bf16_t* x, int p, int m0, int lane) {
+    return x + (m0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * p + 8 * (lane >> 4);
 }
-// ... for the B fragments of two n-tiles (tiles: words +0/+4 of rows n0.., then of rows n0+8..)
+// ... for the B fragments of two n-tiles (tiles: k +0/+8 of rows n0.., then of rows n0+8..)
 // of y[n][k]: registers {0, 1} are n-tile 0's fragment, {2, 3} n-tile 1's.
-__device__ __forceinline__ const float* ldsm_b2(const float* y, int p, int n0, int lane) {
-    return y + (n0 + (lane & 7) + 8 * (lane >> 4)) * p + 4 * ((lane >> 3) & 1);
+__device__ __forceinline__ const bf16_t* ldsm_b2(const bf16_t* y, int p, int n0, int lane) {
+    return y + (n0 + (lane & 7) + 8 * (lane >> 4)) * p + 8 * ((lane >> 3) & 1);
 }
-// ... for the B fragments of one n-tile at two k-steps (words +0, +4, +8, +12): registers
-// {0, 1} are k-step k0's fragment, {2, 3} k-step k0 + 8's.
-__device__ __forceinline__ const float* ldsm_bk(const float* y, int p, int n0, int lane) {
-    return y + (n0 + (lane & 7)) * p + 4 * (lane >> 3);
+// ... for the B fragments of one n-tile at two k-steps (k +0, +8, +16, +24): registers {0, 1}
+// are k-step k0's fragment, {2, 3} k-step k0 + 16's.
+__device__ __forceinline__ const bf16_t* ldsm_bk(const bf16_t* y, int p, int n0, int lane) {
+    return y + (n0 + (lane & 7)) * p + 8 * (lane >> 3);
 }
 
 // acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT (1 or 2), X stored by rows
-// (x[m][k]) and Y transposed (y[n][k]), both already TF32, by ldmatrix: a warp's 16 × 8·NT
-// product, fully unrolled (every load at a constant offset). Two n-tiles are two chains of
-// dependent mmas; one n-tile alternates its k-steps between two accumulators (added at the
-// end) for the same effect.
+// (x[m][k]) and Y transposed (y[n][k]), both bf16, by ldmatrix: a warp's 16 × 8·NT product,
+// fully unrolled (every load at a constant offset). Two n-tiles are two chains of dependent
+// mmas; one n-tile alternates its k-steps between two accumulators (added at the end) for the
+// same effect.
 template <int K, int NT>
-__device__ __forceinline__ void mma_ldsm(float (&acc)[NT][4], const float* x, int xp, int m0,
-                                         const float* y, int yp, int lane) {
+__device__ __forceinline__ void mma_ldsm(float (&acc)[NT][4], const bf16_t* x, int xp, int m0,
+                                         const bf16_t* y, int yp, int lane) {
     static_assert(NT == 1 || NT == 2, "one or two n-tiles");
-    const float* xa = ldsm_a(x, xp, m0, lane);
+    const bf16_t* xa = ldsm_a(x, xp, m0, lane);
     if (NT == 2) {
-        const float* yb = ldsm_b2(y, yp, 0, lane);
+        const bf16_t* yb = ldsm_b2(y, yp, 0, lane);
         #pragma unroll
-        for (int k0 = 0; k0 < K; k0 += 8) {
+        for (int k0 = 0; k0 < K; k0 += 16) {
             unsigned a[4], b[4];
             ldsm4(a, xa + k0);
             ldsm4(b, yb + k0);
-            mma8(acc[0], a, {b[0], b[1]});
-            mma8(acc[NT - 1], a, {b[2], b[3]});
+            mma16(acc[0], a, {b[0], b[1]});
+            mma16(acc[NT - 1], a, {b[2], b[3]});
         }
     } else {
-        const float* yb = ldsm_bk(y, yp, 0, lane);
+        const bf16_t* yb = ldsm_bk(y, yp, 0, lane);
         float odd[4] = {};
         #pragma unroll
-        for (int k0 = 0; k0 < K; k0 += 16) {
+        for (int k0 = 0; k0 < K; k0 += 32) {
             unsigned a0[4], a1[4], b[4];
             ldsm4(a0, xa + k0);
-            ldsm4(a1, xa + k0 + 8);
+            ldsm4(a1, xa + k0 + 16);
             ldsm4(b, yb + k0);
-            mma8(acc[0], a0, {b[0], b[1]});
-            mma8(odd, a1, {b[2], b[3]});
+            mma16(acc[0], a0, {b[0], b[1]});
+            mma16(odd, a1, {b[2], b[3]});
         }
         #pragma unroll
         for (int i = 0; i < 4; i++) acc[0][i] += odd[i];
@@ -593,6 +616,9 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
     const int b = bh / hv, h = bh % hv, kh = h / (hv / hk);
     const int len = lengths ? min((int)lengths[b], T) : T;
     const int t0 = chunk * CH;
+    // The scan's operands, bf16 in the f32 scratch's parts (half of each part's floats).
+    bf16_t *w16 = reinterpret_cast<bf16_t*>(wt), *q16 = reinterpret_cast<bf16_t*>(qt);
+    bf16_t *k16 = reinterpret_cast<bf16_t*>(kd), *a16 = reinterpret_cast<bf16_t*>(atq);
 
     // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps.
     load_chunk<D, TC_THREADS>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, eg_s, egc_s, PT_P, 0, PT_VP}, T,
@@ -613,7 +639,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
                 if (is_k)
                     a_s[t * A_P + s] = s < t ? beta_s[t] * decay * acc[n][i] : 0.f;
                 else
-                    atq[(cb * CH + s) * CH + t] = tf32r(decay * acc[n][i]);
+                    a16[(cb * CH + s) * CH + t] = bf16r(decay * acc[n][i]);
             }
     }
     __syncthreads();
@@ -626,8 +652,8 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
         for (int e = tid - 32; e < DM * CH / 4; e += TC_THREADS - 32) {
             const int r = e / (CH / 4), t = 4 * (e % (CH / 4));
             const float4 kv = ld4(&kT[r * PT_P + t]), ek = ld4(&egc_s[t]);
-            st4(&kd[(cb * DM + r) * CH + t], tf32r(ek.x * kv.x), tf32r(ek.y * kv.y),
-                tf32r(ek.z * kv.z), tf32r(ek.w * kv.w));
+            *reinterpret_cast<uint2*>(&k16[(cb * DM + r) * CH + t]) =
+                make_uint2(bf16x2(ek.x * kv.x, ek.y * kv.y), bf16x2(ek.z * kv.z, ek.w * kv.w));
         }
         if (tid == 32) gtot[cb] = expf(gc);
     }
@@ -676,22 +702,28 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
                 for (int i = 0; i < 4; i++) {
                     const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
                     if (is_w)
-                        w_st[t * PT_WS + col] = tf32r(acc[mi][n][i]);
+                        w_st[t * PT_WS + col] = acc[mi][n][i];
                     else if (col < dv)
                         u[(cb * CH + t) * dv + col] = acc[mi][n][i];
                 }
         // Q' = diag(e^G)·Q̂, transposed from q̂ᵀ: a lane per step on both sides, no bank shared.
         for (int e = tid; e < CH * DM; e += TC_THREADS) {
             const int t = e % CH, r = e / CH;
-            q_st[t * PT_QS + r] = tf32r(eg_s[t] * qT[r * PT_P + t]);
+            q_st[t * PT_QS + r] = eg_s[t] * qT[r * PT_P + t];
         }
         __syncthreads();
-        for (int e = tid; e < CH * DM / 4; e += TC_THREADS) {
-            const int t = e / (DM / 4), r = 4 * (e % (DM / 4));
-            *reinterpret_cast<float4*>(&wt[(cb * CH + t) * DM + r]) = ld4(&w_st[t * PT_WS + r]);
+        for (int e = tid; e < CH * DM / 8; e += TC_THREADS) {  // 8 bf16 (16 bytes) a thread
+            const int t = e / (DM / 8), r = 8 * (e % (DM / 8));
+            const float4 lo = ld4(&w_st[t * PT_WS + r]), hi = ld4(&w_st[t * PT_WS + r + 4]);
+            *reinterpret_cast<uint4*>(&w16[(cb * CH + t) * DM + r]) =
+                make_uint4(bf16x2(lo.x, lo.y), bf16x2(lo.z, lo.w), bf16x2(hi.x, hi.y),
+                           bf16x2(hi.z, hi.w));
         }
-        for (int e = tid; e < CH * DM; e += TC_THREADS)
-            qt[(cb * CH + e / DM) * DM + e % DM] = q_st[(e / DM) * PT_QS + e % DM];
+        for (int e = tid; e < CH * DM / 2; e += TC_THREADS) {  // 2 bf16 a thread
+            const int t = e / (DM / 2), r = 2 * (e % (DM / 2));
+            *reinterpret_cast<unsigned*>(&q16[(cb * CH + t) * DM + r]) =
+                bf16x2(q_st[t * PT_QS + r], q_st[t * PT_QS + r + 1]);
+        }
     }
 }
 
@@ -727,28 +759,64 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
                            (i - na) % nc_b, (i - na) / nc_b, i);
 }
 
-// Shared memory of the tensor-core scan, in floats. Every product operand is stored with k along
-// its rows, at a pitch ≡ 4 (mod 32), for ldmatrix.
-#define TC_LP 132  // W, Q' [CH][..] and Sᵀ [NCOL][..]: rows of DM
-#define TC_CP 36   // K'ᵀ [DM][..], Aqk [CH][..] and Δᵀ [NCOL][..]: rows of CH
-#define TC_UP 40   // U [CH][..]
+// The tensor-core scan's operands of one chunk (W, Q', K'ᵀ, Aqkᵀ in bf16 as the preparation
+// lays them out, the block's NCOL columns of U, e^{G_CH}), loaded into registers a chunk ahead
+// and stored to shared memory at the top of the next round.
+template <int NCOL>
+struct ChunkOperandsBf {
+    static constexpr int N8 = DM * CH / 8 / TC_THREADS, NU = CH * NCOL / TC_THREADS;
+    static_assert(CH * CH / 4 == TC_THREADS, "one 4-element piece of Aqkᵀ a thread");
+    uint4 w[N8], q[N8], k[N8];
+    uint2 a;
+    float u[NU], gtot;
+
+    __device__ __forceinline__ void fetch(const bf16_t* __restrict__ wt, const float* __restrict__ u_,
+                                          const bf16_t* __restrict__ qt,
+                                          const bf16_t* __restrict__ kd,
+                                          const bf16_t* __restrict__ atq,
+                                          const float* __restrict__ gt, size_t c, int c0, int dv) {
+        const int tid = threadIdx.x;
+        const uint4* w8 = reinterpret_cast<const uint4*>(wt + c * DM * CH);
+        const uint4* q8 = reinterpret_cast<const uint4*>(qt + c * DM * CH);
+        const uint4* k8 = reinterpret_cast<const uint4*>(kd + c * CH * DM);
+        #pragma unroll
+        for (int j = 0; j < N8; j++) {
+            w[j] = w8[tid + j * TC_THREADS];
+            q[j] = q8[tid + j * TC_THREADS];
+            k[j] = k8[tid + j * TC_THREADS];
+        }
+        a = reinterpret_cast<const uint2*>(atq + c * CH * CH)[tid];
+        #pragma unroll
+        for (int j = 0; j < NU; j++) {
+            const int e = tid + j * TC_THREADS, col = c0 + e % NCOL;
+            u[j] = col < dv ? u_[(c * CH + e / NCOL) * dv + col] : 0.f;
+        }
+        gtot = gt[c];
+    }
+};
+
+// Shared memory of the tensor-core scan, in bytes: the bf16 product operands, each stored with k
+// along its rows at a pitch ≡ 16 (mod 128) bytes for ldmatrix, then U in f32.
+#define TB_LP 136  // W, Q' [CH][..] and Sᵀ [NCOL][..]: rows of DM (bf16 elements)
+#define TB_CP 40   // K'ᵀ [DM][..], Aqk [CH][..] and Δᵀ [NCOL][..]: rows of CH (bf16 elements)
+#define TC_UP 40   // U [CH][..] (floats)
 #define T_S 0
-#define T_W (T_S + 32 * TC_LP)
-#define T_Q (T_W + CH * TC_LP)
-#define T_K (T_Q + CH * TC_LP)
-#define T_A (T_K + DM * TC_CP)
-#define T_U (T_A + CH * TC_CP)
-#define T_D (T_U + CH * TC_UP)
-#define SCAN_TC_SMEM ((T_D + 32 * TC_CP) * 4)  // 83456 bytes: GDRC_SCAN_TC_SMEM in cuda.rs
+#define T_W (T_S + 32 * TB_LP * 2)
+#define T_Q (T_W + CH * TB_LP * 2)
+#define T_K (T_Q + CH * TB_LP * 2)
+#define T_A (T_K + DM * TB_CP * 2)
+#define T_D (T_A + CH * TB_CP * 2)
+#define T_U (T_D + 32 * TB_CP * 2)
+#define SCAN_TC_SMEM (T_U + CH * TC_UP * 4)  // 46592 bytes: GDRC_SCAN_TC_SMEM in cuda.rs
 
 // One block of TC_THREADS per NCOL (32 or 16) state columns. Warp w of 8, with h = (w / 2) % 2
 // the half of the block's columns it takes: Δ = U − W·S for steps 16·(w % 2).. (w < 4) or
 // P = Q'·S for those steps (w ≥ 4); then O = P + Aqk·Δ (w ≥ 4); then S[16w..16w+15, :] += K'ᵀ·Δ
-// on all the block's columns, S held in mma accumulators. 16 columns double the blocks of a
-// call with few (row, head) pairs (a long state: 32 pairs fill 128 blocks of 32 columns, not an
-// H200's 132 SMs), at the price of reading each chunk's W, Q', K', Aqk twice as often. W, Q', K'
-// and Aqk arrive rounded to TF32 (by the preparation kernel, where the work is parallel); S and
-// Δ are rounded as they are stored to shared memory, transposed (Sᵀ, Δᵀ: the B operands).
+// on all the block's columns, S held in mma accumulators (f32). 16 columns double the blocks of
+// a call with few (row, head) pairs (a long state: 32 pairs fill 128 blocks of 32 columns, not
+// an H200's 132 SMs), at the price of reading each chunk's W, Q', K', Aqk twice as often. W, Q',
+// K' and Aqk arrive in bf16 (from the preparation kernel); S and Δ are rounded to bf16 as they
+// are stored to shared memory, transposed (Sᵀ, Δᵀ: the B operands).
 // `mode` (SCAN_*): whether the state is read first (else it starts at zero), written at the end,
 // and shared between rows (head h of row b reads row owners[b]'s, row 0's if owners is null:
 // branches continuing their records' states, none of them writing it back).
@@ -756,15 +824,19 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
 #define SCAN_WRITE 2
 #define SCAN_SHARED 4
 template <typename D, int NCOL = 32>
-__device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restrict__ u,
-                             const float* __restrict__ qt, const float* __restrict__ kd,
-                             const float* __restrict__ atq, const float* __restrict__ gtot,
+__device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restrict__ u,
+                             const float* __restrict__ qt_, const float* __restrict__ kd_,
+                             const float* __restrict__ atq_, const float* __restrict__ gtot,
                              float* __restrict__ state, const unsigned int* __restrict__ owners,
                              typename D::T* __restrict__ out, int T, int hv, int dk, int dv, int nc,
                              int mode) {
-    extern __shared__ __align__(16) float sm[];
-    float *st_s = sm + T_S, *w_s = sm + T_W, *q_s = sm + T_Q, *k_s = sm + T_K;
-    float *a_s = sm + T_A, *u_s = sm + T_U, *dt_s = sm + T_D;
+    extern __shared__ __align__(16) unsigned char smb[];
+    bf16_t *st_s = reinterpret_cast<bf16_t*>(smb + T_S), *w_s = reinterpret_cast<bf16_t*>(smb + T_W);
+    bf16_t *q_s = reinterpret_cast<bf16_t*>(smb + T_Q), *k_s = reinterpret_cast<bf16_t*>(smb + T_K);
+    bf16_t *a_s = reinterpret_cast<bf16_t*>(smb + T_A), *dt_s = reinterpret_cast<bf16_t*>(smb + T_D);
+    float* u_s = reinterpret_cast<float*>(smb + T_U);
+    const bf16_t *wt = reinterpret_cast<const bf16_t*>(wt_), *qt = reinterpret_cast<const bf16_t*>(qt_);
+    const bf16_t *kd = reinterpret_cast<const bf16_t*>(kd_), *atq = reinterpret_cast<const bf16_t*>(atq_);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv;
     constexpr int NS = NCOL / 8;   // n-tiles of the block's columns (the state update)
@@ -786,9 +858,9 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
             s[n][i] = (mode & SCAN_READ) && r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
     // The state update's A operand (K'ᵀ rows rs..) and B operands (Δᵀ), per lane.
-    const float* ka = ldsm_a(k_s, TC_CP, rs, lane);
-    const float* db = ldsm_b2(dt_s, TC_CP, 0, lane);
-    typedef ChunkOperands<NCOL, TC_THREADS> Ops;
+    const bf16_t* ka = ldsm_a(k_s, TB_CP, rs, lane);
+    const bf16_t* db = ldsm_b2(dt_s, TB_CP, 0, lane);
+    typedef ChunkOperandsBf<NCOL> Ops;
     Ops next;  // the next chunk's operands, in flight while this one computes
     next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
@@ -797,23 +869,22 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
         for (int n = 0; n < NS; n++)
             #pragma unroll
             for (int i = 0; i < 4; i++)
-                st_s[(8 * n + 2 * c + i % 2) * TC_LP + rs + g + 8 * (i / 2)] = tf32r(s[n][i]);
+                st_s[(8 * n + 2 * c + i % 2) * TB_LP + rs + g + 8 * (i / 2)] = bf16r(s[n][i]);
         #pragma unroll
-        for (int k = 0; k < Ops::N4; k++) {
+        for (int k = 0; k < Ops::N8; k++) {
             const int e = tid + k * TC_THREADS;
-            const int t = e / (DM / 4), r = 4 * (e % (DM / 4));  // W, Q' [CH][DM]
-            *reinterpret_cast<float4*>(&w_s[t * TC_LP + r]) = next.w[k];
-            *reinterpret_cast<float4*>(&q_s[t * TC_LP + r]) = next.q[k];
-            const int rk = e / (CH / 4), tk = 4 * (e % (CH / 4));  // K'ᵀ [DM][CH]
-            *reinterpret_cast<float4*>(&k_s[rk * TC_CP + tk]) = next.k[k];
+            const int t = e / (DM / 8), r = 8 * (e % (DM / 8));  // W, Q' [CH][DM]
+            *reinterpret_cast<uint4*>(&w_s[t * TB_LP + r]) = next.w[k];
+            *reinterpret_cast<uint4*>(&q_s[t * TB_LP + r]) = next.q[k];
+            const int rk = e / (CH / 8), tk = 8 * (e % (CH / 8));  // K'ᵀ [DM][CH]
+            *reinterpret_cast<uint4*>(&k_s[rk * TB_CP + tk]) = next.k[k];
         }
-        #pragma unroll
-        for (int k = 0; k < Ops::NA; k++) {  // Aqkᵀ [CH][CH] → Aqk
-            const int e = tid + k * TC_THREADS, sa = e / (CH / 4), ta = 4 * (e % (CH / 4));
-            a_s[ta * TC_CP + sa] = next.a[k].x;
-            a_s[(ta + 1) * TC_CP + sa] = next.a[k].y;
-            a_s[(ta + 2) * TC_CP + sa] = next.a[k].z;
-            a_s[(ta + 3) * TC_CP + sa] = next.a[k].w;
+        {  // Aqkᵀ [CH][CH] → Aqk
+            const int sa = tid / (CH / 4), ta = 4 * (tid % (CH / 4));
+            a_s[ta * TB_CP + sa] = (bf16_t)(next.a.x & 0xffffu);
+            a_s[(ta + 1) * TB_CP + sa] = (bf16_t)(next.a.x >> 16);
+            a_s[(ta + 2) * TB_CP + sa] = (bf16_t)(next.a.y & 0xffffu);
+            a_s[(ta + 3) * TB_CP + sa] = (bf16_t)(next.a.y >> 16);
         }
         #pragma unroll
         for (int k = 0; k < Ops::NU; k++) {
@@ -826,21 +897,21 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
 
         // Δ = U − W·S (warps 0–3) or P = Q'·S (warps 4–7): 16 steps × NCOL/2 columns per warp.
         float acc[NH][4] = {};
-        mma_ldsm<DM, NH>(acc, is_delta ? w_s : q_s, TC_LP, mt, st_s + ch * TC_LP, TC_LP, lane);
+        mma_ldsm<DM, NH>(acc, is_delta ? w_s : q_s, TB_LP, mt, st_s + ch * TB_LP, TB_LP, lane);
         if (is_delta) {
             #pragma unroll
             for (int n = 0; n < NH; n++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const int t = mt + g + 8 * (i / 2), col = ch + 8 * n + 2 * c + i % 2;
-                    dt_s[col * TC_CP + t] = tf32r(u_s[t * TC_UP + col] - acc[n][i]);
+                    dt_s[col * TB_CP + t] = bf16r(u_s[t * TC_UP + col] - acc[n][i]);
                 }
         }
         __syncthreads();
 
         // O = P + Aqk·Δ (warps 4–7), stored.
         if (!is_delta) {
-            mma_ldsm<CH, NH>(acc, a_s, TC_CP, mt, dt_s + ch * TC_CP, TC_CP, lane);
+            mma_ldsm<CH, NH>(acc, a_s, TB_CP, mt, dt_s + ch * TB_CP, TB_CP, lane);
             #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int tt = chunk * CH + mt + g + 8 * hf;
@@ -862,15 +933,15 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt, const float* __restri
             #pragma unroll
             for (int i = 0; i < 4; i++) s[n][i] *= gc;
         #pragma unroll
-        for (int k0 = 0; k0 < CH; k0 += 8) {
+        for (int k0 = 0; k0 < CH; k0 += 16) {
             unsigned a[4];
             ldsm4(a, ka + k0);
             #pragma unroll
             for (int n = 0; n < NS; n += 2) {
                 unsigned bf[4];
-                ldsm4(bf, db + 8 * n * TC_CP + k0);
-                mma8(s[n], a, {bf[0], bf[1]});
-                mma8(s[n + 1], a, {bf[2], bf[3]});
+                ldsm4(bf, db + 8 * n * TB_CP + k0);
+                mma16(s[n], a, {bf[0], bf[1]});
+                mma16(s[n + 1], a, {bf[2], bf[3]});
             }
         }
         __syncthreads();  // everything of this chunk in shared memory is consumed
@@ -932,7 +1003,7 @@ GDRC_TC(bf16, BF16)
 GDRC_TC(f16, F16)
 static_assert(PREP_TC_SMEM == 68736, "PREP_TC_SMEM");
 static_assert(CH * PT_WS <= DM * PT_P && CH * PT_QS <= CH * PT_VP, "W and Q' fit where they leave");
-static_assert(SCAN_TC_SMEM == 83456, "SCAN_TC_SMEM");
+static_assert(SCAN_TC_SMEM == 46592, "SCAN_TC_SMEM");
 #endif
 
 // The host's copies of the shared-memory sizes must match.
