@@ -55,11 +55,19 @@ __device__ __forceinline__ void outer4(float (&acc)[4][4], const float4& x, cons
 // Where step 1 of a preparation kernel puts a chunk's inputs in shared memory: q̂ᵀ and k̂ᵀ
 // [DM][tp], k̂ [CH][kp] (optional), v [CH][vp], and G, β, β·e^G [CH] each; optionally e^G and
 // e^{G_CH−G} [CH] each (eg, egc), so later steps read the chunk's decays instead of
-// recomputing them per element.
+// recomputing them per element. `swz`: q̂ᵀ and k̂ᵀ swizzled (see swz below).
 struct StepTiles {
     float *qT, *kT, *kr, *vr, *g, *beta, *bg, *eg, *egc;
     int tp, kp, vp;
+    bool swz;
 };
+
+// The column of step t in row r of the tensor-core preparation's q̂ᵀ and k̂ᵀ tiles (pitch PT_P
+// ≡ 8 mod 32): t with its low three bits XORed by r / 4. A warp stores one step's 128 features
+// at once, and unswizzled the rows r and r + 4 share a bank (8-way conflicts, 40 % of the
+// kernel's shared-memory wavefronts at 4B heads, ncu session 11); swizzled, those stores and the
+// products' fragment loads (which read 8 consecutive steps of rows r..r+3) hit 32 banks.
+__device__ __forceinline__ int swz(int r, int t) { return t ^ ((r >> 2) & 7); }
 
 // Step 1 of both preparation kernels: the chunk's q̂, k̂ (l2-normalised, q̂ scaled by 1/√Dk),
 // v, g and β, a warp per step (unrolled: the loads of a warp's steps are in flight together);
@@ -93,8 +101,9 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
         #pragma unroll
         for (int x = 0; x < 4; x++) {
             const int r = lane + 32 * x;
-            s.qT[r * s.tp + i] = q[x] * qn;
-            s.kT[r * s.tp + i] = k[x] * kn;
+            const int col = s.swz ? swz(r, i) : i;
+            s.qT[r * s.tp + col] = q[x] * qn;
+            s.kT[r * s.tp + col] = k[x] * kn;
             if (s.kr) s.kr[i * s.kp + r] = k[x] * kn;
         }
         if (lane == 0) {
@@ -216,7 +225,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     const size_t c = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
     // 1. q̂, k̂ (both layouts), v, g, β of the chunk's steps.
-    load_chunk<D, CH_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, nullptr, nullptr, TP, DM, DM},
+    load_chunk<D, CH_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, nullptr, nullptr, TP, DM, DM, false},
                   T, len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (threads 0–63) and Q̂K̂ᵀ (64–127), a 4×4 tile each → A (shared) and Aqkᵀ (global).
@@ -457,42 +466,37 @@ __device__ __forceinline__ void mma8(float (&d)[4], const unsigned (&a)[4], cons
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// The B fragment (rows k0.., columns n0..) of a matrix stored by rows (x[k][n], pitch ≡ 8) or
-// transposed (x[n][k], pitch ≡ 4).
+// The B fragment (rows k0.., columns n0..) of a matrix stored by rows (x[k][n], pitch ≡ 8).
 template <bool R>
 __device__ __forceinline__ void frag_b(unsigned (&b)[2], const float* x, int p, int k0, int n0,
                                        int g, int c) {
     b[0] = tf<R>(x[(k0 + c) * p + n0 + g]);
     b[1] = tf<R>(x[(k0 + c + 4) * p + n0 + g]);
 }
-template <bool R>
-__device__ __forceinline__ void frag_b_t(unsigned (&b)[2], const float* x, int p, int k0, int n0,
-                                         int g, int c) {
-    b[0] = tf<R>(x[(n0 + g) * p + k0 + c]);
-    b[1] = tf<R>(x[(n0 + g) * p + k0 + c + 4]);
-}
-
 // acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT: a warp's 16 × 8·NT product, X
-// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp), by scalar fragment
-// loads from per-lane base pointers (the preparation's K̂K̂ᵀ and Q̂K̂ᵀ, whose operands are the
-// chunk's q̂ᵀ and k̂ᵀ tiles). A 4-way unroll: fully unrolled, the preparation measured 2 µs slower.
+// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp), both swizzled (swz: the
+// preparation's q̂ᵀ and k̂ᵀ tiles, its K̂K̂ᵀ and Q̂K̂ᵀ), by scalar fragment loads; m0 and the
+// columns of y a multiple of 8. A 4-way unroll: fully unrolled, the preparation measured 2 µs
+// slower.
 template <bool R, int K, int NT>
 __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, int xp, int m0,
                                          const float* y, int yp, int g, int c) {
-    const float* xa = x + c * xp + m0 + g;
-    const float* yb = y + c * yp + g;
+    const float* xa = x + c * xp + m0;
+    const float* yb = y + c * yp;
     #pragma unroll 4
     for (int k0 = 0; k0 < K; k0 += 8) {
+        // Rows k0 + c and k0 + c + 4 (c < 4): swizzled by k0 / 4 and k0 / 4 + 1.
+        const int g0 = swz(k0, g), g1 = swz(k0 + 4, g);
         unsigned a[4];
-        a[0] = tf<R>(xa[k0 * xp]);
-        a[1] = tf<R>(xa[k0 * xp + 8]);
-        a[2] = tf<R>(xa[(k0 + 4) * xp]);
-        a[3] = tf<R>(xa[(k0 + 4) * xp + 8]);
+        a[0] = tf<R>(xa[k0 * xp + g0]);
+        a[1] = tf<R>(xa[k0 * xp + 8 + g0]);
+        a[2] = tf<R>(xa[(k0 + 4) * xp + g1]);
+        a[3] = tf<R>(xa[(k0 + 4) * xp + 8 + g1]);
         #pragma unroll
         for (int n = 0; n < NT; n++) {
             unsigned bf[2];
-            bf[0] = tf<R>(yb[k0 * yp + 8 * n]);
-            bf[1] = tf<R>(yb[(k0 + 4) * yp + 8 * n]);
+            bf[0] = tf<R>(yb[k0 * yp + 8 * n + g0]);
+            bf[1] = tf<R>(yb[(k0 + 4) * yp + 8 * n + g1]);
             mma8(acc[n], a, bf);
         }
     }
@@ -621,7 +625,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
     bf16_t *k16 = reinterpret_cast<bf16_t*>(kd), *a16 = reinterpret_cast<bf16_t*>(atq);
 
     // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps.
-    load_chunk<D, TC_THREADS>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, eg_s, egc_s, PT_P, 0, PT_VP}, T,
+    load_chunk<D, TC_THREADS>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, eg_s, egc_s, PT_P, 0, PT_VP, true}, T,
                               len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqkᵀ (global).
@@ -629,7 +633,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
         const bool is_k = warp < 4;
         const int mt = 16 * (warp % 2), nt = 16 * ((warp / 2) % 2);
         float acc[2][4] = {};
-        mma_16xn<true, DM, 2>(acc, is_k ? kT : qT, PT_P, mt, kT + nt, PT_P, g, c);
+        mma_16xn<true, DM, 2>(acc, is_k ? kT : qT, PT_P, mt, kT + nt, PT_P, g, c);  // swizzled
         #pragma unroll
         for (int n = 0; n < 2; n++)
             #pragma unroll
@@ -644,17 +648,14 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
     }
     __syncthreads();
 
-    // 3. Warp 0: Tm = (I + A)⁻¹. The other warps write K'ᵀ.
+    // 3. Warp 0: Tm = (I + A)⁻¹. The other warps write K'ᵀ, a row of k̂ᵀ per warp and a step per
+    //    lane (a swizzled row's steps in 32 banks).
     if (warp == 0) {
         solve_unit_lower(a_s, tT, PT_P, lane);
     } else {
         const float gc = g_s[CH - 1];
-        for (int e = tid - 32; e < DM * CH / 4; e += TC_THREADS - 32) {
-            const int r = e / (CH / 4), t = 4 * (e % (CH / 4));
-            const float4 kv = ld4(&kT[r * PT_P + t]), ek = ld4(&egc_s[t]);
-            *reinterpret_cast<uint2*>(&k16[(cb * DM + r) * CH + t]) =
-                make_uint2(bf16x2(ek.x * kv.x, ek.y * kv.y), bf16x2(ek.z * kv.z, ek.w * kv.w));
-        }
+        for (int r = warp - 1; r < DM; r += TC_THREADS / 32 - 1)
+            k16[(cb * DM + r) * CH + lane] = bf16r(egc_s[lane] * kT[r * PT_P + swz(r, lane)]);
         if (tid == 32) gtot[cb] = expf(gc);
     }
     __syncthreads();
@@ -684,9 +685,11 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
             #pragma unroll
             for (int n = 0; n < 4; n++) {
                 unsigned bf[2];
-                if (is_w)
-                    frag_b_t<true>(bf, kT, PT_P, k0, c0 + 8 * n, g, c);
-                else
+                if (is_w) {  // k̂ᵀ's rows c0 + 8n.., swizzled
+                    const int r = c0 + 8 * n + g;
+                    bf[0] = tf<true>(kT[r * PT_P + swz(r, k0 + c)]);
+                    bf[1] = tf<true>(kT[r * PT_P + swz(r, k0 + c + 4)]);
+                } else
                     frag_b<true>(bf, vr, PT_VP, k0, c0 + 8 * n, g, c);
                 #pragma unroll
                 for (int mi = 0; mi < 2; mi++) mma8(acc[mi][n], a[mi], bf);
@@ -694,22 +697,32 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
         }
         __syncthreads();  // k̂ᵀ and v are consumed: they hold W and Q' on their way out
         float *w_st = kT, *q_st = vr;
+        // U goes straight out, a pair of columns per store: the lanes of a store fill whole
+        // 32-byte sectors of 8 rows.
+        const bool pairs = dv % 2 == 0;
         #pragma unroll
         for (int mi = 0; mi < 2; mi++)
             #pragma unroll
             for (int n = 0; n < 4; n++)
                 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
-                    if (is_w)
-                        w_st[t * PT_WS + col] = acc[mi][n][i];
-                    else if (col < dv)
-                        u[(cb * CH + t) * dv + col] = acc[mi][n][i];
+                for (int i = 0; i < 4; i += 2) {
+                    const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c;
+                    const float v0 = acc[mi][n][i], v1 = acc[mi][n][i + 1];
+                    float* ur = u + (cb * CH + t) * dv;
+                    if (is_w) {
+                        w_st[t * PT_WS + col] = v0;
+                        w_st[t * PT_WS + col + 1] = v1;
+                    } else if (pairs && col < dv) {
+                        *reinterpret_cast<float2*>(ur + col) = make_float2(v0, v1);
+                    } else if (!pairs) {
+                        if (col < dv) ur[col] = v0;
+                        if (col + 1 < dv) ur[col + 1] = v1;
+                    }
                 }
         // Q' = diag(e^G)·Q̂, transposed from q̂ᵀ: a lane per step on both sides, no bank shared.
         for (int e = tid; e < CH * DM; e += TC_THREADS) {
             const int t = e % CH, r = e / CH;
-            q_st[t * PT_QS + r] = eg_s[t] * qT[r * PT_P + t];
+            q_st[t * PT_QS + r] = eg_s[t] * qT[r * PT_P + swz(r, t)];
         }
         __syncthreads();
         for (int e = tid; e < CH * DM / 8; e += TC_THREADS) {  // 8 bf16 (16 bytes) a thread
