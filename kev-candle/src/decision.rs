@@ -5,6 +5,8 @@
 //! one right-padded batch on copies of that cache; a [`Prefix`] can be kept and reused by the
 //! next record with the same state. [`DecisionModel::probs_batch`] does the same for many
 //! records at once: their states as one padded batch, then all their branches as one batch.
+//! Where every state fits in one `prefill_chunk`, both parts run in a single pass over the
+//! layers ([`Split`]), each branch row continuing its state row within every layer.
 
 use std::path::Path;
 
@@ -47,7 +49,8 @@ pub(crate) struct Piece {
 
 /// What scoring records in prefix form runs: the states' pieces (one row per record) into a
 /// fresh cache, then all branches' pieces as one batch, each branch row on a copy of its
-/// record's cache row, then the head at each row's positions.
+/// record's cache row, then the head at each row's positions. With one piece each, both run in
+/// one pass over the layers instead ([`Split`]).
 pub(crate) struct Plan {
     state: Vec<Piece>,
     /// Records, so rows of the state cache (its pieces are empty when every state is).
@@ -413,7 +416,8 @@ impl DecisionModel {
     }
 
     /// Probabilities for many records at once: all states as one padded batch, then all branches
-    /// as one padded batch. Equal to scoring them one by one. On CUDA, a batch whose token shapes
+    /// as one padded batch (in one pass over the layers where every state fits in one
+    /// `prefill_chunk`). Equal to scoring them one by one. On CUDA, a batch whose token shapes
     /// were seen before replays a CUDA graph, as [`DecisionModel::forward`] does.
     pub fn probs_batch(&self, records: &[Record]) -> Result<Vec<Vec<Vec<f32>>>> {
         if records.is_empty() {
