@@ -330,21 +330,13 @@ pub fn causal_conv1d_split(
     let (states, s_len, channels) = x_state.dims3()?;
     let (b_sz, t_len, b_channels) = x_branches.dims3()?;
     let (w_channels, k) = weight.dims2()?;
-    if (states, s_len, b_sz, t_len)
-        != (rows.states(), rows.state_width(), rows.rows(), rows.width())
-        || b_channels != channels
-        || w_channels != channels
-        || k < 2
-    {
+    rows.check_parts("causal-conv1d-split", x_state, x_branches)?;
+    if b_channels != channels || w_channels != channels || k < 2 {
         bail!(
-            "causal-conv1d-split: state {:?} / branches {:?} do not fit weight {:?} and {} state rows of {} steps, {} branch rows of {}",
+            "causal-conv1d-split: state {:?} / branches {:?} do not fit weight {:?}",
             x_state.dims(),
             x_branches.dims(),
-            weight.dims(),
-            rows.states(),
-            rows.state_width(),
-            rows.rows(),
-            rows.width()
+            weight.dims()
         )
     }
     let dtype = x_state.dtype();

@@ -63,7 +63,8 @@ const GDRC_SCAN_SMEM: u32 = 77824;
 const GDRC_PREP_TC_SMEM: u32 = 68736;
 const GDRC_SCAN_TC_SMEM: u32 = 46592;
 /// `mode` bits of the tensor-core scans (`SCAN_*` in gdr_chunked.cu): read the state first (else
-/// start at zero), write it at the end, share row 0's among all rows.
+/// start at zero), write it at the end, read each row's state from its owner's (row 0's without
+/// an owner list).
 const SCAN_READ: i32 = 1;
 const SCAN_WRITE: i32 = 2;
 const SCAN_SHARED: i32 = 4;
@@ -644,8 +645,7 @@ pub(crate) fn gated_delta_rule_split(
     let s_tokens = states * s_len;
     let g_split = g0 + s_tokens * hv * 2;
     let (gb_a, gb_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
-    let branch_lengths: Vec<u32> = split.lengths().iter().map(|&l| l as u32).collect();
-    let lengths = gdr_lengths(&prep.dev, &branch_lengths, width)?;
+    let lengths = device_lengths(&prep.dev, split.padded_lengths().as_deref())?;
     let state_lengths = device_lengths(&prep.dev, split.padded_state_lengths().as_deref())?;
     let owners = device_lengths(&prep.dev, split.kernel_owners().as_deref())?;
     let layout = ScratchLayout::new(blocks_a + blocks_b, dv, true);

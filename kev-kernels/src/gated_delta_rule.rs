@@ -149,19 +149,7 @@ pub fn gated_delta_rule_split(
 ) -> Result<Option<Tensor>> {
     let (states, s_len, c) = state_qkv.dims3()?;
     let (b_rows, width, cb) = branch_qkv.dims3()?;
-    if (states, s_len, b_rows, width)
-        != (rows.states(), rows.state_width(), rows.rows(), rows.width())
-    {
-        bail!(
-            "gated-delta-rule-split: state {:?} and branches {:?} do not fit {} state rows of {} steps and {} branch rows of {}",
-            state_qkv.dims(),
-            branch_qkv.dims(),
-            rows.states(),
-            rows.state_width(),
-            rows.rows(),
-            rows.width()
-        )
-    }
+    rows.check_parts("gated-delta-rule-split", state_qkv, branch_qkv)?;
     if c != dims.channels() || cb != c || gb.dims() != [rows.tokens(), dims.num_v_heads, 2] {
         bail!(
             "gated-delta-rule-split: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",

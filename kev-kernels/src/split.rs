@@ -4,7 +4,7 @@
 //! [`crate::gated_delta_rule_split`]) take it, so several records' states and branches run in
 //! one pass as one record's do.
 
-use candle_core::{bail, Result};
+use candle_core::{bail, Result, Tensor};
 
 /// The two parts' shapes, real lengths and the state row of each branch row.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,11 +101,36 @@ impl SplitRows {
         self.states() * self.state_width + self.rows() * self.width
     }
 
+    /// An error naming `op` unless `state` is `[R, S, ..]` and `branches` `[B, T, ..]`.
+    pub(crate) fn check_parts(&self, op: &str, state: &Tensor, branches: &Tensor) -> Result<()> {
+        let lead = |t: &Tensor| t.dims().get(..2).map(<[usize]>::to_vec);
+        let want = |rows: usize, width: usize| Some(vec![rows, width]);
+        if lead(state) != want(self.states(), self.state_width)
+            || lead(branches) != want(self.rows(), self.width)
+        {
+            bail!(
+                "{op}: state {:?} and branches {:?} do not fit {} state rows of {} steps and {} branch rows of {}",
+                state.dims(),
+                branches.dims(),
+                self.states(),
+                self.state_width,
+                self.rows(),
+                self.width
+            )
+        }
+        Ok(())
+    }
+
     /// The state rows' real steps as the kernels read them, `None` when none is padded.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn padded_state_lengths(&self) -> Option<Vec<u32>> {
-        let padded = self.state_lengths.iter().any(|&l| l != self.state_width);
-        padded.then(|| self.state_lengths.iter().map(|&l| l as u32).collect())
+        padded(&self.state_lengths, self.state_width)
+    }
+
+    /// The branch rows' real steps as the kernels read them, `None` when none is padded.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn padded_lengths(&self) -> Option<Vec<u32>> {
+        padded(&self.lengths, self.width)
     }
 
     /// The owners as the kernels read them, `None` when there is one state row (all zeros).
@@ -113,4 +138,11 @@ impl SplitRows {
     pub(crate) fn kernel_owners(&self) -> Option<Vec<u32>> {
         (self.states() > 1).then(|| self.owners.iter().map(|&o| o as u32).collect())
     }
+}
+
+/// `lengths` as u32 (each fits: `SplitRows::new` checked the widths), `None` when all are `width`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn padded(lengths: &[usize], width: usize) -> Option<Vec<u32>> {
+    let padded = lengths.iter().any(|&l| l != width);
+    padded.then(|| lengths.iter().map(|&l| l as u32).collect())
 }
