@@ -73,7 +73,8 @@ const CONV_BLOCK: u32 = 256;
 const CONV_RUN: usize = 4;
 /// Channels per thread of the cached conv (`CONV_VEC` in ops.cu).
 const CONV_VEC: u32 = 8;
-/// Threads per block of the cached conv: each moves CONV_VEC channels.
+/// Threads per block of the cached conv: each moves CONV_VEC channels (ops.cu's launch bounds
+/// for `conv_cached_*` and `conv_split_*` assume 128).
 const CONV_CACHED_BLOCK: u32 = 128;
 
 impl Source {

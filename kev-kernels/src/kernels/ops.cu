@@ -584,6 +584,60 @@ __device__ __forceinline__ void store8(typename D::T* p, const float* v) {
     #pragma unroll
     for (int j = 0; j < CONV_VEC; j += Vec16<D>::N) Vec16<D>::store(p + j, v + j);
 }
+// Value i of the 8 16-bit values packed in v, as f32.
+template <typename D>
+__device__ __forceinline__ float unpack8(const uint4& v, int i) {
+    const unsigned w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
+    const typename D::T h = (typename D::T)((i & 1) ? w >> 16 : w & 0xffffu);
+    return D::load(&h);
+}
+// The bits of v rounded to the 16-bit dtype D.
+template <typename D>
+__device__ __forceinline__ unsigned pack16(float v) {
+    typename D::T h;
+    D::store(&h, v);
+    return h;
+}
+// conv_run's vector path for 16-bit dtypes: the weights, the window and the outputs stay packed
+// (16 + 28 + 16 registers where f32 copies took 32 + 56 + 8), a channel at a time widened where
+// it is used. Unpacked, the conv needed 96 registers a thread, which held the split conv to 31 %
+// occupancy with its loads' latency unhidden (ncu, 4B: 102 µs a layer at 38 % of DRAM
+// bandwidth, session 11). The same products in the same order, so the same numbers.
+template <typename D, typename Row>
+__device__ __forceinline__ void conv_run_packed(const Row& row, const typename D::T* __restrict__ w,
+                                                typename D::T* __restrict__ y, int t0, int t1,
+                                                int c0, int C) {
+    uint4 wq[4];  // w[c0..c0+8, 0..4]: weight (i, j) is value 4i + j
+    #pragma unroll
+    for (int j = 0; j < 4; j++)
+        wq[j] = *reinterpret_cast<const uint4*>(w + (size_t)c0 * 4 + j * CONV_VEC);
+    uint4 win[CONV_RUN + 3];
+    #pragma unroll
+    for (int p = 0; p < CONV_RUN + 3; p++) {
+        const typename D::T* src = t0 + p < t1 + 3 ? row(t0 + p, c0) : nullptr;
+        win[p] = src ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    unsigned out[CONV_RUN][CONV_VEC / 2];  // two outputs a word
+    #pragma unroll
+    for (int i = 0; i < CONV_VEC; i++) {
+        const uint4& wi = wq[i / 2];
+        const int k = 4 * (i % 2);
+        const float w0 = unpack8<D>(wi, k), w1 = unpack8<D>(wi, k + 1), w2 = unpack8<D>(wi, k + 2),
+                    w3 = unpack8<D>(wi, k + 3);
+        #pragma unroll
+        for (int r = 0; r < CONV_RUN; r++) {
+            const float acc = w0 * unpack8<D>(win[r], i) + w1 * unpack8<D>(win[r + 1], i) +
+                              w2 * unpack8<D>(win[r + 2], i) + w3 * unpack8<D>(win[r + 3], i);
+            const unsigned h = pack16<D>(silu<D>(acc));
+            out[r][i / 2] = i % 2 ? out[r][i / 2] | (h << 16) : h;
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < CONV_RUN; r++)
+        if (t0 + r < t1)
+            *reinterpret_cast<uint4*>(y + (size_t)(t0 + r) * C + c0) =
+                make_uint4(out[r][0], out[r][1], out[r][2], out[r][3]);
+}
 // One thread's run of the conv: steps t0..t1 (at most CONV_RUN) of channels c0..c0+nc, window
 // row p (row 0 is K−1 steps before step 0) read through `row(p, c)`: a pointer, or null for a
 // zero row. Outputs at y (row pitch C). `vec`: 8 channels as 16-byte vectors and K = 4.
@@ -591,6 +645,12 @@ template <typename D, typename Row>
 __device__ __forceinline__ void conv_run(const Row& row, const typename D::T* __restrict__ w,
                                          typename D::T* __restrict__ y, int t0, int t1, int c0,
                                          int nc, int C, int K, bool vec) {
+    if constexpr (sizeof(typename D::T) == 2) {
+        if (vec) {
+            conv_run_packed<D>(row, w, y, t0, t1, c0, C);
+            return;
+        }
+    }
     if (vec) {
         float raw[4 * CONV_VEC];  // w[c0..c0+8, 0..4] by channel
         #pragma unroll
@@ -716,21 +776,24 @@ __device__ void conv_split(const typename D::T* __restrict__ xs, long ss, int R,
                 nc, C, K, vec);
 }
 
-#define CONV_CACHED(TAG, D)                                                                      \
-    extern "C" __global__ void conv_cached_##TAG(const D::T* x, long xs, const D::T* cache,     \
-                                                 const D::T* w, const unsigned int* lengths,    \
-                                                 D::T* out, int B, int T, int C, int K) {       \
+// The 16-bit kernels run 8 blocks of 128 threads (CONV_CACHED_BLOCK in cuda.rs) per
+// multiprocessor: 64 registers with the packed vector path (bf16 without spills, f16 with 8
+// bytes). f32 keeps its 118 registers (capped at 64 it spilled 0.5 KB).
+#define CONV_CACHED(TAG, D, MINB)                                                               \
+    extern "C" __global__ void __launch_bounds__(128, MINB) conv_cached_##TAG(                  \
+        const D::T* x, long xs, const D::T* cache, const D::T* w, const unsigned int* lengths,  \
+        D::T* out, int B, int T, int C, int K) {                                                \
         conv_cached<D>(x, xs, cache, w, lengths, out, B, T, C, K);                              \
     }                                                                                           \
-    extern "C" __global__ void conv_split_##TAG(                                                \
+    extern "C" __global__ void __launch_bounds__(128, MINB) conv_split_##TAG(                   \
         const D::T* xs, long ss, int R, int S, const unsigned int* len_s, const D::T* xb,       \
         long bs, int B, int T, const unsigned int* owners, const D::T* w, D::T* out, int C,     \
         int K) {                                                                                \
         conv_split<D>(xs, ss, R, S, len_s, xb, bs, B, T, owners, w, out, C, K);                 \
     }
-CONV_CACHED(f32, F32)
-CONV_CACHED(bf16, BF16)
-CONV_CACHED(f16, F16)
+CONV_CACHED(f32, F32, 1)
+CONV_CACHED(bf16, BF16, 8)
+CONV_CACHED(f16, F16, 8)
 
 // gather_rows16: out row r = src row idx[r], rows of `units` 16-byte words (any dtype). An index
 // at or past `rows` (the host checks them) writes zeros rather than reading outside the source.
