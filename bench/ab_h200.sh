@@ -5,20 +5,21 @@
 # copy of the base's .gpu/bench.xz kept aside):
 #
 #   bench/ab_h200.sh .gpu/bench-base .gpu/bench          # one request, 0.8B and 4B, two rounds
+#   bench/ab_h200.sh .gpu/bench-base .gpu/bench-a .gpu/bench-b   # more than one change
 #
 # Environment knobs [defaults]: SIZES ["0.8b 4b"]  WORKLOADS ["one:prefix"] (records:form pairs,
 # e.g. "one:prefix batch8:batch long:prefix")  ROUNDS [2]  REPEATS [5]  WARMUP [3]. Results:
 # $OUT (or bench/.cache)/ab.jsonl, labelled with each binary's file name; a summary on stdout.
 set -uo pipefail
 case "${1:-}" in ""|-h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;; esac
-[ $# -eq 2 ] || { echo "two binaries, base then change" >&2; exit 2; }
+[ $# -ge 2 ] || { echo "two binaries or more: the base, then the changes" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/.cache}
 mkdir -p "$out"
 for s in ${SIZES:-0.8b 4b}; do
   SIZES=$s bench/run_h200.sh gen > /dev/null 2>&1
   for round in $(seq "${ROUNDS:-2}"); do
-    for bin in "$1" "$2"; do
+    for bin in "$@"; do
       for w in ${WORKLOADS:-one:prefix}; do
         "$bin" --checkpoint "bench/.cache/kev-$s" --records "bench/.cache/records/${w%%:*}.jsonl" \
           --backend cuda --dtype bf16 --form "${w##*:}" --repeats "${REPEATS:-5}" \
