@@ -4,9 +4,10 @@
 
 use crate::common::{check, device, fixture, TOL_HIDDEN_F32};
 use candle_core::{DType, Device, Tensor};
-use kev_candle::qwen35::{Config, Model};
+use kev_candle::qwen35::{Config, Model, Split};
 use kev_candle::weights::Weights;
 use kev_core::BaseFiles;
+use kev_kernels::SplitRows;
 
 fn load(base: &str) -> Model {
     let files = BaseFiles::from_local(&fixture(base)).expect("fixture base resolves");
@@ -121,5 +122,69 @@ fn padded_batch_rows_equal_single_rows() {
             1e-5,
         )
         .unwrap();
+    }
+}
+
+#[test]
+fn split_forward_equals_states_then_branches() {
+    // One pass over packed states and branches against the states' forward, then the branches'
+    // on copies of their owners' cache rows. Both kinds of last layer: the pass skips the last
+    // layer's state rows, which feed the branches only through that layer's cache.
+    let refs = reference();
+    let ids = ids_of(&refs["len200.ids"]);
+    let files = BaseFiles::from_local(&fixture("base-mm")).expect("fixture base resolves");
+    let full = Config::from_json(&std::fs::read_to_string(&files.config).unwrap()).unwrap();
+    let w = Weights::open(&files.weights, None, 1.0, DType::F32, device()).unwrap();
+    let pad = |t: Tensor, width: usize| {
+        let fill = Tensor::zeros((1, width - t.dim(1).unwrap()), DType::U32, &device()).unwrap();
+        Tensor::cat(&[&t, &fill], 1).unwrap()
+    };
+    let (state_lengths, lengths, owners) = (vec![70, 41], vec![9, 5, 7], vec![1, 0, 1]);
+    let states = Tensor::cat(
+        &[
+            pad(ids.narrow(1, 0, 70).unwrap(), 70),
+            pad(ids.narrow(1, 100, 41).unwrap(), 70),
+        ],
+        0,
+    )
+    .unwrap();
+    let branches = Tensor::cat(
+        &[
+            pad(ids.narrow(1, 180, 9).unwrap(), 9),
+            pad(ids.narrow(1, 150, 5).unwrap(), 9),
+            pad(ids.narrow(1, 190, 7).unwrap(), 9),
+        ],
+        0,
+    )
+    .unwrap();
+    for layers in [full.num_hidden_layers, full.num_hidden_layers - 1] {
+        let mut cfg = full.clone();
+        cfg.num_hidden_layers = layers;
+        cfg.layer_types.truncate(layers);
+        let last = cfg.layer_types[layers - 1];
+        let model = Model::new(&cfg, &w).unwrap();
+        let rows = SplitRows::new(
+            70,
+            state_lengths.clone(),
+            9,
+            lengths.clone(),
+            owners.clone(),
+        );
+        let split = Split::new(rows.unwrap(), &device()).unwrap();
+        let ours = model.forward_split(&states, &branches, &split).unwrap();
+
+        let mut cache = model.new_cache(2).unwrap();
+        model
+            .forward(&states, &mut cache, Some(&state_lengths))
+            .unwrap();
+        let mut cache = cache.select_rows(&owners).unwrap();
+        let theirs = model
+            .forward(&branches, &mut cache, Some(&lengths))
+            .unwrap();
+        for (row, &len) in lengths.iter().enumerate() {
+            let real = |t: &Tensor| t.narrow(0, row, 1).unwrap().narrow(1, 0, len).unwrap();
+            let what = format!("{layers} layers (last {last:?}), branch row {row}");
+            check(&what, &real(&ours), &real(&theirs), 1e-5).unwrap();
+        }
     }
 }

@@ -7,13 +7,16 @@ use candle_nn::Linear;
 use kev_kernels::{attention_gate, causal_softmax, qk_norm_rope};
 
 use super::norm::ZeroCenteredRmsNorm;
-use super::{linear, linear_cat, Config, Split};
+use super::{linear, linear_cat, Config, Rows, Split};
 use crate::weights::Weights;
 
 /// One full-attention layer.
 pub struct Attention {
     /// `q_proj` (`[q | gate]` per head), `k_proj`, `v_proj` stacked.
     qkv_proj: Linear,
+    /// The `k_proj`, `v_proj` rows of `qkv_proj` (a view): rows whose outputs nobody reads
+    /// still give their keys and values.
+    kv_proj: Linear,
     o_proj: Linear,
     q_norm: ZeroCenteredRmsNorm,
     k_norm: ZeroCenteredRmsNorm,
@@ -34,16 +37,22 @@ impl Attention {
             ZeroCenteredRmsNorm::new(&wt, cfg.rms_norm_eps)
                 .map_err(|e| kev_core::Error::backend(format!("`{key}`"), e))
         };
+        let qkv_proj = linear_cat(
+            w,
+            &[
+                (&format!("{prefix}.q_proj"), nq * hd * 2),
+                (&format!("{prefix}.k_proj"), nkv * hd),
+                (&format!("{prefix}.v_proj"), nkv * hd),
+            ],
+            h,
+        )?;
+        let kv_weight = qkv_proj
+            .weight()
+            .narrow(0, nq * hd * 2, 2 * nkv * hd)
+            .map_err(|e| kev_core::Error::backend(format!("`{prefix}.k_proj`"), e))?;
         Ok(Self {
-            qkv_proj: linear_cat(
-                w,
-                &[
-                    (&format!("{prefix}.q_proj"), nq * hd * 2),
-                    (&format!("{prefix}.k_proj"), nkv * hd),
-                    (&format!("{prefix}.v_proj"), nkv * hd),
-                ],
-                h,
-            )?,
+            qkv_proj,
+            kv_proj: Linear::new(kv_weight, None),
             o_proj: linear(w, &format!("{prefix}.o_proj"), nq * hd, h)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
@@ -72,20 +81,42 @@ impl Attention {
 
     /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`Split`]), with each
     /// part's RoPE and key bias: every branch row attends to its state row's keys of this layer.
+    /// Returns all rows' outputs, or with `Rows::Branches` the branch rows' only (`[B·T, H]`):
+    /// then the state rows give only their keys and values.
     pub fn forward_split(
         &self,
         xs: &Tensor,
         split: &Split,
         (cos_sin_s, key_bias_s): (&Tensor, &Tensor),
         (cos_sin_b, key_bias_b): (&Tensor, &Tensor),
+        rows: Rows,
     ) -> Result<Tensor> {
-        let (proj_s, proj_b) = split.parts(&self.qkv_proj.forward(xs)?)?;
         let (mut k, mut v) = (None, None);
-        let out_s = self.attend(&proj_s, cos_sin_s, key_bias_s, &mut k, &mut v)?;
+        let (proj_b, out_s) = match rows {
+            Rows::All => {
+                let (proj_s, proj_b) = split.parts(&self.qkv_proj.forward(xs)?)?;
+                let out_s = self.attend(&proj_s, cos_sin_s, key_bias_s, &mut k, &mut v)?;
+                (proj_b, Some(out_s))
+            }
+            Rows::Branches => {
+                let (xs_s, xs_b) = split.parts(xs)?;
+                let (r, s, _) = xs_s.dims3()?;
+                let kv = self.kv_proj.forward(&xs_s.flatten(0, 1)?)?;
+                let heads = kv.reshape((r, s, 2 * self.num_kv_heads, self.head_dim))?;
+                let (k_s, v_s) = self.new_kv(&heads, 0, cos_sin_s)?;
+                (k, v) = (Some(k_s), Some(v_s));
+                let (b, t, _) = xs_b.dims3()?;
+                let proj_b = self.qkv_proj.forward(&xs_b.flatten(0, 1)?)?;
+                (proj_b.reshape((b, t, ()))?, None)
+            }
+        };
         let branch_cache = |t: Option<Tensor>| t.map(|t| split.to_branches(&t)).transpose();
         let (mut k, mut v) = (branch_cache(k)?, branch_cache(v)?);
         let out_b = self.attend(&proj_b, cos_sin_b, key_bias_b, &mut k, &mut v)?;
-        self.o_proj.forward(&split.join(&out_s, &out_b)?)
+        match out_s {
+            Some(out_s) => self.o_proj.forward(&split.join(&out_s, &out_b)?),
+            None => self.o_proj.forward(&out_b.flatten(0, 1)?),
+        }
     }
 
     /// Everything between the projections, from `proj: [B, T, ..]` (the stacked q/gate, k, v
@@ -107,12 +138,8 @@ impl Attention {
         let q = q_gate.narrow(3, 0, 1)?.squeeze(3)?; // [B, T, Hq, hd]
         let gate = q_gate.narrow(3, 1, 1)?.squeeze(3)?;
         let heads = proj.reshape((b_sz, seq_len, 2 * (nq + nkv), hd))?;
-        let k = heads.narrow(2, 2 * nq, nkv)?; // [B, T, Hkv, hd]
-        let v = heads.narrow(2, 2 * nq + nkv, nkv)?;
-
+        let (k, v) = self.new_kv(&heads, 2 * nq, cos_sin)?;
         let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
-        let k = qk_norm_rope(&k, self.k_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hkv, T, hd]
-        let v = v.transpose(1, 2)?.contiguous()?;
         let k = match k_cache.take() {
             Some(old) => Tensor::cat(&[&old, &k], 2)?,
             None => k,
@@ -138,5 +165,20 @@ impl Attention {
         ))?;
         let out = probs.matmul(&v)?.reshape((b_sz, nq, seq_len, hd))?;
         attention_gate(&out, &gate)
+    }
+
+    /// This step's keys (normed and rotated) and values, `[B, Hkv, T, hd]` each, from the
+    /// projection's heads `[B, T, .., hd]` where the kv heads start at head `first_kv`.
+    fn new_kv(
+        &self,
+        heads: &Tensor,
+        first_kv: usize,
+        cos_sin: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let nkv = self.num_kv_heads;
+        let k = heads.narrow(2, first_kv, nkv)?;
+        let v = heads.narrow(2, first_kv + nkv, nkv)?;
+        let k = qk_norm_rope(&k, self.k_norm.one_plus_w(), cos_sin, self.eps)?;
+        Ok((k, v.transpose(1, 2)?.contiguous()?))
     }
 }

@@ -9,7 +9,7 @@ use kev_kernels::{
 };
 
 use super::norm::GatedRmsNorm;
-use super::{linear, linear_cat, Config, Split};
+use super::{linear, linear_cat, Config, Rows, Split};
 use crate::weights::Weights;
 
 /// One Gated DeltaNet layer.
@@ -97,7 +97,8 @@ impl GatedDeltaNet {
 
     /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`Split`]): each branch
     /// row continues from its state row's conv window and recurrent state of this layer.
-    pub fn forward_split(&self, xs: &Tensor, split: &Split) -> Result<Tensor> {
+    /// Returns all rows' outputs, or with `Rows::Branches` the branch rows' only (`[B·T, H]`).
+    pub fn forward_split(&self, xs: &Tensor, split: &Split, out_rows: Rows) -> Result<Tensor> {
         let GdrDims {
             num_v_heads: hv,
             head_k_dim: dk,
@@ -146,7 +147,13 @@ impl GatedDeltaNet {
                 split.join(&o_s, &o_b)?
             }
         };
-        self.out(&o, &self.z(&proj)?)
+        match out_rows {
+            Rows::All => self.out(&o, &self.z(&proj)?),
+            Rows::Branches => self.out(
+                &split.branch_rows(&o)?,
+                &split.branch_rows(&self.z(&proj)?)?,
+            ),
+        }
     }
 
     /// g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as

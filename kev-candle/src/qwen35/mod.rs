@@ -14,6 +14,7 @@ mod split;
 pub use cache::{Cache, LayerCache};
 pub use config::{Config, LayerType};
 pub use model::Model;
+use split::Rows;
 pub use split::Split;
 
 use candle_nn::Linear;

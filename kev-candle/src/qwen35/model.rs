@@ -12,7 +12,7 @@ use super::mlp::Mlp;
 use super::norm::ZeroCenteredRmsNorm;
 use super::rope::Rope;
 use super::split::Split;
-use super::{Config, LayerType};
+use super::{Config, LayerType, Rows};
 use crate::weights::Weights;
 
 enum Mixer {
@@ -97,24 +97,31 @@ impl DecoderLayer {
         })
     }
 
-    /// [`DecoderLayer::forward`] on a packed state and its branches ([`Split`]).
+    /// [`DecoderLayer::forward`] on a packed state and its branches ([`Split`]); with
+    /// `Rows::Branches`, the stream and MLP output of the branch rows only (`[B·T, H]`).
     fn forward_split(
         &self,
         xs: &Tensor,
         pending: Option<&Tensor>,
         step: &SplitStep,
+        out_rows: Rows,
     ) -> Result<(Tensor, Tensor)> {
-        self.around_mixer(xs, pending, |h| match &self.mixer {
+        let mix = |h: &Tensor| match &self.mixer {
             Mixer::Attention(attn) => {
                 let (bias_s, bias_b) = step
                     .key_bias
                     .as_ref()
                     .expect("the key bias is built when attention layers exist");
                 let (cs_s, cs_b) = &step.cos_sin;
-                attn.forward_split(h, step.split, (cs_s, bias_s), (cs_b, bias_b))
+                attn.forward_split(h, step.split, (cs_s, bias_s), (cs_b, bias_b), out_rows)
             }
-            Mixer::DeltaNet(gdn) => gdn.forward_split(h, step.split),
-        })
+            Mixer::DeltaNet(gdn) => gdn.forward_split(h, step.split, out_rows),
+        };
+        let kept = |xs: Tensor| match out_rows {
+            Rows::All => Ok(xs),
+            Rows::Branches => step.split.branch_rows(&xs),
+        };
+        self.around_mixer_keeping(xs, pending, mix, kept)
     }
 
     /// The input norm (with the pending add), `mix`, the post-attention norm (with its add) and
@@ -125,12 +132,26 @@ impl DecoderLayer {
         pending: Option<&Tensor>,
         mix: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<(Tensor, Tensor)> {
+        self.around_mixer_keeping(xs, pending, mix, Ok)
+    }
+
+    /// [`DecoderLayer::around_mixer`] where `mix` gives outputs for the rows of the stream that
+    /// `kept` keeps.
+    fn around_mixer_keeping(
+        &self,
+        xs: &Tensor,
+        pending: Option<&Tensor>,
+        mix: impl FnOnce(&Tensor) -> Result<Tensor>,
+        kept: impl FnOnce(Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
         let (xs, h) = match pending {
             Some(p) => self.input_layernorm.forward_residual(xs, p)?,
             None => (xs.clone(), self.input_layernorm.forward(xs)?),
         };
         let h = mix(&h)?;
-        let (xs, h) = self.post_attention_layernorm.forward_residual(&xs, &h)?;
+        let (xs, h) = self
+            .post_attention_layernorm
+            .forward_residual(&kept(xs)?, &h)?;
         Ok((xs, self.mlp.forward(&h)?))
     }
 }
@@ -333,12 +354,18 @@ impl Model {
         let ids = Tensor::cat(&[state_ids.flatten_all()?, branch_ids.flatten_all()?], 0)?;
         let mut xs = self.embed_tokens.forward(&ids)?; // [R·S + B·T, H]
         let mut pending = None;
-        for layer in &self.layers {
-            let (stream, mlp_out) = layer.forward_split(&xs, pending.as_ref(), &step)?;
+        let last = self.layers.len().saturating_sub(1);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let out_rows = if i == last { Rows::Branches } else { Rows::All };
+            let (stream, mlp_out) = layer.forward_split(&xs, pending.as_ref(), &step, out_rows)?;
             xs = stream;
             pending = Some(mlp_out);
         }
-        Ok(split.parts(&self.final_norm(&xs, pending.as_ref())?)?.1)
+        if self.layers.is_empty() {
+            xs = split.branch_rows(&xs)?;
+        }
+        self.final_norm(&xs, pending.as_ref())?
+            .reshape((b_rows, width, ()))
     }
 
     /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached

@@ -10,6 +10,16 @@
 use candle_core::{Device, Result, Tensor};
 use kev_kernels::{RowIndex, SplitRows};
 
+/// Which rows of a [`Split`] a layer gives outputs for. The last layer's state rows feed the
+/// branches only through their keys and values, conv window and recurrent state: nothing reads
+/// their outputs, so the last layer skips them (its MLP, `o_proj` or `out_proj`, and the
+/// states' own attention), about three quarters of that layer's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rows {
+    All,
+    Branches,
+}
+
 /// How the packed token rows divide ([`SplitRows`]), with the branch rows' owners on the device
 /// for copying state rows to them.
 pub struct Split {
@@ -36,6 +46,13 @@ impl Split {
         kev_kernels::gather_rows(t, &self.owners)
     }
 
+    /// The branch rows of packed `t: [N, ..]` as `[B·T, ..]` (a view).
+    pub fn branch_rows(&self, t: &Tensor) -> Result<Tensor> {
+        let r = &self.rows;
+        let s_tokens = r.states() * r.state_width();
+        t.narrow(0, s_tokens, r.rows() * r.width())
+    }
+
     /// Views of packed `t: [N, ..]` (rows contiguous) as the states `[R, S, ..]` and the
     /// branches `[B, T, ..]`; no copies.
     pub fn parts(&self, t: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -46,9 +63,7 @@ impl Split {
         let state = t
             .narrow(0, 0, s_tokens)?
             .reshape(shape(r.states(), r.state_width()))?;
-        let branches = t
-            .narrow(0, s_tokens, r.rows() * r.width())?
-            .reshape(shape(r.rows(), r.width()))?;
+        let branches = self.branch_rows(t)?.reshape(shape(r.rows(), r.width()))?;
         Ok((state, branches))
     }
 
