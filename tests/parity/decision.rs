@@ -170,13 +170,18 @@ fn prefix_is_reused_and_checked() {
     let (r2, r3) = (&recs[1], &recs[2]);
     assert_eq!(r2.state, r3.state, "fixture records 2 and 3 share a state");
     let (p2, prefix) = model.probs_and_prefix(r2).unwrap();
-    assert_eq!(p2, model.probs(r2).unwrap());
     let reused = model.probs_with_prefix(r3, &prefix).unwrap();
     assert_eq!(
         reused,
-        model.probs(r3).unwrap(),
+        model.probs_and_prefix(r3).unwrap().0,
         "reusing a prefix changes nothing"
     );
+    // `probs` runs state and branches in one pass: other matrix shapes, so on a GPU other
+    // summation orders than the prefix's two passes.
+    let worst = max_delta(&p2, &model.probs(r2).unwrap())
+        .max(max_delta(&reused, &model.probs(r3).unwrap()));
+    println!("prefix's two passes vs one pass: max|Δp| {worst:.2e}");
+    assert!(worst <= TOL_FORMS_F32, "{worst:e}");
     // The prefix is not consumed or altered by use.
     assert_eq!(model.probs_with_prefix(r2, &prefix).unwrap(), p2);
     let err = model.probs_with_prefix(&recs[0], &prefix).unwrap_err();
