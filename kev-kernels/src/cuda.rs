@@ -60,7 +60,7 @@ const GDRC_TC_THREADS: u32 = 256;
 const GDRC_MAX_DIM: usize = 128;
 const GDRC_PREP_SMEM: u32 = 70016;
 const GDRC_SCAN_SMEM: u32 = 77824;
-const GDRC_PREP_TC_SMEM: u32 = 68736;
+const GDRC_PREP_TC_SMEM: u32 = 48512;
 const GDRC_SCAN_TC_SMEM: u32 = 46592;
 /// `mode` bits of the tensor-core scans (`SCAN_*` in gdr_chunked.cu): read the state first (else
 /// start at zero), write it at the end, read each row's state from its owner's (row 0's without

@@ -53,26 +53,34 @@ __device__ __forceinline__ void outer4(float (&acc)[4][4], const float4& x, cons
 }
 
 // Where step 1 of a preparation kernel puts a chunk's inputs in shared memory: q̂ᵀ and k̂ᵀ
-// [DM][tp], k̂ [CH][kp] (optional), v [CH][vp], and G, β, β·e^G [CH] each; optionally e^G and
-// e^{G_CH−G} [CH] each (eg, egc), so later steps read the chunk's decays instead of
-// recomputing them per element. `swz`: q̂ᵀ and k̂ᵀ swizzled (see swz below).
+// [DM][tp] in f32 (qT, kT), or q and k as loaded, 16-bit, with their norms' factors qn, kn [CH]
+// (q16, k16, swizzled: see swz below); k̂ [CH][kp] (optional), v [CH][vp], and G, β, β·e^G [CH]
+// each; optionally e^G and e^{G_CH−G} [CH] each (eg, egc), so later steps read the chunk's
+// decays instead of recomputing them per element.
 struct StepTiles {
     float *qT, *kT, *kr, *vr, *g, *beta, *bg, *eg, *egc;
     int tp, kp, vp;
-    bool swz;
+    unsigned short *q16, *k16;
+    float *qn, *kn;
 };
 
-// The column of step t in row r of the tensor-core preparation's q̂ᵀ and k̂ᵀ tiles (pitch PT_P
-// ≡ 8 mod 32): t with its low three bits XORed by r / 4. A warp stores one step's 128 features
-// at once, and unswizzled the rows r and r + 4 share a bank (8-way conflicts, 40 % of the
-// kernel's shared-memory wavefronts at 4B heads, ncu session 11); swizzled, those stores and the
-// products' fragment loads (which read 8 consecutive steps of rows r..r+3) hit 32 banks.
-__device__ __forceinline__ int swz(int r, int t) { return t ^ ((r >> 2) & 7); }
+// The column of step t in row r of the tensor-core preparation's 16-bit qᵀ and kᵀ tiles (pitch
+// PT_P16 elements, 20 words ≡ 20 mod 32): t with its bits 1–2 XORed by r / 8. A warp stores one
+// step's 128 features at once; unswizzled, rows r, r + 8, r + 16, r + 24 share a bank (4-way
+// conflicts). Swizzled, those stores hit 32 banks, and the products' fragment loads (8
+// consecutive steps of rows r..r+3, r / 8 the same for all) stay conflict-free.
+__device__ __forceinline__ int swz(int r, int t) { return t ^ (((r >> 3) & 3) << 1); }
+
+// A 16-bit activation's bits (the f32 instantiation has no 16-bit tiles).
+__device__ __forceinline__ unsigned short bits16(unsigned short x) { return x; }
+__device__ __forceinline__ unsigned short bits16(float) { return 0; }
 
 // Step 1 of both preparation kernels: the chunk's q̂, k̂ (l2-normalised, q̂ scaled by 1/√Dk),
 // v, g and β, a warp per step (unrolled: the loads of a warp's steps are in flight together);
-// then the cumulative G and β·e^G. Ends with the block synchronised.
-template <typename D, int NTHREADS>
+// then the cumulative G and β·e^G. Ends with the block synchronised. UNROLL: steps a warp has
+// in flight (1 in the tensor-core preparation, whose four blocks per multiprocessor leave no
+// registers for more and hide the loads' latency with one another).
+template <typename D, int NTHREADS, int UNROLL = CH / (NTHREADS / 32)>
 __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv,
                                            const float* __restrict__ gb, const StepTiles& s,
                                            int T, int len, int t0, int b, int h, int kh, int hk,
@@ -80,7 +88,7 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int channels = 2 * hk * dk + hv * dv;
     const float scale = rsqrtf((float)dk);
-    #pragma unroll
+    #pragma unroll UNROLL
     for (int step = 0; step < CH / (NTHREADS / 32); step++) {
         const int i = warp + step * (NTHREADS / 32), t = t0 + i;
         const bool valid = t < len;
@@ -101,10 +109,19 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
         #pragma unroll
         for (int x = 0; x < 4; x++) {
             const int r = lane + 32 * x;
-            const int col = s.swz ? swz(r, i) : i;
-            s.qT[r * s.tp + col] = q[x] * qn;
-            s.kT[r * s.tp + col] = k[x] * kn;
+            if (s.q16) {  // as loaded: exact in 16 bits, and in TF32
+                const bool in = valid && r < dk;
+                s.q16[r * s.tp + swz(r, i)] = in ? bits16(row[kh * dk + r]) : 0;
+                s.k16[r * s.tp + swz(r, i)] = in ? bits16(row[(hk + kh) * dk + r]) : 0;
+            } else {
+                s.qT[r * s.tp + i] = q[x] * qn;
+                s.kT[r * s.tp + i] = k[x] * kn;
+            }
             if (s.kr) s.kr[i * s.kp + r] = k[x] * kn;
+        }
+        if (lane == 0 && s.qn) {
+            s.qn[i] = qn;
+            s.kn[i] = kn;
         }
         if (lane == 0) {
             const float* g = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
@@ -225,7 +242,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     const size_t c = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
     // 1. q̂, k̂ (both layouts), v, g, β of the chunk's steps.
-    load_chunk<D, CH_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, nullptr, nullptr, TP, DM, DM, false},
+    load_chunk<D, CH_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, nullptr, nullptr, TP, DM, DM, nullptr, nullptr, nullptr, nullptr},
                   T, len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (threads 0–63) and Q̂K̂ᵀ (64–127), a 4×4 tile each → A (shared) and Aqkᵀ (global).
@@ -474,29 +491,30 @@ __device__ __forceinline__ void frag_b(unsigned (&b)[2], const float* x, int p, 
     b[1] = tf<R>(x[(k0 + c + 4) * p + n0 + g]);
 }
 // acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT: a warp's 16 × 8·NT product, X
-// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp), both swizzled (swz: the
-// preparation's q̂ᵀ and k̂ᵀ tiles, its K̂K̂ᵀ and Q̂K̂ᵀ), by scalar fragment loads; m0 and the
-// columns of y a multiple of 8. A 4-way unroll: fully unrolled, the preparation measured 2 µs
-// slower.
-template <bool R, int K, int NT>
-__device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const float* x, int xp, int m0,
-                                         const float* y, int yp, int g, int c) {
-    const float* xa = x + c * xp + m0;
-    const float* yb = y + c * yp;
+// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp), both 16-bit activations
+// of dtype D as loaded and swizzled (swz: the preparation's qᵀ and kᵀ tiles, its KKᵀ and QKᵀ),
+// by scalar fragment loads; m0 and the columns of y a multiple of 8. A bf16 or f16 value is
+// exact in TF32, so the products are exact. A 4-way unroll: fully unrolled, the preparation
+// measured 2 µs slower.
+template <typename D, int K, int NT>
+__device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const unsigned short* x, int xp,
+                                         int m0, const unsigned short* y, int yp, int g, int c) {
+    const unsigned short* xa = x + c * xp + m0;
+    const unsigned short* yb = y + c * yp;
     #pragma unroll 4
     for (int k0 = 0; k0 < K; k0 += 8) {
-        // Rows k0 + c and k0 + c + 4 (c < 4): swizzled by k0 / 4 and k0 / 4 + 1.
-        const int g0 = swz(k0, g), g1 = swz(k0 + 4, g);
+        // Rows k0 + c and k0 + c + 4 (c < 4): swizzled by k0 / 8.
+        const int g0 = swz(k0, g);
         unsigned a[4];
-        a[0] = tf<R>(xa[k0 * xp + g0]);
-        a[1] = tf<R>(xa[k0 * xp + 8 + g0]);
-        a[2] = tf<R>(xa[(k0 + 4) * xp + g1]);
-        a[3] = tf<R>(xa[(k0 + 4) * xp + 8 + g1]);
+        a[0] = tf<false>(D::load(&xa[k0 * xp + g0]));
+        a[1] = tf<false>(D::load(&xa[k0 * xp + 8 + g0]));
+        a[2] = tf<false>(D::load(&xa[(k0 + 4) * xp + g0]));
+        a[3] = tf<false>(D::load(&xa[(k0 + 4) * xp + 8 + g0]));
         #pragma unroll
         for (int n = 0; n < NT; n++) {
             unsigned bf[2];
-            bf[0] = tf<R>(yb[k0 * yp + 8 * n + g0]);
-            bf[1] = tf<R>(yb[(k0 + 4) * yp + 8 * n + g1]);
+            bf[0] = tf<false>(D::load(&yb[k0 * yp + 8 * n + g0]));
+            bf[1] = tf<false>(D::load(&yb[(k0 + 4) * yp + 8 * n + g0]));
             mma8(acc[n], a, bf);
         }
     }
@@ -588,19 +606,24 @@ __device__ __forceinline__ void mma_ldsm(float (&acc)[NT][4], const bf16_t* x, i
     }
 }
 
-// Shared memory of the tensor-core preparation kernel, in floats.
-#define PT_P 40                          // pitch of q̂ᵀ, k̂ᵀ [DM][..] and Tmᵀ [CH][..]
+// Shared memory of the tensor-core preparation kernel, in floats. q and k stay 16-bit as loaded
+// (their l2 norms are per-step factors applied to the products), half the bytes of f32 q̂ᵀ and
+// k̂ᵀ: 48512 bytes, four blocks per multiprocessor instead of three (68736 bytes with f32 tiles;
+// 64 registers a thread allow four).
+#define PT_P16 40                        // pitch of qᵀ, kᵀ [DM][..] (16-bit elements)
+#define PT_P 40                          // pitch of Tmᵀ [CH][..]
 #define PT_VP 136                        // pitch of v [CH][..]
-#define PT_QT 0                          // q̂ᵀ
-#define PT_KT (PT_QT + DM * PT_P)        // k̂ᵀ
-#define PT_V (PT_KT + DM * PT_P)         // v
-#define PT_A (PT_V + CH * PT_VP)         // A [CH][A_P]
+#define PT_QT 0                          // qᵀ (16-bit)
+#define PT_KT (PT_QT + DM * PT_P16 / 2)  // kᵀ (16-bit)
+#define PT_A (PT_KT + DM * PT_P16 / 2)   // A [CH][A_P]
 #define PT_TT (PT_A + CH * A_P)          // Tmᵀ
-#define PT_G (PT_TT + CH * PT_P)         // G, β, β·e^G, e^G, e^{G_CH−G} [CH] each
-#define PT_WS 132                        // pitch of W [CH][..] on its way out in k̂ᵀ's tile
-#define PT_QS 129                        // pitch of Q' [CH][..] on its way out in v's (odd, so
-                                         // a lane per step stores to distinct banks)
-#define PREP_TC_SMEM ((PT_G + 5 * CH) * 4)  // 68736 bytes: GDRC_PREP_TC_SMEM in cuda.rs
+#define PT_V (PT_TT + CH * PT_P)         // v
+#define PT_G (PT_V + CH * PT_VP)         // G, β, β·e^G, e^G, e^{G_CH−G}, q's and k's norm
+                                         // factors [CH] each
+#define PT_WS 132                        // pitch of W [CH][..] on its way out in v's tile
+#define PT_QS 129                        // pitch of Q' [CH][..] on its way out from kᵀ's tile
+                                         // on (odd, so a lane per step stores to distinct banks)
+#define PREP_TC_SMEM ((PT_G + 7 * CH) * 4)  // 48512 bytes: GDRC_PREP_TC_SMEM in cuda.rs
 
 // TC_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
 // tiles per warp. The block prepares chunk `chunk` of (row · head) `bh` into scratch block `cb`.
@@ -613,9 +636,11 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
                                 float* __restrict__ gtot, int T, int hk, int hv, int dk, int dv,
                                 int chunk, int bh, size_t cb) {
     extern __shared__ __align__(16) float sm[];
-    float *qT = sm + PT_QT, *kT = sm + PT_KT, *vr = sm + PT_V, *a_s = sm + PT_A, *tT = sm + PT_TT;
+    unsigned short* qT = reinterpret_cast<unsigned short*>(sm + PT_QT);
+    unsigned short* kT = reinterpret_cast<unsigned short*>(sm + PT_KT);
+    float *vr = sm + PT_V, *a_s = sm + PT_A, *tT = sm + PT_TT;
     float *g_s = sm + PT_G, *beta_s = g_s + CH, *bg_s = beta_s + CH, *eg_s = bg_s + CH;
-    float* egc_s = eg_s + CH;
+    float *egc_s = eg_s + CH, *qn_s = egc_s + CH, *kn_s = qn_s + CH;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int b = bh / hv, h = bh % hv, kh = h / (hv / hk);
     const int len = lengths ? min((int)lengths[b], T) : T;
@@ -624,44 +649,49 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
     bf16_t *w16 = reinterpret_cast<bf16_t*>(wt), *q16 = reinterpret_cast<bf16_t*>(qt);
     bf16_t *k16 = reinterpret_cast<bf16_t*>(kd), *a16 = reinterpret_cast<bf16_t*>(atq);
 
-    // 1. q̂ᵀ, k̂ᵀ, v, g, β of the chunk's steps.
-    load_chunk<D, TC_THREADS>(qkv, gb, StepTiles{qT, kT, nullptr, vr, g_s, beta_s, bg_s, eg_s, egc_s, PT_P, 0, PT_VP, true}, T,
+    // 1. qᵀ, kᵀ (16-bit) and their norms' factors, v, g, β of the chunk's steps.
+    load_chunk<D, TC_THREADS, 1>(qkv, gb, StepTiles{nullptr, nullptr, nullptr, vr, g_s, beta_s, bg_s, eg_s, egc_s, PT_P16, 0, PT_VP, qT, kT, qn_s, kn_s}, T,
                               len, t0, b, h, kh, hk, hv, dk, dv);
 
-    // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqkᵀ (global).
+    // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqkᵀ (global):
+    //    KKᵀ and QKᵀ of the loaded q, k, then the steps' norm factors.
     {
         const bool is_k = warp < 4;
         const int mt = 16 * (warp % 2), nt = 16 * ((warp / 2) % 2);
+        const float* lhs_n = is_k ? kn_s : qn_s;
         float acc[2][4] = {};
-        mma_16xn<true, DM, 2>(acc, is_k ? kT : qT, PT_P, mt, kT + nt, PT_P, g, c);  // swizzled
+        mma_16xn<D, DM, 2>(acc, is_k ? kT : qT, PT_P16, mt, kT + nt, PT_P16, g, c);  // swizzled
         #pragma unroll
         for (int n = 0; n < 2; n++)
             #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int t = mt + g + 8 * (i / 2), s = nt + 8 * n + 2 * c + i % 2;
                 const float decay = s <= t ? expf(g_s[t] - g_s[s]) : 0.f;  // masked before exp
+                const float dot = lhs_n[t] * kn_s[s] * acc[n][i];
                 if (is_k)
-                    a_s[t * A_P + s] = s < t ? beta_s[t] * decay * acc[n][i] : 0.f;
+                    a_s[t * A_P + s] = s < t ? beta_s[t] * decay * dot : 0.f;
                 else
-                    a16[(cb * CH + s) * CH + t] = bf16r(decay * acc[n][i]);
+                    a16[(cb * CH + s) * CH + t] = bf16r(decay * dot);
             }
     }
     __syncthreads();
 
-    // 3. Warp 0: Tm = (I + A)⁻¹. The other warps write K'ᵀ, a row of k̂ᵀ per warp and a step per
-    //    lane (a swizzled row's steps in 32 banks).
+    // 3. Warp 0: Tm = (I + A)⁻¹. The other warps write K'ᵀ, a row of kᵀ per warp and a step per
+    //    lane; warp 1 first folds k's norm factor into W's row factor β·e^G.
     if (warp == 0) {
         solve_unit_lower(a_s, tT, PT_P, lane);
     } else {
-        const float gc = g_s[CH - 1];
+        if (warp == 1) bg_s[lane] *= kn_s[lane];
+        const float gc = g_s[CH - 1], kf = egc_s[lane] * kn_s[lane];
         for (int r = warp - 1; r < DM; r += TC_THREADS / 32 - 1)
-            k16[(cb * DM + r) * CH + lane] = bf16r(egc_s[lane] * kT[r * PT_P + swz(r, lane)]);
+            k16[(cb * DM + r) * CH + lane] = bf16r(kf * D::load(&kT[r * PT_P16 + swz(r, lane)]));
         if (tid == 32) gtot[cb] = expf(gc);
     }
     __syncthreads();
 
     // 4. [W | U] = Tm·[diag(β·e^G)·K̂ | diag(β)·V]: warps 0–3 W's columns 32·warp.., warps 4–7
-    //    U's columns 32·(warp − 4).., all 32 steps; the row factor is folded into Tm's fragment.
+    //    U's columns 32·(warp − 4).., all 32 steps; the row factor (for W with k's norm factor,
+    //    step 3) is folded into Tm's fragment.
     //    W and Q' (rows of 128) go out through shared memory, so that a warp writes whole rows:
     //    written from the fragments or a column of q̂ᵀ, 4- to 16-byte pieces land in parts of
     //    32-byte sectors of many rows, and the kernel took twice as long (ncu, session 10).
@@ -685,18 +715,18 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
             #pragma unroll
             for (int n = 0; n < 4; n++) {
                 unsigned bf[2];
-                if (is_w) {  // k̂ᵀ's rows c0 + 8n.., swizzled
+                if (is_w) {  // kᵀ's rows c0 + 8n.., swizzled
                     const int r = c0 + 8 * n + g;
-                    bf[0] = tf<true>(kT[r * PT_P + swz(r, k0 + c)]);
-                    bf[1] = tf<true>(kT[r * PT_P + swz(r, k0 + c + 4)]);
+                    bf[0] = tf<false>(D::load(&kT[r * PT_P16 + swz(r, k0 + c)]));
+                    bf[1] = tf<false>(D::load(&kT[r * PT_P16 + swz(r, k0 + c + 4)]));
                 } else
                     frag_b<true>(bf, vr, PT_VP, k0, c0 + 8 * n, g, c);
                 #pragma unroll
                 for (int mi = 0; mi < 2; mi++) mma8(acc[mi][n], a[mi], bf);
             }
         }
-        __syncthreads();  // k̂ᵀ and v are consumed: they hold W and Q' on their way out
-        float *w_st = kT, *q_st = vr;
+        __syncthreads();  // kᵀ, A, Tmᵀ and v are consumed: they hold W and Q' on their way out
+        float *w_st = vr, *q_st = sm + PT_KT;
         // U goes straight out, a pair of columns per store: the lanes of a store fill whole
         // 32-byte sectors of 8 rows.
         const bool pairs = dv % 2 == 0;
@@ -719,10 +749,10 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
                         if (col + 1 < dv) ur[col + 1] = v1;
                     }
                 }
-        // Q' = diag(e^G)·Q̂, transposed from q̂ᵀ: a lane per step on both sides, no bank shared.
+        // Q' = diag(e^G)·Q̂, transposed from qᵀ: a lane per step on both sides, no bank shared.
         for (int e = tid; e < CH * DM; e += TC_THREADS) {
             const int t = e % CH, r = e / CH;
-            q_st[t * PT_QS + r] = eg_s[t] * qT[r * PT_P + swz(r, t)];
+            q_st[t * PT_QS + r] = eg_s[t] * qn_s[t] * D::load(&qT[r * PT_P16 + swz(r, t)]);
         }
         __syncthreads();
         for (int e = tid; e < CH * DM / 8; e += TC_THREADS) {  // 8 bf16 (16 bytes) a thread
@@ -974,14 +1004,14 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
 // Entry points: gdrc_{prep,scan}_<dtype> (FMA) and, on tensor cores, gdrc_prep_tc_<dtype>,
 // gdrc_prep2_tc_<dtype> (two calls' chunks in one grid) and gdrc_scan_tc{,16}_<dtype> (32 or 16
 // state columns per block, with a SCAN_* mode).
-#define GDRC_PREP(NAME, BODY, THREADS, D)                                                         \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                   \
+#define GDRC_PREP(NAME, BODY, THREADS, MINB, D)                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB) NAME(                             \
         const D::T* qkv, const float* gb, const unsigned int* lengths, float* wt, float* u,       \
         float* qt, float* kd, float* atq, float* gtot, int T, int hk, int hv, int dk, int dv) {   \
         BODY<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);                   \
     }
 #define GDRC(TAG, D)                                                                              \
-    GDRC_PREP(gdrc_prep_##TAG, gdrc_prep, CH_THREADS, D)                                          \
+    GDRC_PREP(gdrc_prep_##TAG, gdrc_prep, CH_THREADS, 1, D)                                       \
     extern "C" __global__ void __launch_bounds__(CH_THREADS, 1) gdrc_scan_##TAG(                  \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
@@ -1001,8 +1031,8 @@ GDRC(f16, F16)
                               mode);                                                              \
     }
 #define GDRC_TC(TAG, D)                                                                           \
-    GDRC_PREP(gdrc_prep_tc_##TAG, gdrc_prep_tc, TC_THREADS, D)                                    \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) gdrc_prep2_tc_##TAG(                 \
+    GDRC_PREP(gdrc_prep_tc_##TAG, gdrc_prep_tc, TC_THREADS, 4, D)                                 \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 4) gdrc_prep2_tc_##TAG(              \
         const D::T* qkv_a, const float* gb_a, const unsigned int* len_a, int t_a, int nc_a,       \
         int bh_a, const D::T* qkv_b, const float* gb_b, const unsigned int* len_b, int t_b,       \
         int nc_b, float* wt, float* u, float* qt, float* kd, float* atq, float* gtot, int hk,     \
@@ -1014,8 +1044,9 @@ GDRC(f16, F16)
     GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)
 GDRC_TC(bf16, BF16)
 GDRC_TC(f16, F16)
-static_assert(PREP_TC_SMEM == 68736, "PREP_TC_SMEM");
-static_assert(CH * PT_WS <= DM * PT_P && CH * PT_QS <= CH * PT_VP, "W and Q' fit where they leave");
+static_assert(PREP_TC_SMEM == 48512, "PREP_TC_SMEM");
+static_assert(CH * PT_WS <= CH * PT_VP && PT_KT + CH * PT_QS <= PT_V, "W and Q' fit where they leave");
+static_assert(PT_A % 4 == 0 && PT_TT % 4 == 0 && PT_V % 4 == 0, "float4-aligned tiles");
 static_assert(SCAN_TC_SMEM == 46592, "SCAN_TC_SMEM");
 #endif
 
