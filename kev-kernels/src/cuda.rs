@@ -1112,6 +1112,49 @@ pub(crate) fn gather_rows(
     })
 }
 
+/// `gather_cat16`: `src` `[R, H, S, d]` rows picked by `is`, each followed by its `tail`
+/// `[B, H, T, d]` row along the steps: `[B, H, S + T, d]`.
+pub(crate) fn gather_cat(
+    ss: &CudaStorage,
+    sl: &Layout,
+    is: &CudaStorage,
+    il: &Layout,
+    ts: &CudaStorage,
+    tl: &Layout,
+) -> Result<CudaStorage> {
+    let k = Kernel::load(ss.device(), "gather_cat16")?;
+    let (s0, s1) = contiguous(sl, "gather-cat source")?;
+    let (i0, i1) = contiguous(il, "gather-cat index")?;
+    let (t0, t1) = contiguous(tl, "gather-cat tail")?;
+    let (src_rows, heads, s_len, d) = sl.shape().dims4()?;
+    let (n, _, t_len, _) = tl.shape().dims4()?;
+    let size = ss.dtype().size_in_bytes();
+    let (us, ut) = (s_len * d * size / 16, t_len * d * size / 16);
+    let idx = is.as_cuda_slice::<u32>()?.slice(i0..i1);
+    let (heads_, us_, ut_, rows_) = (heads as i32, us as i64, ut as i64, src_rows as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            (us + ut).div_ceil(256).clamp(1, 1024) as u32,
+            (n * heads) as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    by_dtype!(ss.dtype(), "gather-cat", |T| {
+        let src = ss.as_cuda_slice::<T>()?.slice(s0..s1);
+        let tail = ts.as_cuda_slice::<T>()?.slice(t0..t1);
+        let out = k.output::<T>(n * heads * (s_len + t_len) * d)?;
+        let mut b = k.stream.launch_builder(&k.func);
+        b.arg(&src).arg(&idx).arg(&tail).arg(&out);
+        b.arg(&heads_).arg(&us_).arg(&ut_).arg(&rows_);
+        // SAFETY: argument types and order match `gather_cat16` in ops.cu; both parts are whole
+        // 16-byte words and n·heads ≤ 65535 (the wrapper checked), the grid strides over a row.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
+    })
+}
+
 /// The conv kernels' grid: a thread per CONV_VEC channels, `(rows, runs)` as y and z.
 fn conv_launch(channels: usize, rows: usize, runs: usize) -> LaunchConfig {
     LaunchConfig {

@@ -21,7 +21,8 @@
 //!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`].
 //!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
 //!
-//! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch.
+//! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch; [`gather_cat`]:
+//!   picked rows each followed by rows of their own, for a branch's attention keys and values.
 //!
 //! No op knows anything about Qwen: shapes and head counts are explicit arguments.
 
@@ -60,7 +61,7 @@ pub use gated_delta_rule::{
     gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
-pub use gather::{gather_rows, RowIndex};
+pub use gather::{gather_cat, gather_rows, RowIndex};
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
 pub use split::SplitRows;
 pub use swiglu::{swiglu, swiglu_ref};

@@ -86,8 +86,8 @@ pub fn check_fused_ops(
     use crate::{
         add_rms_norm, attention_gate, attention_gate_ref, causal_conv1d_cached,
         causal_conv1d_cached_ref, causal_softmax, causal_softmax_ref, deltanet_gates,
-        deltanet_gates_ref, gated_rms_norm, gated_rms_norm_ref, gather_rows, qk_norm_rope,
-        qk_norm_rope_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref, RowIndex,
+        deltanet_gates_ref, gated_rms_norm, gated_rms_norm_ref, gather_cat, gather_rows,
+        qk_norm_rope, qk_norm_rope_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref, RowIndex,
     };
     let eps = 1e-6;
     for dtype in [DType::F32, DType::BF16] {
@@ -216,6 +216,33 @@ pub fn check_fused_ops(
         let three_rows = Tensor::zeros((3, 4), DType::F32, dev)?;
         if gather_rows(&three_rows, &RowIndex::new(&[3], dev)?).is_ok() {
             candle_core::bail!("gather-rows accepted row 3 of a 3-row tensor")
+        }
+
+        // Picked rows each followed by a tail row, against index_select then cat: steps × width
+        // of whole 16-byte words (the word path), then not (its fallback).
+        for (steps, width) in [(4, 8), (3, 3)] {
+            let (src_d, src) = on(patterned(&[3, 2, steps, width], 0.6, 1.0)?)?;
+            let (tail_d, tail) = on(patterned(&[4, 2, 2, width], 1.4, 1.0)?)?;
+            let rows = [2, 0, 0, 1];
+            let got = gather_cat(&src_d, &RowIndex::new(&rows, dev)?, &tail_d)?;
+            let idx = Tensor::from_vec(rows.map(|r| r as u32).to_vec(), 4, &Device::Cpu)?;
+            let want = Tensor::cat(&[&src.index_select(&idx, 0)?, &tail], 2)?;
+            check(
+                &tag(&format!("gather-cat {steps}×{width}")),
+                &got,
+                &want,
+                0.0,
+            )?;
+        }
+        let (src_d, tail_d) = (
+            Tensor::zeros((3, 2, 4, 8), DType::F32, dev)?,
+            Tensor::zeros((2, 2, 1, 8), DType::F32, dev)?,
+        );
+        if gather_cat(&src_d, &RowIndex::new(&[0, 3], dev)?, &tail_d).is_ok() {
+            candle_core::bail!("gather-cat accepted row 3 of a 3-row tensor")
+        }
+        if gather_cat(&src_d, &RowIndex::new(&[0], dev)?, &tail_d).is_ok() {
+            candle_core::bail!("gather-cat accepted 1 row for a tail of 2")
         }
 
         // The conv from a cache, x a slice of the projection, with and without padded rows: 64

@@ -10,6 +10,15 @@ use super::norm::ZeroCenteredRmsNorm;
 use super::{linear, linear_cat, Config, Rows, Split};
 use crate::weights::Weights;
 
+/// The keys and values a step's queries see before its own.
+enum Past<'a> {
+    /// A cache of the same rows (`[B, Hkv, S, hd]` or none yet), extended by this step's.
+    Cache(&'a mut Option<Tensor>, &'a mut Option<Tensor>),
+    /// The states' keys and values of this layer (`[R, Hkv, S, hd]`): branch row b sees its
+    /// state row's ([`Split`]).
+    States(&'a Tensor, &'a Tensor, &'a Split),
+}
+
 /// One full-attention layer.
 pub struct Attention {
     /// `q_proj` (`[q | gate]` per head), `k_proj`, `v_proj` stacked.
@@ -75,8 +84,9 @@ impl Attention {
         v_cache: &mut Option<Tensor>,
     ) -> Result<Tensor> {
         let proj = self.qkv_proj.forward(xs)?;
+        let past = Past::Cache(k_cache, v_cache);
         self.o_proj
-            .forward(&self.attend(&proj, cos_sin, key_bias, k_cache, v_cache)?)
+            .forward(&self.attend(&proj, cos_sin, key_bias, past)?)
     }
 
     /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`Split`]), with each
@@ -95,7 +105,8 @@ impl Attention {
         let (proj_b, out_s) = match rows {
             Rows::All => {
                 let (proj_s, proj_b) = split.parts(&self.qkv_proj.forward(xs)?)?;
-                let out_s = self.attend(&proj_s, cos_sin_s, key_bias_s, &mut k, &mut v)?;
+                let past = Past::Cache(&mut k, &mut v);
+                let out_s = self.attend(&proj_s, cos_sin_s, key_bias_s, past)?;
                 (proj_b, Some(out_s))
             }
             Rows::Branches => {
@@ -110,9 +121,11 @@ impl Attention {
                 (proj_b.reshape((b, t, ()))?, None)
             }
         };
-        let branch_cache = |t: Option<Tensor>| t.map(|t| split.to_branches(&t)).transpose();
-        let (mut k, mut v) = (branch_cache(k)?, branch_cache(v)?);
-        let out_b = self.attend(&proj_b, cos_sin_b, key_bias_b, &mut k, &mut v)?;
+        let (Some(k), Some(v)) = (k, v) else {
+            candle_core::bail!("the states' keys and values are computed first")
+        };
+        let past = Past::States(&k, &v, split);
+        let out_b = self.attend(&proj_b, cos_sin_b, key_bias_b, past)?;
         match out_s {
             Some(out_s) => self.o_proj.forward(&split.join(&out_s, &out_b)?),
             None => self.o_proj.forward(&out_b.flatten(0, 1)?),
@@ -126,8 +139,7 @@ impl Attention {
         proj: &Tensor,
         cos_sin: &Tensor,
         key_bias: &Tensor,
-        k_cache: &mut Option<Tensor>,
-        v_cache: &mut Option<Tensor>,
+        past: Past,
     ) -> Result<Tensor> {
         let (b_sz, seq_len, _) = proj.dims3()?;
         let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -140,16 +152,23 @@ impl Attention {
         let heads = proj.reshape((b_sz, seq_len, 2 * (nq + nkv), hd))?;
         let (k, v) = self.new_kv(&heads, 2 * nq, cos_sin)?;
         let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
-        let k = match k_cache.take() {
-            Some(old) => Tensor::cat(&[&old, &k], 2)?,
-            None => k,
+        let (k, v) = match past {
+            Past::Cache(k_cache, v_cache) => {
+                let joined = |cache: &mut Option<Tensor>, new: Tensor| {
+                    let all = match cache.take() {
+                        Some(old) => Tensor::cat(&[&old, &new], 2)?,
+                        None => new,
+                    };
+                    *cache = Some(all.clone());
+                    Ok::<_, candle_core::Error>(all)
+                };
+                (joined(k_cache, k)?, joined(v_cache, v)?)
+            }
+            Past::States(k_s, v_s, split) => (
+                split.to_branches_then(k_s, &k)?,
+                split.to_branches_then(v_s, &v)?,
+            ),
         };
-        let v = match v_cache.take() {
-            Some(old) => Tensor::cat(&[&old, &v], 2)?,
-            None => v,
-        };
-        *k_cache = Some(k.clone());
-        *v_cache = Some(v.clone());
 
         // GQA without copying K/V: query head h reads kv head h / rep, so group the query heads
         // of one kv head along the rows: [B, Hkv, rep·T, hd].

@@ -807,3 +807,19 @@ extern "C" __global__ void gather_rows16(const uint4* src, const unsigned int* i
          i += (long)gridDim.x * blockDim.x)
         o[i] = from < (unsigned int)rows ? s[i] : make_uint4(0u, 0u, 0u, 0u);
 }
+
+// gather_cat16: out[b, h] = src[idx[b], h] followed by tail[b, h] (any dtype), `us` and `ut`
+// 16-byte words a (row, head) of src and of tail: attention's keys or values for a branch row, its
+// state row's then its own, in one copy. An index at or past `rows` (the host checks them) gives
+// zeros for the src part. grid = (word blocks, B·heads).
+extern "C" __global__ void gather_cat16(const uint4* src, const unsigned int* idx, const uint4* tail,
+                                        uint4* out, int heads, long us, long ut, int rows) {
+    const int bh = blockIdx.y, h = bh % heads;
+    const unsigned int from = idx[bh / heads];
+    const uint4* s = src + ((size_t)from * heads + h) * us;
+    const uint4* t = tail + (size_t)bh * ut;
+    uint4* o = out + (size_t)bh * (us + ut);
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < us + ut;
+         i += (long)gridDim.x * blockDim.x)
+        o[i] = i >= us ? t[i - us] : from < (unsigned int)rows ? s[i] : make_uint4(0u, 0u, 0u, 0u);
+}
