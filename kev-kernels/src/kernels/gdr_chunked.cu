@@ -10,7 +10,8 @@
 //   S     ← e^{G_CH}·S + K'ᵀ·Δ          K'_t = e^{G_CH−G_t}·k̂_t
 // Steps at or past a row's length get g = β = 0 and k̂ = q̂ = v = 0: they output 0 and leave the
 // state alone, like the recurrent kernel. Everything is f32 (the tensor-core pair below: f32 with
-// TF32 products in the preparation, bf16 ones in the scan); the output is rounded to the dtype.
+// TF32 products in the preparation, of q and k as loaded, which are exact in TF32, with their
+// norms applied after; bf16 ones in the scan); the output is rounded to the dtype.
 // Dk and Dv are at most 128 (zero-padded to it inside).
 //
 // Every product is register-tiled (each thread a 4×4 to 4×16 block of outputs, operands read as
