@@ -82,7 +82,7 @@ impl DecoderLayer {
         cache: &mut LayerCache,
         step: &Step,
     ) -> Result<(Tensor, Tensor)> {
-        self.around_mixer(xs, pending, |h| match (&self.mixer, cache) {
+        let mix = |h: &Tensor| match (&self.mixer, cache) {
             (Mixer::Attention(attn), LayerCache::Attention { k, v }) => {
                 let key_bias = step
                     .key_bias
@@ -94,7 +94,8 @@ impl DecoderLayer {
                 gdn.forward(h, conv, state, step.lengths)
             }
             _ => candle_core::bail!("cache layer kind does not match the model layer"),
-        })
+        };
+        self.around_mixer(xs, pending, mix, Ok)
     }
 
     /// [`DecoderLayer::forward`] on a packed state and its branches ([`Split`]); with
@@ -121,23 +122,13 @@ impl DecoderLayer {
             Rows::All => Ok(xs),
             Rows::Branches => step.split.branch_rows(&xs),
         };
-        self.around_mixer_keeping(xs, pending, mix, kept)
+        self.around_mixer(xs, pending, mix, kept)
     }
 
     /// The input norm (with the pending add), `mix`, the post-attention norm (with its add) and
-    /// the MLP: the new stream and the MLP's output, not yet added.
+    /// the MLP: the new stream and the MLP's output, not yet added. `mix` gives outputs for the
+    /// rows of the stream that `kept` keeps (all of them: `Ok`).
     fn around_mixer(
-        &self,
-        xs: &Tensor,
-        pending: Option<&Tensor>,
-        mix: impl FnOnce(&Tensor) -> Result<Tensor>,
-    ) -> Result<(Tensor, Tensor)> {
-        self.around_mixer_keeping(xs, pending, mix, Ok)
-    }
-
-    /// [`DecoderLayer::around_mixer`] where `mix` gives outputs for the rows of the stream that
-    /// `kept` keeps.
-    fn around_mixer_keeping(
         &self,
         xs: &Tensor,
         pending: Option<&Tensor>,
