@@ -175,6 +175,7 @@ pub fn gather_cat(src: &Tensor, rows: &RowIndex, tail: &Tensor) -> Result<Tensor
         && matches!(src.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && words(src, s_len)
         && words(tail, t_len)
+        && (s_len + t_len) * d > 0
         && (1..=65535).contains(&(n * heads))
     {
         src.apply_op3_no_bwd(&rows.idx, tail, &GatherCat)

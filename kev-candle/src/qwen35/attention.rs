@@ -118,7 +118,7 @@ impl Attention {
                 (k, v) = (Some(k_s), Some(v_s));
                 let (b, t, _) = xs_b.dims3()?;
                 let proj_b = self.qkv_proj.forward(&xs_b.flatten(0, 1)?)?;
-                (proj_b.reshape((b, t, ()))?, None)
+                (proj_b.reshape((b, t, proj_b.dim(1)?))?, None)
             }
         };
         let (Some(k), Some(v)) = (k, v) else {

@@ -356,7 +356,7 @@ impl Model {
             xs = split.branch_rows(&xs)?;
         }
         self.final_norm(&xs, pending.as_ref())?
-            .reshape((b_rows, width, ()))
+            .reshape((b_rows, width, self.cfg.hidden_size))
     }
 
     /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached
