@@ -40,6 +40,27 @@ impl RowIndex {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Fails when a row picked is not one of `t`'s `src_rows` (its first dim).
+    fn check_within(&self, op: &str, t: &Tensor, src_rows: usize) -> Result<()> {
+        if let Some(max) = self.max.filter(|&m| m >= src_rows) {
+            bail!(
+                "{op}: row {max} of a tensor with {src_rows} rows ({:?})",
+                t.dims()
+            )
+        }
+        Ok(())
+    }
+}
+
+/// Whether the CUDA word kernels can copy `t`'s rows of `row_bytes` bytes: a CUDA float tensor,
+/// contiguous, starting and breaking rows on 16-byte boundaries.
+fn in_words(t: &Tensor, row_bytes: usize) -> bool {
+    t.device().is_cuda()
+        && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && t.is_contiguous()
+        && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
+        && row_bytes.is_multiple_of(16)
 }
 
 /// The CUDA op; other backends take `index_select`.
@@ -80,25 +101,12 @@ impl CustomOp2 for GatherRows {
 /// `index_select`.
 pub fn gather_rows(t: &Tensor, rows: &RowIndex) -> Result<Tensor> {
     let src_rows = t.dims().first().copied().unwrap_or(0);
-    if let Some(max) = rows.max.filter(|&m| m >= src_rows) {
-        bail!(
-            "gather-rows: row {max} of a tensor with {src_rows} rows ({:?})",
-            t.dims()
-        )
-    }
-    let size = t.dtype().size_in_bytes();
+    rows.check_within("gather-rows", t, src_rows)?;
     let row_bytes = t
         .elem_count()
         .checked_div(src_rows)
-        .map_or(0, |elems| elems * size);
-    let words = t.device().is_cuda()
-        && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && t.is_contiguous()
-        && (t.layout().start_offset() * size).is_multiple_of(16)
-        && row_bytes > 0
-        && row_bytes.is_multiple_of(16)
-        && (1..=65535).contains(&rows.len());
-    if words {
+        .map_or(0, |elems| elems * t.dtype().size_in_bytes());
+    if row_bytes > 0 && in_words(t, row_bytes) && (1..=65535).contains(&rows.len()) {
         t.apply_op2_no_bwd(&rows.idx, &GatherRows)
     } else {
         t.index_select(&rows.idx, 0)
@@ -159,23 +167,11 @@ pub fn gather_cat(src: &Tensor, rows: &RowIndex, tail: &Tensor) -> Result<Tensor
             tail.dtype()
         )
     }
-    if let Some(max) = rows.max.filter(|&m| m >= src_rows) {
-        bail!(
-            "gather-cat: row {max} of a tensor with {src_rows} rows ({:?})",
-            src.dims()
-        )
-    }
-    let size = src.dtype().size_in_bytes();
-    let words = |t: &Tensor, steps: usize| {
-        t.is_contiguous()
-            && (t.layout().start_offset() * size).is_multiple_of(16)
-            && (steps * d * size).is_multiple_of(16)
-    };
-    if src.device().is_cuda()
-        && matches!(src.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && words(src, s_len)
-        && words(tail, t_len)
-        && (s_len + t_len) * d > 0
+    rows.check_within("gather-cat", src, src_rows)?;
+    let row_bytes = |steps: usize| steps * d * src.dtype().size_in_bytes();
+    if (s_len + t_len) * d > 0
+        && in_words(src, row_bytes(s_len))
+        && in_words(tail, row_bytes(t_len))
         && (1..=65535).contains(&(n * heads))
     {
         src.apply_op3_no_bwd(&rows.idx, tail, &GatherCat)
