@@ -147,13 +147,8 @@ impl GatedDeltaNet {
                 split.join(&o_s, &o_b)?
             }
         };
-        match out_rows {
-            Rows::All => self.out(&o, &self.z(&proj)?),
-            Rows::Branches => self.out(
-                &split.branch_rows(&o)?,
-                &split.branch_rows(&self.z(&proj)?)?,
-            ),
-        }
+        let z = self.z(&proj)?;
+        self.out(&split.kept(&o, out_rows)?, &split.kept(&z, out_rows)?)
     }
 
     /// g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as

@@ -118,11 +118,7 @@ impl DecoderLayer {
             }
             Mixer::DeltaNet(gdn) => gdn.forward_split(h, step.split, out_rows),
         };
-        let kept = |xs: Tensor| match out_rows {
-            Rows::All => Ok(xs),
-            Rows::Branches => step.split.branch_rows(&xs),
-        };
-        self.around_mixer(xs, pending, mix, kept)
+        self.around_mixer(xs, pending, mix, |xs| step.split.kept(&xs, out_rows))
     }
 
     /// The input norm (with the pending add), `mix`, the post-attention norm (with its add) and

@@ -59,6 +59,15 @@ impl Split {
         t.narrow(0, s_tokens, r.rows() * r.width())
     }
 
+    /// The rows of packed `t: [N, ..]` that a layer giving `out_rows` keeps: all of them, or the
+    /// branch rows (a view).
+    pub(crate) fn kept(&self, t: &Tensor, out_rows: Rows) -> Result<Tensor> {
+        match out_rows {
+            Rows::All => Ok(t.clone()),
+            Rows::Branches => self.branch_rows(t),
+        }
+    }
+
     /// Views of packed `t: [N, ..]` (rows contiguous) as the states `[R, S, ..]` and the
     /// branches `[B, T, ..]`; no copies.
     pub fn parts(&self, t: &Tensor) -> Result<(Tensor, Tensor)> {
