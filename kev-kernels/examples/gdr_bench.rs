@@ -95,7 +95,13 @@ fn main() -> Result<()> {
     for (name, d) in shapes {
         for &(b, t) in cases {
             let (qkv, gb, state) = gdr_inputs(b, t, d, 0.3)?;
-            let qkv = qkv.to_dtype(DType::BF16)?.to_device(&dev)?;
+            // bf16 on a GPU; f32 on the CPU, as Kev's CPU models run.
+            let dtype = if dev.is_cpu() {
+                DType::F32
+            } else {
+                DType::BF16
+            };
+            let qkv = qkv.to_dtype(dtype)?.to_device(&dev)?;
             let (gb, state) = (gb.to_device(&dev)?, state.to_device(&dev)?);
             let rec = median_ms(&dev, || {
                 gated_delta_rule_recurrent(&qkv, &gb, &state, d, None).map(|_| ())

@@ -19,6 +19,7 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, St
 use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
+use crate::gdr_cpu::Head;
 use crate::split::SplitRows;
 
 /// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
@@ -60,7 +61,7 @@ pub enum GdrForm {
 }
 
 /// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA).
-const L2NORM_EPS: f32 = 1e-6;
+pub(crate) const L2NORM_EPS: f32 = 1e-6;
 
 /// Head counts and sizes of one Gated DeltaNet layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -337,85 +338,6 @@ impl InplaceOp3 for GatedDeltaRule {
     ) -> Result<()> {
         crate::metal::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
     }
-}
-
-/// One (batch row, value head) of the CPU recurrence: its inputs and where its parts start.
-struct Head<'a> {
-    qkv: &'a [f32],
-    gb: &'a [f32],
-    len: usize,
-    seq_len: usize,
-    channels: usize,
-    h: usize,
-    q_at: usize,
-    k_at: usize,
-    v_at: usize,
-    hv: usize,
-    dk: usize,
-    dv: usize,
-    scale: f32,
-}
-
-impl Head<'_> {
-    /// Runs the recurrence on state `s` (`[Dk, Dv]`), returning `o: [T, Dv]`. The inner loops
-    /// run over contiguous state rows; on x86-64 with AVX2 they are compiled for it (8 lanes
-    /// instead of SSE2's 4), chosen at run time. Same operations in the same order either way.
-    fn run(&self, s: &mut [f32]) -> Vec<f32> {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2 (checked just above).
-            return unsafe { self.run_avx2(s) };
-        }
-        self.run_portable(s)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn run_avx2(&self, s: &mut [f32]) -> Vec<f32> {
-        self.run_portable(s)
-    }
-
-    #[inline(always)]
-    fn run_portable(&self, s: &mut [f32]) -> Vec<f32> {
-        let (dk, dv) = (self.dk, self.dv);
-        let mut o = vec![0f32; self.seq_len * dv];
-        let (mut q, mut k, mut kv) = (vec![0f32; dk], vec![0f32; dk], vec![0f32; dv]);
-        for t in 0..self.len {
-            let row = &self.qkv[t * self.channels..][..self.channels];
-            l2_normalize(&row[self.q_at..][..dk], self.scale, &mut q);
-            l2_normalize(&row[self.k_at..][..dk], 1.0, &mut k);
-            let v = &row[self.v_at..][..dv];
-            let gate = &self.gb[(t * self.hv + self.h) * 2..];
-            let (decay, beta) = (gate[0].exp(), gate[1]);
-            // Pass 1: decay the state and read it with k.
-            kv.iter_mut().for_each(|x| *x = 0.0);
-            for (i, s_row) in s.chunks_exact_mut(dv).enumerate() {
-                for (sj, kvj) in s_row.iter_mut().zip(kv.iter_mut()) {
-                    *sj *= decay;
-                    *kvj += *sj * k[i];
-                }
-            }
-            // Pass 2: rank-1 update with δ (kept in `kv`), then read with q.
-            kv.iter_mut()
-                .zip(v)
-                .for_each(|(x, vj)| *x = (vj - *x) * beta);
-            let o_t = &mut o[t * dv..][..dv];
-            for (i, s_row) in s.chunks_exact_mut(dv).enumerate() {
-                for ((sj, dj), oj) in s_row.iter_mut().zip(kv.iter()).zip(o_t.iter_mut()) {
-                    *sj += k[i] * dj;
-                    *oj += *sj * q[i];
-                }
-            }
-        }
-        o
-    }
-}
-
-#[inline(always)]
-fn l2_normalize(x: &[f32], scale: f32, out: &mut [f32]) {
-    let sum_sq: f32 = x.iter().map(|v| v * v).sum();
-    let inv = scale / (sum_sq + L2NORM_EPS).sqrt();
-    out.iter_mut().zip(x).for_each(|(o, v)| *o = v * inv);
 }
 
 fn check(

@@ -35,6 +35,7 @@ mod cuda;
 mod gated_delta_rule;
 mod gates;
 mod gather;
+mod gdr_cpu;
 #[cfg(feature = "metal")]
 mod metal;
 mod norm;

@@ -43,6 +43,18 @@ fn cases() -> Vec<Case> {
             t: 65,
             dims: dims(2, 2, 16, 24),
         },
+        // Dv 40: one strip of 32 columns and one of 8 on AVX2; odd Dk; two step blocks.
+        Case {
+            b: 1,
+            t: 70,
+            dims: dims(1, 2, 9, 40),
+        },
+        // The real heads' sizes (128 × 128: four strips of 32).
+        Case {
+            b: 1,
+            t: 5,
+            dims: dims(1, 1, 128, 128),
+        },
     ]
 }
 
