@@ -278,6 +278,89 @@ pub fn attention_gate(o: &Tensor, gate: &Tensor) -> Result<Tensor> {
         .apply_op2_no_bwd(&last_dim_contiguous(gate)?, &AttentionGate)
 }
 
+/// The CUDA op of [`attention_gate_join`]; other backends compose it.
+struct AttentionGateJoin;
+
+impl CustomOp3 for AttentionGateJoin {
+    fn name(&self) -> &'static str {
+        "attention-gate-join"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("attention-gate-join: the CPU composes attention_gate and cat")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+        bs: &candle_core::CudaStorage,
+        bl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (n, heads, hd) = gl.shape().dims3()?;
+        let out = crate::cuda::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
+        Ok((out, Shape::from((n, heads * hd))))
+    }
+}
+
+/// [`attention_gate`] of a packed batch's two parts, records' states `o_s: [R, H, S, hd]` and
+/// branches `o_b: [B, H, T, hd]`, with their gates packed as the rows are, `gate: [R·S + B·T, H,
+/// hd]` (may be a slice of a wider projection). Returns the packed `[R·S + B·T, H·hd]`: equal to
+/// joining the two parts' [`attention_gate`] outputs, but on CUDA written in place by two
+/// launches instead of copied after.
+pub fn attention_gate_join(o_s: &Tensor, o_b: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    let (r, heads, s_len, hd) = o_s.dims4()?;
+    let (b, b_heads, t_len, b_hd) = o_b.dims4()?;
+    let rows = r * s_len + b * t_len;
+    if (b_heads, b_hd) != (heads, hd)
+        || gate.dims() != [rows, heads, hd]
+        || o_b.dtype() != o_s.dtype()
+        || gate.dtype() != o_s.dtype()
+    {
+        bail!(
+            "attention-gate-join: states {:?} {:?}, branches {:?} {:?} and gate {:?} {:?} do not fit",
+            o_s.dtype(),
+            o_s.dims(),
+            o_b.dtype(),
+            o_b.dims(),
+            gate.dtype(),
+            gate.dims()
+        )
+    }
+    let gate = if gate.stride().last() == Some(&1) {
+        gate.clone()
+    } else {
+        gate.contiguous()?
+    };
+    if o_s.device().is_cuda() && r * s_len > 0 && b * t_len > 0 {
+        return o_s
+            .contiguous()?
+            .apply_op3_no_bwd(&o_b.contiguous()?, &gate, &AttentionGateJoin);
+    }
+    let part = |o: &Tensor, start: usize, b_sz: usize, len: usize| -> Result<Tensor> {
+        let g = gate
+            .narrow(0, start, b_sz * len)?
+            .contiguous()?
+            .reshape((b_sz, len, heads, hd))?;
+        attention_gate(o, &g)?.reshape((b_sz * len, heads * hd))
+    };
+    Tensor::cat(
+        &[part(o_s, 0, r, s_len)?, part(o_b, r * s_len, b, t_len)?],
+        0,
+    )
+}
+
 /// [`qk_norm_rope`] with plain tensor ops (the test reference, and the Metal path).
 pub fn qk_norm_rope_ref(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Result<Tensor> {
     let n = crate::norm::rms_norm_ref(x, w1, eps)?.transpose(1, 2)?; // [B, H, T, hd]

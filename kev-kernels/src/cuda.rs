@@ -1049,33 +1049,112 @@ pub(crate) fn attention_gate(
     gs: &CudaStorage,
     gl: &Layout,
 ) -> Result<CudaStorage> {
-    let k = Kernel::load(
-        os.device(),
-        &format!("attn_gate_{}", tag(os.dtype(), "attention-gate")?),
-    )?;
     let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
-    let (o0, o1) = contiguous(ol, "attention-gate input")?;
     let (off, [sb, st, sh]) = strided4(gl, "attention-gate gate")?;
-    let n = o1 - o0;
-    by_dtype!(os.dtype(), "attention-gate", |T| {
-        let o = os.as_cuda_slice::<T>()?.slice(o0..o1);
-        let g = gs.as_cuda_slice::<T>()?.slice(off..);
-        let out = k.output::<T>(n)?;
-        let mut b = k.stream.launch_builder(&k.func);
-        let strides = [sb, st, sh].map(|s| s as i64);
-        let ints = [b_sz, t_len, heads, hd].map(|v| v as i32);
-        b.arg(&o)
-            .arg(&g)
-            .arg(&strides[0])
-            .arg(&strides[1])
-            .arg(&strides[2])
-            .arg(&out);
-        for v in &ints {
-            b.arg(v);
+    let part = GatePart {
+        o: ol,
+        rows: (b_sz, t_len),
+        gate_at: off,
+        strides: [sb, st, sh],
+    };
+    gate_launches(&[os], gs, &[part], heads, hd)
+}
+
+/// [`crate::attention_gate_join`]: the states' part, then the branches', into one output.
+/// `gl`: the packed gate `[R·S + B·T, H, hd]` (last dim contiguous).
+pub(crate) fn attention_gate_join(
+    ss: &CudaStorage,
+    sl: &Layout,
+    bs: &CudaStorage,
+    bl: &Layout,
+    gs: &CudaStorage,
+    gl: &Layout,
+) -> Result<CudaStorage> {
+    let (r, heads, s_len, hd) = sl.shape().dims4()?;
+    let (b, _, t_len, _) = bl.shape().dims4()?;
+    let g = gl.stride();
+    if gl.dims().len() != 3 || (hd > 1 && g[2] != 1) {
+        bail!("attention-gate-join: the gate must be [N, H, hd] with a contiguous last dim, got {gl:?}")
+    }
+    let (sn, sh) = (g[0], g[1]);
+    let parts = [
+        GatePart {
+            o: sl,
+            rows: (r, s_len),
+            gate_at: gl.start_offset(),
+            strides: [s_len * sn, sn, sh],
+        },
+        GatePart {
+            o: bl,
+            rows: (b, t_len),
+            gate_at: gl.start_offset() + r * s_len * sn,
+            strides: [t_len * sn, sn, sh],
+        },
+    ];
+    gate_launches(&[ss, bs], gs, &parts, heads, hd)
+}
+
+/// One `attn_gate_*` launch's inputs: `o` (contiguous `[B, H, T, hd]`), its `(B, T)`, and where
+/// its gate rows start in the gate storage, with their strides (b, t, h).
+struct GatePart<'a> {
+    o: &'a Layout,
+    rows: (usize, usize),
+    gate_at: usize,
+    strides: [usize; 3],
+}
+
+/// `attn_gate_*` once per part, into one output holding each part's `[B·T, H·hd]` rows in turn;
+/// part i reads its `o` from `sources[i]`.
+fn gate_launches(
+    sources: &[&CudaStorage],
+    gs: &CudaStorage,
+    parts: &[GatePart],
+    heads: usize,
+    hd: usize,
+) -> Result<CudaStorage> {
+    let dtype = gs.dtype();
+    let k = Kernel::load(
+        gs.device(),
+        &format!("attn_gate_{}", tag(dtype, "attention-gate")?),
+    )?;
+    let row = heads * hd;
+    let total: usize = parts.iter().map(|p| p.rows.0 * p.rows.1 * row).sum();
+    by_dtype!(dtype, "attention-gate", |T| {
+        let mut out = k.output::<T>(total)?;
+        let mut at = 0;
+        for (part, os) in parts.iter().zip(sources) {
+            let (o0, o1) = contiguous(part.o, "attention-gate input")?;
+            let (b_sz, t_len) = part.rows;
+            let n = b_sz * t_len * row;
+            if o1 - o0 != n {
+                bail!(
+                    "attention-gate: input {:?} does not hold {b_sz} × {t_len} rows",
+                    part.o
+                )
+            }
+            if n == 0 {
+                continue;
+            }
+            let o = os.as_cuda_slice::<T>()?.slice(o0..o1);
+            let g = gs.as_cuda_slice::<T>()?.slice(part.gate_at..);
+            let mut dst = out.slice_mut(at..at + n);
+            let strides = part.strides.map(|s| s as i64);
+            let ints = [b_sz, t_len, heads, hd].map(|v| v as i32);
+            let mut b = k.stream.launch_builder(&k.func);
+            b.arg(&o)
+                .arg(&g)
+                .arg(&strides[0])
+                .arg(&strides[1])
+                .arg(&strides[2])
+                .arg(&mut dst);
+            for v in &ints {
+                b.arg(v);
+            }
+            // SAFETY: argument types and order match `attn_gate_*` in ops.cu; blocks stride
+            // over the part's B·T rows, writing only its slice of `out`.
+            unsafe { b.launch(grid_for(b_sz * t_len * 256, 256)) }.w()?;
+            at += n;
         }
-        // SAFETY: argument types and order match `attn_gate_*` in ops.cu; blocks stride over
-        // the B·T rows.
-        unsafe { b.launch(grid_for(b_sz * t_len * 256, 256)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })
 }

@@ -18,7 +18,8 @@
 //!
 //! - Ops that replace chains of candle ops (a GPU forward is launch-bound):
 //!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`],
-//!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`].
+//!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`]
+//!   ([`attention_gate_join`] for a packed batch's two parts).
 //!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
 //!
 //! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch; [`gather_cat`]:
@@ -47,8 +48,8 @@ pub mod testing;
 pub mod uploads;
 
 pub use attention::{
-    attention_gate, attention_gate_ref, causal_softmax, causal_softmax_ref, qk_norm_rope,
-    qk_norm_rope_ref,
+    attention_gate, attention_gate_join, attention_gate_ref, causal_softmax, causal_softmax_ref,
+    qk_norm_rope, qk_norm_rope_ref,
 };
 pub use causal_conv1d::{
     causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_cached_view,

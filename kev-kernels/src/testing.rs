@@ -84,10 +84,11 @@ pub fn check_fused_ops(
     check: impl Fn(&str, &Tensor, &Tensor, f32) -> Result<()>,
 ) -> Result<()> {
     use crate::{
-        add_rms_norm, attention_gate, attention_gate_ref, causal_conv1d_cached,
-        causal_conv1d_cached_ref, causal_softmax, causal_softmax_ref, deltanet_gates,
-        deltanet_gates_ref, gated_rms_norm, gated_rms_norm_ref, gather_cat, gather_rows,
-        qk_norm_rope, qk_norm_rope_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref, RowIndex,
+        add_rms_norm, attention_gate, attention_gate_join, attention_gate_ref,
+        causal_conv1d_cached, causal_conv1d_cached_ref, causal_softmax, causal_softmax_ref,
+        deltanet_gates, deltanet_gates_ref, gated_rms_norm, gated_rms_norm_ref, gather_cat,
+        gather_rows, qk_norm_rope, qk_norm_rope_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref,
+        RowIndex,
     };
     let eps = 1e-6;
     for dtype in [DType::F32, DType::BF16] {
@@ -177,6 +178,28 @@ pub fn check_fused_ops(
         let got = attention_gate(&o_d, &view(&qg_d, 1)?)?;
         let want = attention_gate_ref(&o, &view(&qg, 1)?)?;
         check(&tag("attention-gate"), &got, &want, tol)?;
+
+        // The same gate on a packed batch: one state row of 5 steps, two branches of 3.
+        let (n, s_steps, t_steps) = (11, 5, 3);
+        let (pk_d, pk) = on(patterned(&[n, heads, 2, hd], 0.9, 2.0)?)?;
+        let gates = |x: &Tensor| x.narrow(2, 1, 1).and_then(|x| x.squeeze(2));
+        let (os_d, os) = on(patterned(&[1, heads, s_steps, hd], 0.5, 1.0)?)?;
+        let (ob_d, ob) = on(patterned(&[2, heads, t_steps, hd], 0.7, 1.0)?)?;
+        let got = attention_gate_join(&os_d, &ob_d, &gates(&pk_d)?)?;
+        let gated_part = |o: &Tensor, start: usize, rows: usize, len: usize| -> Result<Tensor> {
+            let g = gates(&pk.narrow(0, start, rows * len)?)?
+                .contiguous()?
+                .reshape((rows, len, heads, hd))?;
+            attention_gate_ref(o, &g)?.reshape((rows * len, heads * hd))
+        };
+        let want = Tensor::cat(
+            &[
+                gated_part(&os, 0, 1, s_steps)?,
+                gated_part(&ob, s_steps, 2, t_steps)?,
+            ],
+            0,
+        )?;
+        check(&tag("attention-gate-join"), &got, &want, tol)?;
 
         // Three cached keys, of which row 1's second is padding, then the t new ones.
         let s_len = t + 3;

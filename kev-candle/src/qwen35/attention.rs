@@ -4,7 +4,7 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::Linear;
 
-use kev_kernels::{attention_gate, causal_softmax, qk_norm_rope};
+use kev_kernels::{attention_gate, attention_gate_join, causal_softmax, qk_norm_rope};
 
 use super::norm::ZeroCenteredRmsNorm;
 use super::{linear, linear_cat, Config, Rows, Split};
@@ -85,8 +85,8 @@ impl Attention {
     ) -> Result<Tensor> {
         let proj = self.qkv_proj.forward(xs)?;
         let past = Past::Cache(k_cache, v_cache);
-        self.o_proj
-            .forward(&self.attend(&proj, cos_sin, key_bias, past)?)
+        let (o, gate) = self.attend(&proj, cos_sin, key_bias, past)?;
+        self.o_proj.forward(&attention_gate(&o, &gate)?)
     }
 
     /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`Split`]), with each
@@ -104,10 +104,11 @@ impl Attention {
         let (mut k, mut v) = (None, None);
         let (proj_b, out_s) = match rows {
             Rows::All => {
-                let (proj_s, proj_b) = split.parts(&self.qkv_proj.forward(xs)?)?;
+                let proj = self.qkv_proj.forward(xs)?;
+                let (proj_s, proj_b) = split.parts(&proj)?;
                 let past = Past::Cache(&mut k, &mut v);
-                let out_s = self.attend(&proj_s, cos_sin_s, key_bias_s, past)?;
-                (proj_b, Some(out_s))
+                let (o_s, _) = self.attend(&proj_s, cos_sin_s, key_bias_s, past)?;
+                (proj_b, Some((o_s, proj)))
             }
             Rows::Branches => {
                 let (xs_s, xs_b) = split.parts(xs)?;
@@ -125,22 +126,39 @@ impl Attention {
             candle_core::bail!("the states' keys and values are computed first")
         };
         let past = Past::States(&k, &v, split);
-        let out_b = self.attend(&proj_b, cos_sin_b, key_bias_b, past)?;
+        let (o_b, gate_b) = self.attend(&proj_b, cos_sin_b, key_bias_b, past)?;
         match out_s {
-            Some(out_s) => self.o_proj.forward(&split.join(&out_s, &out_b)?),
-            None => self.o_proj.forward(&out_b.flatten(0, 1)?),
+            // Both parts' gated heads written into one packed tensor (no join copy after).
+            Some((o_s, proj)) => {
+                let gate = self.gates(&proj)?;
+                self.o_proj
+                    .forward(&attention_gate_join(&o_s, &o_b, &gate)?)
+            }
+            None => self
+                .o_proj
+                .forward(&attention_gate(&o_b, &gate_b)?.flatten(0, 1)?),
         }
     }
 
+    /// The output gates of packed projection rows `proj: [N, ..]`, `[N, Hq, hd]` (a view).
+    fn gates(&self, proj: &Tensor) -> Result<Tensor> {
+        let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        proj.reshape((proj.dim(0)?, nq + nkv, 2, hd))?
+            .narrow(1, 0, nq)?
+            .narrow(2, 1, 1)?
+            .squeeze(2)
+    }
+
     /// Everything between the projections, from `proj: [B, T, ..]` (the stacked q/gate, k, v
-    /// outputs) to the gated heads `[B, T, Hq·hd]` that `o_proj` reads.
+    /// outputs) to the attention's output heads `[B, Hq, T, hd]`, returned with their gates
+    /// `[B, T, Hq, hd]` (a view of `proj`) for [`attention_gate`].
     fn attend(
         &self,
         proj: &Tensor,
         cos_sin: &Tensor,
         key_bias: &Tensor,
         past: Past,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let (b_sz, seq_len, _) = proj.dims3()?;
         let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // Views into the projection, no copies: per query head `[q | gate]`, then K, then V.
@@ -183,7 +201,7 @@ impl Attention {
             kv_len,
         ))?;
         let out = probs.matmul(&v)?.reshape((b_sz, nq, seq_len, hd))?;
-        attention_gate(&out, &gate)
+        Ok((out, gate))
     }
 
     /// This step's keys (normed and rotated) and values, `[B, Hkv, T, hd]` each, from the
