@@ -223,6 +223,9 @@ __device__ void rmsnorm(const typename D::T* x, long xs, const typename D::T* h,
     const bool vec = cols % V::N == 0 && xs % V::N == 0 && aligned16(x) && aligned16(out) &&
                      (!h || (hs % V::N == 0 && aligned16(h)));
     float ss = 0.f;
+    // A thread's first vector stays in registers for the second pass (with the launch's block
+    // size, cols / N threads, it is the only one): no second round trip through the caches.
+    float first[V::N];
     if (vec) {
         for (int c = threadIdx.x * V::N; c < cols; c += blockDim.x * V::N) {
             float v[V::N];
@@ -236,6 +239,10 @@ __device__ void rmsnorm(const typename D::T* x, long xs, const typename D::T* h,
             }
             #pragma unroll
             for (int i = 0; i < V::N; ++i) ss += v[i] * v[i];
+            if (c == threadIdx.x * V::N) {
+                #pragma unroll
+                for (int i = 0; i < V::N; ++i) first[i] = v[i];
+            }
         }
     } else {
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -249,11 +256,27 @@ __device__ void rmsnorm(const typename D::T* x, long xs, const typename D::T* h,
     }
     const float inv = rsqrtf(block_sum(ss) / cols + eps);
     if (vec) {
+        const bool w4 = aligned16(w1);  // the weight as float4s (N is a multiple of 4)
         for (int c = threadIdx.x * V::N; c < cols; c += blockDim.x * V::N) {
-            float v[V::N];
-            V::load(src + c, v);
+            float v[V::N], wv[V::N];
+            if (c == threadIdx.x * V::N) {
+                #pragma unroll
+                for (int i = 0; i < V::N; ++i) v[i] = first[i];
+            } else {
+                V::load(src + c, v);
+            }
+            if (w4) {
+                #pragma unroll
+                for (int i = 0; i < V::N; i += 4) {
+                    const float4 q = *reinterpret_cast<const float4*>(w1 + c + i);
+                    wv[i] = q.x, wv[i + 1] = q.y, wv[i + 2] = q.z, wv[i + 3] = q.w;
+                }
+            } else {
+                #pragma unroll
+                for (int i = 0; i < V::N; ++i) wv[i] = w1[c + i];
+            }
             #pragma unroll
-            for (int i = 0; i < V::N; ++i) v[i] = v[i] * inv * w1[c + i];  // HF's order
+            for (int i = 0; i < V::N; ++i) v[i] = v[i] * inv * wv[i];  // HF's order
             V::store(normed + c, v);
         }
     } else {
