@@ -35,6 +35,14 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
         // The chunked kernels: several chunks, a partial last one, rows ending in different
         // chunks (one empty), 4B head counts.
         (3, 100, dims(16, 32, 128, 128), Some(vec![100usize, 33, 0])),
+        // Many rows of two chunks (1536 blocks of 32 columns, over two per multiprocessor):
+        // the tensor-core scan without operands in flight across chunks.
+        (
+            24,
+            40,
+            dims(16, 16, 128, 128),
+            Some((0..24).map(|i| [40, 33, 1, 0, 32, 17][i % 6]).collect()),
+        ),
     ] {
         for dtype in [DType::F32, DType::BF16] {
             let (qkv, gb, state) = inputs(b, t, d)?;
@@ -149,6 +157,14 @@ fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
             48,
             vec![48usize, 47, 36, 41],
             vec![2, 0, 0, 1],
+            dims(16, 16, 128, 128),
+        ),
+        // Eight branch rows: their scan takes the short-row kernel (512 blocks).
+        (
+            vec![64, 50],
+            48,
+            vec![48usize, 47, 36, 41, 48, 2, 33, 30],
+            vec![1, 0, 0, 1, 0, 1, 1, 0],
             dims(16, 16, 128, 128),
         ),
     ] {
