@@ -486,13 +486,7 @@ fn gated_delta_rule_chunked(
     let prep = load(if tc { "gdrc_prep_tc_" } else { "gdrc_prep_" })?;
     prep.allow_shared_memory(prep_smem)?;
     let (scan, scan_cols) = if tc {
-        tc_scan(
-            qkv.device(),
-            dtag,
-            heads,
-            dims.head_v_dim,
-            op.seq_len.div_ceil(GDRC_CHUNK),
-        )?
+        tc_scan(qkv.device(), dtag, heads, dims.head_v_dim)?
     } else {
         let scan = load("gdrc_scan_")?;
         scan.allow_shared_memory(scan_smem)?;
@@ -564,25 +558,13 @@ fn gated_delta_rule_chunked(
     })
 }
 
-/// The tensor-core scan for `heads` (row · head) pairs of `chunks` chunks each: the kernel and its
-/// columns per block. 16 state columns per block instead of 32 where 32 would leave
-/// multiprocessors idle (a long state has few pairs). Rows of at most [`SHORT_SCAN_CHUNKS`]
-/// chunks whose blocks would not fit at two per multiprocessor take the kernel that keeps no
-/// operands in flight across chunks: 80 registers instead of 122, three blocks per
-/// multiprocessor (the branches of a batch of records: 2048 blocks at 0.8B).
-fn tc_scan(
-    dev: &CudaDevice,
-    dtag: &str,
-    heads: usize,
-    dv: usize,
-    chunks: usize,
-) -> Result<(Kernel, usize)> {
-    let sms = gpu(dev)?.multiprocessors;
-    let blocks = heads * dv.div_ceil(32);
-    let (name, cols) = if blocks < sms {
+/// The tensor-core scan for `heads` (row · head) pairs: 16 state columns per block instead of 32
+/// where 32 would leave multiprocessors idle (a long state has few pairs). The kernel and its
+/// columns per block.
+fn tc_scan(dev: &CudaDevice, dtag: &str, heads: usize, dv: usize) -> Result<(Kernel, usize)> {
+    let narrow = heads * dv.div_ceil(32) < gpu(dev)?.multiprocessors;
+    let (name, cols) = if narrow {
         ("gdrc_scan_tc16_", 16)
-    } else if chunks <= SHORT_SCAN_CHUNKS && blocks > 2 * sms {
-        ("gdrc_scan_tc_short_", 32)
     } else {
         ("gdrc_scan_tc_", 32)
     };
@@ -590,11 +572,6 @@ fn tc_scan(
     scan.allow_shared_memory(GDRC_SCAN_TC_SMEM)?;
     Ok((scan, cols))
 }
-
-/// The most chunks a row may have for [`tc_scan`]'s short-row kernel: with more, overlapping a
-/// chunk's operand loads with the previous chunk's work pays more than a third block per
-/// multiprocessor.
-const SHORT_SCAN_CHUNKS: usize = 2;
 
 /// Where the chunked kernels' scratch parts lie, for `blocks` (row · head, chunk) blocks: W, Q',
 /// K', Aqk (each transposed or not, as the kernel pair reads it; f32, or bf16 in half as many
@@ -660,8 +637,8 @@ pub(crate) fn gated_delta_rule_split(
     let (blocks_a, blocks_b) = (nc_a * states * hv, nc_b * rows * hv);
     let prep = Kernel::load_from(&GDR_CHUNKED, dev, &format!("gdrc_prep2_tc_{dtag}"))?;
     prep.allow_shared_memory(GDRC_PREP_TC_SMEM)?;
-    let (scan_a, cols_a) = tc_scan(dev, dtag, states * hv, dv, nc_a)?;
-    let (scan_b, cols_b) = tc_scan(dev, dtag, rows * hv, dv, nc_b)?;
+    let (scan_a, cols_a) = tc_scan(dev, dtag, states * hv, dv)?;
+    let (scan_b, cols_b) = tc_scan(dev, dtag, rows * hv, dv)?;
     let (a0, a1) = contiguous(la, "gated-delta-rule-split state qkv")?;
     let (b0, b1) = contiguous(lb, "gated-delta-rule-split branch qkv")?;
     let (g0, g1) = contiguous(lg, "gated-delta-rule-split gates")?;

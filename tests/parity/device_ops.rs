@@ -35,8 +35,7 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
         // The chunked kernels: several chunks, a partial last one, rows ending in different
         // chunks (one empty), 4B head counts.
         (3, 100, dims(16, 32, 128, 128), Some(vec![100usize, 33, 0])),
-        // Many rows of two chunks (1536 blocks of 32 columns, over two per multiprocessor):
-        // the tensor-core scan without operands in flight across chunks.
+        // Many rows of two chunks, rows ending in either chunk, in the first step or empty.
         (
             24,
             40,
@@ -159,7 +158,7 @@ fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
             vec![2, 0, 0, 1],
             dims(16, 16, 128, 128),
         ),
-        // Eight branch rows: their scan takes the short-row kernel (512 blocks).
+        // Eight branch rows, out of order, of two records.
         (
             vec![64, 50],
             48,

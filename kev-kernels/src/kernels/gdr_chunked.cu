@@ -867,7 +867,7 @@ struct ChunkOperandsBf {
 #define SCAN_READ 1
 #define SCAN_WRITE 2
 #define SCAN_SHARED 4
-template <typename D, int NCOL = 32, bool PREFETCH = true>
+template <typename D, int NCOL = 32>
 __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restrict__ u,
                              const float* __restrict__ qt_, const float* __restrict__ kd_,
                              const float* __restrict__ atq_, const float* __restrict__ gtot,
@@ -905,10 +905,9 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
     const bf16_t* ka = ldsm_a(k_s, TB_CP, rs, lane);
     const bf16_t* db = ldsm_b2(dt_s, TB_CP, 0, lane);
     typedef ChunkOperandsBf<NCOL> Ops;
-    Ops next;  // the next chunk's operands, in flight while this one computes (PREFETCH)
-    if (PREFETCH) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
+    Ops next;  // the next chunk's operands, in flight while this one computes
+    next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
-        if (!PREFETCH) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk, c0, dv);
         // This round's operands into shared memory: Sᵀ (a rounded copy), W, Q', K'ᵀ, Aqk, U.
         #pragma unroll
         for (int n = 0; n < NS; n++)
@@ -938,8 +937,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
         }
         const float gc = next.gtot;
         __syncthreads();
-        if (PREFETCH && chunk + 1 < nc)
-            next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
+        if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
 
         // Δ = U − W·S (warps 0–3) or P = Q'·S (warps 4–7): 16 steps × NCOL/2 columns per warp.
         float acc[NH][4] = {};
@@ -1033,16 +1031,6 @@ GDRC(f16, F16)
         gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, owners, out, T, hv, dk, dv, nc,    \
                               mode);                                                              \
     }
-// The scan of rows of a few chunks (branches): no operands in flight across chunks, so fewer
-// registers and three blocks per SM, where a scan of two chunks has little to overlap.
-#define GDRC_SCAN_TC_SHORT(NAME, D)                                                               \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) NAME(                             \
-        const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
-        const float* gtot, float* state, const unsigned int* owners, D::T* out, int T, int hv,    \
-        int dk, int dv, int nc, int mode) {                                                       \
-        gdrc_scan_tc<D, 32, false>(wt, u, qt, kd, atq, gtot, state, owners, out, T, hv, dk, dv,   \
-                                   nc, mode);                                                     \
-    }
 #define GDRC_TC(TAG, D)                                                                           \
     GDRC_PREP(gdrc_prep_tc_##TAG, gdrc_prep_tc, TC_THREADS, 4, D)                                 \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, 4) gdrc_prep2_tc_##TAG(              \
@@ -1054,8 +1042,7 @@ GDRC(f16, F16)
                          u, qt, kd, atq, gtot, hk, hv, dk, dv);                                   \
     }                                                                                             \
     GDRC_SCAN_TC(gdrc_scan_tc_##TAG, 32, D)                                                       \
-    GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)                                                     \
-    GDRC_SCAN_TC_SHORT(gdrc_scan_tc_short_##TAG, D)
+    GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)
 GDRC_TC(bf16, BF16)
 GDRC_TC(f16, F16)
 static_assert(PREP_TC_SMEM == 48512, "PREP_TC_SMEM");
