@@ -33,6 +33,7 @@ pub(crate) struct Head<'a> {
 
 /// Steps whose normalised q and k are prepared together (2 × 64 × Dk f32, 64 KB at Dk = 128:
 /// they stay in L2 while every strip walks them).
+#[cfg(target_arch = "x86_64")]
 const STEP_BLOCK: usize = 64;
 
 impl Head<'_> {
