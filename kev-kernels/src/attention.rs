@@ -355,10 +355,14 @@ pub fn attention_gate_join(o_s: &Tensor, o_b: &Tensor, gate: &Tensor) -> Result<
             .reshape((b_sz, len, heads, hd))?;
         attention_gate(o, &g)?.reshape((b_sz * len, heads * hd))
     };
-    Tensor::cat(
-        &[part(o_s, 0, r, s_len)?, part(o_b, r * s_len, b, t_len)?],
-        0,
-    )
+    match (r * s_len, b * t_len) {
+        (0, _) => part(o_b, 0, b, t_len),
+        (_, 0) => part(o_s, 0, r, s_len),
+        _ => Tensor::cat(
+            &[part(o_s, 0, r, s_len)?, part(o_b, r * s_len, b, t_len)?],
+            0,
+        ),
+    }
 }
 
 /// [`qk_norm_rope`] with plain tensor ops (the test reference, and the Metal path).

@@ -366,6 +366,9 @@ fn check(
             qkv.dims()
         )
     }
+    if dk == 0 || dv == 0 {
+        bail!("gated-delta-rule: empty heads in {dims:?}")
+    }
     if gb.dims() != [b_sz, seq_len, hv, 2] || gb.dtype() != DType::F32 {
         bail!(
             "gated-delta-rule: gates must be f32 [{b_sz}, {seq_len}, {hv}, 2], got {:?} {:?}",

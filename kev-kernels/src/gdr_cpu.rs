@@ -2,10 +2,11 @@
 //!
 //! Each column j of the state `S: [Dk, Dv]` evolves on its own (`δ_j` reads only column j,
 //! and the rank-1 update writes `k·δ_j` into it), so the AVX2 path walks the state in strips
-//! of columns, each strip through every step before the next: a strip of 32 columns
-//! (`Dk` × 32 f32, 16 KB at Dk = 128) is copied out of its strided rows once and stays in the
-//! L1 cache for the whole run. The whole state (64 KB at 128 × 128) does not fit there, and
-//! walking it twice per step made this loop ~10 % of a CPU request.
+//! of columns: within each block of `STEP_BLOCK` steps, a strip of 32 columns (`Dk` × 32 f32,
+//! 16 KB at Dk = 128) is copied out of its strided rows, runs every step of the block while it
+//! stays in the L1 cache, and is copied back before the next strip. The whole state (64 KB at
+//! 128 × 128) does not fit there, and walking it twice per step made this loop ~10 % of a CPU
+//! request.
 
 use crate::gated_delta_rule::L2NORM_EPS;
 
@@ -39,7 +40,8 @@ const STEP_BLOCK: usize = 64;
 impl Head<'_> {
     /// Runs the recurrence on state `s` (`[Dk, Dv]`), returning `o: [T, Dv]`: in strips with
     /// AVX2 and FMA where Dv is a multiple of 8, row by row elsewhere. The two round
-    /// differently (FMA, and the column sums split in two halves), within f32 noise.
+    /// differently, within f32 noise: FMA, each column sum split in two halves, Sᵀk taken
+    /// before the decay and scaled after, and the q/k norms summed on 16 lanes.
     pub(crate) fn run(&self, s: &mut [f32]) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
         if self.dv.is_multiple_of(8)
@@ -109,9 +111,10 @@ impl Head<'_> {
     unsafe fn run_strips(&self, s: &mut [f32]) -> Vec<f32> {
         let (dk, dv) = (self.dk, self.dv);
         let mut o = vec![0f32; self.seq_len * dv];
-        let mut q = vec![0f32; STEP_BLOCK * dk];
-        let mut k = vec![0f32; STEP_BLOCK * dk];
-        let mut gates = vec![(0f32, 0f32); STEP_BLOCK];
+        let block_steps = STEP_BLOCK.min(self.len);
+        let mut q = vec![0f32; block_steps * dk];
+        let mut k = vec![0f32; block_steps * dk];
+        let mut gates = vec![(0f32, 0f32); block_steps];
         let mut strip = vec![0f32; dk * 32];
         for t0 in (0..self.len).step_by(STEP_BLOCK) {
             let steps = STEP_BLOCK.min(self.len - t0);
@@ -163,7 +166,8 @@ impl Head<'_> {
         use std::arch::x86_64::*;
         let (dk, dv) = (self.dk, self.dv);
         let w = 8 * N;
-        debug_assert_eq!(strip.len(), dk * w);
+        // Every raw access below stays inside `strip` because of this.
+        assert_eq!(strip.len(), dk * w, "gated-delta-rule strip of {w} columns");
         let p = strip.as_mut_ptr();
         for (i, &(decay, beta)) in block.gates.iter().enumerate() {
             let t = block.t0 + i;

@@ -110,6 +110,23 @@ pub fn check_fused_ops(
         let got = rms_norm(&part(&proj_d, 0)?, &w1_d, eps)?;
         let want = rms_norm_ref(&part(&proj, 0)?, &w1, eps)?;
         check(&tag("rms-norm (slice)"), &got, &want, tol)?;
+        // Rows longer than one vector per thread of CUDA's 1024 (f32: 4 values a vector), and a
+        // weight that does not start on 16 bytes (read value by value).
+        let wide = 4160;
+        let (xw_d, xw) = on(patterned(&[2, wide], 0.4, 2.0)?)?;
+        let ww = (patterned(&[wide + 1], 0.9, 0.3)? + 1.0)?;
+        let (ww_d, ww) = (
+            ww.to_device(dev)?.narrow(0, 1, wide)?,
+            ww.narrow(0, 1, wide)?,
+        );
+        let got = rms_norm(&xw_d, &ww_d, eps)?;
+        let want = rms_norm_ref(&xw, &ww, eps)?;
+        check(
+            &tag("rms-norm (wide rows, offset weight)"),
+            &got,
+            &want,
+            tol,
+        )?;
         // A slice one element off (no 16-byte rows: CUDA's scalar path).
         let off = |p: &Tensor| p.narrow(D::Minus1, 1, 64);
         let got = rms_norm(&off(&proj_d)?, &w1_d, eps)?;

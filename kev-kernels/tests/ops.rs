@@ -55,6 +55,12 @@ fn cases() -> Vec<Case> {
             t: 5,
             dims: dims(1, 1, 128, 128),
         },
+        // Dv 20 (not a multiple of 8): the row-by-row form, also on AVX2 machines.
+        Case {
+            b: 2,
+            t: 9,
+            dims: dims(1, 2, 9, 20),
+        },
     ]
 }
 
@@ -97,6 +103,53 @@ fn gated_delta_rule_two_chunks_equal_whole() -> Result<()> {
     // Identical arithmetic in the same order: exact.
     assert_close("gdr split output", &split, &whole, 0.0)?;
     assert_close("gdr split state", &split_state, &whole_state, 0.0)?;
+    Ok(())
+}
+
+/// Rows whose lengths end inside, exactly at and before the first 64-step block of the CPU's
+/// strip form: each equals its real steps run alone.
+#[test]
+fn gated_delta_rule_lengths_across_step_blocks() -> Result<()> {
+    let c = Case {
+        b: 3,
+        t: 70,
+        dims: GdrDims {
+            num_k_heads: 1,
+            num_v_heads: 2,
+            head_k_dim: 16,
+            head_v_dim: 40,
+        },
+    };
+    let lengths = [66, 64, 0];
+    let (qkv, gb, state) = gdr_inputs(&c, 0.7)?;
+    let padded = state.copy()?;
+    let o = gated_delta_rule(&qkv, &gb, &padded, c.dims, Some(&lengths))?;
+    for (row, &len) in lengths.iter().enumerate() {
+        let alone = state.narrow(0, row, 1)?.copy()?;
+        let o_alone = gated_delta_rule(
+            &qkv.narrow(0, row, 1)?.narrow(1, 0, len)?,
+            &gb.narrow(0, row, 1)?.narrow(1, 0, len)?,
+            &alone,
+            c.dims,
+            None,
+        )?;
+        let tag = format!("gdr row {row} of length {len}");
+        assert_close(
+            &format!("{tag} state"),
+            &padded.narrow(0, row, 1)?,
+            &alone,
+            0.0,
+        )?;
+        let o_row = o.narrow(0, row, 1)?;
+        assert_close(
+            &format!("{tag} output"),
+            &o_row.narrow(1, 0, len)?,
+            &o_alone,
+            0.0,
+        )?;
+        let tail = o_row.narrow(1, len, c.t - len)?;
+        assert_close(&format!("{tag} padding"), &tail, &tail.zeros_like()?, 0.0)?;
+    }
     Ok(())
 }
 

@@ -224,7 +224,8 @@ __device__ void rmsnorm(const typename D::T* x, long xs, const typename D::T* h,
                      (!h || (hs % V::N == 0 && aligned16(h)));
     float ss = 0.f;
     // A thread's first vector stays in registers for the second pass (with the launch's block
-    // size, cols / N threads, it is the only one): no second round trip through the caches.
+    // size, cols / N threads up to 1024, usually its only one): no second round trip through
+    // the caches for it.
     float first[V::N];
     if (vec) {
         for (int c = threadIdx.x * V::N; c < cols; c += blockDim.x * V::N) {
