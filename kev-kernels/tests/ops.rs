@@ -221,6 +221,19 @@ fn gated_delta_rule_rejects_bad_shapes() -> Result<()> {
     assert!(err.to_string().contains("gated-delta-rule"), "{err}");
     let err = gated_delta_rule(&qkv, &gb, &state.to_dtype(DType::F16)?, c.dims, None).unwrap_err();
     assert!(err.to_string().contains("state must be f32"), "{err}");
+    // Value heads of size 0: an error, not a panic.
+    let empty_v = GdrDims {
+        head_v_dim: 0,
+        ..c.dims
+    };
+    let qkv0 = qkv.narrow(2, 0, empty_v.channels())?;
+    let state0 = Tensor::zeros(
+        (c.b, empty_v.num_v_heads, empty_v.head_k_dim, 0),
+        DType::F32,
+        qkv.device(),
+    )?;
+    let err = gated_delta_rule(&qkv0, &gb, &state0, empty_v, None).unwrap_err();
+    assert!(err.to_string().contains("empty heads"), "{err}");
     Ok(())
 }
 
