@@ -286,17 +286,10 @@ impl CustomOp3 for AttentionGateJoin {
         "attention-gate-join"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("attention-gate-join: the CPU composes attention_gate and cat")
-    }
+    cuda_only_cpu_fwd!(
+        "attention-gate-join: the CPU composes attention_gate and cat",
+        _a _la, _b _lb, _c _lc
+    );
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

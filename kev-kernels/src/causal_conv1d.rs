@@ -287,17 +287,10 @@ impl CustomOp3 for CausalConv1dSplit {
         "causal-conv1d-split"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("causal-conv1d-split: CUDA only (`causal_conv1d_split` composes elsewhere)")
-    }
+    cuda_only_cpu_fwd!(
+        "causal-conv1d-split: CUDA only (`causal_conv1d_split` composes elsewhere)",
+        _a _la, _b _lb, _c _lc
+    );
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

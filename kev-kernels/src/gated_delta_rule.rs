@@ -97,17 +97,7 @@ impl candle_core::CustomOp3 for GdrSplit {
         "gated-delta-rule-split"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("gated-delta-rule-split runs on CUDA only")
-    }
+    cuda_only_cpu_fwd!("gated-delta-rule-split runs on CUDA only", _a _la, _b _lb, _c _lc);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

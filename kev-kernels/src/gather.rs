@@ -3,9 +3,9 @@
 //! candle's CUDA `index_select` finds every element's source with 64-bit divisions; whole rows
 //! can move as 16-byte words, a few times faster on the 4B model's f32 recurrent states.
 
-use candle_core::{
-    bail, CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::{Layout, Shape};
 
 /// Row indices, checked and uploaded once for any number of [`gather_rows`] calls.
 pub struct RowIndex {
@@ -71,15 +71,7 @@ impl CustomOp2 for GatherRows {
         "gather-rows"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("gather-rows: the CPU takes index_select")
-    }
+    cuda_only_cpu_fwd!("gather-rows: the CPU takes index_select", _a _la, _b _lb);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -121,17 +113,7 @@ impl CustomOp3 for GatherCat {
         "gather-cat"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("gather-cat: the CPU composes index_select and cat")
-    }
+    cuda_only_cpu_fwd!("gather-cat: the CPU composes index_select and cat", _a _la, _b _lb, _c _lc);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

@@ -27,6 +27,20 @@
 //!
 //! No op knows anything about Qwen: shapes and head counts are explicit arguments.
 
+/// The `cpu_fwd` of a custom op that only CUDA runs (its wrapper composes other ops on the
+/// other backends, so the CPU never reaches it): an error with `$msg`. One `storage layout` pair
+/// of (unused) parameter names per input of the op.
+macro_rules! cuda_only_cpu_fwd {
+    ($msg:expr, $($storage:ident $layout:ident),+) => {
+        fn cpu_fwd(
+            &self,
+            $($storage: &candle_core::CpuStorage, $layout: &candle_core::Layout),+
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            candle_core::bail!($msg)
+        }
+    };
+}
+
 mod attention;
 mod causal_conv1d;
 mod chunked;
