@@ -1052,12 +1052,13 @@ pub(crate) fn attention_gate(
     let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
     let (off, [sb, st, sh]) = strided4(gl, "attention-gate gate")?;
     let part = GatePart {
+        storage: os,
         o: ol,
         rows: (b_sz, t_len),
         gate_at: off,
         strides: [sb, st, sh],
     };
-    gate_launches(&[os], gs, &[part], heads, hd)
+    gate_launches(gs, &[part], heads, hd)
 }
 
 /// [`crate::attention_gate_join`]: the states' part, then the branches', into one output.
@@ -1079,34 +1080,35 @@ pub(crate) fn attention_gate_join(
     let (sn, sh) = (g[0], g[1]);
     let parts = [
         GatePart {
+            storage: ss,
             o: sl,
             rows: (r, s_len),
             gate_at: gl.start_offset(),
             strides: [s_len * sn, sn, sh],
         },
         GatePart {
+            storage: bs,
             o: bl,
             rows: (b, t_len),
             gate_at: gl.start_offset() + r * s_len * sn,
             strides: [t_len * sn, sn, sh],
         },
     ];
-    gate_launches(&[ss, bs], gs, &parts, heads, hd)
+    gate_launches(gs, &parts, heads, hd)
 }
 
-/// One `attn_gate_*` launch's inputs: `o` (contiguous `[B, H, T, hd]`), its `(B, T)`, and where
-/// its gate rows start in the gate storage, with their strides (b, t, h).
+/// One `attn_gate_*` launch's inputs: `o` (contiguous `[B, H, T, hd]`, in `storage`), its
+/// `(B, T)`, and where its gate rows start in the gate storage, with their strides (b, t, h).
 struct GatePart<'a> {
+    storage: &'a CudaStorage,
     o: &'a Layout,
     rows: (usize, usize),
     gate_at: usize,
     strides: [usize; 3],
 }
 
-/// `attn_gate_*` once per part, into one output holding each part's `[B·T, H·hd]` rows in turn;
-/// part i reads its `o` from `sources[i]`.
+/// `attn_gate_*` once per part, into one output holding each part's `[B·T, H·hd]` rows in turn.
 fn gate_launches(
-    sources: &[&CudaStorage],
     gs: &CudaStorage,
     parts: &[GatePart],
     heads: usize,
@@ -1122,7 +1124,7 @@ fn gate_launches(
     by_dtype!(dtype, "attention-gate", |T| {
         let mut out = k.output::<T>(total)?;
         let mut at = 0;
-        for (part, os) in parts.iter().zip(sources) {
+        for part in parts {
             let (o0, o1) = contiguous(part.o, "attention-gate input")?;
             let (b_sz, t_len) = part.rows;
             let n = b_sz * t_len * row;
@@ -1135,7 +1137,7 @@ fn gate_launches(
             if n == 0 {
                 continue;
             }
-            let o = os.as_cuda_slice::<T>()?.slice(o0..o1);
+            let o = part.storage.as_cuda_slice::<T>()?.slice(o0..o1);
             let g = gs.as_cuda_slice::<T>()?.slice(part.gate_at..);
             let mut dst = out.slice_mut(at..at + n);
             let strides = part.strides.map(|s| s as i64);
