@@ -614,6 +614,8 @@ impl ScratchLayout {
 /// do not depend on the states); the states' scan starts from zero and writes their final
 /// states; the branches' scan reads its owner's state in place (shared by that record's branch
 /// rows, written by none). Both scans write into one packed output, `[R·S + B·T, Hv, Dv]`.
+/// With `op.conv` ([`crate::conv_gated_delta_rule_split`]) the inputs are raw row views and the
+/// preparation (`gdrc_prep2c_tc_*`) runs the conv on them first.
 pub(crate) fn gated_delta_rule_split(
     op: &GdrSplit,
     qa: &CudaStorage,
@@ -635,12 +637,22 @@ pub(crate) fn gated_delta_rule_split(
     let (rows, width) = (split.rows(), split.width());
     let (nc_a, nc_b) = (s_len.div_ceil(GDRC_CHUNK), width.div_ceil(GDRC_CHUNK));
     let (blocks_a, blocks_b) = (nc_a * states * hv, nc_b * rows * hv);
-    let prep = Kernel::load_from(&GDR_CHUNKED, dev, &format!("gdrc_prep2_tc_{dtag}"))?;
+    let prep_name = if op.conv.is_some() {
+        "gdrc_prep2c_tc_"
+    } else {
+        "gdrc_prep2_tc_"
+    };
+    let prep = Kernel::load_from(&GDR_CHUNKED, dev, &format!("{prep_name}{dtag}"))?;
     prep.allow_shared_memory(GDRC_PREP_TC_SMEM)?;
     let (scan_a, cols_a) = tc_scan(dev, dtag, states * hv, dv)?;
     let (scan_b, cols_b) = tc_scan(dev, dtag, rows * hv, dv)?;
-    let (a0, a1) = contiguous(la, "gated-delta-rule-split state qkv")?;
-    let (b0, b1) = contiguous(lb, "gated-delta-rule-split branch qkv")?;
+    // Conv outputs, contiguous; or (conv) raw rows at their own pitch.
+    let sa = crate::rows::rows(la, "gated-delta-rule-split state rows")?;
+    let sb = crate::rows::rows(lb, "gated-delta-rule-split branch rows")?;
+    if op.conv.is_none() && (sa.stride != sa.cols || sb.stride != sb.cols) {
+        bail!("gated-delta-rule-split: expected contiguous rows, got {la:?} and {lb:?}")
+    }
+    let conv_w = op.conv.as_ref().map(|w| w.storage_and_layout());
     let (g0, g1) = contiguous(lg, "gated-delta-rule-split gates")?;
     let gates = gb.as_cuda_slice::<f32>()?;
     let s_tokens = states * s_len;
@@ -658,8 +670,18 @@ pub(crate) fn gated_delta_rule_split(
     let [s_i, nc_a_i, w_i, nc_b_i, bh_a_i] =
         [s_len, nc_a, width, nc_b, states * hv].map(|x| x as i32);
     by_dtype!(qa.dtype(), "gated-delta-rule-split", |T| {
-        let xa = qa.as_cuda_slice::<T>()?.slice(a0..a1);
-        let xb = qb.as_cuda_slice::<T>()?.slice(b0..b1);
+        let xa = qa.as_cuda_slice::<T>()?.slice(sa.span());
+        let xb = qb.as_cuda_slice::<T>()?.slice(sb.span());
+        let w = match &conv_w {
+            Some((storage, layout)) => match &**storage {
+                candle_core::Storage::Cuda(w) => {
+                    Some(w.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+                }
+                _ => bail!("conv-gated-delta-rule-split: the conv weight is not on the GPU"),
+            },
+            None => None,
+        };
+        let (pitch_a, pitch_b) = (sa.stride as i64, sb.stride as i64);
         let mut b = prep.stream.launch_builder(&prep.func);
         // The states: R rows of hv heads.
         b.arg(&xa)
@@ -673,6 +695,9 @@ pub(crate) fn gated_delta_rule_split(
             .arg(&lengths.ptr)
             .arg(&w_i)
             .arg(&nc_b_i);
+        if let Some(w) = &w {
+            b.arg(&owners.ptr).arg(w).arg(&pitch_a).arg(&pitch_b);
+        }
         b.arg(&wt).arg(&u).arg(&qt).arg(&kd).arg(&at).arg(&gtot);
         b.arg(&hk_i).arg(&hv_i).arg(&dk_i).arg(&dv_i);
         let cfg = LaunchConfig {
@@ -680,8 +705,11 @@ pub(crate) fn gated_delta_rule_split(
             block_dim: (GDRC_TC_THREADS, 1, 1),
             shared_mem_bytes: GDRC_PREP_TC_SMEM,
         };
-        // SAFETY: argument types and order match `gdrc_prep2_tc_*`; the scratch holds one block
-        // per launched block, the inputs have the shapes the wrapper checked (Dk, Dv ≤ 128).
+        // SAFETY: argument types and order match `gdrc_prep2_tc_*` (with the conv's owners,
+        // weight and pitches, `gdrc_prep2c_tc_*`); the scratch holds one block per launched
+        // block, the inputs have the shapes the wrapper checked (Dk, Dv ≤ 128; rows of C
+        // channels at their pitch; owners below R, lengths at most S and T, as `SplitRows`
+        // checks; a contiguous [C, 4] weight).
         unsafe { b.launch(cfg) }.w()?;
 
         let out = scan_a.output::<T>(split.tokens() * hv * dv)?;

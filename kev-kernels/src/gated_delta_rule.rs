@@ -20,6 +20,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{as_f32, from_f32};
 use crate::gdr_cpu::Head;
+use crate::rows::{as_rows, Rows};
 use crate::split::SplitRows;
 
 /// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
@@ -83,13 +84,16 @@ impl GdrDims {
     }
 }
 
-/// The op of [`gated_delta_rule_split`]: inputs the states' `[q | k | v]` rows, the branches'
-/// and the packed gates; output the packed `o`. CUDA only: elsewhere the wrapper returns `None`
-/// and its caller composes [`gated_delta_rule`] calls.
+/// The op of [`gated_delta_rule_split`] and [`conv_gated_delta_rule_split`]: inputs the states'
+/// `[q | k | v]` rows, the branches' and the packed gates; output the packed `o`. CUDA only:
+/// elsewhere the wrappers return `None` and their callers compose.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct GdrSplit {
     pub(crate) dims: GdrDims,
     pub(crate) rows: SplitRows,
+    /// The conv weight `[C, 4]` (contiguous) when the inputs are the raw `in_proj` rows, run
+    /// through the causal conv + SiLU inside the preparation.
+    pub(crate) conv: Option<Tensor>,
 }
 
 impl candle_core::CustomOp3 for GdrSplit {
@@ -138,12 +142,107 @@ pub fn gated_delta_rule_split(
     dims: GdrDims,
     rows: &SplitRows,
 ) -> Result<Option<Tensor>> {
+    let name = "gated-delta-rule-split";
+    if !split_applies(name, state_qkv, branch_qkv, gb, dims, rows)? {
+        return Ok(None);
+    }
+    let op = GdrSplit {
+        dims,
+        rows: rows.clone(),
+        conv: None,
+    };
+    Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
+        &branch_qkv.contiguous()?,
+        &gb.contiguous()?,
+        &op,
+    )?))
+}
+
+/// [`causal_conv1d_split`](crate::causal_conv1d_split) followed by [`gated_delta_rule_split`],
+/// with the conv run inside the delta rule's preparation on CUDA: it reads the raw rows, and
+/// the conv's output (the layer's largest activation after `in_proj`'s) never goes to memory.
+/// The same arithmetic per output and the same sums as those two calls, so the same numbers.
+///
+/// `state_raw: [R, S, C]` and `branch_raw: [B, T, C]` are the raw `in_proj` `[q | k | v]` rows
+/// (row views of the wider projection are read in place), `weight: [C, 4]` the conv's; `gb`,
+/// `dims`, `rows` as in [`gated_delta_rule_split`]. `None` where that form does not apply, for
+/// a conv kernel other than 4 steps, for more value heads than key heads (each value head's
+/// block would run its key head's conv again: slower than the two calls, A/B on the H200), or
+/// where the kernel's 8- and 16-byte moves do not fit (Dk or Dv not a multiple of 4, rows not
+/// starting at multiples of 4 elements, a weight not at a multiple of 8): compose the two calls
+/// there. The 0.8B model takes it (16 key and value heads), the 4B one does not (16 and 32).
+///
+/// Errors name what does not fit, as [`gated_delta_rule_split`]'s, and a weight of another
+/// channel count or dtype.
+pub fn conv_gated_delta_rule_split(
+    state_raw: &Tensor,
+    branch_raw: &Tensor,
+    weight: &Tensor,
+    gb: &Tensor,
+    dims: GdrDims,
+    rows: &SplitRows,
+) -> Result<Option<Tensor>> {
+    let name = "conv-gated-delta-rule-split";
+    let (channels, k) = weight.dims2()?;
+    if channels != dims.channels() || weight.dtype() != state_raw.dtype() {
+        bail!(
+            "{name}: conv weight {:?} ({:?}) does not fit {} channels of {:?}",
+            weight.dims(),
+            weight.dtype(),
+            dims.channels(),
+            state_raw.dtype()
+        )
+    }
+    if !split_applies(name, state_raw, branch_raw, gb, dims, rows)? || k != 4 {
+        return Ok(None);
+    }
+    let (state_raw, branch_raw, weight) = (
+        as_rows(state_raw)?,
+        as_rows(branch_raw)?,
+        weight.contiguous()?,
+    );
+    // The kernel moves 4 channels of a row (8 bytes) and the weights of 2 (16 bytes) at a time.
+    let in_fours = |t: &Tensor| {
+        Rows::of(t.layout())
+            .is_some_and(|r| r.offset.is_multiple_of(4) && r.stride.is_multiple_of(4))
+    };
+    // Hv > Hk: 4B 8 records 83.7, 84.0 → 84.1, 84.4 ms, one request 12.7 → 12.8, 12.9 ms.
+    if dims.num_v_heads != dims.num_k_heads
+        || !dims.head_k_dim.is_multiple_of(4)
+        || !dims.head_v_dim.is_multiple_of(4)
+        || !(in_fours(&state_raw) && in_fours(&branch_raw))
+        || !weight.layout().start_offset().is_multiple_of(8)
+    {
+        return Ok(None);
+    }
+    let op = GdrSplit {
+        dims,
+        rows: rows.clone(),
+        conv: Some(weight),
+    };
+    Ok(Some(state_raw.apply_op3_no_bwd(
+        &branch_raw,
+        &gb.contiguous()?,
+        &op,
+    )?))
+}
+
+/// The split wrappers' checks (errors naming what does not fit), then whether the fused form
+/// runs: both parts hold steps and [`fused_split_applies`].
+fn split_applies(
+    name: &str,
+    state_qkv: &Tensor,
+    branch_qkv: &Tensor,
+    gb: &Tensor,
+    dims: GdrDims,
+    rows: &SplitRows,
+) -> Result<bool> {
     let (states, s_len, c) = state_qkv.dims3()?;
     let (b_rows, width, cb) = branch_qkv.dims3()?;
-    rows.check_parts("gated-delta-rule-split", state_qkv, branch_qkv)?;
+    rows.check_parts(name, state_qkv, branch_qkv)?;
     if c != dims.channels() || cb != c || gb.dims() != [rows.tokens(), dims.num_v_heads, 2] {
         bail!(
-            "gated-delta-rule-split: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
+            "{name}: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
             state_qkv.dims(),
             branch_qkv.dims(),
             gb.dims()
@@ -151,33 +250,21 @@ pub fn gated_delta_rule_split(
     }
     let (hk, hv) = (dims.num_k_heads, dims.num_v_heads);
     if hk == 0 || hv % hk != 0 {
-        bail!("gated-delta-rule-split: {hv} value heads are not a multiple of {hk} key heads")
+        bail!("{name}: {hv} value heads are not a multiple of {hk} key heads")
     }
     if state_qkv.dtype() != branch_qkv.dtype() || gb.dtype() != DType::F32 {
         bail!(
-            "gated-delta-rule-split: state {:?} and branches {:?} must share a dtype, gates must be f32 (got {:?})",
+            "{name}: state {:?} and branches {:?} must share a dtype, gates must be f32 (got {:?})",
             state_qkv.dtype(),
             branch_qkv.dtype(),
             gb.dtype()
         )
     }
-    if states == 0
-        || s_len == 0
-        || width == 0
-        || b_rows == 0
-        || !fused_split_applies(state_qkv, dims, s_len, width)
-    {
-        return Ok(None);
-    }
-    let op = GdrSplit {
-        dims,
-        rows: rows.clone(),
-    };
-    Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
-        &branch_qkv.contiguous()?,
-        &gb.contiguous()?,
-        &op,
-    )?))
+    Ok(states > 0
+        && s_len > 0
+        && width > 0
+        && b_rows > 0
+        && fused_split_applies(state_qkv, dims, s_len, width))
 }
 
 /// Whether [`gated_delta_rule_split`] has its fused form here: the conditions under which

@@ -12,7 +12,8 @@
 //!   with its K−1 previous inputs so that a run can continue from a cache;
 //!   [`causal_conv1d_cached`] takes that cache separately and returns the next one;
 //!   [`causal_conv1d_split`] runs records' states and their branches in one CUDA launch
-//!   ([`SplitRows`] says how the rows divide).
+//!   ([`SplitRows`] says how the rows divide), [`gated_delta_rule_split`] their delta rule, and
+//!   [`conv_gated_delta_rule_split`] both, the conv inside the delta rule's preparation.
 //!
 //! And the fused elementwise ops:
 //!
@@ -73,8 +74,8 @@ pub use chunked::{gated_delta_rule_chunked, CHUNK};
 #[cfg(feature = "cuda")]
 pub use cuda::{keep_device_memory, pool_peak_bytes, profiler_range};
 pub use gated_delta_rule::{
-    gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent, gated_delta_rule_ref,
-    gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,
+    conv_gated_delta_rule_split, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent,
+    gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{gather_cat, gather_rows, RowIndex};

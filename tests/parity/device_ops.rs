@@ -5,8 +5,8 @@
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, dims, patterned};
 use kev_kernels::{
-    causal_conv1d, causal_conv1d_cached_view, gated_delta_rule, gated_delta_rule_as,
-    gated_delta_rule_split, GdrDims, GdrForm, SplitRows,
+    causal_conv1d, causal_conv1d_cached_view, conv_gated_delta_rule_split, gated_delta_rule,
+    gated_delta_rule_as, gated_delta_rule_split, GdrDims, GdrForm, SplitRows,
 };
 
 use crate::common::{check, device};
@@ -381,6 +381,131 @@ fn causal_conv1d_split_equals_its_composition() -> Result<()> {
                 None => assert!(!dev.is_cuda(), "{tag}: CUDA declined the one-launch form"),
             }
         }
+    }
+    Ok(())
+}
+
+/// The conv fused into the split delta rule's preparation against the two ops it replaces
+/// (the conv, then the delta rule from zero states and on the branch rows from their states'
+/// final ones), on the test device: the same arithmetic per output and the same sums, so
+/// exactly equal where it runs (CUDA, bf16, rows at multiples of 8 elements); elsewhere it
+/// declines. Inputs are row views of a wider projection's columns (at offsets 0 and 8, and at
+/// an odd one, which the fused form declines, as it declines repeated key heads); a 2-step state is shorter than the conv's window (its branch row's
+/// window starts in zeros); branch rows continue their states out of order.
+#[test]
+fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
+    let dev = device();
+    for (state_lengths, width, lengths, owners, d, shift) in [
+        (
+            vec![70usize],
+            40usize,
+            vec![40usize, 33, 0],
+            vec![0usize, 0, 0],
+            dims(2, 2, 32, 16),
+            1usize,
+        ),
+        (
+            vec![96, 70, 20],
+            48,
+            vec![48, 47, 36, 41],
+            vec![2, 0, 0, 1],
+            dims(16, 16, 128, 128),
+            8,
+        ),
+        (
+            vec![2, 64],
+            40,
+            vec![40, 2, 33],
+            vec![0, 1, 0],
+            dims(2, 2, 32, 16),
+            0,
+        ),
+        // Two value heads per key head: declined.
+        (vec![40], 33, vec![33], vec![0], dims(2, 4, 32, 16), 0),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let (states, rows) = (state_lengths.len(), lengths.len());
+            let s_len = *state_lengths.iter().max().unwrap();
+            let split = SplitRows::new(
+                s_len,
+                state_lengths.clone(),
+                width,
+                lengths.clone(),
+                owners.clone(),
+            )?;
+            let (c, hv) = (d.channels(), d.num_v_heads);
+            let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
+            let proj = on(patterned(&[split.tokens(), c + 24], 0.7, 2.0)?)?;
+            let w = on(patterned(&[c, 4], 1.3, 0.6)?)?;
+            // Row views of the projection's columns shift.., as the model passes them.
+            let x_s = proj
+                .narrow(0, 0, states * s_len)?
+                .reshape((states, s_len, c + 24))?
+                .narrow(2, shift, c)?;
+            let x_b = proj
+                .narrow(0, states * s_len, rows * width)?
+                .reshape((rows, width, c + 24))?
+                .narrow(2, shift, c)?;
+            let (_, gb_s, _) = testing::gdr_inputs(states, s_len, d, 0.3)?;
+            let (_, gb_b, _) = testing::gdr_inputs(rows, width, d, 1.3)?;
+            let (gb_s, gb_b) = (gb_s.to_device(&dev)?, gb_b.to_device(&dev)?);
+            let gb = Tensor::cat(
+                &[
+                    gb_s.reshape((states * s_len, hv, 2))?,
+                    gb_b.reshape((rows * width, hv, 2))?,
+                ],
+                0,
+            )?;
+            let fused = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, d, &split)?;
+
+            let zeros = Tensor::zeros((states, 3, c), dtype, &dev)?;
+            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(&state_lengths))?;
+            let (y_b, _) =
+                causal_conv1d_cached_view(&x_b, &pick_rows(&window, &owners)?, &w, None)?;
+            let state = Tensor::zeros((states, hv, d.head_k_dim, d.head_v_dim), DType::F32, &dev)?;
+            let o_s = gated_delta_rule(&y_s, &gb_s, &state, d, Some(&state_lengths))?;
+            let state_b = pick_rows(&state, &owners)?;
+            let o_b = gated_delta_rule(&y_b, &gb_b, &state_b, d, Some(&lengths))?;
+            let composed = Tensor::cat(&[o_s.flatten(0, 1)?, o_b.flatten(0, 1)?], 0)?;
+            let tag = format!(
+                "conv+gdr split {dtype:?} states {state_lengths:?} t={width} dk={} shift {shift}",
+                d.head_k_dim
+            );
+            let runs = dev.is_cuda()
+                && dtype != DType::F32
+                && shift % 4 == 0
+                && d.num_k_heads == d.num_v_heads;
+            match fused {
+                Some(o) => {
+                    assert!(runs, "{tag}: fused where it should decline");
+                    let diff = check(&tag, &o, &composed, 0.0)?;
+                    assert_eq!(diff.max_abs, 0.0, "{tag}: not the composition's numbers");
+                }
+                None => assert!(!runs, "{tag}: CUDA bf16 declined the fused form"),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A conv weight that does not fit is an error naming it, before anything runs.
+#[test]
+fn conv_gated_delta_rule_split_refuses_a_weight_that_does_not_fit() -> Result<()> {
+    let dev = device();
+    let d = dims(2, 4, 32, 16);
+    let split = SplitRows::new(40, vec![40], 33, vec![33], vec![0])?;
+    let c = d.channels();
+    let x_s = Tensor::zeros((1, 40, c), DType::BF16, &dev)?;
+    let x_b = Tensor::zeros((1, 33, c), DType::BF16, &dev)?;
+    let gb = Tensor::zeros((73, d.num_v_heads, 2), DType::F32, &dev)?;
+    for w in [
+        Tensor::zeros((c - 1, 4), DType::BF16, &dev)?,
+        Tensor::zeros((c, 4), DType::F32, &dev)?,
+    ] {
+        let err = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, d, &split)
+            .expect_err("a weight that does not fit ran")
+            .to_string();
+        assert!(err.contains("conv weight"), "unclear error: {err}");
     }
     Ok(())
 }

@@ -4,8 +4,8 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::Linear;
 use kev_kernels::{
-    causal_conv1d_cached, causal_conv1d_cached_view, causal_conv1d_split, deltanet_gates,
-    gated_delta_rule, gated_delta_rule_split, GdrDims,
+    causal_conv1d_cached, causal_conv1d_cached_view, causal_conv1d_split,
+    conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, gated_delta_rule_split, GdrDims,
 };
 
 use super::norm::GatedRmsNorm;
@@ -110,6 +110,13 @@ impl GatedDeltaNet {
         let gb = self.gates(&proj)?; // [N, Hv, 2]
         let (proj_s, proj_b) = split.parts(&proj)?;
         let (qkv_s, qkv_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
+        // CUDA: the conv inside the delta rule's preparation, on the projection in place.
+        let fused =
+            conv_gated_delta_rule_split(&qkv_s, &qkv_b, &self.conv1d, &gb, self.dims, rows)?;
+        if let Some(o) = fused {
+            let z = self.z(&proj)?;
+            return self.out(&split.kept(&o, out_rows)?, &split.kept(&z, out_rows)?);
+        }
         let (mixed_s, mixed_b) = match causal_conv1d_split(&qkv_s, &qkv_b, &self.conv1d, rows)? {
             Some(mixed) => split.parts(&mixed)?, // one launch (CUDA)
             None => {

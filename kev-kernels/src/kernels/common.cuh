@@ -76,6 +76,28 @@ struct Vec16 {
     }
 };
 
+// Value i of the 8 16-bit values packed in v, as f32.
+template <typename D>
+__device__ __forceinline__ float unpack8(const uint4& v, int i) {
+    const unsigned w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
+    const typename D::T h = (typename D::T)((i & 1) ? w >> 16 : w & 0xffffu);
+    return D::load(&h);
+}
+// Value i of the 4 16-bit values packed in v, as f32.
+template <typename D>
+__device__ __forceinline__ float unpack4(const uint2& v, int i) {
+    const unsigned w = i < 2 ? v.x : v.y;
+    const typename D::T h = (typename D::T)((i & 1) ? w >> 16 : w & 0xffffu);
+    return D::load(&h);
+}
+// The bits of v rounded to the 16-bit dtype D.
+template <typename D>
+__device__ __forceinline__ unsigned pack16(float v) {
+    typename D::T h;
+    D::store(&h, v);
+    return h;
+}
+
 // Whether `p` is 16-byte aligned.
 __device__ __forceinline__ bool aligned16(const void* p) { return ((size_t)p & 15) == 0; }
 

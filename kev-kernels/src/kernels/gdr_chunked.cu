@@ -76,6 +76,28 @@ __device__ __forceinline__ int swz(int r, int t) { return t ^ (((r >> 3) & 3) <<
 __device__ __forceinline__ unsigned short bits16(unsigned short x) { return x; }
 __device__ __forceinline__ unsigned short bits16(float) { return 0; }
 
+// The end of step 1: the cumulative G and β·e^G (and e^G, e^{G_CH−G}) from the chunk's g and β,
+// as a warp scan, a lane per step (CH = 32). Ends with the block synchronised.
+__device__ __forceinline__ void chunk_decays(const StepTiles& s) {
+    const int lane = threadIdx.x % 32;
+    if (threadIdx.x / 32 == 0) {
+        float acc = s.g[lane];
+        #pragma unroll
+        for (int off = 1; off < 32; off *= 2) {
+            const float up = __shfl_up_sync(0xffffffffu, acc, off);
+            if (lane >= off) acc += up;
+        }
+        s.g[lane] = acc;
+        const float e = expf(acc);
+        s.bg[lane] = s.beta[lane] * e;
+        if (s.eg) {
+            s.eg[lane] = e;
+            s.egc[lane] = expf(__shfl_sync(0xffffffffu, acc, CH - 1) - acc);
+        }
+    }
+    __syncthreads();
+}
+
 // Step 1 of both preparation kernels: the chunk's q̂, k̂ (l2-normalised, q̂ scaled by 1/√Dk),
 // v, g and β, a warp per step (unrolled: the loads of a warp's steps are in flight together);
 // then the cumulative G and β·e^G. Ends with the block synchronised. UNROLL: steps a warp has
@@ -131,22 +153,129 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
         }
     }
     __syncthreads();
-    if (warp == 0) {  // the cumulative sum as a warp scan, a lane per step (CH = 32)
-        float acc = s.g[lane];
+    chunk_decays(s);
+}
+
+// Where the fused conv's preparation (gdrc_prep2c_tc_<dtype>) reads its inputs: a part's raw
+// in_proj rows `[q | k | v | ..]` at row pitch `pitch` (elements), before the causal depthwise
+// conv + SiLU (QWEN35.md §3), with its weight w [C, 4]. The steps before a row's first: zeros
+// for a state row (hist null); for a branch row, the last 3 real raw rows of the state row it
+// continues, `owners[b]` (null: row 0) of the state part `hist` (rows of hist_t steps at pitch
+// hist_pitch, hist_len real ones; null: all).
+template <typename D>
+struct ConvIn {
+    const typename D::T* w;
+    long pitch;
+    const typename D::T* hist;
+    long hist_pitch;
+    const unsigned int* owners;
+    const unsigned int* hist_len;
+    int hist_t;
+};
+
+// Step 1 of the tensor-core preparation with the conv fused (conv_split's arithmetic per
+// output, so the same numbers as that kernel followed by load_chunk). A thread takes 4 channels
+// (8-byte loads) of a run of 4 steps: it reads the run's 4 + 3 raw rows once, and writes the
+// outputs to the tiles instead of the conv writing them to memory and load_chunk reading them
+// back. With Dk = Dv = 128 that is 3 runs a thread, in 64 registers without spills (8 channels
+// spilled). q and k runs are spread step-fastest over a warp, v's channel-fastest: either way a
+// warp's stores to the tiles share few banks. Then the norms' factors from the tiles, summed as
+// load_chunk sums them; g and β. The wrapper guarantees 8-byte aligned rows, a 16-byte aligned
+// weight and 4 | Dk, Dv (16-bit dtypes only). Ends with the block synchronised.
+template <typename D>
+__device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict__ qkv,
+                                                ConvIn<D> cv, const float* __restrict__ gb,
+                                                const StepTiles& s, int T, int len, int t0, int b,
+                                                int h, int kh, int hk, int hv, int dk, int dv) {
+    typedef typename D::T E;
+    constexpr int RUN = 4, RUNS = CH / RUN, NCH = 4;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const E* x = qkv + (size_t)b * T * cv.pitch;
+    const E* hist = nullptr;
+    int hist_end = 0;
+    if (cv.hist) {
+        const int o = cv.owners ? (int)cv.owners[b] : 0;
+        hist = cv.hist + (size_t)o * cv.hist_t * cv.hist_pitch;
+        hist_end = cv.hist_len ? min((int)cv.hist_len[o], cv.hist_t) : cv.hist_t;
+    }
+    // Raw step t of the row (t < 0: its history), or null for a zero row. Steps at or past
+    // `len` feed only steps that output zeros, so they are not read.
+    auto raw = [&](int t) -> const E* {
+        if (t >= len) return nullptr;
+        if (t >= 0) return x + (size_t)t * cv.pitch;
+        return hist && hist_end + t >= 0 ? hist + (size_t)(hist_end + t) * cv.hist_pitch : nullptr;
+    };
+    // Tile rows past Dk and columns past Dv are zeros, as load_chunk leaves them.
+    for (int e = tid; e < (DM - dk) * CH; e += TC_THREADS) {
+        const int r = dk + e / CH, i = e % CH;
+        s.q16[r * s.tp + swz(r, i)] = 0;
+        s.k16[r * s.tp + swz(r, i)] = 0;
+    }
+    for (int e = tid; e < (DM - dv) * CH; e += TC_THREADS) s.vr[(e % CH) * s.vp + dv + e / CH] = 0.f;
+    const int gk = dk / NCH, gv = dv / NCH, nqk = 2 * gk * RUNS;
+    #pragma unroll 1
+    for (int item = tid; item < nqk + gv * RUNS; item += TC_THREADS) {
+        const bool is_v = item >= nqk;
+        const int g = is_v ? (item - nqk) % gv : item / RUNS;
+        const int i0 = RUN * (is_v ? (item - nqk) / gv : item % RUNS);
+        const bool is_k = !is_v && g >= gk;
+        const int r0 = NCH * (is_v ? g : is_k ? g - gk : g);  // the channel in its head
+        const int c0 = is_v ? 2 * hk * dk + h * dv + r0 : (is_k ? hk + kh : kh) * dk + r0;
+        uint2 win[RUN + 3];
         #pragma unroll
-        for (int off = 1; off < 32; off *= 2) {
-            const float up = __shfl_up_sync(0xffffffffu, acc, off);
-            if (lane >= off) acc += up;
+        for (int p = 0; p < RUN + 3; p++) {
+            const E* src = raw(t0 + i0 + p - 3);
+            win[p] = src ? *reinterpret_cast<const uint2*>(src + c0) : make_uint2(0u, 0u);
         }
-        s.g[lane] = acc;
-        const float e = expf(acc);
-        s.bg[lane] = s.beta[lane] * e;
-        if (s.eg) {
-            s.eg[lane] = e;
-            s.egc[lane] = expf(__shfl_sync(0xffffffffu, acc, CH - 1) - acc);
+        #pragma unroll
+        for (int c = 0; c < NCH; c++) {
+            // w[c0 + c, 0..4], read a pair of channels (16 bytes) at a time.
+            const uint4 wc = *reinterpret_cast<const uint4*>(cv.w + (size_t)(c0 + c - c % 2) * 4);
+            const int k = 4 * (c % 2), r = r0 + c;
+            const float w0 = unpack8<D>(wc, k), w1 = unpack8<D>(wc, k + 1),
+                        w2 = unpack8<D>(wc, k + 2), w3 = unpack8<D>(wc, k + 3);
+            #pragma unroll
+            for (int j = 0; j < RUN; j++) {
+                const int i = i0 + j;
+                const float acc = w0 * unpack4<D>(win[j], c) + w1 * unpack4<D>(win[j + 1], c) +
+                                  w2 * unpack4<D>(win[j + 2], c) + w3 * unpack4<D>(win[j + 3], c);
+                const unsigned short y = t0 + i < len ? pack16<D>(silu<D>(acc)) : 0;
+                if (is_v)
+                    s.vr[i * s.vp + r] = D::load(&y);
+                else
+                    (is_k ? s.k16 : s.q16)[r * s.tp + swz(r, i)] = y;
+            }
         }
     }
     __syncthreads();
+    // The norms' factors from the tiles, a warp per step and the lanes' channels as load_chunk
+    // sums them; g and β.
+    const float scale = rsqrtf((float)dk);
+    #pragma unroll 1
+    for (int i = warp; i < CH; i += TC_THREADS / 32) {
+        float qq = 0.f, kk = 0.f;
+        #pragma unroll
+        for (int xi = 0; xi < 4; xi++) {
+            const int r = lane + 32 * xi;
+            const float q = D::load(&s.q16[r * s.tp + swz(r, i)]);
+            const float k = D::load(&s.k16[r * s.tp + swz(r, i)]);
+            qq += q * q;
+            kk += k * k;
+        }
+        qq = warp_sum(qq);
+        kk = warp_sum(kk);
+        if (lane == 0) {
+            const int t = t0 + i;
+            const bool valid = t < len;
+            s.qn[i] = scale / sqrtf(qq + L2NORM_EPS);
+            s.kn[i] = 1.f / sqrtf(kk + L2NORM_EPS);
+            const float* g = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
+            s.g[i] = valid ? g[0] : 0.f;
+            s.beta[i] = valid ? g[1] : 0.f;
+        }
+    }
+    __syncthreads();
+    chunk_decays(s);
 }
 
 // Step 3, warp 0: Tm = (I + A)⁻¹ for A strictly lower triangular (pitch A_P), by forward
@@ -628,8 +757,9 @@ __device__ __forceinline__ void mma_ldsm(float (&acc)[NT][4], const bf16_t* x, i
 
 // TC_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
 // tiles per warp. The block prepares chunk `chunk` of (row · head) `bh` into scratch block `cb`.
-template <typename D>
-__device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
+// CONV: `qkv` holds the raw rows `cv` describes, and step 1 runs the conv on them.
+template <typename D, bool CONV = false>
+__device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D> cv,
                                 const float* __restrict__ gb,
                                 const unsigned int* __restrict__ lengths, float* __restrict__ wt,
                                 float* __restrict__ u, float* __restrict__ qt,
@@ -651,8 +781,12 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv,
     bf16_t *k16 = reinterpret_cast<bf16_t*>(kd), *a16 = reinterpret_cast<bf16_t*>(atq);
 
     // 1. qᵀ, kᵀ (16-bit) and their norms' factors, v, g, β of the chunk's steps.
-    load_chunk<D, TC_THREADS, 1>(qkv, gb, StepTiles{nullptr, nullptr, nullptr, vr, g_s, beta_s, bg_s, eg_s, egc_s, PT_P16, 0, PT_VP, qT, kT, qn_s, kn_s}, T,
-                              len, t0, b, h, kh, hk, hv, dk, dv);
+    const StepTiles tiles{nullptr, nullptr, nullptr, vr,     g_s, beta_s, bg_s, eg_s,
+                          egc_s,   PT_P16,  0,       PT_VP, qT,  kT,     qn_s, kn_s};
+    if constexpr (CONV)
+        load_chunk_conv<D>(qkv, cv, gb, tiles, T, len, t0, b, h, kh, hk, hv, dk, dv);
+    else
+        load_chunk<D, TC_THREADS, 1>(qkv, gb, tiles, T, len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqkᵀ (global):
     //    KKᵀ and QKᵀ of the loaded q, k, then the steps' norm factors.
@@ -778,8 +912,8 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
                              float* __restrict__ u, float* __restrict__ qt, float* __restrict__ kd,
                              float* __restrict__ atq, float* __restrict__ gtot, int T, int hk,
                              int hv, int dk, int dv) {
-    gdrc_prep_tc_at<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv, blockIdx.x,
-                       blockIdx.y, (size_t)blockIdx.y * gridDim.x + blockIdx.x);
+    gdrc_prep_tc_at<D>(qkv, ConvIn<D>{}, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv,
+                       blockIdx.x, blockIdx.y, (size_t)blockIdx.y * gridDim.x + blockIdx.x);
 }
 
 // Two calls' chunks in one grid (gdrc_prep2_tc_<dtype>): the records' state rows (a: nc_a chunks of
@@ -787,20 +921,26 @@ __device__ void gdrc_prep_tc(const typename D::T* __restrict__ qkv, const float*
 // padded past len_b). They do not depend on each other, and one launch fills the GPU where the
 // states alone leave it half idle. Linear block i is scratch block i: the state's blocks first, so the
 // branches' scan reads its operands from scratch block nc_a·bh_a on.
-template <typename D>
+// CONV (gdrc_prep2c_tc_<dtype>): the parts are raw in_proj rows at row pitches `pitch_a`, `pitch_b`,
+// run through the conv with weight `w` first (ConvIn); the branches' windows start in their
+// owners' rows.
+template <typename D, bool CONV = false>
 __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
                               const unsigned int* len_a, int t_a, int nc_a, int bh_a,
                               const typename D::T* qkv_b, const float* gb_b,
                               const unsigned int* len_b, int t_b, int nc_b, float* wt, float* u,
                               float* qt, float* kd, float* atq, float* gtot, int hk, int hv,
-                              int dk, int dv) {
+                              int dk, int dv, const typename D::T* w = nullptr, long pitch_a = 0,
+                              long pitch_b = 0, const unsigned int* owners = nullptr) {
     const int i = blockIdx.x, na = nc_a * bh_a;
     if (i < na)
-        gdrc_prep_tc_at<D>(qkv_a, gb_a, len_a, wt, u, qt, kd, atq, gtot, t_a, hk, hv, dk, dv,
-                           i % nc_a, i / nc_a, i);
+        gdrc_prep_tc_at<D, CONV>(qkv_a, ConvIn<D>{w, pitch_a, nullptr, 0, nullptr, nullptr, 0}, gb_a,
+                                 len_a, wt, u, qt, kd, atq, gtot, t_a, hk, hv, dk, dv, i % nc_a,
+                                 i / nc_a, i);
     else
-        gdrc_prep_tc_at<D>(qkv_b, gb_b, len_b, wt, u, qt, kd, atq, gtot, t_b, hk, hv, dk, dv,
-                           (i - na) % nc_b, (i - na) / nc_b, i);
+        gdrc_prep_tc_at<D, CONV>(qkv_b, ConvIn<D>{w, pitch_b, qkv_a, pitch_a, owners, len_a, t_a}, gb_b,
+                                 len_b, wt, u, qt, kd, atq, gtot, t_b, hk, hv, dk, dv,
+                                 (i - na) % nc_b, (i - na) / nc_b, i);
 }
 
 // The tensor-core scan's operands of one chunk (W, Q', K'ᵀ, Aqkᵀ in bf16 as the preparation
@@ -1040,6 +1180,16 @@ GDRC(f16, F16)
         int hv, int dk, int dv) {                                                                 \
         gdrc_prep2_tc<D>(qkv_a, gb_a, len_a, t_a, nc_a, bh_a, qkv_b, gb_b, len_b, t_b, nc_b, wt,  \
                          u, qt, kd, atq, gtot, hk, hv, dk, dv);                                   \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 4) gdrc_prep2c_tc_##TAG(             \
+        const D::T* qkv_a, const float* gb_a, const unsigned int* len_a, int t_a, int nc_a,       \
+        int bh_a, const D::T* qkv_b, const float* gb_b, const unsigned int* len_b, int t_b,       \
+        int nc_b, const unsigned int* owners, const D::T* w, long pitch_a, long pitch_b,          \
+        float* wt, float* u, float* qt, float* kd, float* atq, float* gtot, int hk, int hv,       \
+        int dk, int dv) {                                                                         \
+        gdrc_prep2_tc<D, true>(qkv_a, gb_a, len_a, t_a, nc_a, bh_a, qkv_b, gb_b, len_b, t_b,      \
+                               nc_b, wt, u, qt, kd, atq, gtot, hk, hv, dk, dv, w, pitch_a,        \
+                               pitch_b, owners);                                                  \
     }                                                                                             \
     GDRC_SCAN_TC(gdrc_scan_tc_##TAG, 32, D)                                                       \
     GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)

@@ -608,20 +608,6 @@ __device__ __forceinline__ void store8(typename D::T* p, const float* v) {
     #pragma unroll
     for (int j = 0; j < CONV_VEC; j += Vec16<D>::N) Vec16<D>::store(p + j, v + j);
 }
-// Value i of the 8 16-bit values packed in v, as f32.
-template <typename D>
-__device__ __forceinline__ float unpack8(const uint4& v, int i) {
-    const unsigned w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
-    const typename D::T h = (typename D::T)((i & 1) ? w >> 16 : w & 0xffffu);
-    return D::load(&h);
-}
-// The bits of v rounded to the 16-bit dtype D.
-template <typename D>
-__device__ __forceinline__ unsigned pack16(float v) {
-    typename D::T h;
-    D::store(&h, v);
-    return h;
-}
 // conv_run's vector path for 16-bit dtypes: the weights, the window and the outputs stay packed
 // (16 + 28 + 16 registers where f32 copies took 32 + 56 + 8), a channel at a time widened where
 // it is used. Unpacked, the conv needed 96 registers a thread, which held the split conv to 31 %
