@@ -134,6 +134,47 @@ fn pick_rows(t: &Tensor, owners: &[usize]) -> Result<Tensor> {
     t.index_select(&idx, 0)?.contiguous()
 }
 
+/// A split case: (state lengths, branch width, branch lengths, owners, dims).
+type SplitCase = (Vec<usize>, usize, Vec<usize>, Vec<usize>, GdrDims);
+
+/// The case's rows, and its gates on the test device: the states' `[R, S, Hv, 2]`, the
+/// branches' `[B, T, Hv, 2]`, and both packed as the rows, `[R·S + B·T, Hv, 2]`.
+fn split_rows_and_gates(case: &SplitCase) -> Result<(SplitRows, Tensor, Tensor, Tensor)> {
+    let (state_lengths, width, lengths, owners, d) = case;
+    let s_len = *state_lengths.iter().max().unwrap();
+    let split = SplitRows::new(
+        s_len,
+        state_lengths.clone(),
+        *width,
+        lengths.clone(),
+        owners.clone(),
+    )?;
+    let dev = device();
+    let (_, gb_s, _) = testing::gdr_inputs(state_lengths.len(), s_len, *d, 0.3)?;
+    let (_, gb_b, _) = testing::gdr_inputs(lengths.len(), *width, *d, 1.3)?;
+    let (gb_s, gb_b) = (gb_s.to_device(&dev)?, gb_b.to_device(&dev)?);
+    let packed = |t: &Tensor| t.flatten(0, 1);
+    let gb = Tensor::cat(&[packed(&gb_s)?, packed(&gb_b)?], 0)?;
+    Ok((split, gb_s, gb_b, gb))
+}
+
+/// What the split ops replace: the delta rule on the states' conv outputs `y_s` from zero
+/// states, then on the branch rows' `y_b` from copies of their states' final states, packed.
+fn states_then_branches(
+    case: &SplitCase,
+    (y_s, gb_s): (&Tensor, &Tensor),
+    (y_b, gb_b): (&Tensor, &Tensor),
+) -> Result<Tensor> {
+    let (state_lengths, _, lengths, owners, d) = case;
+    let (dk, dv) = (d.head_k_dim, d.head_v_dim);
+    let shape = (state_lengths.len(), d.num_v_heads, dk, dv);
+    let state = Tensor::zeros(shape, DType::F32, y_s.device())?;
+    let o_s = gated_delta_rule(y_s, gb_s, &state, *d, Some(state_lengths))?;
+    let state_b = pick_rows(&state, owners)?;
+    let o_b = gated_delta_rule(y_b, gb_b, &state_b, *d, Some(lengths))?;
+    Tensor::cat(&[o_s.flatten(0, 1)?, o_b.flatten(0, 1)?], 0)
+}
+
 /// The one-pass form's fused delta rule (states, then branches continuing them, packed) against
 /// the composition it replaces, on the test device: the same kernels and sums, so exactly equal
 /// where the fused form runs (CUDA, bf16); elsewhere it declines (`None`) and the model composes.
@@ -143,7 +184,7 @@ fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
     // One state of 3 chunks (the last partial), branch rows of 2 chunks ending in either chunk
     // or empty, with the test model's heads; three padded states (one ending in its first
     // chunk) and branch rows continuing them out of order, with the 0.8B model's heads.
-    for (state_lengths, width, lengths, owners, d) in [
+    let cases: [SplitCase; 3] = [
         (
             vec![70],
             40,
@@ -166,39 +207,18 @@ fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
             vec![1, 0, 0, 1, 0, 1, 1, 0],
             dims(16, 16, 128, 128),
         ),
-    ] {
+    ];
+    for case in &cases {
+        let (state_lengths, width, lengths, _, d) = case;
+        let (split, gb_s, gb_b, gb) = split_rows_and_gates(case)?;
         for dtype in [DType::F32, DType::BF16] {
-            let (states, rows) = (state_lengths.len(), lengths.len());
-            let s_len = *state_lengths.iter().max().unwrap();
-            let split = SplitRows::new(
-                s_len,
-                state_lengths.clone(),
-                width,
-                lengths.clone(),
-                owners.clone(),
-            )?;
-            let (state_qkv, gb_s, _) = testing::gdr_inputs(states, s_len, d, 0.3)?;
-            let (branch_qkv, gb_b, _) = testing::gdr_inputs(rows, width, d, 1.3)?;
-            let hv = d.num_v_heads;
-            let on = |t: &Tensor| t.to_device(&dev);
-            let (qa, qb) = (
-                on(&state_qkv.to_dtype(dtype)?)?,
-                on(&branch_qkv.to_dtype(dtype)?)?,
-            );
-            let (gb_s, gb_b) = (on(&gb_s)?, on(&gb_b)?);
-            let gb = Tensor::cat(
-                &[
-                    gb_s.reshape((states * s_len, hv, 2))?,
-                    gb_b.reshape((rows * width, hv, 2))?,
-                ],
-                0,
-            )?;
-            let fused = gated_delta_rule_split(&qa, &qb, &gb, d, &split)?;
-            let state = Tensor::zeros((states, hv, d.head_k_dim, d.head_v_dim), DType::F32, &dev)?;
-            let o_s = gated_delta_rule(&qa, &gb_s, &state, d, Some(&state_lengths))?;
-            let state_b = pick_rows(&state, &owners)?;
-            let o_b = gated_delta_rule(&qb, &gb_b, &state_b, d, Some(&lengths))?;
-            let composed = Tensor::cat(&[o_s.flatten(0, 1)?, o_b.flatten(0, 1)?], 0)?;
+            let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
+            let (state_qkv, _, _) =
+                testing::gdr_inputs(state_lengths.len(), split.state_width(), *d, 0.3)?;
+            let (branch_qkv, _, _) = testing::gdr_inputs(lengths.len(), *width, *d, 1.3)?;
+            let (qa, qb) = (on(state_qkv)?, on(branch_qkv)?);
+            let fused = gated_delta_rule_split(&qa, &qb, &gb, *d, &split)?;
+            let composed = states_then_branches(case, (&qa, &gb_s), (&qb, &gb_b))?;
             let tag = format!(
                 "gdr split {dtype:?} states {state_lengths:?} t={width} dk={}",
                 d.head_k_dim
@@ -395,45 +415,46 @@ fn causal_conv1d_split_equals_its_composition() -> Result<()> {
 #[test]
 fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
     let dev = device();
-    for (state_lengths, width, lengths, owners, d, shift) in [
+    let cases: [(SplitCase, usize); 4] = [
         (
-            vec![70usize],
-            40usize,
-            vec![40usize, 33, 0],
-            vec![0usize, 0, 0],
-            dims(2, 2, 32, 16),
-            1usize,
+            (
+                vec![70],
+                40,
+                vec![40, 33, 0],
+                vec![0, 0, 0],
+                dims(2, 2, 32, 16),
+            ),
+            1,
         ),
         (
-            vec![96, 70, 20],
-            48,
-            vec![48, 47, 36, 41],
-            vec![2, 0, 0, 1],
-            dims(16, 16, 128, 128),
+            (
+                vec![96, 70, 20],
+                48,
+                vec![48, 47, 36, 41],
+                vec![2, 0, 0, 1],
+                dims(16, 16, 128, 128),
+            ),
             8,
         ),
         (
-            vec![2, 64],
-            40,
-            vec![40, 2, 33],
-            vec![0, 1, 0],
-            dims(2, 2, 32, 16),
+            (
+                vec![2, 64],
+                40,
+                vec![40, 2, 33],
+                vec![0, 1, 0],
+                dims(2, 2, 32, 16),
+            ),
             0,
         ),
         // Two value heads per key head: declined.
-        (vec![40], 33, vec![33], vec![0], dims(2, 4, 32, 16), 0),
-    ] {
+        ((vec![40], 33, vec![33], vec![0], dims(2, 4, 32, 16)), 0),
+    ];
+    for (case, shift) in &cases {
+        let (state_lengths, width, lengths, owners, d) = case;
+        let (states, rows, shift) = (state_lengths.len(), lengths.len(), *shift);
+        let (split, gb_s, gb_b, gb) = split_rows_and_gates(case)?;
+        let (s_len, c) = (split.state_width(), d.channels());
         for dtype in [DType::F32, DType::BF16] {
-            let (states, rows) = (state_lengths.len(), lengths.len());
-            let s_len = *state_lengths.iter().max().unwrap();
-            let split = SplitRows::new(
-                s_len,
-                state_lengths.clone(),
-                width,
-                lengths.clone(),
-                owners.clone(),
-            )?;
-            let (c, hv) = (d.channels(), d.num_v_heads);
             let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
             let proj = on(patterned(&[split.tokens(), c + 24], 0.7, 2.0)?)?;
             let w = on(patterned(&[c, 4], 1.3, 0.6)?)?;
@@ -444,29 +465,14 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
                 .narrow(2, shift, c)?;
             let x_b = proj
                 .narrow(0, states * s_len, rows * width)?
-                .reshape((rows, width, c + 24))?
+                .reshape((rows, *width, c + 24))?
                 .narrow(2, shift, c)?;
-            let (_, gb_s, _) = testing::gdr_inputs(states, s_len, d, 0.3)?;
-            let (_, gb_b, _) = testing::gdr_inputs(rows, width, d, 1.3)?;
-            let (gb_s, gb_b) = (gb_s.to_device(&dev)?, gb_b.to_device(&dev)?);
-            let gb = Tensor::cat(
-                &[
-                    gb_s.reshape((states * s_len, hv, 2))?,
-                    gb_b.reshape((rows * width, hv, 2))?,
-                ],
-                0,
-            )?;
-            let fused = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, d, &split)?;
+            let fused = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, *d, &split)?;
 
             let zeros = Tensor::zeros((states, 3, c), dtype, &dev)?;
-            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(&state_lengths))?;
-            let (y_b, _) =
-                causal_conv1d_cached_view(&x_b, &pick_rows(&window, &owners)?, &w, None)?;
-            let state = Tensor::zeros((states, hv, d.head_k_dim, d.head_v_dim), DType::F32, &dev)?;
-            let o_s = gated_delta_rule(&y_s, &gb_s, &state, d, Some(&state_lengths))?;
-            let state_b = pick_rows(&state, &owners)?;
-            let o_b = gated_delta_rule(&y_b, &gb_b, &state_b, d, Some(&lengths))?;
-            let composed = Tensor::cat(&[o_s.flatten(0, 1)?, o_b.flatten(0, 1)?], 0)?;
+            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(state_lengths))?;
+            let (y_b, _) = causal_conv1d_cached_view(&x_b, &pick_rows(&window, owners)?, &w, None)?;
+            let composed = states_then_branches(case, (&y_s, &gb_s), (&y_b, &gb_b))?;
             let tag = format!(
                 "conv+gdr split {dtype:?} states {state_lengths:?} t={width} dk={} shift {shift}",
                 d.head_k_dim
