@@ -184,16 +184,26 @@ pub fn conv_gated_delta_rule_split(
 ) -> Result<Option<Tensor>> {
     let name = "conv-gated-delta-rule-split";
     let (channels, k) = weight.dims2()?;
-    if channels != dims.channels() || weight.dtype() != state_raw.dtype() {
+    if channels != dims.channels()
+        || weight.dtype() != state_raw.dtype()
+        || !weight.device().same_device(state_raw.device())
+    {
         bail!(
-            "{name}: conv weight {:?} ({:?}) does not fit {} channels of {:?}",
+            "{name}: conv weight {:?} ({:?} on {:?}) does not fit {} channels of {:?} on {:?}",
             weight.dims(),
             weight.dtype(),
+            weight.device().location(),
             dims.channels(),
-            state_raw.dtype()
+            state_raw.dtype(),
+            state_raw.device().location()
         )
     }
-    if !split_applies(name, state_raw, branch_raw, gb, dims, rows)? || k != 4 {
+    // Hv > Hk: 4B 8 records 83.7, 84.0 → 84.1, 84.4 ms, one request 12.7 → 12.8, 12.9 ms. The
+    // kernel moves 4 channels of a row (8 bytes) at a time.
+    let heads_fit = dims.num_v_heads == dims.num_k_heads
+        && dims.head_k_dim.is_multiple_of(4)
+        && dims.head_v_dim.is_multiple_of(4);
+    if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gb, dims, rows)? {
         return Ok(None);
     }
     let (state_raw, branch_raw, weight) = (
@@ -201,19 +211,16 @@ pub fn conv_gated_delta_rule_split(
         as_rows(branch_raw)?,
         weight.contiguous()?,
     );
-    // The kernel moves 4 channels of a row (8 bytes) and the weights of 2 (16 bytes) at a time.
+    // Rows at multiples of 4 elements (8 bytes), the weight at a multiple of 8 (read two
+    // channels' taps, 16 bytes, at a time).
     let in_fours = |t: &Tensor| {
         Rows::of(t.layout())
             .is_some_and(|r| r.offset.is_multiple_of(4) && r.stride.is_multiple_of(4))
     };
-    // Hv > Hk: 4B 8 records 83.7, 84.0 → 84.1, 84.4 ms, one request 12.7 → 12.8, 12.9 ms.
-    let fits = dims.num_v_heads == dims.num_k_heads
-        && dims.head_k_dim.is_multiple_of(4)
-        && dims.head_v_dim.is_multiple_of(4)
-        && in_fours(&state_raw)
+    let aligned = in_fours(&state_raw)
         && in_fours(&branch_raw)
         && weight.layout().start_offset().is_multiple_of(8);
-    if !fits {
+    if !aligned {
         return Ok(None);
     }
     let op = GdrSplit {

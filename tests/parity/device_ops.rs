@@ -408,14 +408,17 @@ fn causal_conv1d_split_equals_its_composition() -> Result<()> {
 /// The conv fused into the split delta rule's preparation against the two ops it replaces
 /// (the conv, then the delta rule from zero states and on the branch rows from their states'
 /// final ones), on the test device: the same arithmetic per output and the same sums, so
-/// exactly equal where it runs (CUDA, bf16, rows at multiples of 8 elements); elsewhere it
-/// declines. Inputs are row views of a wider projection's columns (at offsets 0 and 8, and at
-/// an odd one, which the fused form declines, as it declines repeated key heads); a 2-step state is shorter than the conv's window (its branch row's
-/// window starts in zeros); branch rows continue their states out of order.
+/// exactly equal where it runs (CUDA, bf16, rows at multiples of 4 elements); elsewhere it
+/// declines. Inputs are row views of a wider projection's columns: at offsets 0 and 8 with a
+/// pitch of C + 24 (the reference conv's 16-byte path), at offset 4 with a pitch of C + 20 (its
+/// element-by-element path), and at an odd offset, which the fused form declines, as it
+/// declines repeated key heads. A 2-step state is shorter than the conv's window (its branch
+/// row's window starts in zeros); branch rows continue their states out of order.
 #[test]
 fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
     let dev = device();
-    let cases: [(SplitCase, usize); 4] = [
+    // (case, column offset, extra columns of the projection)
+    let cases: [(SplitCase, usize, usize); 5] = [
         (
             (
                 vec![70],
@@ -425,6 +428,7 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
                 dims(2, 2, 32, 16),
             ),
             1,
+            24,
         ),
         (
             (
@@ -435,6 +439,7 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
                 dims(16, 16, 128, 128),
             ),
             8,
+            24,
         ),
         (
             (
@@ -445,27 +450,40 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
                 dims(2, 2, 32, 16),
             ),
             0,
+            24,
+        ),
+        (
+            (
+                vec![50, 33],
+                36,
+                vec![36, 20],
+                vec![1, 0],
+                dims(2, 2, 32, 16),
+            ),
+            4,
+            20,
         ),
         // Two value heads per key head: declined.
-        ((vec![40], 33, vec![33], vec![0], dims(2, 4, 32, 16)), 0),
+        ((vec![40], 33, vec![33], vec![0], dims(2, 4, 32, 16)), 0, 24),
     ];
-    for (case, shift) in &cases {
+    for (case, shift, extra) in &cases {
         let (state_lengths, width, lengths, owners, d) = case;
         let (states, rows, shift) = (state_lengths.len(), lengths.len(), *shift);
+        let pitch = d.channels() + extra;
         let (split, gb_s, gb_b, gb) = split_rows_and_gates(case)?;
         let (s_len, c) = (split.state_width(), d.channels());
         for dtype in [DType::F32, DType::BF16] {
             let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
-            let proj = on(patterned(&[split.tokens(), c + 24], 0.7, 2.0)?)?;
+            let proj = on(patterned(&[split.tokens(), pitch], 0.7, 2.0)?)?;
             let w = on(patterned(&[c, 4], 1.3, 0.6)?)?;
             // Row views of the projection's columns shift.., as the model passes them.
             let x_s = proj
                 .narrow(0, 0, states * s_len)?
-                .reshape((states, s_len, c + 24))?
+                .reshape((states, s_len, pitch))?
                 .narrow(2, shift, c)?;
             let x_b = proj
                 .narrow(0, states * s_len, rows * width)?
-                .reshape((rows, *width, c + 24))?
+                .reshape((rows, *width, pitch))?
                 .narrow(2, shift, c)?;
             let fused = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, *d, &split)?;
 

@@ -55,6 +55,9 @@ impl Attention {
             ],
             h,
         )?;
+        // A view of the stacked weight's rows; on the CPU, where the stack is laid out
+        // transposed (`linear_of`), its `t()` is a row-major matrix with the stack's row pitch,
+        // which candle's `gemm` matmul takes as it is.
         let kv_weight = qkv_proj
             .weight()
             .narrow(0, nq * hd * 2, 2 * nkv * hd)

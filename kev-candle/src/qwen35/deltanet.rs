@@ -99,6 +99,30 @@ impl GatedDeltaNet {
     /// row continues from its state row's conv window and recurrent state of this layer.
     /// Returns all rows' outputs, or with `Rows::Branches` the branch rows' only (`[B·T, H]`).
     pub fn forward_split(&self, xs: &Tensor, split: &Split, out_rows: Rows) -> Result<Tensor> {
+        let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
+        let gb = self.gates(&proj)?; // [N, Hv, 2]
+        let (proj_s, proj_b) = split.parts(&proj)?;
+        let (qkv_s, qkv_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
+        // CUDA: the conv inside the delta rule's preparation, on the projection in place.
+        let (w, dims) = (&self.conv1d, self.dims);
+        let o = match conv_gated_delta_rule_split(&qkv_s, &qkv_b, w, &gb, dims, split.rows())? {
+            Some(o) => o,
+            None => self.conv_then_delta_rule(&qkv_s, &qkv_b, &gb, split)?,
+        };
+        let z = self.z(&proj)?;
+        self.out(&split.kept(&o, out_rows)?, &split.kept(&z, out_rows)?)
+    }
+
+    /// The conv and the delta rule of a [`Split`]'s raw `[q | k | v]` parts (`qkv_s`, `qkv_b`) as
+    /// separate ops: `o: [N, Hv, Dv]`. On CUDA, two launches for the conv and three for the
+    /// delta rule; elsewhere the per-part ops.
+    fn conv_then_delta_rule(
+        &self,
+        qkv_s: &Tensor,
+        qkv_b: &Tensor,
+        gb: &Tensor,
+        split: &Split,
+    ) -> Result<Tensor> {
         let GdrDims {
             num_v_heads: hv,
             head_k_dim: dk,
@@ -106,56 +130,41 @@ impl GatedDeltaNet {
             ..
         } = self.dims;
         let rows = split.rows();
-        let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
-        let gb = self.gates(&proj)?; // [N, Hv, 2]
-        let (proj_s, proj_b) = split.parts(&proj)?;
-        let (qkv_s, qkv_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
-        // CUDA: the conv inside the delta rule's preparation, on the projection in place.
-        let fused =
-            conv_gated_delta_rule_split(&qkv_s, &qkv_b, &self.conv1d, &gb, self.dims, rows)?;
-        if let Some(o) = fused {
-            let z = self.z(&proj)?;
-            return self.out(&split.kept(&o, out_rows)?, &split.kept(&z, out_rows)?);
-        }
-        let (mixed_s, mixed_b) = match causal_conv1d_split(&qkv_s, &qkv_b, &self.conv1d, rows)? {
+        let (mixed_s, mixed_b) = match causal_conv1d_split(qkv_s, qkv_b, &self.conv1d, rows)? {
             Some(mixed) => split.parts(&mixed)?, // one launch (CUDA)
             None => {
                 // The conv windows stay views into the conv's output: the states' are read once
                 // (copied to the branch rows), the branches' never.
                 let (c, k) = self.conv1d.dims2()?;
-                let zeros = Tensor::zeros((rows.states(), k - 1, c), xs.dtype(), xs.device())?;
+                let zeros =
+                    Tensor::zeros((rows.states(), k - 1, c), qkv_s.dtype(), qkv_s.device())?;
                 let (mixed_s, window) = causal_conv1d_cached_view(
-                    &qkv_s,
+                    qkv_s,
                     &zeros,
                     &self.conv1d,
                     Some(rows.state_lengths()),
                 )?;
                 let conv_b = split.to_branches(&window)?;
                 let (mixed_b, _) =
-                    causal_conv1d_cached_view(&qkv_b, &conv_b, &self.conv1d, Some(rows.lengths()))?;
+                    causal_conv1d_cached_view(qkv_b, &conv_b, &self.conv1d, Some(rows.lengths()))?;
                 (mixed_s, mixed_b)
             }
         };
-        let o = match gated_delta_rule_split(&mixed_s, &mixed_b, &gb, self.dims, rows)? {
-            Some(o) => o, // [N, Hv, Dv]
-            None => {
-                let (gb_s, gb_b) = split.parts(&gb)?;
-                let state = Tensor::zeros((rows.states(), hv, dk, dv), DType::F32, xs.device())?;
-                let o_s = gated_delta_rule(
-                    &mixed_s,
-                    &gb_s,
-                    &state,
-                    self.dims,
-                    Some(rows.state_lengths()),
-                )?;
-                let state_b = split.to_branches(&state)?;
-                let o_b =
-                    gated_delta_rule(&mixed_b, &gb_b, &state_b, self.dims, Some(rows.lengths()))?;
-                split.join(&o_s, &o_b)?
-            }
-        };
-        let z = self.z(&proj)?;
-        self.out(&split.kept(&o, out_rows)?, &split.kept(&z, out_rows)?)
+        if let Some(o) = gated_delta_rule_split(&mixed_s, &mixed_b, gb, self.dims, rows)? {
+            return Ok(o); // [N, Hv, Dv]
+        }
+        let (gb_s, gb_b) = split.parts(gb)?;
+        let state = Tensor::zeros((rows.states(), hv, dk, dv), DType::F32, qkv_s.device())?;
+        let o_s = gated_delta_rule(
+            &mixed_s,
+            &gb_s,
+            &state,
+            self.dims,
+            Some(rows.state_lengths()),
+        )?;
+        let state_b = split.to_branches(&state)?;
+        let o_b = gated_delta_rule(&mixed_b, &gb_b, &state_b, self.dims, Some(rows.lengths()))?;
+        split.join(&o_s, &o_b)
     }
 
     /// g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as

@@ -171,14 +171,25 @@ struct ConvIn {
     const unsigned int* owners;
     const unsigned int* hist_len;
     int hist_t;
+
+    // A state row's: no history.
+    static __device__ ConvIn state(const typename D::T* w, long pitch) {
+        return {w, pitch, nullptr, 0, nullptr, nullptr, 0};
+    }
+    // A branch row's: the history in its owner's row of the states `hist`.
+    static __device__ ConvIn branch(const typename D::T* w, long pitch, const typename D::T* hist,
+                                    long hist_pitch, const unsigned int* owners,
+                                    const unsigned int* hist_len, int hist_t) {
+        return {w, pitch, hist, hist_pitch, owners, hist_len, hist_t};
+    }
 };
 
 // Step 1 of the tensor-core preparation with the conv fused (conv_split's arithmetic per
 // output, so the same numbers as that kernel followed by load_chunk). A thread takes 4 channels
 // (8-byte loads) of a run of 4 steps: it reads the run's 4 + 3 raw rows once, and writes the
 // outputs to the tiles instead of the conv writing them to memory and load_chunk reading them
-// back. With Dk = Dv = 128 that is 3 runs a thread, in 64 registers without spills (8 channels
-// spilled). q and k runs are spread step-fastest over a warp, v's channel-fastest: either way a
+// back. With Dk = Dv = 128 that is 3 runs a thread, in 64 registers without spills for bf16
+// (f16's conversions spill 60 bytes; with 8 channels a thread bf16 spilled 180). q and k runs are spread step-fastest over a warp, v's channel-fastest: either way a
 // warp's stores to the tiles share few banks. Then the norms' factors from the tiles, summed as
 // load_chunk sums them; g and β. The wrapper guarantees 8-byte aligned rows, a 16-byte aligned
 // weight and 4 | Dk, Dv (16-bit dtypes only). Ends with the block synchronised.
@@ -216,10 +227,10 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
     #pragma unroll 1
     for (int item = tid; item < nqk + gv * RUNS; item += TC_THREADS) {
         const bool is_v = item >= nqk;
-        const int g = is_v ? (item - nqk) % gv : item / RUNS;
+        const int grp = is_v ? (item - nqk) % gv : item / RUNS;  // of NCH channels
         const int i0 = RUN * (is_v ? (item - nqk) / gv : item % RUNS);
-        const bool is_k = !is_v && g >= gk;
-        const int r0 = NCH * (is_v ? g : is_k ? g - gk : g);  // the channel in its head
+        const bool is_k = !is_v && grp >= gk;
+        const int r0 = NCH * (is_v ? grp : is_k ? grp - gk : grp);  // the channel in its head
         const int c0 = is_v ? 2 * hk * dk + h * dv + r0 : (is_k ? hk + kh : kh) * dk + r0;
         uint2 win[RUN + 3];
         #pragma unroll
@@ -229,11 +240,12 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
         }
         #pragma unroll
         for (int c = 0; c < NCH; c++) {
-            // w[c0 + c, 0..4], read a pair of channels (16 bytes) at a time.
+            // w[c0 + c, 0..4], read with its pair's (16 bytes). Loaded per channel: kept for
+            // both channels of a pair, the preparation spilled.
             const uint4 wc = *reinterpret_cast<const uint4*>(cv.w + (size_t)(c0 + c - c % 2) * 4);
-            const int k = 4 * (c % 2), r = r0 + c;
-            const float w0 = unpack8<D>(wc, k), w1 = unpack8<D>(wc, k + 1),
-                        w2 = unpack8<D>(wc, k + 2), w3 = unpack8<D>(wc, k + 3);
+            const int tap0 = 4 * (c % 2), r = r0 + c;
+            const float w0 = unpack8<D>(wc, tap0), w1 = unpack8<D>(wc, tap0 + 1),
+                        w2 = unpack8<D>(wc, tap0 + 2), w3 = unpack8<D>(wc, tap0 + 3);
             #pragma unroll
             for (int j = 0; j < RUN; j++) {
                 const int i = i0 + j;
@@ -930,17 +942,19 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
                               const typename D::T* qkv_b, const float* gb_b,
                               const unsigned int* len_b, int t_b, int nc_b, float* wt, float* u,
                               float* qt, float* kd, float* atq, float* gtot, int hk, int hv,
-                              int dk, int dv, const typename D::T* w = nullptr, long pitch_a = 0,
-                              long pitch_b = 0, const unsigned int* owners = nullptr) {
+                              int dk, int dv, const unsigned int* owners = nullptr,
+                              const typename D::T* w = nullptr, long pitch_a = 0,
+                              long pitch_b = 0) {
     const int i = blockIdx.x, na = nc_a * bh_a;
-    if (i < na)
-        gdrc_prep_tc_at<D, CONV>(qkv_a, ConvIn<D>{w, pitch_a, nullptr, 0, nullptr, nullptr, 0}, gb_a,
-                                 len_a, wt, u, qt, kd, atq, gtot, t_a, hk, hv, dk, dv, i % nc_a,
-                                 i / nc_a, i);
-    else
-        gdrc_prep_tc_at<D, CONV>(qkv_b, ConvIn<D>{w, pitch_b, qkv_a, pitch_a, owners, len_a, t_a}, gb_b,
-                                 len_b, wt, u, qt, kd, atq, gtot, t_b, hk, hv, dk, dv,
-                                 (i - na) % nc_b, (i - na) / nc_b, i);
+    if (i < na) {
+        const ConvIn<D> cv = ConvIn<D>::state(w, pitch_a);
+        gdrc_prep_tc_at<D, CONV>(qkv_a, cv, gb_a, len_a, wt, u, qt, kd, atq, gtot, t_a, hk, hv, dk,
+                                 dv, i % nc_a, i / nc_a, i);
+    } else {
+        const ConvIn<D> cv = ConvIn<D>::branch(w, pitch_b, qkv_a, pitch_a, owners, len_a, t_a);
+        gdrc_prep_tc_at<D, CONV>(qkv_b, cv, gb_b, len_b, wt, u, qt, kd, atq, gtot, t_b, hk, hv, dk,
+                                 dv, (i - na) % nc_b, (i - na) / nc_b, i);
+    }
 }
 
 // The tensor-core scan's operands of one chunk (W, Q', K'ᵀ, Aqkᵀ in bf16 as the preparation
@@ -1188,8 +1202,8 @@ GDRC(f16, F16)
         float* wt, float* u, float* qt, float* kd, float* atq, float* gtot, int hk, int hv,       \
         int dk, int dv) {                                                                         \
         gdrc_prep2_tc<D, true>(qkv_a, gb_a, len_a, t_a, nc_a, bh_a, qkv_b, gb_b, len_b, t_b,      \
-                               nc_b, wt, u, qt, kd, atq, gtot, hk, hv, dk, dv, w, pitch_a,        \
-                               pitch_b, owners);                                                  \
+                               nc_b, wt, u, qt, kd, atq, gtot, hk, hv, dk, dv, owners, w,         \
+                               pitch_a, pitch_b);                                                 \
     }                                                                                             \
     GDRC_SCAN_TC(gdrc_scan_tc_##TAG, 32, D)                                                       \
     GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)
