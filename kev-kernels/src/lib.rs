@@ -43,6 +43,7 @@ macro_rules! cuda_only_cpu_fwd {
 }
 
 mod attention;
+mod bf16_gemm;
 mod causal_conv1d;
 mod chunked;
 mod cpu;
@@ -66,6 +67,7 @@ pub use attention::{
     attention_gate, attention_gate_join, attention_gate_ref, causal_softmax, causal_softmax_ref,
     qk_norm_rope, qk_norm_rope_ref,
 };
+pub use bf16_gemm::{bf16_gemm_available, PackedBf16};
 pub use causal_conv1d::{
     causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_cached_view,
     causal_conv1d_ref, causal_conv1d_split,

@@ -364,3 +364,59 @@ fn fused_ops_match_references() -> Result<()> {
         assert_close(what, got, want, tol)
     })
 }
+
+/// The packed bf16 matmul against an f32 matmul of the same bf16-rounded operands: the products
+/// are exact in both, only the order of the f32 sums differs. Row counts across a micro-tile
+/// (8) and a task (64), an odd k, n not a multiple of the 32-column block; a row range of the
+/// packed weight; bf16 in, bf16 out. On a CPU without AVX512-BF16 the op refuses with an error.
+#[test]
+fn packed_bf16_matmul_matches_f32_of_rounded_operands() -> Result<()> {
+    use kev_kernels::{bf16_gemm_available, PackedBf16};
+    let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+    for (m, k, n) in [
+        (19usize, 37usize, 70usize),
+        (67, 1024, 96),
+        (1, 2, 1),
+        (8, 64, 32),
+    ] {
+        let x = round(&patterned(&[m, k], 0.3, 1.0)?)?;
+        let w = round(&patterned(&[n, k], 1.7, 0.2)?)?;
+        let packed = PackedBf16::pack(&w)?;
+        if !bf16_gemm_available() {
+            let err = packed.forward(&x).expect_err("ran without AVX512-BF16");
+            assert!(
+                err.to_string().contains("AVX512-BF16"),
+                "unclear error: {err}"
+            );
+            continue;
+        }
+        let want = x.matmul(&w.t()?)?;
+        let got = packed.forward(&x)?;
+        assert_eq!(got.dtype(), DType::F32);
+        assert_close(
+            &format!("bf16 matmul {m}x{k}x{n}"),
+            &got,
+            &want,
+            1e-5 * k as f32,
+        )?;
+        // bf16 in, bf16 out: the same sums rounded once.
+        let got16 = packed.forward(&x.to_dtype(DType::BF16)?)?;
+        assert_eq!(got16.dtype(), DType::BF16);
+        assert_close(
+            &format!("bf16 matmul {m}x{k}x{n}, bf16"),
+            &got16,
+            &round(&got)?,
+            0.0,
+        )?;
+        // Output rows 3.. of the weight, packed on their own.
+        let (start, len) = (3.min(n - 1), n - 3.min(n - 1));
+        let part = packed.rows(start, len)?.forward(&x)?;
+        assert_close(
+            &format!("bf16 matmul {m}x{k}x{n}, rows {start}.."),
+            &part,
+            &got.narrow(1, start, len)?,
+            0.0,
+        )?;
+    }
+    Ok(())
+}
