@@ -2,10 +2,10 @@
 //! q/k norms, partial RoPE, GQA, causal softmax in f32, and a sigmoid output gate before `o_proj`.
 
 use candle_core::{Module, Result, Tensor};
-use candle_nn::Linear;
 
 use kev_kernels::{attention_gate, attention_gate_join, causal_softmax, qk_norm_rope};
 
+use super::linear::Projection;
 use super::norm::ZeroCenteredRmsNorm;
 use super::{linear, linear_cat, Config, Rows, Split};
 use crate::weights::Weights;
@@ -22,11 +22,11 @@ enum Past<'a> {
 /// One full-attention layer.
 pub struct Attention {
     /// `q_proj` (`[q | gate]` per head), `k_proj`, `v_proj` stacked.
-    qkv_proj: Linear,
+    qkv_proj: Projection,
     /// The `k_proj`, `v_proj` rows of `qkv_proj` (a view): rows whose outputs nobody reads
     /// still give their keys and values.
-    kv_proj: Linear,
-    o_proj: Linear,
+    kv_proj: Projection,
+    o_proj: Projection,
     q_norm: ZeroCenteredRmsNorm,
     k_norm: ZeroCenteredRmsNorm,
     num_heads: usize,
@@ -55,16 +55,12 @@ impl Attention {
             ],
             h,
         )?;
-        // A view of the stacked weight's rows; on the CPU, where the stack is laid out
-        // transposed (`linear_of`), its `t()` is a row-major matrix with the stack's row pitch,
-        // which candle's `gemm` matmul takes as it is.
-        let kv_weight = qkv_proj
-            .weight()
-            .narrow(0, nq * hd * 2, 2 * nkv * hd)
+        let kv_proj = qkv_proj
+            .rows(nq * hd * 2, 2 * nkv * hd)
             .map_err(|e| kev_core::Error::backend(format!("`{prefix}.k_proj`"), e))?;
         Ok(Self {
             qkv_proj,
-            kv_proj: Linear::new(kv_weight, None),
+            kv_proj,
             o_proj: linear(w, &format!("{prefix}.o_proj"), nq * hd, h)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,

@@ -2,12 +2,12 @@
 //! gates in f32, the gated delta rule over an f32 state (kev-kernels), gated RMSNorm, `out_proj`.
 
 use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::Linear;
 use kev_kernels::{
     causal_conv1d_cached, causal_conv1d_cached_view, causal_conv1d_split,
     conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, gated_delta_rule_split, GdrDims,
 };
 
+use super::linear::Projection;
 use super::norm::GatedRmsNorm;
 use super::{linear, linear_cat, Config, Rows, Split};
 use crate::weights::Weights;
@@ -15,7 +15,7 @@ use crate::weights::Weights;
 /// One Gated DeltaNet layer.
 pub struct GatedDeltaNet {
     /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` stacked: `[C + Hv·Dv + 2·Hv, H]`.
-    in_proj: Linear,
+    in_proj: Projection,
     /// `[C, K]` (the checkpoint's `[C, 1, K]` squeezed).
     conv1d: Tensor,
     /// `-exp(A_log)` in f32, `[Hv]`.
@@ -23,7 +23,7 @@ pub struct GatedDeltaNet {
     /// f32 `[Hv]`.
     dt_bias: Tensor,
     norm: GatedRmsNorm,
-    out_proj: Linear,
+    out_proj: Projection,
     dims: GdrDims,
 }
 

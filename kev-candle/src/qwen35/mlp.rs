@@ -1,16 +1,16 @@
 //! The SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
 
 use candle_core::{Module, Result, Tensor};
-use candle_nn::Linear;
 
+use super::linear::Projection;
 use super::{linear, linear_cat, Config};
 use crate::weights::Weights;
 
 /// One layer's MLP.
 pub struct Mlp {
     /// `gate_proj` and `up_proj` stacked: `[2·I, H]`.
-    gate_up_proj: Linear,
-    down_proj: Linear,
+    gate_up_proj: Projection,
+    down_proj: Projection,
 }
 
 impl Mlp {
