@@ -18,9 +18,9 @@ use rayon::prelude::*;
 const COLS: usize = 32;
 /// Rows of the input per micro-tile (16 accumulators of the 32 registers).
 const TILE: usize = 8;
-/// Rows of the input per parallel task: a block of the weight (`k × 32` bf16, 64 KB at
-/// k = 1024) is reused by this many rows while it sits in L2.
-const TASK_ROWS: usize = 64;
+/// Column blocks per parallel task (a few tasks per thread for balance; each block of the
+/// weight, `k × 32` bf16 = 64 KB at k = 1024, is read once while all rows stream past it).
+const BLOCKS_PER_TASK: usize = 8;
 
 /// Whether this CPU runs [`PackedBf16`] (AVX-512F and AVX512-BF16).
 pub fn bf16_gemm_available() -> bool {
@@ -150,38 +150,66 @@ impl CustomOp1 for PackedBf16 {
         let (a, m) = self.input_pairs(s, l)?;
         let (n, pairs) = (self.n, self.k.div_ceil(2));
         let mut out = vec![0f32; m * n];
-        if n > 0 && m > 0 {
-            out.par_chunks_mut(TASK_ROWS * n)
-                .zip(a.par_chunks(TASK_ROWS * pairs.max(1)))
-                .for_each(|(c, a)| {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: the CPU has AVX-512F and AVX512-BF16 (checked above); `a` holds
-                    // c.len() / n rows of `pairs` pairs, the packed data ⌈n/32⌉ blocks of
-                    // `pairs` × 32 pairs.
-                    unsafe {
-                        task(&self.data, a, c, n, pairs)
-                    };
-                });
+        let blocks = n.div_ceil(COLS);
+        if m > 0 && pairs > 0 {
+            // Tasks own ranges of column blocks: each block of the weight is read once, and
+            // the rows (`a`, shared) stream past it from L2.
+            let out_ptr = OutPtr(out.as_mut_ptr());
+            let tasks = blocks.div_ceil(BLOCKS_PER_TASK);
+            (0..tasks).into_par_iter().for_each(|t| {
+                let range = t * BLOCKS_PER_TASK..((t + 1) * BLOCKS_PER_TASK).min(blocks);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU has AVX-512F and AVX512-BF16 (checked above); `a` holds m rows
+                // of `pairs` pairs, the packed data ⌈n/32⌉ blocks of `pairs` × 32 pairs, `out`
+                // m × n floats, and the tasks write disjoint column blocks of it.
+                unsafe {
+                    blocks_task(&self.data, &a, out_ptr, m, n, pairs, range)
+                };
+            });
         }
         let mut shape = dims.to_vec();
         *shape.last_mut().expect("checked above") = n;
-        Ok((crate::cpu::from_f32(out, s.dtype())?, Shape::from(shape)))
+        // Rounded on rayon's threads: one thread took a tenth of a bf16 forward.
+        let out = match s.dtype() {
+            DType::BF16 => {
+                CpuStorage::BF16(out.par_iter().map(|&v| half::bf16::from_f32(v)).collect())
+            }
+            DType::F16 => {
+                CpuStorage::F16(out.par_iter().map(|&v| half::f16::from_f32(v)).collect())
+            }
+            _ => CpuStorage::F32(out),
+        };
+        Ok((out, Shape::from(shape)))
     }
 }
 
-/// One task's rows: `a` (`rows × pairs`), `c` (`rows × n`, f32).
+/// The output's base pointer, shared by tasks that write disjoint column blocks.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: each task writes only its own column blocks (`blocks_task`).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Column blocks `range` of the output (`m × n`, f32, at `out`) from all `m` rows of `a`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn task(w: &[u16], a: &[u32], c: &mut [f32], n: usize, pairs: usize) {
-    let rows = c.len() / n;
-    for block in 0..n.div_ceil(COLS) {
+unsafe fn blocks_task(
+    w: &[u16],
+    a: &[u32],
+    out: OutPtr,
+    m: usize,
+    n: usize,
+    pairs: usize,
+    range: std::ops::Range<usize>,
+) {
+    for block in range {
         let b = &w[block * pairs * COLS * 2..][..pairs * COLS * 2];
         let cols = COLS.min(n - block * COLS);
         let mut r0 = 0;
-        while r0 < rows {
-            let t = TILE.min(rows - r0);
+        while r0 < m {
+            let t = TILE.min(m - r0);
             let a = &a[r0 * pairs..][..t * pairs];
-            let c = &mut c[r0 * n + block * COLS..];
+            let c = out.0.add(r0 * n + block * COLS);
             match t {
                 8 => tile::<8>(b, a, c, n, pairs, cols),
                 7 => tile::<7>(b, a, c, n, pairs, cols),
@@ -198,14 +226,14 @@ unsafe fn task(w: &[u16], a: &[u32], c: &mut [f32], n: usize, pairs: usize) {
 }
 
 /// R rows × 32 columns: for each input pair, the block's 32 columns' pairs (two vectors) times
-/// each row's pair broadcast, accumulated in f32; then the first `cols` columns stored to `c`
-/// (row pitch `n`).
+/// each row's pair broadcast, accumulated in f32; then the first `cols` columns stored at `c`
+/// (row pitch `n`; the caller guarantees R rows of `cols` floats there).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn tile<const R: usize>(
     b: &[u16],
     a: &[u32],
-    c: &mut [f32],
+    c: *mut f32,
     n: usize,
     pairs: usize,
     cols: usize,
@@ -223,15 +251,15 @@ unsafe fn tile<const R: usize>(
         }
     }
     for (r, acc) in acc.iter().enumerate() {
-        let row = &mut c[r * n..];
+        let row = c.add(r * n);
         if cols == COLS {
-            _mm512_storeu_ps(row.as_mut_ptr(), acc[0]);
-            _mm512_storeu_ps(row.as_mut_ptr().add(16), acc[1]);
+            _mm512_storeu_ps(row, acc[0]);
+            _mm512_storeu_ps(row.add(16), acc[1]);
         } else {
             let mut tmp = [0f32; COLS];
             _mm512_storeu_ps(tmp.as_mut_ptr(), acc[0]);
             _mm512_storeu_ps(tmp.as_mut_ptr().add(16), acc[1]);
-            row[..cols].copy_from_slice(&tmp[..cols]);
+            std::ptr::copy_nonoverlapping(tmp.as_ptr(), row, cols);
         }
     }
 }
