@@ -145,6 +145,15 @@ impl DecisionModel {
         let checkpoint = Checkpoint::open(dir)?;
         let device = select_device(options.backend)?;
         let dtype = select_dtype(options.dtype, &device);
+        // The CPU's bf16 mode where it has AVX512-BF16: the projections and the embedding table
+        // in bf16, the activations in f32 between the matmuls (as llama.cpp's bf16 models),
+        // since its bf16 matmul takes f32 rows and the rest of the forward is faster in f32.
+        let (dtype, weights_dtype) =
+            if device.is_cpu() && dtype == DType::BF16 && kev_kernels::bf16_gemm_available() {
+                (DType::F32, DType::BF16)
+            } else {
+                (dtype, dtype)
+            };
         let config_text = std::fs::read_to_string(&checkpoint.base.config)
             .map_err(|e| Error::io(&checkpoint.base.config, e))?;
         let cfg = Config::from_json(&config_text)
@@ -162,7 +171,8 @@ impl DecisionModel {
             options.lora_scale,
             dtype,
             device.clone(),
-        )?;
+        )?
+        .with_projection_dtype(weights_dtype);
         let model = Model::new(&cfg, &weights)?;
         let head_cfg = &checkpoint.config.head;
         let head = PointerHead::load(
@@ -206,9 +216,10 @@ impl DecisionModel {
         &self.head
     }
 
-    /// The backbone (activation) dtype.
+    /// The backbone dtype: of its weights and activations, but for the CPU's bf16 mode (on CPUs
+    /// with AVX512-BF16), where bf16 weights run with f32 activations.
     pub fn dtype(&self) -> DType {
-        self.model.dtype()
+        self.model.weights_dtype()
     }
 
     /// The device everything runs on.

@@ -20,6 +20,8 @@ pub struct Weights {
     adapter: Option<Adapter>,
     lora_scale: f64,
     dtype: DType,
+    /// The dtype of the projections' weights and the embedding table (`dtype` unless set).
+    projections: DType,
     device: Device,
 }
 
@@ -60,6 +62,7 @@ impl Weights {
             adapter,
             lora_scale,
             dtype,
+            projections: dtype,
             device,
         };
         if let Some(adapter) = &weights.adapter {
@@ -82,6 +85,18 @@ impl Weights {
     /// The backbone dtype weights are converted to.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Keeps the projections' weights and the embedding table in `dtype` instead of the
+    /// backbone's (the CPU's bf16 mode: bf16 weights, f32 activations).
+    pub fn with_projection_dtype(mut self, dtype: DType) -> Self {
+        self.projections = dtype;
+        self
+    }
+
+    /// The dtype of the projections' weights and the embedding table.
+    pub fn projection_dtype(&self) -> DType {
+        self.projections
     }
 
     /// The device weights are moved to.

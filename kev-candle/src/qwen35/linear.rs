@@ -14,7 +14,8 @@ use kev_kernels::{bf16_gemm_available, PackedBf16};
 ///   shapes, 2 threads, AVX-512: 330–390 → 420–460 GFLOP/s).
 /// - On the CPU in bf16, where it has AVX512-BF16, Kev's packed bf16 matmul
 ///   ([`PackedBf16`]): candle has no CPU bf16 matmul of its own (it widens both operands to
-///   f32 on every call).
+///   f32 on every call). Its input and output are in the activation dtype (f32 in the CPU's
+///   bf16 mode, see `Weights::projection_dtype`).
 #[derive(Clone)]
 pub enum Projection {
     Candle(Linear),

@@ -26,7 +26,13 @@ use linear::Projection;
 fn linear_cat(w: &Weights, parts: &[(&str, usize)], in_dim: usize) -> kev_core::Result<Projection> {
     let weights = parts
         .iter()
-        .map(|&(prefix, out)| w.get(&format!("{prefix}.weight"), &[out, in_dim]))
+        .map(|&(prefix, out)| {
+            w.get_as(
+                &format!("{prefix}.weight"),
+                &[out, in_dim],
+                w.projection_dtype(),
+            )
+        })
         .collect::<kev_core::Result<Vec<_>>>()?;
     let names = || parts.iter().map(|p| p.0).collect::<Vec<_>>();
     candle_core::Tensor::cat(&weights, 0)
@@ -42,5 +48,6 @@ fn linear(
     out_dim: usize,
 ) -> kev_core::Result<Projection> {
     let key = format!("{prefix}.weight");
-    Projection::new(w.get(&key, &[out_dim, in_dim])?).map_err(|e| kev_core::Error::backend(key, e))
+    let weight = w.get_as(&key, &[out_dim, in_dim], w.projection_dtype())?;
+    Projection::new(weight).map_err(|e| kev_core::Error::backend(key, e))
 }

@@ -151,13 +151,19 @@ pub struct Model {
     norm: ZeroCenteredRmsNorm,
     rope: Rope,
     dtype: DType,
+    /// Of the projections and the embedding table (`dtype` but in the CPU's bf16 mode).
+    weights_dtype: DType,
     device: Device,
 }
 
 impl Model {
     /// Builds the model from `weights` (names relative to the text model).
     pub fn new(cfg: &Config, w: &Weights) -> kev_core::Result<Self> {
-        let embed = w.get("embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
+        let embed = w.get_as(
+            "embed_tokens.weight",
+            &[cfg.vocab_size, cfg.hidden_size],
+            w.projection_dtype(),
+        )?;
         // Layers load in parallel: widening, LoRA folding and rounding are CPU work per tensor,
         // and one thread per layer keeps every core busy (the 4B load is mostly this).
         let layers = (0..cfg.num_hidden_layers)
@@ -174,6 +180,7 @@ impl Model {
             norm,
             rope: Rope::new(cfg.rope_theta, cfg.rotary_dim),
             dtype: w.dtype(),
+            weights_dtype: w.projection_dtype(),
             device: w.device().clone(),
         })
     }
@@ -186,6 +193,17 @@ impl Model {
     /// The activation dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype of the projections' weights and the embedding table: the activations' but in
+    /// the CPU's bf16 mode (bf16 weights, f32 activations).
+    pub fn weights_dtype(&self) -> DType {
+        self.weights_dtype
+    }
+
+    /// The embeddings of `ids`, in the activation dtype.
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        self.embed_tokens.forward(ids)?.to_dtype(self.dtype)
     }
 
     /// The device.
@@ -253,7 +271,7 @@ impl Model {
             key_bias,
             lengths,
         };
-        let mut xs = self.embed_tokens.forward(ids)?;
+        let mut xs = self.embed(ids)?;
         let mut pending = None;
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let (stream, mlp_out) = layer.forward(&xs, pending.as_ref(), layer_cache, &step)?;
@@ -339,7 +357,7 @@ impl Model {
             key_bias,
         };
         let ids = Tensor::cat(&[state_ids.flatten_all()?, branch_ids.flatten_all()?], 0)?;
-        let mut xs = self.embed_tokens.forward(&ids)?; // [R·S + B·T, H]
+        let mut xs = self.embed(&ids)?; // [R·S + B·T, H]
         let mut pending = None;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
