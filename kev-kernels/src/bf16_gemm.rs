@@ -17,9 +17,11 @@ use rayon::prelude::*;
 /// Output columns per packed block: two 16-lane vectors.
 const COLS: usize = 32;
 /// Rows of the input per micro-tile (16 accumulators of the 32 registers).
+#[cfg(target_arch = "x86_64")]
 const TILE: usize = 8;
 /// Column blocks per parallel task (a few tasks per thread for balance; each block of the
 /// weight, `k × 32` bf16 = 64 KB at k = 1024, is read once while all rows stream past it).
+#[cfg(target_arch = "x86_64")]
 const BLOCKS_PER_TASK: usize = 8;
 
 /// Whether this CPU runs [`PackedBf16`] (AVX-512F and AVX512-BF16).
@@ -131,6 +133,36 @@ impl PackedBf16 {
     }
 }
 
+impl PackedBf16 {
+    /// `a` (`m` rows of bf16 pairs) times the packed weight, in f32: tasks own ranges of column
+    /// blocks, so each block of the weight is read once while the rows (shared) stream past it
+    /// from L2. The caller checked that the CPU has AVX-512F and AVX512-BF16.
+    #[cfg(target_arch = "x86_64")]
+    fn matmul(&self, a: &[u32], m: usize) -> Vec<f32> {
+        let (n, pairs) = (self.n, self.k.div_ceil(2));
+        let mut out = vec![0f32; m * n];
+        let blocks = n.div_ceil(COLS);
+        if m > 0 && pairs > 0 {
+            let out_ptr = OutPtr(out.as_mut_ptr());
+            let tasks = blocks.div_ceil(BLOCKS_PER_TASK);
+            (0..tasks).into_par_iter().for_each(|t| {
+                let range = t * BLOCKS_PER_TASK..((t + 1) * BLOCKS_PER_TASK).min(blocks);
+                // SAFETY: the CPU has AVX-512F and AVX512-BF16 (the caller checked); `a` holds m
+                // rows of `pairs` pairs, the packed data ⌈n/32⌉ blocks of `pairs` × 32 pairs,
+                // `out` m × n floats, and the tasks write disjoint column blocks of it.
+                unsafe { blocks_task(&self.data, a, out_ptr, m, n, pairs, range) };
+            });
+        }
+        out
+    }
+
+    /// Elsewhere [`bf16_gemm_available`] is false and `cpu_fwd` refuses before this.
+    #[cfg(not(target_arch = "x86_64"))]
+    fn matmul(&self, _: &[u32], m: usize) -> Vec<f32> {
+        vec![0f32; m * self.n]
+    }
+}
+
 impl CustomOp1 for PackedBf16 {
     fn name(&self) -> &'static str {
         "bf16-linear"
@@ -148,25 +180,7 @@ impl CustomOp1 for PackedBf16 {
             bail!("bf16-linear: this CPU has no AVX512-BF16")
         }
         let (a, m) = self.input_pairs(s, l)?;
-        let (n, pairs) = (self.n, self.k.div_ceil(2));
-        let mut out = vec![0f32; m * n];
-        let blocks = n.div_ceil(COLS);
-        if m > 0 && pairs > 0 {
-            // Tasks own ranges of column blocks: each block of the weight is read once, and
-            // the rows (`a`, shared) stream past it from L2.
-            let out_ptr = OutPtr(out.as_mut_ptr());
-            let tasks = blocks.div_ceil(BLOCKS_PER_TASK);
-            (0..tasks).into_par_iter().for_each(|t| {
-                let range = t * BLOCKS_PER_TASK..((t + 1) * BLOCKS_PER_TASK).min(blocks);
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: the CPU has AVX-512F and AVX512-BF16 (checked above); `a` holds m rows
-                // of `pairs` pairs, the packed data ⌈n/32⌉ blocks of `pairs` × 32 pairs, `out`
-                // m × n floats, and the tasks write disjoint column blocks of it.
-                unsafe {
-                    blocks_task(&self.data, &a, out_ptr, m, n, pairs, range)
-                };
-            });
-        }
+        let (n, out) = (self.n, self.matmul(&a, m));
         let mut shape = dims.to_vec();
         *shape.last_mut().expect("checked above") = n;
         // Rounded on rayon's threads: one thread took a tenth of a bf16 forward.
@@ -184,10 +198,13 @@ impl CustomOp1 for PackedBf16 {
 }
 
 /// The output's base pointer, shared by tasks that write disjoint column blocks.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
 // SAFETY: each task writes only its own column blocks (`blocks_task`).
+#[cfg(target_arch = "x86_64")]
 unsafe impl Send for OutPtr {}
+#[cfg(target_arch = "x86_64")]
 unsafe impl Sync for OutPtr {}
 
 /// Column blocks `range` of the output (`m × n`, f32, at `out`) from all `m` rows of `a`.
