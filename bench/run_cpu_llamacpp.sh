@@ -11,9 +11,11 @@
 # in each of TYPES (`--no-mtp`: the checkpoints have no multi-token-prediction block, and Kev does
 # not use one), and `llama-bench -p 512 -n 0` measures the prefill of 512 tokens. Kev then runs
 # the state pass of the one-request workload (a 512-token state; bench example `--form state`) on
-# the same checkpoint, f32, in the same command.
+# the same checkpoint, in each of KEV_TYPES, in the same command.
 #
 # Environment knobs (defaults in brackets):
+#   KEV_TYPES ["f32 bf16"] (Kev's dtypes; bf16 on a CPU with AVX512-BF16 is bf16 weights with f32
+#   activations, as llama.cpp's bf16)  KEV_REPS [5] (Kev's repeats after one warm-up)
 #   SIZE [0.8b]  THREADS [2]  REPS [3]  TYPES ["f32 bf16 f16"]  PYTHON [/work/pyenv/bin/python if
 #   present, else python3] (numpy, torch, safetensors, transformers for the converter)  JOBS [2]
 # Everything goes to bench/.cache/ (ignored by git): llama.cpp/ (source and build), gguf/,
@@ -27,6 +29,8 @@ SIZE=${SIZE:-0.8b}
 THREADS=${THREADS:-2}
 REPS=${REPS:-3}
 TYPES=${TYPES:-"f32 bf16 f16"}
+KEV_TYPES=${KEV_TYPES:-"f32 bf16"}
+KEV_REPS=${KEV_REPS:-5}
 JOBS=${JOBS:-2}
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
@@ -75,11 +79,13 @@ for t in $TYPES; do
   "$BENCH" -m "$gguf" -p 512 -n 0 -t "$THREADS" -r "$REPS" -o jsonl >> "$RESULTS"
 done
 
-echo "== kev state pass (512 tokens), f32, $THREADS threads" >&2
 cargo build --release --example bench -j "$JOBS" >&2
-RAYON_NUM_THREADS=$THREADS target/release/examples/bench --checkpoint "$CKPT" \
-  --records "$CACHE/records/one.jsonl" --backend cpu --dtype f32 --form state \
-  --repeats "$REPS" --warmup 1 >> "$RESULTS"
+for t in $KEV_TYPES; do
+  echo "== kev state pass (512 tokens), $t, $THREADS threads" >&2
+  RAYON_NUM_THREADS=$THREADS target/release/examples/bench --checkpoint "$CKPT" \
+    --records "$CACHE/records/one.jsonl" --backend cpu --dtype "$t" --form state \
+    --repeats "$KEV_REPS" --warmup 1 >> "$RESULTS"
+done
 
 "$PYTHON" - "$RESULTS" <<'PY'
 import json, sys
@@ -93,6 +99,6 @@ for r in rows:
 for r in rows:
     if r.get("impl") == "kev":
         kev = r["computed_tok_per_s"]
-        print(f"kev f32 state pass: {r['computed_tokens']} tokens, median {r['latency_ms_median']:.0f} ms,"
+        print(f"kev {r['dtype']} state pass: {r['computed_tokens']} tokens, median {r['latency_ms_median']:.0f} ms,"
               f" {kev:.1f} tok/s" + (f" = {kev / best:.2f}x llama.cpp's best" if best else ""))
 PY
