@@ -52,7 +52,12 @@ impl PackedBf16 {
     pub fn pack(weight: &Tensor) -> Result<Self> {
         let (n, k) = weight.dims2()?;
         let w = weight.to_dtype(DType::BF16)?.contiguous()?;
-        let w = w.flatten_all()?.to_vec1::<half::bf16>()?;
+        // Read in place (a copy per weight left the load's peak memory higher).
+        let (storage, layout) = w.storage_and_layout();
+        let candle_core::Storage::Cpu(CpuStorage::BF16(w)) = &*storage else {
+            bail!("bf16-linear: the weight must be on the CPU")
+        };
+        let w = &w[layout.start_offset()..][..n * k];
         let pairs = k.div_ceil(2);
         let block = pairs * COLS * 2;
         let mut data = vec![0u16; n.div_ceil(COLS) * block];
