@@ -358,6 +358,7 @@ fn main() -> Result<()> {
     let load_s = started.elapsed().as_secs_f64();
     let device = format!("{:?}", model.device().location());
     let dtype = format!("{:?}", model.dtype()).to_lowercase();
+    let activations = format!("{:?}", model.activation_dtype()).to_lowercase();
     eprintln!(
         "kev: loaded `{}` on {device} ({dtype}) in {load_s:.2} s",
         args.checkpoint.display()
@@ -439,6 +440,7 @@ fn main() -> Result<()> {
                 "checkpoint": checkpoint_name,
                 "device": device,
                 "dtype": dtype,
+                "activations": activations,
                 "threads": threads,
                 "workload": workload,
                 "form": form.name(),

@@ -222,6 +222,11 @@ impl DecisionModel {
         self.model.weights_dtype()
     }
 
+    /// The activations' dtype: [`DecisionModel::dtype`] but for the CPU's bf16 mode (f32).
+    pub fn activation_dtype(&self) -> DType {
+        self.model.dtype()
+    }
+
     /// The device everything runs on.
     pub fn device(&self) -> &Device {
         self.model.device()

@@ -19,8 +19,8 @@ const COLS: usize = 32;
 /// Rows of the input per micro-tile (16 accumulators of the 32 registers).
 #[cfg(target_arch = "x86_64")]
 const TILE: usize = 8;
-/// Column blocks per parallel task (a few tasks per thread for balance; each block of the
-/// weight, `k × 32` bf16 = 64 KB at k = 1024, is read once while all rows stream past it).
+/// The most column blocks a parallel task takes (each block of the weight, `k × 32` bf16 =
+/// 64 KB at k = 1024, is read once while all rows stream past it).
 #[cfg(target_arch = "x86_64")]
 const BLOCKS_PER_TASK: usize = 8;
 
@@ -51,6 +51,9 @@ impl PackedBf16 {
     /// Packs `weight: [n, k]` (a CPU tensor of any float dtype, rounded to bf16).
     pub fn pack(weight: &Tensor) -> Result<Self> {
         let (n, k) = weight.dims2()?;
+        if k == 0 {
+            bail!("bf16-linear: a weight of {n} × 0 has no input features")
+        }
         let w = weight.to_dtype(DType::BF16)?.contiguous()?;
         // Read in place (a copy per weight left the load's peak memory higher).
         let (storage, layout) = w.storage_and_layout();
@@ -78,8 +81,8 @@ impl PackedBf16 {
 
     /// Output features `start..start + len` (the weight's rows), packed on their own.
     pub fn rows(&self, start: usize, len: usize) -> Result<Self> {
-        if start + len > self.n {
-            bail!("bf16-linear: rows {start}..{} of {}", start + len, self.n)
+        if start.checked_add(len).is_none_or(|end| end > self.n) {
+            bail!("bf16-linear: rows {start} + {len} of {}", self.n)
         }
         let (k, pairs) = (self.k, self.k.div_ceil(2));
         let mut w = vec![half::bf16::ZERO; len * k];
@@ -103,8 +106,8 @@ impl PackedBf16 {
         let Some((start, end)) = l.contiguous_offsets() else {
             bail!("bf16-linear: the input must be contiguous")
         };
-        let k = self.k;
-        let m = (end - start) / k.max(1);
+        let k = self.k; // > 0: `pack` refuses an empty input dimension
+        let m = (end - start) / k;
         let pairs = k.div_ceil(2);
         let mut a = vec![0u32; m * pairs];
         fn fill<T: Copy + Sync>(
@@ -141,18 +144,23 @@ impl PackedBf16 {
 impl PackedBf16 {
     /// `a` (`m` rows of bf16 pairs) times the packed weight, in f32: tasks own ranges of column
     /// blocks, so each block of the weight is read once while the rows (shared) stream past it
-    /// from L2. The caller checked that the CPU has AVX-512F and AVX512-BF16.
+    /// from L2.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX512-BF16 ([`bf16_gemm_available`]).
     #[cfg(target_arch = "x86_64")]
-    fn matmul(&self, a: &[u32], m: usize) -> Vec<f32> {
+    unsafe fn matmul(&self, a: &[u32], m: usize) -> Vec<f32> {
         let (n, pairs) = (self.n, self.k.div_ceil(2));
         let mut out = vec![0f32; m * n];
         let blocks = n.div_ceil(COLS);
         if m > 0 && pairs > 0 {
             let out_ptr = OutPtr(out.as_mut_ptr());
-            let tasks = blocks.div_ceil(BLOCKS_PER_TASK);
+            // A few tasks per thread for balance, at most BLOCKS_PER_TASK blocks each.
+            let per_task = (blocks / (4 * rayon::current_num_threads())).clamp(1, BLOCKS_PER_TASK);
+            let tasks = blocks.div_ceil(per_task);
             (0..tasks).into_par_iter().for_each(|t| {
-                let range = t * BLOCKS_PER_TASK..((t + 1) * BLOCKS_PER_TASK).min(blocks);
-                // SAFETY: the CPU has AVX-512F and AVX512-BF16 (the caller checked); `a` holds m
+                let range = t * per_task..((t + 1) * per_task).min(blocks);
+                // SAFETY: the CPU has AVX-512F and AVX512-BF16 (this fn's contract); `a` holds m
                 // rows of `pairs` pairs, the packed data ⌈n/32⌉ blocks of `pairs` × 32 pairs,
                 // `out` m × n floats, and the tasks write disjoint column blocks of it.
                 unsafe { blocks_task(&self.data, a, out_ptr, m, n, pairs, range) };
@@ -163,8 +171,8 @@ impl PackedBf16 {
 
     /// Elsewhere [`bf16_gemm_available`] is false and `cpu_fwd` refuses before this.
     #[cfg(not(target_arch = "x86_64"))]
-    fn matmul(&self, _: &[u32], m: usize) -> Vec<f32> {
-        vec![0f32; m * self.n]
+    unsafe fn matmul(&self, _: &[u32], _: usize) -> Vec<f32> {
+        unreachable!("bf16-linear runs on x86-64 only")
     }
 }
 
@@ -185,7 +193,8 @@ impl CustomOp1 for PackedBf16 {
             bail!("bf16-linear: this CPU has no AVX512-BF16")
         }
         let (a, m) = self.input_pairs(s, l)?;
-        let (n, out) = (self.n, self.matmul(&a, m));
+        // SAFETY: the CPU has AVX-512F and AVX512-BF16 (checked above).
+        let (n, out) = (self.n, unsafe { self.matmul(&a, m) });
         let mut shape = dims.to_vec();
         *shape.last_mut().expect("checked above") = n;
         // Rounded on rayon's threads: one thread took a tenth of a bf16 forward.

@@ -23,8 +23,8 @@ enum Past<'a> {
 pub struct Attention {
     /// `q_proj` (`[q | gate]` per head), `k_proj`, `v_proj` stacked.
     qkv_proj: Projection,
-    /// The `k_proj`, `v_proj` rows of `qkv_proj` (a view): rows whose outputs nobody reads
-    /// still give their keys and values.
+    /// The `k_proj`, `v_proj` rows of `qkv_proj` (a view, or a packed copy in the CPU's bf16
+    /// mode): rows whose outputs nobody reads still give their keys and values.
     kv_proj: Projection,
     o_proj: Projection,
     q_norm: ZeroCenteredRmsNorm,
