@@ -24,6 +24,11 @@ const TILE: usize = 8;
 #[cfg(target_arch = "x86_64")]
 const BLOCKS_PER_TASK: usize = 8;
 
+/// Where input `i` of output column `c` sits in its packed block.
+fn in_block(i: usize, c: usize) -> usize {
+    (i / 2) * COLS * 2 + c * 2 + i % 2
+}
+
 /// Whether this CPU runs [`PackedBf16`] (AVX-512F and AVX512-BF16).
 pub fn bf16_gemm_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -68,7 +73,7 @@ impl PackedBf16 {
             for c in 0..COLS.min(n - b * COLS) {
                 let row = &w[(b * COLS + c) * k..][..k];
                 for (i, v) in row.iter().enumerate() {
-                    out[(i / 2) * COLS * 2 + c * 2 + i % 2] = v.to_bits();
+                    out[in_block(i, c)] = v.to_bits();
                 }
             }
         });
@@ -86,11 +91,11 @@ impl PackedBf16 {
         }
         let (k, pairs) = (self.k, self.k.div_ceil(2));
         let mut w = vec![half::bf16::ZERO; len * k];
-        for (r, row) in w.chunks_mut(k.max(1)).enumerate().take(len) {
+        for (r, row) in w.chunks_mut(k).enumerate() {
             let (block, c) = ((start + r) / COLS, (start + r) % COLS);
             let b = &self.data[block * pairs * COLS * 2..];
             for (i, v) in row.iter_mut().enumerate() {
-                *v = half::bf16::from_bits(b[(i / 2) * COLS * 2 + c * 2 + i % 2]);
+                *v = half::bf16::from_bits(b[in_block(i, c)]);
             }
         }
         Self::pack(&Tensor::from_vec(w, (len, k), &candle_core::Device::Cpu)?)
@@ -117,8 +122,8 @@ impl PackedBf16 {
             bits: impl Fn(T) -> u16 + Sync,
         ) {
             let pairs = k.div_ceil(2);
-            a.par_chunks_mut(pairs.max(1))
-                .zip(src.par_chunks(k.max(1)))
+            a.par_chunks_mut(pairs)
+                .zip(src.par_chunks(k))
                 .for_each(|(out, row)| {
                     for (p, o) in out.iter_mut().enumerate() {
                         let lo = bits(row[2 * p]) as u32;

@@ -51,10 +51,7 @@ impl Module for Projection {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
             Self::Candle(l) => l.forward(xs),
-            Self::Bf16(p) => match xs.is_contiguous() {
-                true => p.forward(xs),
-                false => p.forward(&xs.contiguous()?),
-            },
+            Self::Bf16(p) => p.forward(&xs.contiguous()?),
         }
     }
 }
