@@ -195,6 +195,7 @@ impl DecisionModel {
             ));
         }
         settle(&device)?;
+        crate::device::release_freed_memory();
         Ok(Self {
             #[cfg(feature = "cuda")]
             graphs: (options.cuda_graphs && device.is_cuda()).then(crate::graphs::Graphs::default),

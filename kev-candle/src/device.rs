@@ -88,3 +88,15 @@ pub fn select_dtype(dtype: kev_core::DType, device: &Device) -> DType {
         _ => DType::BF16,
     }
 }
+
+/// Hands the memory the load freed back to the system. glibc keeps freed blocks in its arenas
+/// (one per thread that allocated), and the load's transient copies (the LoRA fold's f32
+/// tensors, packing buffers, the safetensors' pages) would otherwise stay resident for the
+/// process's life.
+pub fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` only returns free memory of glibc's arenas to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

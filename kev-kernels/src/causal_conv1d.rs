@@ -228,8 +228,9 @@ pub fn causal_conv1d_cached(
         return Ok((y, next)); // composed: the next cache is already a tensor of its own
     }
     // The cache outlives this step (a prefix keeps it): give it storage of its own, or it would
-    // keep the whole output, y included, alive.
-    Ok((y, next.copy()?))
+    // keep the whole output, y included, alive. (`Tensor::copy` would not do: it clones the
+    // whole storage under the same view.)
+    Ok((y, next.force_contiguous()?))
 }
 
 /// [`causal_conv1d_cached`] with the next cache left as a view into the op's output (which it

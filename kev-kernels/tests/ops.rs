@@ -3,8 +3,8 @@
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, assert_close, patterned};
 use kev_kernels::{
-    causal_conv1d, causal_conv1d_ref, causal_conv1d_split, gated_delta_rule, gated_delta_rule_ref,
-    GdrDims, SplitRows,
+    causal_conv1d, causal_conv1d_cached, causal_conv1d_ref, causal_conv1d_split, gated_delta_rule,
+    gated_delta_rule_ref, GdrDims, SplitRows,
 };
 
 /// f32 op vs f32 reference on unit-scale data: same math, different summation order.
@@ -326,6 +326,31 @@ fn causal_conv1d_matches_reference_and_continues() -> Result<()> {
     let w = patterned(&[8, 4], 1.7, 0.5)?.to_dtype(DType::BF16)?;
     assert_eq!(causal_conv1d(&x, &w)?.dtype(), DType::BF16);
     assert!(causal_conv1d(&x, &patterned(&[9, 4], 0.0, 1.0)?).is_err());
+    Ok(())
+}
+
+/// The next conv window a prefix keeps holds its own K−1 steps, not the step's whole output
+/// (a view, or candle's `copy` of one, would keep every step's output alive in a prefix cache).
+#[test]
+fn causal_conv1d_cached_window_owns_its_storage() -> Result<()> {
+    let (b, t, ch, k) = (2usize, 40usize, 16usize, 4usize);
+    let x = patterned(&[b, t, ch], 0.4, 2.0)?;
+    let w = patterned(&[ch, k], 1.7, 0.5)?;
+    let cache = patterned(&[b, k - 1, ch], 0.9, 1.0)?;
+    let (y, next) = causal_conv1d_cached(&x, &cache, &w, None)?;
+    let (storage, _) = next.storage_and_layout();
+    let held = match &*storage {
+        candle_core::Storage::Cpu(s) => s.as_slice::<f32>()?.len(),
+        _ => unreachable!("a CPU test"),
+    };
+    assert_eq!(
+        held,
+        b * (k - 1) * ch,
+        "elements the window's storage holds"
+    );
+    // And it is the window: the last K−1 inputs of each row.
+    assert_close("window", &next, &x.narrow(1, t - (k - 1), k - 1)?, 0.0)?;
+    assert_eq!(y.dims(), &[b, t, ch]);
     Ok(())
 }
 
