@@ -20,34 +20,37 @@ pub(crate) struct RmsNorm {
 }
 
 impl RmsNorm {
-    fn cpu(&self, x: Vec<f32>, h: Option<Vec<f32>>, w1: &[f32], dtype: DType) -> Vec<f32> {
+    /// `[x̂·w1]`, or with a residual `h` `[x + h, its norm]` packed: one pass over each row.
+    fn cpu(&self, x: &[f32], h: Option<&[f32]>, w1: &[f32], dtype: DType) -> Vec<f32> {
         let cols = w1.len();
         let round = rounder(dtype);
-        let sum = h.map(|h| {
-            x.iter()
-                .zip(&h)
-                .map(|(a, b)| round(a + b))
-                .collect::<Vec<_>>()
-        });
-        let src = sum.as_deref().unwrap_or(&x);
-        let mut normed = vec![0f32; src.len()];
-        normed
-            .par_chunks_mut(cols)
-            .zip(src.par_chunks(cols))
-            .for_each(|(o, v)| {
-                let ms = v.iter().map(|&a| f64::from(a * a)).sum::<f64>() / cols as f64;
-                let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
-                o.iter_mut()
-                    .zip(v.iter().zip(w1))
-                    .for_each(|(o, (a, w))| *o = a * inv * w);
+        let norm_row = |o: &mut [f32], v: &[f32]| {
+            let ms = v.iter().map(|&a| f64::from(a * a)).sum::<f64>() / cols as f64;
+            let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
+            o.iter_mut()
+                .zip(v.iter().zip(w1))
+                .for_each(|(o, (a, w))| *o = a * inv * w);
+        };
+        let Some(h) = h else {
+            let mut normed = vec![0f32; x.len()];
+            normed
+                .par_chunks_mut(cols)
+                .zip(x.par_chunks(cols))
+                .for_each(|(o, v)| norm_row(o, v));
+            return normed;
+        };
+        let mut out = vec![0f32; 2 * x.len()];
+        let (sum, normed) = out.split_at_mut(x.len());
+        sum.par_chunks_mut(cols)
+            .zip(normed.par_chunks_mut(cols))
+            .zip(x.par_chunks(cols).zip(h.par_chunks(cols)))
+            .for_each(|((s, o), (x, h))| {
+                s.iter_mut()
+                    .zip(x.iter().zip(h))
+                    .for_each(|(s, (a, b))| *s = round(a + b));
+                norm_row(o, s);
             });
-        match sum {
-            Some(mut s) => {
-                s.extend(normed);
-                s
-            }
-            None => normed,
-        }
+        out
     }
 }
 
@@ -65,7 +68,7 @@ impl CustomOp2 for RmsNorm {
     ) -> Result<(CpuStorage, Shape)> {
         let x = rows(xl, "rms-norm input")?.read_f32(xs, "rms-norm input")?;
         let w1 = as_f32(ws, wl, "rms-norm weight")?;
-        let out = self.cpu(x, None, &w1, xs.dtype());
+        let out = self.cpu(&x, None, &w1, xs.dtype());
         Ok((from_f32(out, xs.dtype())?, xl.shape().clone()))
     }
 
@@ -102,7 +105,7 @@ impl CustomOp3 for AddRmsNorm {
         let x = rows(xl, "add-rms-norm input")?.read_f32(xs, "add-rms-norm input")?;
         let h = rows(hl, "add-rms-norm residual")?.read_f32(hs, "add-rms-norm residual")?;
         let w1 = as_f32(ws, wl, "rms-norm weight")?;
-        let out = self.0.cpu(x, Some(h), &w1, xs.dtype());
+        let out = self.0.cpu(&x, Some(&h), &w1, xs.dtype());
         Ok((from_f32(out, xs.dtype())?, stacked(xl)))
     }
 

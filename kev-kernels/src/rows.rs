@@ -1,6 +1,8 @@
 //! Row views: the elementwise ops read `[rows, cols]` slices of wider tensors (one part of a
 //! merged projection) in place instead of copying them out first.
 
+use std::borrow::Cow;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Layout, Result, Tensor};
 
@@ -52,17 +54,23 @@ impl Rows {
         self.offset..self.offset + len
     }
 
-    /// The view's elements as f32, packed `[rows, cols]`.
-    pub(crate) fn read_f32(&self, s: &CpuStorage, what: &str) -> Result<Vec<f32>> {
+    /// The view's elements as f32, packed `[rows, cols]`: borrowed when they already are (f32
+    /// rows with no gap between them), else copied.
+    pub(crate) fn read_f32<'a>(&self, s: &'a CpuStorage, what: &str) -> Result<Cow<'a, [f32]>> {
         fn pack<T: Copy>(v: &[T], r: &Rows, f: impl Fn(T) -> f32) -> Vec<f32> {
-            (0..r.rows)
-                .flat_map(|i| v[r.offset + i * r.stride..][..r.cols].iter().map(|&x| f(x)))
-                .collect()
+            let mut out = Vec::with_capacity(r.rows * r.cols);
+            for i in 0..r.rows {
+                out.extend(v[r.offset + i * r.stride..][..r.cols].iter().map(|&x| f(x)));
+            }
+            out
         }
         Ok(match s {
-            CpuStorage::F32(v) => pack(v, self, |x| x),
-            CpuStorage::BF16(v) => pack(v, self, |x| x.to_f32()),
-            CpuStorage::F16(v) => pack(v, self, |x| x.to_f32()),
+            CpuStorage::F32(v) if self.stride == self.cols || self.rows <= 1 => {
+                Cow::Borrowed(&v[self.offset..][..self.rows * self.cols])
+            }
+            CpuStorage::F32(v) => Cow::Owned(pack(v, self, |x| x)),
+            CpuStorage::BF16(v) => Cow::Owned(pack(v, self, |x| x.to_f32())),
+            CpuStorage::F16(v) => Cow::Owned(pack(v, self, |x| x.to_f32())),
             other => bail!("{what}: unsupported dtype {:?}", other.dtype()),
         })
     }
