@@ -121,22 +121,17 @@ impl PackedBf16 {
             k: usize,
             bits: impl Fn(T) -> u16 + Sync,
         ) {
-            let pairs = k.div_ceil(2);
-            a.par_chunks_mut(pairs)
+            a.par_chunks_mut(k.div_ceil(2))
                 .zip(src.par_chunks(k))
-                .for_each(|(out, row)| {
-                    for (p, o) in out.iter_mut().enumerate() {
-                        let lo = bits(row[2 * p]) as u32;
-                        let hi = row.get(2 * p + 1).map_or(0, |&v| bits(v) as u32);
-                        *o = lo | (hi << 16);
-                    }
-                });
+                .for_each(|(out, row)| pairs_of(out, row, &bits));
         }
         match s {
             CpuStorage::BF16(v) => fill(&mut a, &v[start..end], k, |x| x.to_bits()),
-            CpuStorage::F32(v) => fill(&mut a, &v[start..end], k, |x| {
-                half::bf16::from_f32(x).to_bits()
-            }),
+            // SAFETY: `cpu_fwd` checked the CPU for AVX512-BF16 before calling this.
+            CpuStorage::F32(v) => a
+                .par_chunks_mut(pairs)
+                .zip(v[start..end].par_chunks(k))
+                .for_each(|(out, row)| unsafe { f32_row_pairs(out, row) }),
             CpuStorage::F16(v) => fill(&mut a, &v[start..end], k, |x| {
                 half::bf16::from_f32(x.to_f32()).to_bits()
             }),
@@ -144,6 +139,44 @@ impl PackedBf16 {
         }
         Ok((a, m))
     }
+}
+
+/// One row's values as bf16 pairs (`out[p]` = element 2p in the low half, 2p + 1 in the high
+/// half, zero past the row's end).
+fn pairs_of<T: Copy>(out: &mut [u32], row: &[T], bits: impl Fn(T) -> u16) {
+    for (p, o) in out.iter_mut().enumerate() {
+        let lo = bits(row[2 * p]) as u32;
+        let hi = row.get(2 * p + 1).map_or(0, |&v| bits(v) as u32);
+        *o = lo | (hi << 16);
+    }
+}
+
+/// [`pairs_of`] for an f32 row, 32 values at a time with `vcvtne2ps2bf16` (round to nearest
+/// even, as `half`'s conversion; it reads subnormal inputs as zero, which activations never
+/// are in practice).
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16 ([`bf16_gemm_available`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn f32_row_pairs(out: &mut [u32], row: &[f32]) {
+    use std::arch::x86_64::*;
+    let full = row.len() / 32;
+    for i in 0..full {
+        let lo = _mm512_loadu_ps(row.as_ptr().add(32 * i));
+        let hi = _mm512_loadu_ps(row.as_ptr().add(32 * i + 16));
+        // The second operand fills the low 16 lanes.
+        let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(out.as_mut_ptr().add(16 * i).cast(), v);
+    }
+    pairs_of(&mut out[16 * full..], &row[32 * full..], |x| {
+        half::bf16::from_f32(x).to_bits()
+    });
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn f32_row_pairs(out: &mut [u32], row: &[f32]) {
+    pairs_of(out, row, |x| half::bf16::from_f32(x).to_bits());
 }
 
 impl PackedBf16 {
@@ -156,9 +189,11 @@ impl PackedBf16 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn matmul(&self, a: &[u32], m: usize) -> Vec<f32> {
         let (n, pairs) = (self.n, self.k.div_ceil(2));
-        let mut out = vec![0f32; m * n];
+        // Every element is stored by exactly one tile (pairs > 0: `pack` refuses k = 0), so the
+        // output is not zeroed first.
+        let mut out: Vec<f32> = Vec::with_capacity(m * n);
         let blocks = n.div_ceil(COLS);
-        if m > 0 && pairs > 0 {
+        if m > 0 {
             let out_ptr = OutPtr(out.as_mut_ptr());
             // A few tasks per thread for balance, at most BLOCKS_PER_TASK blocks each.
             let per_task = (blocks / (4 * rayon::current_num_threads())).clamp(1, BLOCKS_PER_TASK);
@@ -171,6 +206,8 @@ impl PackedBf16 {
                 unsafe { blocks_task(&self.data, a, out_ptr, m, n, pairs, range) };
             });
         }
+        // SAFETY: the tasks stored all m × n elements (see above).
+        unsafe { out.set_len(m * n) };
         out
     }
 

@@ -428,6 +428,14 @@ fn packed_bf16_matmul_matches_f32_of_rounded_operands() -> Result<()> {
         }
         let want = x.matmul(&w.t()?)?;
         let got = packed.forward(&x)?;
+        // f32 rows are rounded to bf16 as `half` rounds them (the vector conversion included).
+        let raw = patterned(&[m, k], 0.3, 1.0)?;
+        assert_close(
+            &format!("bf16 matmul {m}x{k}x{n}, unrounded f32 rows"),
+            &packed.forward(&raw)?,
+            &packed.forward(&round(&raw)?)?,
+            0.0,
+        )?;
         assert_eq!(got.dtype(), DType::F32);
         assert_close(
             &format!("bf16 matmul {m}x{k}x{n}"),
