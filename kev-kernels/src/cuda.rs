@@ -43,10 +43,28 @@ static GDR_CHUNKED: Source = Source {
     module: "kev_gdr_chunked",
     text: concat!(
         include_str!("kernels/common.cuh"),
+        include_str!("kernels/mma.cuh"),
         include_str!("kernels/gdr_chunked.cu")
     ),
     ptx: OnceLock::new(),
 };
+
+static FLASH_ATTN: Source = Source {
+    file: "flash_attn.cu",
+    module: "kev_flash_attn",
+    text: concat!(
+        include_str!("kernels/common.cuh"),
+        include_str!("kernels/mma.cuh"),
+        include_str!("kernels/flash_attn.cu")
+    ),
+    ptx: OnceLock::new(),
+};
+
+/// Query rows per block, threads and dynamic shared memory of `flash_attn_bf16` (`FA_BM`,
+/// `FA_THREADS`, `FA_SMEM` in flash_attn.cu).
+const FLASH_ROWS: usize = 64;
+const FLASH_THREADS: u32 = 128;
+const FLASH_SMEM: u32 = 101632;
 
 /// Warps per block of the recurrence kernel (`WARPS` in ops.cu).
 const GDR_WARPS: usize = 8;
@@ -251,10 +269,11 @@ impl Kernel {
     }
 
     fn load_from(src: &Source, dev: &CudaDevice, name: &str) -> Result<Self> {
-        // The chunked delta rule's tensor-core kernels need compute_80 PTX (mma.sync, ldmatrix);
+        // The chunked delta rule's and flash attention's tensor-core kernels need compute_80 PTX
+        // (mma.sync, ldmatrix);
         // everything else compiles for NVRTC's default target and runs on any CUDA GPU.
-        let arch =
-            (std::ptr::eq(src, &GDR_CHUNKED) && gpu(dev)?.tensor_cores).then_some("compute_80");
+        let mma = std::ptr::eq(src, &GDR_CHUNKED) || std::ptr::eq(src, &FLASH_ATTN);
+        let arch = (mma && gpu(dev)?.tensor_cores).then_some("compute_80");
         let func = dev
             .get_or_load_custom_func(name, src.module, src.ptx(arch)?)?
             .into_cuda_function();
@@ -1382,4 +1401,126 @@ pub(crate) fn causal_conv1d_cached(
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })
+}
+
+/// A tensor's CUDA storage and layout, for the inputs an op carries beside its operands.
+fn cuda_input<'a>(
+    t: &'a Tensor,
+    what: &str,
+) -> Result<(
+    std::sync::RwLockReadGuard<'a, candle_core::Storage>,
+    &'a Layout,
+)> {
+    let (storage, layout) = t.storage_and_layout();
+    if !matches!(&*storage, candle_core::Storage::Cuda(_)) {
+        bail!("{what} is not on the GPU")
+    }
+    Ok((storage, layout))
+}
+
+fn as_cuda<'a>(s: &'a candle_core::Storage) -> &'a CudaStorage {
+    match s {
+        candle_core::Storage::Cuda(c) => c,
+        _ => unreachable!("checked by cuda_input"),
+    }
+}
+
+/// `flash_attn_bf16` (flash_attn.cu): q `[B, Hq, T, 256]` contiguous, this step's k and v
+/// `[B, Hkv, L, 256]` and the past's (k, v, owners) at their own strides (the wrapper checked
+/// dtypes, shapes and 16-byte alignment), key bias `[B, S + L]` f32.
+pub(crate) fn flash_attention(
+    (qs, ql): (&CudaStorage, &Layout),
+    (ks, kl): (&CudaStorage, &Layout),
+    (vs, vl): (&CudaStorage, &Layout),
+    past: Option<[&Tensor; 3]>,
+    bias: &Tensor,
+    scale: f32,
+) -> Result<CudaStorage> {
+    let k = Kernel::load_from(&FLASH_ATTN, qs.device(), "flash_attn_bf16")?;
+    k.allow_shared_memory(FLASH_SMEM)?;
+    let (b_sz, hq, t_len, hd) = ql.shape().dims4()?;
+    let (_, hkv, l_len, _) = kl.shape().dims4()?;
+    let (q0, q1) = contiguous(ql, "flash-attention queries")?;
+    // A source as (slice from its start, strides of rows, heads and steps).
+    let source = |s: &CudaStorage, l: &Layout| -> Result<_> {
+        let st = l.stride();
+        let view = s.as_cuda_slice::<half::bf16>()?.slice(l.start_offset()..);
+        Ok((view, [st[0], st[1], st[2]].map(|x| x as i64)))
+    };
+    let (kn, kn_st) = source(ks, kl)?;
+    let (vn, vn_st) = source(vs, vl)?;
+    let past_in = match past {
+        Some([pk, pv, owners]) => Some((
+            cuda_input(pk, "flash-attention past keys")?,
+            cuda_input(pv, "flash-attention past values")?,
+            cuda_input(owners, "flash-attention owners")?,
+            pk.dim(2)?,
+        )),
+        None => None,
+    };
+    let (b_bias, l_bias) = cuda_input(bias, "flash-attention key bias")?;
+    let (m0, m1) = contiguous(l_bias, "flash-attention key bias")?;
+    let bias_s = as_cuda(&b_bias).as_cuda_slice::<f32>()?.slice(m0..m1);
+    let q = qs.as_cuda_slice::<half::bf16>()?.slice(q0..q1);
+    let out = k.output::<half::bf16>(b_sz * hq * t_len * hd)?;
+    let rep = hq / hkv;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            (rep * t_len).div_ceil(FLASH_ROWS) as u32,
+            hkv as u32,
+            b_sz as u32,
+        ),
+        block_dim: (FLASH_THREADS, 1, 1),
+        shared_mem_bytes: FLASH_SMEM,
+    };
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let mut b = k.stream.launch_builder(&k.func);
+    b.arg(&q);
+    // Without a past the kernel never reads these (S = 0): this step's tensors stand in.
+    let (past_k, past_v, owners, s_len);
+    match &past_in {
+        Some((pk, pv, ow, s)) => {
+            past_k = source(as_cuda(&pk.0), pk.1)?;
+            past_v = source(as_cuda(&pv.0), pv.1)?;
+            let (i0, i1) = contiguous(ow.1, "flash-attention owners")?;
+            owners = Some(as_cuda(&ow.0).as_cuda_slice::<u32>()?.slice(i0..i1));
+            s_len = *s as i32;
+        }
+        None => {
+            past_k = source(ks, kl)?;
+            past_v = source(vs, vl)?;
+            owners = None;
+            s_len = 0;
+        }
+    }
+    let null: u64 = 0;
+    b.arg(&past_k.0)
+        .arg(&past_k.1[0])
+        .arg(&past_k.1[1])
+        .arg(&past_k.1[2]);
+    b.arg(&past_v.0)
+        .arg(&past_v.1[0])
+        .arg(&past_v.1[1])
+        .arg(&past_v.1[2]);
+    match &owners {
+        Some(o) => b.arg(o),
+        None => b.arg(&null),
+    };
+    b.arg(&kn).arg(&kn_st[0]).arg(&kn_st[1]).arg(&kn_st[2]);
+    b.arg(&vn).arg(&vn_st[0]).arg(&vn_st[1]).arg(&vn_st[2]);
+    let ints = [hq, hkv, t_len].map(|x| x as i32);
+    let l_i = l_len as i32;
+    b.arg(&bias_s)
+        .arg(&out)
+        .arg(&ints[0])
+        .arg(&ints[1])
+        .arg(&ints[2])
+        .arg(&s_len)
+        .arg(&l_i)
+        .arg(&scale_log2);
+    // SAFETY: argument types and order match `flash_attn_bf16` in flash_attn.cu; the wrapper
+    // checked shapes, dtypes (bf16, f32 bias, u32 owners within the past's rows), head dim 256
+    // and 16-byte alignment of every row; the grid covers rep·T rows per (b, kv head).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
 }

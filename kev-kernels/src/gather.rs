@@ -36,13 +36,18 @@ impl RowIndex {
         self.idx.elem_count()
     }
 
+    /// The indices, `[N]` u32 on the device.
+    pub(crate) fn tensor(&self) -> &Tensor {
+        &self.idx
+    }
+
     /// Whether no row is picked.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Fails when a row picked is not one of `t`'s `src_rows` (its first dim).
-    fn check_within(&self, op: &str, t: &Tensor, src_rows: usize) -> Result<()> {
+    pub(crate) fn check_within(&self, op: &str, t: &Tensor, src_rows: usize) -> Result<()> {
         if let Some(max) = self.max.filter(|&m| m >= src_rows) {
             bail!(
                 "{op}: row {max} of a tensor with {src_rows} rows ({:?})",

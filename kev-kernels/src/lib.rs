@@ -20,7 +20,8 @@
 //! - Ops that replace chains of candle ops (a GPU forward is launch-bound):
 //!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`],
 //!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`]
-//!   ([`attention_gate_join`] for a packed batch's two parts).
+//!   ([`attention_gate_join`] for a packed batch's two parts); on CUDA, [`flash_attention`]
+//!   in place of the scores' matmuls and softmax.
 //!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
 //!
 //! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch; [`gather_cat`]:
@@ -49,6 +50,7 @@ mod chunked;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod flash_attn;
 mod gated_delta_rule;
 mod gates;
 mod gather;
@@ -75,6 +77,7 @@ pub use causal_conv1d::{
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
 #[cfg(feature = "cuda")]
 pub use cuda::{keep_device_memory, pool_peak_bytes, profiler_range};
+pub use flash_attn::{flash_attention, FlashPast, FLASH_HEAD_DIM};
 pub use gated_delta_rule::{
     conv_gated_delta_rule_split, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent,
     gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,

@@ -540,3 +540,192 @@ fn fused_ops_on_device_match_references() -> Result<()> {
         check(what, got, want, tol).map(|_| ())
     })
 }
+
+/// One flash-attention case: batch rows, query and kv heads, queries, own keys, and a past of
+/// (rows, steps, each batch row's past row).
+struct FlashCase {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    t: usize,
+    l: usize,
+    past: Option<(usize, usize, Vec<usize>)>,
+}
+
+/// `[rows, heads, steps, 256]` values as a strided view (a head-major transpose of a wider
+/// `[rows, steps, heads + 1, 256]` tensor, as the values' view of the projection is).
+fn strided_heads(rows: usize, heads: usize, steps: usize, salt: f32) -> Result<Tensor> {
+    patterned(&[rows, steps, heads + 1, 256], salt, 1.0)?
+        .to_dtype(DType::BF16)?
+        .narrow(2, 1, heads)?
+        .transpose(1, 2)
+}
+
+/// softmax(q·kᵀ·scale + bias + causal mask)·v in f32 on the CPU, one batch row at a time: the
+/// past's row `owners[b]`, then the row's own keys.
+fn attention_reference(
+    q: &Tensor,
+    past: Option<(&Tensor, &Tensor, &[usize])>,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let f32_ = |t: &Tensor| t.to_dtype(DType::F32);
+    let (b_sz, hq, t_len, hd) = q.dims4()?;
+    let (_, hkv, l_len, _) = k.dims4()?;
+    let rep = hq / hkv;
+    let mut outs = Vec::new();
+    for b in 0..b_sz {
+        let (mut ks, mut vs) = (vec![f32_(&k.get(b)?)?], vec![f32_(&v.get(b)?)?]);
+        if let Some((pk, pv, owners)) = past {
+            ks.insert(0, f32_(&pk.get(owners[b])?)?);
+            vs.insert(0, f32_(&pv.get(owners[b])?)?);
+        }
+        let (kb, vb) = (Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?); // [Hkv, S + L, hd]
+        let keys = kb.dim(1)?;
+        let mask: Vec<f32> = (0..t_len)
+            .flat_map(|t| {
+                (0..keys).map(move |j| {
+                    if j > keys - t_len + t {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t_len, keys), &candle_core::Device::Cpu)?
+            .broadcast_add(&bias.get(b)?.unsqueeze(0)?)?;
+        let mut heads = Vec::new();
+        for h in 0..hq {
+            let qh = f32_(&q.get(b)?.get(h)?)?; // [T, hd]
+            let (kh, vh) = (kb.get(h / rep)?, vb.get(h / rep)?);
+            let scores = ((qh.matmul(&kh.t()?)? * scale)? + &mask)?;
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            heads.push(probs.matmul(&vh)?);
+        }
+        outs.push(Tensor::stack(&heads, 0)?);
+    }
+    let _ = (l_len, hd);
+    Tensor::stack(&outs, 0)
+}
+
+#[test]
+fn flash_attention_matches_f32_reference() -> Result<()> {
+    use kev_kernels::{flash_attention, FlashPast, RowIndex};
+    let dev = device();
+    let scale = 1.0 / 16.0;
+    for case in [
+        // A state pass: 4 query heads a kv head, steps not a multiple of the 64-row tiles.
+        FlashCase {
+            b: 2,
+            hq: 8,
+            hkv: 2,
+            t: 100,
+            l: 100,
+            past: None,
+        },
+        // Branch rows on their state rows' keys (out of order, one state row twice).
+        FlashCase {
+            b: 3,
+            hq: 8,
+            hkv: 2,
+            t: 37,
+            l: 37,
+            past: Some((2, 70, vec![1, 0, 1])),
+        },
+        // A cached continuation: more own keys than queries (the last T of L).
+        FlashCase {
+            b: 1,
+            hq: 16,
+            hkv: 4,
+            t: 20,
+            l: 90,
+            past: None,
+        },
+    ] {
+        let FlashCase {
+            b, hq, hkv, t, l, ..
+        } = case;
+        let q = (patterned(&[b, hq, t, 256], 0.1, 3.0)?).to_dtype(DType::BF16)?;
+        let k = patterned(&[b, hkv, l, 256], 0.7, 1.0)?.to_dtype(DType::BF16)?;
+        let v = strided_heads(b, hkv, l, 1.3)?;
+        let past = match &case.past {
+            Some((r, s, owners)) => Some((
+                patterned(&[*r, hkv, *s, 256], 2.1, 1.0)?.to_dtype(DType::BF16)?,
+                strided_heads(*r, hkv, *s, 2.9)?,
+                owners.clone(),
+            )),
+            None => None,
+        };
+        let s_len = past.as_ref().map_or(0, |p| p.0.dim(2).unwrap_or(0));
+        // Padding: row 0's last past key and every row's last own key but one (never a
+        // query's only key).
+        let bias: Vec<f32> = (0..b)
+            .flat_map(|row| {
+                (0..s_len + l).map(move |j| {
+                    let pad = (row == 0 && s_len > 0 && j == s_len - 1) || j == s_len + l - 2;
+                    if pad {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        let bias = Tensor::from_vec(bias, (b, s_len + l), &candle_core::Device::Cpu)?;
+        let want = attention_reference(
+            &q,
+            past.as_ref().map(|(pk, pv, o)| (pk, pv, o.as_slice())),
+            &k,
+            &v,
+            &bias,
+            scale,
+        )?;
+        let on = |t: &Tensor| t.to_device(&dev);
+        let (q_d, k_d, v_d, bias_d) = (on(&q)?, on(&k)?, on(&v)?, on(&bias)?);
+        let past_d = match &past {
+            Some((pk, pv, owners)) => Some((on(pk)?, on(pv)?, RowIndex::new(owners, &dev)?)),
+            None => None,
+        };
+        let got = flash_attention(
+            &q_d,
+            past_d
+                .as_ref()
+                .map(|(k, v, owners)| FlashPast { k, v, owners }),
+            &k_d,
+            &v_d,
+            &bias_d,
+            scale,
+        )?;
+        let what = format!(
+            "flash attention b={b} hq={hq} t={t} l={l} past={:?}",
+            case.past
+        );
+        match got {
+            Some(got) => {
+                assert_eq!(got.dims(), &[b, hq, t, 256]);
+                check(&what, &got, &want, 2e-2)?;
+            }
+            None if dev.is_cuda() => panic!("{what}: declined on CUDA"),
+            None => println!(
+                "{what}: declined on {:?} (CUDA only), as expected",
+                dev.location()
+            ),
+        }
+        // f32 inputs and other head dims take the matmul form.
+        let f32_q = q_d.to_dtype(DType::F32)?;
+        let (f32_k, f32_v) = (k_d.to_dtype(DType::F32)?, v_d.to_dtype(DType::F32)?);
+        assert!(flash_attention(
+            &f32_q,
+            None,
+            &f32_k,
+            &f32_v,
+            &bias_d.narrow(1, s_len, l)?,
+            scale
+        )?
+        .is_none());
+    }
+    Ok(())
+}

@@ -3,7 +3,9 @@
 
 use candle_core::{Module, Result, Tensor};
 
-use kev_kernels::{attention_gate, attention_gate_join, causal_softmax, qk_norm_rope};
+use kev_kernels::{
+    attention_gate, attention_gate_join, causal_softmax, flash_attention, qk_norm_rope, FlashPast,
+};
 
 use super::linear::Projection;
 use super::norm::ZeroCenteredRmsNorm;
@@ -14,6 +16,9 @@ use crate::weights::Weights;
 enum Past<'a> {
     /// A cache of the same rows (`[B, Hkv, S, hd]` or none yet), extended by this step's.
     Cache(&'a mut Option<Tensor>, &'a mut Option<Tensor>),
+    /// None; this step's keys and values (`[B, Hkv, T, hd]`, the values possibly a view of the
+    /// projection) are handed back for the branches that follow.
+    Fresh(&'a mut Option<(Tensor, Tensor)>),
     /// The states' keys and values of this layer (`[R, Hkv, S, hd]`): branch row b sees its
     /// state row's ([`Split`]).
     States(&'a Tensor, &'a Tensor, &'a Split),
@@ -100,28 +105,26 @@ impl Attention {
         (cos_sin_b, key_bias_b): (&Tensor, &Tensor),
         rows: Rows,
     ) -> Result<Tensor> {
-        let (mut k, mut v) = (None, None);
+        let mut kv = None;
         let (proj_b, out_s) = match rows {
             Rows::All => {
                 let proj = self.qkv_proj.forward(xs)?;
                 let (proj_s, proj_b) = split.parts(&proj)?;
-                let past = Past::Cache(&mut k, &mut v);
-                let (o_s, _) = self.attend(&proj_s, cos_sin_s, key_bias_s, past)?;
+                let (o_s, _) = self.attend(&proj_s, cos_sin_s, key_bias_s, Past::Fresh(&mut kv))?;
                 (proj_b, Some((o_s, proj)))
             }
             Rows::Branches => {
                 let (xs_s, xs_b) = split.parts(xs)?;
                 let (r, s, _) = xs_s.dims3()?;
-                let kv = self.kv_proj.forward(&xs_s.flatten(0, 1)?)?;
-                let heads = kv.reshape((r, s, 2 * self.num_kv_heads, self.head_dim))?;
-                let (k_s, v_s) = self.new_kv(&heads, 0, cos_sin_s)?;
-                (k, v) = (Some(k_s), Some(v_s));
+                let kv_s = self.kv_proj.forward(&xs_s.flatten(0, 1)?)?;
+                let heads = kv_s.reshape((r, s, 2 * self.num_kv_heads, self.head_dim))?;
+                kv = Some(self.new_kv(&heads, 0, cos_sin_s)?);
                 let (b, t, _) = xs_b.dims3()?;
                 let proj_b = self.qkv_proj.forward(&xs_b.flatten(0, 1)?)?;
                 (proj_b.reshape((b, t, proj_b.dim(1)?))?, None)
             }
         };
-        let (Some(k), Some(v)) = (k, v) else {
+        let Some((k, v)) = kv else {
             candle_core::bail!("the states' keys and values are computed first")
         };
         let past = Past::States(&k, &v, split);
@@ -169,8 +172,10 @@ impl Attention {
         let heads = proj.reshape((b_sz, seq_len, 2 * (nq + nkv), hd))?;
         let (k, v) = self.new_kv(&heads, 2 * nq, cos_sin)?;
         let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
-        let (k, v) = match past {
+        let scale = (hd as f64).powf(-0.5);
+        let out = match past {
             Past::Cache(k_cache, v_cache) => {
+                // The cache outlives the step: values of their own, not a view of `proj`.
                 let joined = |cache: &mut Option<Tensor>, new: Tensor| {
                     let all = match cache.take() {
                         Some(old) => Tensor::cat(&[&old, &new], 2)?,
@@ -179,32 +184,72 @@ impl Attention {
                     *cache = Some(all.clone());
                     Ok::<_, candle_core::Error>(all)
                 };
-                (joined(k_cache, k)?, joined(v_cache, v)?)
+                let (k, v) = (joined(k_cache, k)?, joined(v_cache, v.contiguous()?)?);
+                match flash_attention(&q, None, &k, &v, key_bias, scale)? {
+                    Some(out) => out,
+                    None => self.attention_matmuls(&q, &k, &v, key_bias, scale)?,
+                }
             }
-            Past::States(k_s, v_s, split) => (
-                split.to_branches_then(k_s, &k)?,
-                split.to_branches_then(v_s, &v)?,
-            ),
+            Past::Fresh(handed) => {
+                let (out, v) = match flash_attention(&q, None, &k, &v, key_bias, scale)? {
+                    Some(out) => (out, v),
+                    None => {
+                        let v = v.contiguous()?;
+                        (self.attention_matmuls(&q, &k, &v, key_bias, scale)?, v)
+                    }
+                };
+                *handed = Some((k, v));
+                out
+            }
+            Past::States(k_s, v_s, split) => {
+                let past = FlashPast {
+                    k: k_s,
+                    v: v_s,
+                    owners: split.owners(),
+                };
+                match flash_attention(&q, Some(past), &k, &v, key_bias, scale)? {
+                    Some(out) => out,
+                    None => {
+                        let k = split.to_branches_then(&k_s.contiguous()?, &k)?;
+                        let v = split.to_branches_then(&v_s.contiguous()?, &v.contiguous()?)?;
+                        self.attention_matmuls(&q, &k, &v, key_bias, scale)?
+                    }
+                }
+            }
         };
+        Ok((out, gate))
+    }
 
+    /// The attention as matmuls around [`causal_softmax`] (where [`flash_attention`] declines):
+    /// `q: [B, Hq, T, hd]`, `k`, `v: [B, Hkv, S, hd]` contiguous → `[B, Hq, T, hd]`.
+    fn attention_matmuls(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        key_bias: &Tensor,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let (b_sz, nq, seq_len, hd) = q.dims4()?;
+        let nkv = self.num_kv_heads;
         // GQA without copying K/V: query head h reads kv head h / rep, so group the query heads
         // of one kv head along the rows: [B, Hkv, rep·T, hd].
         let rep = nq / nkv;
         let kv_len = k.dim(2)?;
         let q = q.reshape((b_sz, nkv, rep * seq_len, hd))?;
         let scores = q.matmul(&k.t()?)?.reshape((b_sz, nq, seq_len, kv_len))?;
-        let probs = causal_softmax(&scores, key_bias, (hd as f64).powf(-0.5))?.reshape((
+        let probs = causal_softmax(&scores, key_bias, scale)?.reshape((
             b_sz,
             nkv,
             rep * seq_len,
             kv_len,
         ))?;
-        let out = probs.matmul(&v)?.reshape((b_sz, nq, seq_len, hd))?;
-        Ok((out, gate))
+        probs.matmul(v)?.reshape((b_sz, nq, seq_len, hd))
     }
 
-    /// This step's keys (normed and rotated) and values, `[B, Hkv, T, hd]` each, from the
-    /// projection's heads `[B, T, .., hd]` where the kv heads start at head `first_kv`.
+    /// This step's keys (normed and rotated) and values, `[B, Hkv, T, hd]` each (the values a
+    /// view of the projection's heads), from the projection's heads `[B, T, .., hd]` where the
+    /// kv heads start at head `first_kv`.
     fn new_kv(
         &self,
         heads: &Tensor,
@@ -215,6 +260,6 @@ impl Attention {
         let k = heads.narrow(2, first_kv, nkv)?;
         let v = heads.narrow(2, first_kv + nkv, nkv)?;
         let k = qk_norm_rope(&k, self.k_norm.one_plus_w(), cos_sin, self.eps)?;
-        Ok((k, v.transpose(1, 2)?.contiguous()?))
+        Ok((k, v.transpose(1, 2)?))
     }
 }

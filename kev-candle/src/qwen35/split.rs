@@ -41,6 +41,11 @@ impl Split {
         &self.rows
     }
 
+    /// The state row of each branch row, on the device.
+    pub fn owners(&self) -> &RowIndex {
+        &self.owners
+    }
+
     /// A cache tensor of the state rows (`[R, ..]`) copied to the branch rows (`[B, ..]`).
     pub fn to_branches(&self, t: &Tensor) -> Result<Tensor> {
         kev_kernels::gather_rows(t, &self.owners)

@@ -1,0 +1,161 @@
+//! The full-attention layers' `softmax(q·kᵀ·scale + bias)·v` as one CUDA kernel (flash
+//! attention, `kernels/flash_attn.cu`): the scores stay on the multiprocessor instead of making
+//! four passes through memory, a branch row reads its state row's keys and values where they lie
+//! (no gathered copy), and the values are read as a view of the projection (no transposing copy).
+//!
+//! Numerics: the scores and the softmax in f32, the probabilities rounded to bf16 as the operand
+//! of `P·V` (PyTorch's flash and memory-efficient attention do the same); the matmul form rounds
+//! the scores to bf16 first, as HF's eager attention. Both are within bf16's noise of the f32
+//! reference (the CUDA parity suite).
+
+use candle_core::{bail, CustomOp3, DType, Result, Tensor};
+
+use crate::gather::RowIndex;
+
+/// The one head dim the kernel is built for (Qwen3.5's full attention).
+pub const FLASH_HEAD_DIM: usize = 256;
+
+/// The keys and values a step's queries see before their own: `[R, Hkv, S, hd]` each (any
+/// strides with contiguous head dims), row `owners[b]` for batch row b.
+pub struct FlashPast<'a> {
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub owners: &'a RowIndex,
+}
+
+/// The CUDA op: inputs q, this step's k and v; the rest travels in the op.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct FlashAttention {
+    past: Option<(Tensor, Tensor, Tensor)>,
+    bias: Tensor,
+    scale: f32,
+}
+
+impl CustomOp3 for FlashAttention {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    cuda_only_cpu_fwd!("flash-attention: CUDA only (the wrapper declines elsewhere)", _a _la, _b _lb, _c _lc);
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::CudaStorage,
+        ql: &candle_core::Layout,
+        ks: &candle_core::CudaStorage,
+        kl: &candle_core::Layout,
+        vs: &candle_core::CudaStorage,
+        vl: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        let past = self.past.as_ref().map(|(k, v, i)| [k, v, i]);
+        let out = crate::cuda::flash_attention(
+            (qs, ql),
+            (ks, kl),
+            (vs, vl),
+            past,
+            &self.bias,
+            self.scale,
+        )?;
+        Ok((out, ql.shape().clone()))
+    }
+}
+
+/// Whether the kernel reads `t` (`[rows, heads, steps, hd]`): bf16, head dims contiguous, every
+/// start at a 16-byte boundary.
+fn readable(t: &Tensor) -> bool {
+    let (l, s) = (t.layout(), t.stride());
+    t.dtype() == DType::BF16
+        && t.rank() == 4
+        && s[3] == 1
+        && l.start_offset().is_multiple_of(8)
+        && s[..3].iter().all(|s| s.is_multiple_of(8))
+}
+
+/// `softmax(q·kᵀ·scale + key_bias)·v` with causality, for `q: [B, Hq, T, hd]` (contiguous) and
+/// this step's `k`, `v: [B, Hkv, L, hd]` (any strides with contiguous head dims): query t sees
+/// the past's S keys and its own first L − T + t + 1; `key_bias: [B, S + L]` f32 is added to the
+/// scaled scores. Returns `[B, Hq, T, hd]`, or `None` where the kernel does not run (not CUDA
+/// with tensor cores, not bf16, hd ≠ 256, unaligned views): the caller then composes matmuls
+/// and [`crate::causal_softmax`]. Errors name shapes that do not fit.
+pub fn flash_attention(
+    q: &Tensor,
+    past: Option<FlashPast>,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    let name = "flash-attention";
+    let (b_sz, hq, t_len, hd) = q.dims4()?;
+    let (kb, hkv, l_len, khd) = k.dims4()?;
+    if v.dims() != k.dims() || kb != b_sz || khd != hd || hkv == 0 || hq % hkv != 0 {
+        bail!(
+            "{name}: q {:?}, k {:?} and v {:?} do not fit (B, heads, steps, head dim)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )
+    }
+    if t_len > l_len {
+        bail!("{name}: {t_len} queries for {l_len} keys of their own")
+    }
+    let s_len = match &past {
+        Some(p) => {
+            let (rows, h, s, d) = p.k.dims4()?;
+            if p.v.dims() != p.k.dims() || h != hkv || d != hd {
+                bail!(
+                    "{name}: past k {:?} / v {:?} do not fit {hkv} heads of {hd}",
+                    p.k.dims(),
+                    p.v.dims()
+                )
+            }
+            if p.owners.len() != b_sz {
+                bail!("{name}: {} owners for {b_sz} rows", p.owners.len())
+            }
+            p.owners.check_within(name, p.k, rows)?;
+            s
+        }
+        None => 0,
+    };
+    if key_bias.dims() != [b_sz, s_len + l_len] || key_bias.dtype() != DType::F32 {
+        bail!(
+            "{name}: key bias {:?} {:?}, expected [{b_sz}, {}] f32",
+            key_bias.dims(),
+            key_bias.dtype(),
+            s_len + l_len
+        )
+    }
+    let mut tensors = vec![q, k, v];
+    if let Some(p) = &past {
+        tensors.extend([p.k, p.v]);
+    }
+    let runs = kernel_available(q)
+        && hd == FLASH_HEAD_DIM
+        && q.is_contiguous()
+        && tensors.iter().all(|t| readable(t))
+        && b_sz <= 65535
+        && hkv <= 65535
+        && (hq / hkv * t_len).div_ceil(64) <= i32::MAX as usize
+        && i32::try_from(s_len + l_len).is_ok();
+    if !runs {
+        return Ok(None);
+    }
+    let op = FlashAttention {
+        past: past.map(|p| (p.k.clone(), p.v.clone(), p.owners.tensor().clone())),
+        bias: key_bias.contiguous()?,
+        scale: scale as f32,
+    };
+    Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
+}
+
+/// A CUDA GPU with the tensor cores the kernel uses.
+fn kernel_available(t: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::has_tensor_cores(t.device());
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = t;
+        false
+    }
+}

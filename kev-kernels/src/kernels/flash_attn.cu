@@ -1,0 +1,200 @@
+// flash_attn_bf16: the full-attention layers' softmax(q·kᵀ·scale + bias)·v in one kernel, the
+// scores never leaving the multiprocessor (the matmul form wrote them, read them for the
+// softmax, wrote the probabilities and read them again: four passes over [B, Hq, T, S + T]).
+//
+// Keys and values of batch row b: first the S of a past (row owners[b] of kp/vp, the state row
+// a branch row continues; row b without owners), then the L of its own (kn/vn). Query t (of T,
+// the last T of those L) sees keys j ≤ S + L − T + t, plus the additive key bias [B, S + L]
+// (0 or −inf: padding). Each K/V source is [rows, Hkv, steps, 256] at its own strides (in
+// elements, steps at 16-byte multiples), so the values can stay a view of the projection.
+//
+// A block takes 64 query rows of one (b, kv head): the rep = Hq / Hkv query heads of a kv head
+// are one run of rep·T rows, so GQA reads each key and value tile once for all of them. Its 4
+// warps take 16 rows each; per tile of 64 keys: S = Q·Kᵀ (m16n8k16, f32), the online softmax in
+// f32 (base 2, as flash attention), then O += P·V with P rounded to bf16. Shared memory holds
+// the Q, K and V tiles (101 KB: two blocks a multiprocessor). Causality ends a block's key loop
+// at its last row's last key.
+#if __CUDA_ARCH__ >= 800
+
+#define FA_HD 256                 // head dim
+#define FA_BM 64                  // query rows per block
+#define FA_BN 64                  // keys per tile
+#define FA_P (FA_HD + 8)          // tile pitch (elements): 528 bytes ≡ 16 (mod 128), see ldsm4
+#define FA_THREADS 128
+#define FA_SMEM (3 * FA_BM * FA_P * 2 + FA_BN * 4)  // 101632 bytes: FLASH_SMEM in cuda.rs
+#define FA_NEG_INF __int_as_float(0xff800000)
+
+struct FaSource {
+    const bf16_t* p;
+    long row, head, step;  // strides in elements
+    __device__ __forceinline__ const bf16_t* at(long r, int h, long j) const {
+        return p + r * row + h * head + j * step;
+    }
+};
+
+__device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource vp,
+                           const unsigned* __restrict__ owners, FaSource kn, FaSource vn,
+                           const float* __restrict__ bias, bf16_t* __restrict__ out, int hq,
+                           int hkv, int T, int S, int L, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smb[];
+    bf16_t* q_s = reinterpret_cast<bf16_t*>(smb);
+    bf16_t* k_s = q_s + FA_BM * FA_P;
+    bf16_t* v_s = k_s + FA_BN * FA_P;
+    float* bias_s = reinterpret_cast<float*>(v_s + FA_BN * FA_P);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    const int b = blockIdx.z, kvh = blockIdx.y, rep = hq / hkv;
+    const int rows = rep * T, r0 = blockIdx.x * FA_BM;
+    const long past_row = owners ? (long)owners[b] : (long)b;
+    const int keys = S + L, seen0 = S + L - T;  // query t sees keys j < seen0 + t + 1
+
+    // The block's query rows (row r: head kvh·rep + r / T, step r % T), zeros past the last.
+    for (int i = tid; i < FA_BM * (FA_HD / 8); i += FA_THREADS) {
+        const int rr = i / (FA_HD / 8), ch = 8 * (i % (FA_HD / 8)), r = r0 + rr;
+        const bool ok = r < rows;
+        const bf16_t* src =
+            ok ? q + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FA_HD + ch : q;
+        cp_async16(&q_s[rr * FA_P + ch], src, ok ? 16 : 0);
+    }
+    // The key loop's end: the last row's keys (all T steps where the block spans two heads).
+    const int last = min(r0 + FA_BM, rows) - 1;
+    const int t_max = (r0 / T == last / T) ? last % T : T - 1;
+    const int kv_end = min(keys, seen0 + t_max + 1);
+    // This thread's two rows (g, g + 8 of its warp's 16): the keys they see.
+    int lim[2];
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = r0 + 16 * warp + g + 8 * h;
+        lim[h] = r < rows ? seen0 + r % T : -1;  // last key seen (inclusive)
+    }
+
+    float o[FA_HD / 8][4];
+    #pragma unroll
+    for (int n = 0; n < FA_HD / 8; n++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) o[n][i] = 0.f;
+    float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.f, 0.f};
+    const bf16_t* qa = ldsm_a(q_s, FA_P, 16 * warp, lane);
+    const bf16_t* kb = ldsm_b2(k_s, FA_P, 0, lane);
+    // V is stored [key][dim]: its B fragments come transposed (ldsm4t), tiles keys +0/+8, then
+    // dims +8.
+    const bf16_t* vb = v_s + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FA_P + 8 * (lane >> 4);
+
+    for (int kv0 = 0; kv0 < kv_end; kv0 += FA_BN) {
+        __syncthreads();  // the previous tile is consumed
+        for (int i = tid; i < FA_BN * (FA_HD / 8); i += FA_THREADS) {
+            const int jj = i / (FA_HD / 8), ch = 8 * (i % (FA_HD / 8)), j = kv0 + jj;
+            const bool ok = j < kv_end;
+            const bf16_t *ks = q, *vs = q;
+            if (ok && j < S) {
+                ks = kp.at(past_row, kvh, j) + ch;
+                vs = vp.at(past_row, kvh, j) + ch;
+            } else if (ok) {
+                ks = kn.at(b, kvh, j - S) + ch;
+                vs = vn.at(b, kvh, j - S) + ch;
+            }
+            cp_async16(&k_s[jj * FA_P + ch], ks, ok ? 16 : 0);
+            cp_async16(&v_s[jj * FA_P + ch], vs, ok ? 16 : 0);
+        }
+        if (tid < FA_BN) {
+            const int j = kv0 + tid;
+            bias_s[tid] = j < kv_end ? bias[(long)b * keys + j] : FA_NEG_INF;
+        }
+        cp_async_wait_all();
+        __syncthreads();
+
+        // S = Q·Kᵀ for this warp's 16 rows and the tile's 64 keys.
+        float s[FA_BN / 8][4];
+        #pragma unroll
+        for (int n = 0; n < FA_BN / 8; n++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) s[n][i] = 0.f;
+        #pragma unroll
+        for (int k0 = 0; k0 < FA_HD; k0 += 16) {
+            unsigned a[4];
+            ldsm4(a, qa + k0);
+            #pragma unroll
+            for (int n = 0; n < FA_BN / 8; n += 2) {
+                unsigned bf[4];
+                ldsm4(bf, kb + 8 * n * FA_P + k0);
+                mma16(s[n], a, {bf[0], bf[1]});
+                mma16(s[n + 1], a, {bf[2], bf[3]});
+            }
+        }
+        // Scaled to base 2, masked, and the rows' running maxima (a row's 4 lanes agree).
+        float mx[2] = {m[0], m[1]};
+        #pragma unroll
+        for (int n = 0; n < FA_BN / 8; n++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int jj = 8 * n + 2 * c + (i & 1), h = i >> 1;
+                float v = s[n][i] * scale_log2 + bias_s[jj] * 1.4426950408889634f;
+                if (kv0 + jj > lim[h]) v = FA_NEG_INF;
+                s[n][i] = v;
+                mx[h] = fmaxf(mx[h], v);
+            }
+        float base[2], alpha[2];
+        #pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            base[h] = mx[h] == FA_NEG_INF ? 0.f : mx[h];  // no key seen yet: keep zeros
+            alpha[h] = exp2f(m[h] - base[h]);
+            m[h] = mx[h];
+            l[h] *= alpha[h];
+        }
+        #pragma unroll
+        for (int n = 0; n < FA_HD / 8; n++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) o[n][i] *= alpha[i >> 1];
+        // P = 2^(S − max), summed in f32 and rounded to bf16 as the A operand of P·V: n-tiles
+        // 2kk and 2kk + 1 of S are k-step kk's A fragment.
+        #pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; kk++) {
+            float p[2][4];
+            #pragma unroll
+            for (int u = 0; u < 2; u++)
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    p[u][i] = exp2f(s[2 * kk + u][i] - base[i >> 1]);
+                    l[i >> 1] += p[u][i];
+                }
+            const unsigned a[4] = {bf16x2(p[0][0], p[0][1]), bf16x2(p[0][2], p[0][3]),
+                                   bf16x2(p[1][0], p[1][1]), bf16x2(p[1][2], p[1][3])};
+            #pragma unroll
+            for (int n = 0; n < FA_HD / 8; n += 2) {
+                unsigned bf[4];
+                ldsm4t(bf, vb + 16 * kk * FA_P + 8 * n);
+                mma16(o[n], a, {bf[0], bf[1]});
+                mma16(o[n + 1], a, {bf[2], bf[3]});
+            }
+        }
+    }
+
+    // O / l, stored as bf16 at [b, head, t, :] (rows with no key seen: zeros).
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        const int r = r0 + 16 * warp + g + 8 * h;
+        if (r >= rows) continue;
+        bf16_t* dst = out + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FA_HD;
+        #pragma unroll
+        for (int n = 0; n < FA_HD / 8; n++)
+            *reinterpret_cast<unsigned*>(dst + 8 * n + 2 * c) =
+                bf16x2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_attn_bf16(
+    const bf16_t* q, const bf16_t* kp, long kp_row, long kp_head, long kp_step, const bf16_t* vp,
+    long vp_row, long vp_head, long vp_step, const unsigned* owners, const bf16_t* kn,
+    long kn_row, long kn_head, long kn_step, const bf16_t* vn, long vn_row, long vn_head,
+    long vn_step, const float* bias, bf16_t* out, int hq, int hkv, int T, int S, int L,
+    float scale_log2) {
+    flash_attn(q, FaSource{kp, kp_row, kp_head, kp_step}, FaSource{vp, vp_row, vp_head, vp_step},
+               owners, FaSource{kn, kn_row, kn_head, kn_step},
+               FaSource{vn, vn_row, vn_head, vn_step}, bias, out, hq, hkv, T, S, L, scale_log2);
+}
+
+#endif
