@@ -161,6 +161,17 @@ pub(crate) fn has_tensor_cores(device: &Device) -> bool {
     }
 }
 
+/// The multiprocessor count of `device` where it is a CUDA GPU with tensor cores.
+pub(crate) fn tensor_core_multiprocessors(device: &Device) -> Option<usize> {
+    match device {
+        Device::Cuda(dev) => gpu(dev)
+            .ok()
+            .filter(|g| g.tensor_cores)
+            .map(|g| g.multiprocessors),
+        _ => None,
+    }
+}
+
 fn gpu(dev: &CudaDevice) -> Result<Gpu> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
     static GPU: OnceLock<Gpu> = OnceLock::new();
@@ -1403,26 +1414,23 @@ pub(crate) fn causal_conv1d_cached(
     })
 }
 
-/// A tensor's CUDA storage and layout, for the inputs an op carries beside its operands.
-fn cuda_input<'a>(
-    t: &'a Tensor,
-    what: &str,
-) -> Result<(
-    std::sync::RwLockReadGuard<'a, candle_core::Storage>,
-    &'a Layout,
-)> {
-    let (storage, layout) = t.storage_and_layout();
-    if !matches!(&*storage, candle_core::Storage::Cuda(_)) {
-        bail!("{what} is not on the GPU")
+/// The CUDA storage of an input an op carries beside its operands.
+fn cuda_of<'a>(s: &'a candle_core::Storage, what: &str) -> Result<&'a CudaStorage> {
+    match s {
+        candle_core::Storage::Cuda(c) => Ok(c),
+        _ => bail!("{what} is not on the GPU"),
     }
-    Ok((storage, layout))
 }
 
-fn as_cuda<'a>(s: &'a candle_core::Storage) -> &'a CudaStorage {
-    match s {
-        candle_core::Storage::Cuda(c) => c,
-        _ => unreachable!("checked by cuda_input"),
-    }
+/// A flash-attention key or value source: a bf16 view from its start, and its strides (in
+/// elements) of rows, heads and steps.
+fn flash_source<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<(CudaView<'a, half::bf16>, [i64; 3])> {
+    let st = l.stride();
+    let view = s.as_cuda_slice::<half::bf16>()?.slice(l.start_offset()..);
+    Ok((view, [st[0], st[1], st[2]].map(|x| x as i64)))
 }
 
 /// `flash_attn_bf16` (flash_attn.cu): q `[B, Hq, T, 256]` contiguous, this step's k and v
@@ -1441,26 +1449,20 @@ pub(crate) fn flash_attention(
     let (b_sz, hq, t_len, hd) = ql.shape().dims4()?;
     let (_, hkv, l_len, _) = kl.shape().dims4()?;
     let (q0, q1) = contiguous(ql, "flash-attention queries")?;
-    // A source as (slice from its start, strides of rows, heads and steps).
-    let source = |s: &CudaStorage, l: &Layout| -> Result<_> {
-        let st = l.stride();
-        let view = s.as_cuda_slice::<half::bf16>()?.slice(l.start_offset()..);
-        Ok((view, [st[0], st[1], st[2]].map(|x| x as i64)))
-    };
-    let (kn, kn_st) = source(ks, kl)?;
-    let (vn, vn_st) = source(vs, vl)?;
-    let past_in = match past {
-        Some([pk, pv, owners]) => Some((
-            cuda_input(pk, "flash-attention past keys")?,
-            cuda_input(pv, "flash-attention past values")?,
-            cuda_input(owners, "flash-attention owners")?,
-            pk.dim(2)?,
-        )),
-        None => None,
-    };
-    let (b_bias, l_bias) = cuda_input(bias, "flash-attention key bias")?;
+    let (kn, kn_st) = flash_source(ks, kl)?;
+    let (vn, vn_st) = flash_source(vs, vl)?;
+    let past_in = past.map(|[pk, pv, owners]| {
+        (
+            pk.storage_and_layout(),
+            pv.storage_and_layout(),
+            owners.storage_and_layout(),
+        )
+    });
+    let (b_bias, l_bias) = bias.storage_and_layout();
     let (m0, m1) = contiguous(l_bias, "flash-attention key bias")?;
-    let bias_s = as_cuda(&b_bias).as_cuda_slice::<f32>()?.slice(m0..m1);
+    let bias_s = cuda_of(&b_bias, "flash-attention key bias")?
+        .as_cuda_slice::<f32>()?
+        .slice(m0..m1);
     let q = qs.as_cuda_slice::<half::bf16>()?.slice(q0..q1);
     let out = k.output::<half::bf16>(b_sz * hq * t_len * hd)?;
     let rep = hq / hkv;
@@ -1477,22 +1479,21 @@ pub(crate) fn flash_attention(
     let mut b = k.stream.launch_builder(&k.func);
     b.arg(&q);
     // Without a past the kernel never reads these (S = 0): this step's tensors stand in.
-    let (past_k, past_v, owners, s_len);
-    match &past_in {
-        Some((pk, pv, ow, s)) => {
-            past_k = source(as_cuda(&pk.0), pk.1)?;
-            past_v = source(as_cuda(&pv.0), pv.1)?;
-            let (i0, i1) = contiguous(ow.1, "flash-attention owners")?;
-            owners = Some(as_cuda(&ow.0).as_cuda_slice::<u32>()?.slice(i0..i1));
-            s_len = *s as i32;
+    let (past_k, past_v, owners, s_len) = match &past_in {
+        Some(((pk, pkl), (pv, pvl), (ow, owl))) => {
+            let (i0, i1) = contiguous(owl, "flash-attention owners")?;
+            let owners = cuda_of(ow, "flash-attention owners")?
+                .as_cuda_slice::<u32>()?
+                .slice(i0..i1);
+            (
+                flash_source(cuda_of(pk, "flash-attention past keys")?, pkl)?,
+                flash_source(cuda_of(pv, "flash-attention past values")?, pvl)?,
+                Some(owners),
+                pkl.dims()[2] as i32,
+            )
         }
-        None => {
-            past_k = source(ks, kl)?;
-            past_v = source(vs, vl)?;
-            owners = None;
-            s_len = 0;
-        }
-    }
+        None => (flash_source(ks, kl)?, flash_source(vs, vl)?, None, 0),
+    };
     let null: u64 = 0;
     b.arg(&past_k.0)
         .arg(&past_k.1[0])

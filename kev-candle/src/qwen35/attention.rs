@@ -4,7 +4,8 @@
 use candle_core::{Module, Result, Tensor};
 
 use kev_kernels::{
-    attention_gate, attention_gate_join, causal_softmax, flash_attention, qk_norm_rope, FlashPast,
+    attention_gate, attention_gate_join, causal_softmax, flash_attention,
+    flash_attention_fills_gpu, qk_norm_rope, FlashPast,
 };
 
 use super::linear::Projection;
@@ -173,6 +174,15 @@ impl Attention {
         let (k, v) = self.new_kv(&heads, 2 * nq, cos_sin)?;
         let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
         let scale = (hd as f64).powf(-0.5);
+        // The flash kernel where it pays; `None` from it (or here) takes the matmuls.
+        let flash = flash_attention_fills_gpu(&q, nkv)?;
+        let try_flash = |q: &Tensor, past, k: &Tensor, v: &Tensor, bias: &Tensor, scale| {
+            if flash {
+                flash_attention(q, past, k, v, bias, scale)
+            } else {
+                Ok(None)
+            }
+        };
         let out = match past {
             Past::Cache(k_cache, v_cache) => {
                 // The cache outlives the step: values of their own, not a view of `proj`.
@@ -185,13 +195,13 @@ impl Attention {
                     Ok::<_, candle_core::Error>(all)
                 };
                 let (k, v) = (joined(k_cache, k)?, joined(v_cache, v.contiguous()?)?);
-                match flash_attention(&q, None, &k, &v, key_bias, scale)? {
+                match try_flash(&q, None, &k, &v, key_bias, scale)? {
                     Some(out) => out,
                     None => self.attention_matmuls(&q, &k, &v, key_bias, scale)?,
                 }
             }
             Past::Fresh(handed) => {
-                let (out, v) = match flash_attention(&q, None, &k, &v, key_bias, scale)? {
+                let (out, v) = match try_flash(&q, None, &k, &v, key_bias, scale)? {
                     Some(out) => (out, v),
                     None => {
                         let v = v.contiguous()?;
@@ -207,7 +217,7 @@ impl Attention {
                     v: v_s,
                     owners: split.owners(),
                 };
-                match flash_attention(&q, Some(past), &k, &v, key_bias, scale)? {
+                match try_flash(&q, Some(past), &k, &v, key_bias, scale)? {
                     Some(out) => out,
                     None => {
                         let k = split.to_branches_then(&k_s.contiguous()?, &k)?;

@@ -12,8 +12,10 @@
 // are one run of rep·T rows, so GQA reads each key and value tile once for all of them. Its 4
 // warps take 16 rows each; per tile of 64 keys: S = Q·Kᵀ (m16n8k16, f32), the online softmax in
 // f32 (base 2, as flash attention), then O += P·V with P rounded to bf16. Shared memory holds
-// the Q, K and V tiles (101 KB: two blocks a multiprocessor). Causality ends a block's key loop
-// at its last row's last key.
+// the Q, K and V tiles (101 KB: two blocks a multiprocessor, one loading while the other
+// computes: loading the next tile during this one's P·V measured slower). Causality ends a
+// block's key loop at its last row's last key; tiles wholly before a row's last key skip the
+// causal compare.
 #if __CUDA_ARCH__ >= 800
 
 #define FA_HD 256                 // head dim
@@ -46,26 +48,38 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
     const int rows = rep * T, r0 = blockIdx.x * FA_BM;
     const long past_row = owners ? (long)owners[b] : (long)b;
     const int keys = S + L, seen0 = S + L - T;  // query t sees keys j < seen0 + t + 1
+    // Loads: a row is 32 16-byte columns, one a lane; warp w moves rows w, w + 4, ...
+    const int col = 8 * lane;
 
     // The block's query rows (row r: head kvh·rep + r / T, step r % T), zeros past the last.
-    for (int i = tid; i < FA_BM * (FA_HD / 8); i += FA_THREADS) {
-        const int rr = i / (FA_HD / 8), ch = 8 * (i % (FA_HD / 8)), r = r0 + rr;
+    for (int rr = warp; rr < FA_BM; rr += FA_THREADS / 32) {
+        const int r = r0 + rr;
         const bool ok = r < rows;
         const bf16_t* src =
-            ok ? q + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FA_HD + ch : q;
-        cp_async16(&q_s[rr * FA_P + ch], src, ok ? 16 : 0);
+            ok ? q + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FA_HD + col : q;
+        cp_async16(&q_s[rr * FA_P + col], src, ok ? 16 : 0);
     }
     // The key loop's end: the last row's keys (all T steps where the block spans two heads).
     const int last = min(r0 + FA_BM, rows) - 1;
     const int t_max = (r0 / T == last / T) ? last % T : T - 1;
     const int kv_end = min(keys, seen0 + t_max + 1);
-    // This thread's two rows (g, g + 8 of its warp's 16): the keys they see.
+    // This thread's two rows (g, g + 8 of its warp's 16): the last key each sees (−1: a row past
+    // the block's end), and the fewest keys any row of the warp sees (tiles below need no mask).
     int lim[2];
     #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int r = r0 + 16 * warp + g + 8 * h;
-        lim[h] = r < rows ? seen0 + r % T : -1;  // last key seen (inclusive)
+        lim[h] = r < rows ? seen0 + r % T : -1;
     }
+    int warp_lim = min(lim[0], lim[1]);
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        warp_lim = min(warp_lim, __shfl_xor_sync(0xffffffffu, warp_lim, off));
+    // Each lane's column of key j's row: the past's (row owners[b]) before S, then its own.
+    const bf16_t* kp0 = kp.p + past_row * kp.row + kvh * kp.head + col;
+    const bf16_t* vp0 = vp.p + past_row * vp.row + kvh * vp.head + col;
+    const bf16_t* kn0 = kn.p + b * kn.row + kvh * kn.head + col;
+    const bf16_t* vn0 = vn.p + b * vn.row + kvh * vn.head + col;
 
     float o[FA_HD / 8][4];
     #pragma unroll
@@ -81,25 +95,20 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
 
     for (int kv0 = 0; kv0 < kv_end; kv0 += FA_BN) {
         __syncthreads();  // the previous tile is consumed
-        for (int i = tid; i < FA_BN * (FA_HD / 8); i += FA_THREADS) {
-            const int jj = i / (FA_HD / 8), ch = 8 * (i % (FA_HD / 8)), j = kv0 + jj;
-            const bool ok = j < kv_end;
-            const bf16_t *ks = q, *vs = q;
-            if (ok && j < S) {
-                ks = kp.at(past_row, kvh, j) + ch;
-                vs = vp.at(past_row, kvh, j) + ch;
-            } else if (ok) {
-                ks = kn.at(b, kvh, j - S) + ch;
-                vs = vn.at(b, kvh, j - S) + ch;
-            }
-            cp_async16(&k_s[jj * FA_P + ch], ks, ok ? 16 : 0);
-            cp_async16(&v_s[jj * FA_P + ch], vs, ok ? 16 : 0);
+        for (int jj = warp; jj < FA_BN; jj += FA_THREADS / 32) {
+            const int j = kv0 + jj;
+            const bool ok = j < kv_end, past = j < S;
+            const bf16_t* ks = past ? kp0 + j * kp.step : kn0 + (j - S) * kn.step;
+            const bf16_t* vs = past ? vp0 + j * vp.step : vn0 + (j - S) * vn.step;
+            cp_async16(&k_s[jj * FA_P + col], ok ? ks : q, ok ? 16 : 0);
+            cp_async16(&v_s[jj * FA_P + col], ok ? vs : q, ok ? 16 : 0);
         }
+        cp_async_commit();
         if (tid < FA_BN) {
             const int j = kv0 + tid;
-            bias_s[tid] = j < kv_end ? bias[(long)b * keys + j] : FA_NEG_INF;
+            bias_s[tid] = j < kv_end ? bias[(long)b * keys + j] * 1.4426950408889634f : FA_NEG_INF;
         }
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();
 
         // S = Q·Kᵀ for this warp's 16 rows and the tile's 64 keys.
@@ -120,18 +129,22 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
                 mma16(s[n + 1], a, {bf[2], bf[3]});
             }
         }
-        // Scaled to base 2, masked, and the rows' running maxima (a row's 4 lanes agree).
+        // Scaled to base 2 with the bias, masked where the tile passes a row's last key, and the
+        // rows' running maxima (a row's 4 lanes agree).
+        const bool masked = kv0 + FA_BN - 1 > warp_lim;
         float mx[2] = {m[0], m[1]};
         #pragma unroll
-        for (int n = 0; n < FA_BN / 8; n++)
+        for (int n = 0; n < FA_BN / 8; n++) {
+            const float2 bj = *reinterpret_cast<const float2*>(&bias_s[8 * n + 2 * c]);
             #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int jj = 8 * n + 2 * c + (i & 1), h = i >> 1;
-                float v = s[n][i] * scale_log2 + bias_s[jj] * 1.4426950408889634f;
-                if (kv0 + jj > lim[h]) v = FA_NEG_INF;
+                float v = s[n][i] * scale_log2 + ((i & 1) ? bj.y : bj.x);
+                if (masked && kv0 + jj > lim[h]) v = FA_NEG_INF;
                 s[n][i] = v;
                 mx[h] = fmaxf(mx[h], v);
             }
+        }
         float base[2], alpha[2];
         #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -142,10 +155,13 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
             m[h] = mx[h];
             l[h] *= alpha[h];
         }
-        #pragma unroll
-        for (int n = 0; n < FA_HD / 8; n++)
+        // Rescaled only when a row's maximum rose (in a causal state's later tiles it rarely does).
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
             #pragma unroll
-            for (int i = 0; i < 4; i++) o[n][i] *= alpha[i >> 1];
+            for (int n = 0; n < FA_HD / 8; n++)
+                #pragma unroll
+                for (int i = 0; i < 4; i++) o[n][i] *= alpha[i >> 1];
+        }
         // P = 2^(S − max), summed in f32 and rounded to bf16 as the A operand of P·V: n-tiles
         // 2kk and 2kk + 1 of S are k-step kk's A fragment.
         #pragma unroll

@@ -57,13 +57,16 @@ __device__ __forceinline__ void ldsm4t(unsigned (&r)[4], const bf16_t* p) {
 }
 
 // 16 bytes from global to shared memory without passing through registers; `bytes` = 0 writes
-// zeros (and reads nothing at `src`). Completed by cp_async_wait_all.
+// zeros (and reads nothing at `src`). Issued copies form a group at cp_async_commit; waiting
+// with N leaves the N most recent groups in flight.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(src), "r"(bytes));
 }
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 #endif
