@@ -107,7 +107,11 @@ impl PackedBf16 {
     }
 
     /// `x` rows as bf16 pairs `[m][⌈k/2⌉]` (an odd k padded with a zero).
-    fn input_pairs(&self, s: &CpuStorage, l: &Layout) -> Result<(Vec<u32>, usize)> {
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX512-BF16 ([`bf16_gemm_available`]): f32 rows are converted
+    /// with its instructions.
+    unsafe fn input_pairs(&self, s: &CpuStorage, l: &Layout) -> Result<(Vec<u32>, usize)> {
         let Some((start, end)) = l.contiguous_offsets() else {
             bail!("bf16-linear: the input must be contiguous")
         };
@@ -127,7 +131,7 @@ impl PackedBf16 {
         }
         match s {
             CpuStorage::BF16(v) => fill(&mut a, &v[start..end], k, |x| x.to_bits()),
-            // SAFETY: `cpu_fwd` checked the CPU for AVX512-BF16 before calling this.
+            // SAFETY: the CPU has AVX512-BF16 (this fn's contract).
             CpuStorage::F32(v) => a
                 .par_chunks_mut(pairs)
                 .zip(v[start..end].par_chunks(k))
@@ -234,7 +238,8 @@ impl CustomOp1 for PackedBf16 {
         if !bf16_gemm_available() {
             bail!("bf16-linear: this CPU has no AVX512-BF16")
         }
-        let (a, m) = self.input_pairs(s, l)?;
+        // SAFETY: the CPU has AVX-512F and AVX512-BF16 (checked above).
+        let (a, m) = unsafe { self.input_pairs(s, l) }?;
         // SAFETY: the CPU has AVX-512F and AVX512-BF16 (checked above).
         let (n, out) = (self.n, unsafe { self.matmul(&a, m) });
         let mut shape = dims.to_vec();

@@ -151,6 +151,8 @@ struct Gpu {
     /// mma.sync on TF32 and bf16 operands (compute capability 8.0 and later).
     tensor_cores: bool,
     multiprocessors: usize,
+    /// The most shared memory a block may ask for (227 KB on Hopper, 99 KB on sm_86/89).
+    shared_memory_per_block: usize,
 }
 
 /// Whether `device` is a CUDA GPU with the tensor cores the chunked kernels use.
@@ -161,12 +163,13 @@ pub(crate) fn has_tensor_cores(device: &Device) -> bool {
     }
 }
 
-/// The multiprocessor count of `device` where it is a CUDA GPU with tensor cores.
-pub(crate) fn tensor_core_multiprocessors(device: &Device) -> Option<usize> {
+/// The multiprocessor count of `device` where it runs [`flash_attention`]'s kernel: a CUDA GPU
+/// with tensor cores and room for the kernel's shared memory in a block.
+pub(crate) fn flash_multiprocessors(device: &Device) -> Option<usize> {
     match device {
         Device::Cuda(dev) => gpu(dev)
             .ok()
-            .filter(|g| g.tensor_cores)
+            .filter(|g| g.tensor_cores && g.shared_memory_per_block >= FLASH_SMEM as usize)
             .map(|g| g.multiprocessors),
         _ => None,
     }
@@ -183,9 +186,13 @@ fn gpu(dev: &CudaDevice) -> Result<Gpu> {
     let sms = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?;
+    let smem = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
     Ok(*GPU.get_or_init(|| Gpu {
         tensor_cores: major >= 8,
         multiprocessors: sms.max(1) as usize,
+        shared_memory_per_block: smem.max(0) as usize,
     }))
 }
 
@@ -281,8 +288,8 @@ impl Kernel {
 
     fn load_from(src: &Source, dev: &CudaDevice, name: &str) -> Result<Self> {
         // The chunked delta rule's and flash attention's tensor-core kernels need compute_80 PTX
-        // (mma.sync, ldmatrix);
-        // everything else compiles for NVRTC's default target and runs on any CUDA GPU.
+        // (mma.sync, ldmatrix, cp.async); everything else compiles for NVRTC's default target
+        // and runs on any CUDA GPU.
         let mma = std::ptr::eq(src, &GDR_CHUNKED) || std::ptr::eq(src, &FLASH_ATTN);
         let arch = (mma && gpu(dev)?.tensor_cores).then_some("compute_80");
         let func = dev
@@ -310,7 +317,7 @@ impl Kernel {
 
     /// An output buffer of `n` elements every launch fully overwrites.
     fn output<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
-        // SAFETY: every kernel in ops.cu writes every element of its output (padding included).
+        // SAFETY: every kernel of ours writes every element of its output (padding included).
         unsafe { self.dev.alloc::<T>(n) }
     }
 }

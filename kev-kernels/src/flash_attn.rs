@@ -16,7 +16,8 @@ use crate::gather::RowIndex;
 pub const FLASH_HEAD_DIM: usize = 256;
 
 /// The keys and values a step's queries see before their own: `[R, Hkv, S, hd]` each (any
-/// strides with contiguous head dims), row `owners[b]` for batch row b.
+/// strides with contiguous head dims, rows starting at 16-byte boundaries, else the op
+/// declines), row `owners[b]` for batch row b.
 pub struct FlashPast<'a> {
     pub k: &'a Tensor,
     pub v: &'a Tensor,
@@ -75,9 +76,12 @@ fn readable(t: &Tensor) -> bool {
 /// `softmax(q·kᵀ·scale + key_bias)·v` with causality, for `q: [B, Hq, T, hd]` (contiguous) and
 /// this step's `k`, `v: [B, Hkv, L, hd]` (any strides with contiguous head dims): query t sees
 /// the past's S keys and its own first L − T + t + 1; `key_bias: [B, S + L]` f32 is added to the
-/// scaled scores. Returns `[B, Hq, T, hd]`, or `None` where the kernel does not run (not CUDA
-/// with tensor cores, not bf16, hd ≠ 256, unaligned views): the caller then composes matmuls
-/// and [`crate::causal_softmax`]. Errors name shapes that do not fit.
+/// scaled scores. Returns `[B, Hq, T, hd]`, or `None` where the kernel does not run (not a CUDA
+/// GPU with tensor cores and 101 KB of shared memory a block, not bf16, hd ≠ 256, q not
+/// contiguous, views not at 16-byte boundaries, no rows or queries, a grid over CUDA's limits):
+/// the caller then composes matmuls and [`crate::causal_softmax`]. A query row that sees no key
+/// (all masked) gets zeros, where the softmax would give NaN; Kev's rows always hold a real
+/// token. Errors name shapes or devices that do not fit.
 pub fn flash_attention(
     q: &Tensor,
     past: Option<FlashPast>,
@@ -126,17 +130,33 @@ pub fn flash_attention(
             s_len + l_len
         )
     }
-    let mut tensors = vec![q, k, v];
+    let mut operands = vec![q, k, v];
+    let mut others = vec![key_bias];
     if let Some(p) = &past {
-        tensors.extend([p.k, p.v]);
+        operands.extend([p.k, p.v]);
+        others.push(p.owners.tensor());
     }
-    let runs = kernel_available(q)
+    if let Some(t) = operands
+        .iter()
+        .chain(&others)
+        .find(|t| !t.device().same_device(q.device()))
+    {
+        bail!(
+            "{name}: a {:?} input on {:?} with queries on {:?}",
+            t.dims(),
+            t.device().location(),
+            q.device().location()
+        )
+    }
+    let runs = flash_multiprocessors(q).is_some()
         && hd == FLASH_HEAD_DIM
         && q.is_contiguous()
-        && tensors.iter().all(|t| readable(t))
+        && operands.iter().all(|t| readable(t))
+        && b_sz > 0
+        && t_len > 0
         && b_sz <= 65535
         && hkv <= 65535
-        && (hq / hkv * t_len).div_ceil(64) <= i32::MAX as usize
+        && i32::try_from(hq / hkv * t_len).is_ok()
         && i32::try_from(s_len + l_len).is_ok();
     if !runs {
         return Ok(None);
@@ -149,14 +169,11 @@ pub fn flash_attention(
     Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
 }
 
-/// A CUDA GPU with the tensor cores the kernel uses.
-fn kernel_available(t: &Tensor) -> bool {
-    tensor_core_multiprocessors(t).is_some()
-}
-
-fn tensor_core_multiprocessors(t: &Tensor) -> Option<usize> {
+/// The multiprocessor count of `t`'s device where it runs the kernel: a CUDA GPU with tensor
+/// cores and the kernel's shared memory (101 KB a block; sm_86/89 allow 99 KB).
+fn flash_multiprocessors(t: &Tensor) -> Option<usize> {
     #[cfg(feature = "cuda")]
-    return crate::cuda::tensor_core_multiprocessors(t.device());
+    return crate::cuda::flash_multiprocessors(t.device());
     #[cfg(not(feature = "cuda"))]
     {
         let _ = t;
@@ -173,5 +190,5 @@ fn tensor_core_multiprocessors(t: &Tensor) -> Option<usize> {
 pub fn flash_attention_fills_gpu(q: &Tensor, num_kv_heads: usize) -> Result<bool> {
     let (b_sz, hq, t_len, _) = q.dims4()?;
     let blocks = (hq / num_kv_heads.max(1) * t_len).div_ceil(64) * num_kv_heads * b_sz;
-    Ok(tensor_core_multiprocessors(q).is_some_and(|sms| blocks >= sms))
+    Ok(flash_multiprocessors(q).is_some_and(|sms| blocks >= sms))
 }

@@ -20,9 +20,11 @@
 //! - Ops that replace chains of candle ops (a GPU forward is launch-bound):
 //!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`],
 //!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`]
-//!   ([`attention_gate_join`] for a packed batch's two parts); on CUDA, [`flash_attention`]
-//!   in place of the scores' matmuls and softmax.
+//!   ([`attention_gate_join`] for a packed batch's two parts).
 //!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
+//! - [`flash_attention`]: on CUDA, the attention's scores, softmax and weighted sum in one
+//!   kernel, in place of the matmuls around [`causal_softmax`] (which the caller composes
+//!   where it declines; [`flash_attention_fills_gpu`] says where it pays).
 //!
 //! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch; [`gather_cat`]:
 //!   picked rows each followed by rows of their own, for a branch's attention keys and values.

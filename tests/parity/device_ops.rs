@@ -714,15 +714,6 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
                 dev.location()
             ),
         }
-        // The model's choice: the kernel for grids that fill the GPU only.
-        let q_of = |b: usize, t: usize| Tensor::zeros((b, 8, t, 256), DType::BF16, &dev);
-        assert!(!kev_kernels::flash_attention_fills_gpu(&q_of(1, 1)?, 2)?);
-        let many = kev_kernels::flash_attention_fills_gpu(&q_of(64, 512)?, 2)?;
-        assert_eq!(
-            many,
-            dev.is_cuda(),
-            "1024 blocks fill a GPU, and only CUDA runs the kernel"
-        );
         // f32 inputs and other head dims take the matmul form.
         let f32_q = q_d.to_dtype(DType::F32)?;
         let (f32_k, f32_v) = (k_d.to_dtype(DType::F32)?, v_d.to_dtype(DType::F32)?);
@@ -736,5 +727,14 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
         )?
         .is_none());
     }
+    // The model's choice: the kernel for grids that fill the GPU only.
+    let q_of = |b: usize, t: usize| Tensor::zeros((b, 8, t, 256), DType::BF16, &dev);
+    assert!(!kev_kernels::flash_attention_fills_gpu(&q_of(1, 1)?, 2)?);
+    let many = kev_kernels::flash_attention_fills_gpu(&q_of(64, 512)?, 2)?;
+    assert_eq!(
+        many,
+        dev.is_cuda(),
+        "4096 blocks fill a GPU, and only CUDA runs the kernel"
+    );
     Ok(())
 }

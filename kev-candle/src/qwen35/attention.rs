@@ -1,5 +1,9 @@
 //! Gated full attention (QWEN35.md §4): per-head `[q | gate]` query projection, zero-centred
 //! q/k norms, partial RoPE, GQA, causal softmax in f32, and a sigmoid output gate before `o_proj`.
+//! On CUDA, batches large enough to fill the GPU run the softmax inside a flash-attention kernel
+//! (kev-kernels), the rest as matmuls around it: the two round differently (the kernel keeps the
+//! scores in f32, the matmuls round them to bf16), so a record's bf16 probabilities may differ in
+//! their last bits between batch sizes, as cuBLAS's shape-dependent kernels already make them.
 
 use candle_core::{Module, Result, Tensor};
 
@@ -174,7 +178,8 @@ impl Attention {
         let (k, v) = self.new_kv(&heads, 2 * nq, cos_sin)?;
         let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
         let scale = (hd as f64).powf(-0.5);
-        // The flash kernel where it pays; `None` from it (or here) takes the matmuls.
+        // The flash kernel where its grid fills the GPU; `None` from it (or here) takes the
+        // matmuls.
         let flash = flash_attention_fills_gpu(&q, nkv)?;
         let try_flash = |q: &Tensor, past, k: &Tensor, v: &Tensor, bias: &Tensor, scale| {
             if flash {
@@ -185,7 +190,8 @@ impl Attention {
         };
         let out = match past {
             Past::Cache(k_cache, v_cache) => {
-                // The cache outlives the step: values of their own, not a view of `proj`.
+                // The cache outlives the step: values of their own, not a view of `proj`
+                // (`contiguous` would keep the view of a one-row, one-token step).
                 let joined = |cache: &mut Option<Tensor>, new: Tensor| {
                     let all = match cache.take() {
                         Some(old) => Tensor::cat(&[&old, &new], 2)?,
@@ -194,7 +200,7 @@ impl Attention {
                     *cache = Some(all.clone());
                     Ok::<_, candle_core::Error>(all)
                 };
-                let (k, v) = (joined(k_cache, k)?, joined(v_cache, v.contiguous()?)?);
+                let (k, v) = (joined(k_cache, k)?, joined(v_cache, v.force_contiguous()?)?);
                 match try_flash(&q, None, &k, &v, key_bias, scale)? {
                     Some(out) => out,
                     None => self.attention_matmuls(&q, &k, &v, key_bias, scale)?,

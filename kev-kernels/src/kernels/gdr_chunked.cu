@@ -596,13 +596,13 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
 // above issue thousands of instructions per thread and chunk at low occupancy and are bound by
 // their latency (ncu, 4B heads: prep 0.45 ms and scan 0.71 ms for 4096 steps). The preparation
 // multiplies TF32 operands (m16n8k8): its products build the triangular solve's inputs. The scan
-// multiplies bf16 operands (m16n8k16, see mma16): half the bytes and instructions of TF32, the
+// multiplies bf16 operands (m16n8k16, mma16 in mma.cuh): half the bytes and instructions of TF32, the
 // rounding flash-linear-attention's chunked kernels apply; its state is accumulated in f32 (the
 // mma's C operand), so the rounding does not compound across chunks. f32 models keep the FMA
 // kernels (full f32 products).
 // The preparation's scalar fragment loads read shared memory at pitches that put the 32 lanes in
 // 32 different banks: ≡ 8 (mod 32) for tiles read along their rows' index, ≡ 4 across it.
-// Scratch layout: each scan operand with k along its rows, as ldmatrix reads it (see ldsm4), in
+// Scratch layout: each scan operand with k along its rows, as ldmatrix reads it (ldsm4 in mma.cuh), in
 // bf16: W and Q' by rows (wt, qt [c][CH][128]: the A operands of W·S and Q'·S), K'ᵀ (kd
 // [c][128][CH]: the A operand of the state update), Aqkᵀ (at [c][CH][CH], transposed into
 // shared memory by the scan). U and e^{G_CH} in f32 as the FMA kernels.
