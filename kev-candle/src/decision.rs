@@ -12,7 +12,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use kev_core::{Checkpoint, Encoder, Encoding, Error, LoadOptions, Record, Result, Row};
-use kev_kernels::SplitRows;
+use kev_kernels::{RowIndex, SplitRows};
 use rayon::prelude::*;
 
 use crate::device::{select_device, select_dtype, settle};
@@ -324,7 +324,10 @@ impl DecisionModel {
     /// options' logits `[M]` on the device, waiting for nothing.
     pub(crate) fn plan_logits(&self, plan: &Plan, ids: &[Tensor]) -> Result<Tensor> {
         if let ([state], [branches]) = (&plan.state[..], &plan.branches[..]) {
-            // One piece each (every state within `prefill_chunk`): one pass over the layers.
+            // One piece each (every state within `prefill_chunk`): one pass over the layers, the
+            // last layer's MLP only on the rows the head reads.
+            let (decide, opts, owner) = head_positions(&plan.rows, branches.width);
+            let picked: Vec<usize> = decide.iter().chain(&opts).map(|&i| i as usize).collect();
             let hidden = SplitRows::new(
                 state.width,
                 state.lengths.clone(),
@@ -333,9 +336,20 @@ impl DecisionModel {
                 plan.owners.clone(),
             )
             .and_then(|rows| Split::new(rows, self.device()))
-            .and_then(|split| self.model.forward_split(&ids[0], &ids[1], &split))
+            .and_then(|split| {
+                let picked = RowIndex::new(&picked, self.device())?;
+                self.model
+                    .forward_split(&ids[0], &ids[1], &split, Some(&picked))
+            })
             .map_err(backend_err("backbone forward"))?;
-            return self.head_logits(&hidden, &plan.rows);
+            let err = backend_err("pointer head");
+            let n = decide.len();
+            let decide = hidden.narrow(0, 0, n).map_err(&err)?;
+            let opts = hidden.narrow(0, n, opts.len()).map_err(&err)?;
+            return self
+                .head
+                .logits_on_device(&decide, &opts, &owner)
+                .map_err(&err);
         }
         let (state_ids, branch_ids) = ids.split_at(plan.state.len());
         let cache = self.state_cache(plan.records, &plan.state, state_ids)?;
@@ -557,17 +571,7 @@ impl DecisionModel {
         let err = backend_err("pointer head");
         let (_, width, h) = hidden.dims3().map_err(&err)?;
         let flat = hidden.reshape(((), h)).map_err(&err)?;
-        let decide: Vec<u32> = rows
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (i * width + r.decide) as u32)
-            .collect();
-        let mut opts = Vec::new();
-        let mut owner = Vec::new();
-        for (i, r) in rows.iter().enumerate() {
-            opts.extend(r.opts.iter().map(|&o| (i * width + o) as u32));
-            owner.extend(std::iter::repeat_n(i as u32, r.opts.len()));
-        }
+        let (decide, opts, owner) = head_positions(rows, width);
         let pick = |idx: Vec<u32>| -> candle_core::Result<Tensor> {
             let n = idx.len();
             flat.index_select(&kev_kernels::uploads::upload(idx, n, self.device())?, 0)
@@ -580,6 +584,23 @@ impl DecisionModel {
             )
             .map_err(&err)
     }
+}
+
+/// Where the head reads rows `rows` of width `width` (flat indices into their `B·width`
+/// positions): each row's `[DECIDE]`, every row's options in order, and each option's row.
+fn head_positions(rows: &[Row], width: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let decide = rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (i * width + r.decide) as u32)
+        .collect();
+    let mut opts = Vec::new();
+    let mut owner = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        opts.extend(r.opts.iter().map(|&o| (i * width + o) as u32));
+        owner.extend(std::iter::repeat_n(i as u32, r.opts.len()));
+    }
+    (decide, opts, owner)
 }
 
 /// All options' logits `[M]` (on the device, in row order) read back and cut per row.

@@ -171,7 +171,9 @@ fn split_forward_equals_states_then_branches() {
             owners.clone(),
         );
         let split = Split::new(rows.unwrap(), &device()).unwrap();
-        let ours = model.forward_split(&states, &branches, &split).unwrap();
+        let ours = model
+            .forward_split(&states, &branches, &split, None)
+            .unwrap();
 
         let mut cache = model.new_cache(2).unwrap();
         model
@@ -186,5 +188,22 @@ fn split_forward_equals_states_then_branches() {
             let what = format!("{layers} layers (last {last:?}), branch row {row}");
             check(&what, &real(&ours), &real(&theirs), 1e-5).unwrap();
         }
+        // Only some rows through the last layer's MLP (out of order, one twice): the same rows.
+        let picked = [17usize, 0, 8, 9, 25, 0];
+        let index = kev_kernels::RowIndex::new(&picked, &device()).unwrap();
+        let some = model
+            .forward_split(&states, &branches, &split, Some(&index))
+            .unwrap();
+        let flat = ours.flatten(0, 1).unwrap();
+        let want = Tensor::cat(
+            &picked
+                .iter()
+                .map(|&p| flat.narrow(0, p, 1).unwrap())
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .unwrap();
+        let what = format!("{layers} layers (last {last:?}), picked rows");
+        check(&what, &some, &want, 1e-5).unwrap();
     }
 }

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::Embedding;
+use kev_kernels::{gather_rows, RowIndex};
 use rayon::prelude::*;
 
 use super::attention::Attention;
@@ -95,17 +96,19 @@ impl DecoderLayer {
             }
             _ => candle_core::bail!("cache layer kind does not match the model layer"),
         };
-        self.around_mixer(xs, pending, mix, Ok)
+        self.around_mixer(xs, pending, mix, Ok, None)
     }
 
     /// [`DecoderLayer::forward`] on a packed state and its branches ([`Split`]); with
-    /// `Rows::Branches`, the stream and MLP output of the branch rows only (`[B·T, H]`).
+    /// `Rows::Branches`, the stream and MLP output of the branch rows only (`[B·T, H]`), and with
+    /// `pick` too, of those branch rows only (`[P, H]`, after the mixer: the rows the head reads).
     fn forward_split(
         &self,
         xs: &Tensor,
         pending: Option<&Tensor>,
         step: &SplitStep,
         out_rows: Rows,
+        pick: Option<&RowIndex>,
     ) -> Result<(Tensor, Tensor)> {
         let mix = |h: &Tensor| match &self.mixer {
             Mixer::Attention(attn) => {
@@ -118,27 +121,31 @@ impl DecoderLayer {
             }
             Mixer::DeltaNet(gdn) => gdn.forward_split(h, step.split, out_rows),
         };
-        self.around_mixer(xs, pending, mix, |xs| step.split.kept(&xs, out_rows))
+        self.around_mixer(xs, pending, mix, |xs| step.split.kept(&xs, out_rows), pick)
     }
 
     /// The input norm (with the pending add), `mix`, the post-attention norm (with its add) and
     /// the MLP: the new stream and the MLP's output, not yet added. `mix` gives outputs for the
-    /// rows of the stream that `kept` keeps (all of them: `Ok`).
+    /// rows of the stream that `kept` keeps (all of them: `Ok`); of those, only rows `pick` go
+    /// on through the MLP (every row is per-token from here on).
     fn around_mixer(
         &self,
         xs: &Tensor,
         pending: Option<&Tensor>,
         mix: impl FnOnce(&Tensor) -> Result<Tensor>,
         kept: impl FnOnce(Tensor) -> Result<Tensor>,
+        pick: Option<&RowIndex>,
     ) -> Result<(Tensor, Tensor)> {
         let (xs, h) = match pending {
             Some(p) => self.input_layernorm.forward_residual(xs, p)?,
             None => (xs.clone(), self.input_layernorm.forward(xs)?),
         };
-        let h = mix(&h)?;
-        let (xs, h) = self
-            .post_attention_layernorm
-            .forward_residual(&kept(xs)?, &h)?;
+        let (xs, h) = (kept(xs)?, mix(&h)?);
+        let (xs, h) = match pick {
+            Some(rows) => (gather_rows(&xs, rows)?, gather_rows(&h, rows)?),
+            None => (xs, h),
+        };
+        let (xs, h) = self.post_attention_layernorm.forward_residual(&xs, &h)?;
         Ok((xs, self.mlp.forward(&h)?))
     }
 }
@@ -300,14 +307,16 @@ impl Model {
 
     /// State rows `state_ids: [R, S]` and branch rows `branch_ids: [B, T]` that continue them,
     /// in one pass over the layers ([`Split`]); returns the branch rows' final-norm hidden states
-    /// `[B, T, H]`. The same as [`Model::forward`] on the states, then on the branches with
-    /// copies of their state rows' cache, except for the order of sums inside the taller matrix
-    /// products.
+    /// `[B, T, H]`, or with `picked` (flat indices into the `B·T` branch positions) those rows
+    /// only, `[P, H]`: the last layer runs its post-attention norm and MLP on them alone. The
+    /// same as [`Model::forward`] on the states, then on the branches with copies of their state
+    /// rows' cache, except for the order of sums inside the taller matrix products.
     pub fn forward_split(
         &self,
         state_ids: &Tensor,
         branch_ids: &Tensor,
         split: &Split,
+        picked: Option<&RowIndex>,
     ) -> Result<Tensor> {
         let rows = split.rows();
         let (states, s_len) = (rows.states(), rows.state_width());
@@ -361,16 +370,27 @@ impl Model {
         let mut pending = None;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
-            let out_rows = if i == last { Rows::Branches } else { Rows::All };
-            let (stream, mlp_out) = layer.forward_split(&xs, pending.as_ref(), &step, out_rows)?;
+            let (out_rows, pick) = if i == last {
+                (Rows::Branches, picked)
+            } else {
+                (Rows::All, None)
+            };
+            let (stream, mlp_out) =
+                layer.forward_split(&xs, pending.as_ref(), &step, out_rows, pick)?;
             xs = stream;
             pending = Some(mlp_out);
         }
         if self.layers.is_empty() {
             xs = split.branch_rows(&xs)?;
+            if let Some(rows) = picked {
+                xs = gather_rows(&xs, rows)?;
+            }
         }
-        self.final_norm(&xs, pending.as_ref())?
-            .reshape((b_rows, width, self.cfg.hidden_size))
+        let hidden = self.final_norm(&xs, pending.as_ref())?;
+        match picked {
+            Some(_) => Ok(hidden),
+            None => hidden.reshape((b_rows, width, self.cfg.hidden_size)),
+        }
     }
 
     /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached
