@@ -18,6 +18,7 @@ pub const FLASH_HEAD_DIM: usize = 256;
 /// The keys and values a step's queries see before their own: `[R, Hkv, S, hd]` each (any
 /// strides with contiguous head dims, rows starting at 16-byte boundaries, else the op
 /// declines), row `owners[b]` for batch row b.
+#[derive(Clone, Copy)]
 pub struct FlashPast<'a> {
     pub k: &'a Tensor,
     pub v: &'a Tensor,

@@ -9,7 +9,7 @@ use candle_core::{Module, Result, Tensor};
 
 use kev_kernels::{
     attention_gate, attention_gate_join, causal_softmax, flash_attention,
-    flash_attention_fills_gpu, qk_norm_rope, FlashPast,
+    flash_attention_fills_gpu, gather_cat, qk_norm_rope, FlashPast,
 };
 
 use super::linear::Projection;
@@ -177,17 +177,7 @@ impl Attention {
         let heads = proj.reshape((b_sz, seq_len, 2 * (nq + nkv), hd))?;
         let (k, v) = self.new_kv(&heads, 2 * nq, cos_sin)?;
         let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
-        let scale = (hd as f64).powf(-0.5);
-        // The flash kernel where its grid fills the GPU; `None` from it (or here) takes the
-        // matmuls.
         let flash = flash_attention_fills_gpu(&q, nkv)?;
-        let try_flash = |q: &Tensor, past, k: &Tensor, v: &Tensor, bias: &Tensor, scale| {
-            if flash {
-                flash_attention(q, past, k, v, bias, scale)
-            } else {
-                Ok(None)
-            }
-        };
         let out = match past {
             Past::Cache(k_cache, v_cache) => {
                 // The cache outlives the step: values of their own, not a view of `proj`
@@ -201,19 +191,12 @@ impl Attention {
                     Ok::<_, candle_core::Error>(all)
                 };
                 let (k, v) = (joined(k_cache, k)?, joined(v_cache, v.force_contiguous()?)?);
-                match try_flash(&q, None, &k, &v, key_bias, scale)? {
-                    Some(out) => out,
-                    None => self.attention_matmuls(&q, &k, &v, key_bias, scale)?,
-                }
+                self.weighted_values(&q, None, &k, &v, key_bias, flash)?
             }
             Past::Fresh(handed) => {
-                let (out, v) = match try_flash(&q, None, &k, &v, key_bias, scale)? {
-                    Some(out) => (out, v),
-                    None => {
-                        let v = v.contiguous()?;
-                        (self.attention_matmuls(&q, &k, &v, key_bias, scale)?, v)
-                    }
-                };
+                // The matmuls read the values contiguous, and so will the branches' (one copy).
+                let v = if flash { v } else { v.contiguous()? };
+                let out = self.weighted_values(&q, None, &k, &v, key_bias, flash)?;
                 *handed = Some((k, v));
                 out
             }
@@ -223,17 +206,39 @@ impl Attention {
                     v: v_s,
                     owners: split.owners(),
                 };
-                match try_flash(&q, Some(past), &k, &v, key_bias, scale)? {
-                    Some(out) => out,
-                    None => {
-                        let k = split.to_branches_then(&k_s.contiguous()?, &k)?;
-                        let v = split.to_branches_then(&v_s.contiguous()?, &v.contiguous()?)?;
-                        self.attention_matmuls(&q, &k, &v, key_bias, scale)?
-                    }
-                }
+                self.weighted_values(&q, Some(past), &k, &v, key_bias, flash)?
             }
         };
         Ok((out, gate))
+    }
+
+    /// `softmax(q·kᵀ·scale + key_bias)·v`, causal, over the past's keys (branch row b: its
+    /// state row's) and then this step's: with `flash` (the grid fills the GPU) the flash
+    /// kernel, else, or where it declines, matmuls around [`causal_softmax`] on the keys and
+    /// values gathered per row.
+    fn weighted_values(
+        &self,
+        q: &Tensor,
+        past: Option<FlashPast>,
+        k: &Tensor,
+        v: &Tensor,
+        key_bias: &Tensor,
+        flash: bool,
+    ) -> Result<Tensor> {
+        let scale = (self.head_dim as f64).powf(-0.5);
+        if flash {
+            if let Some(out) = flash_attention(q, past, k, v, key_bias, scale)? {
+                return Ok(out);
+            }
+        }
+        let (k, v) = match past {
+            Some(p) => (
+                gather_cat(&p.k.contiguous()?, p.owners, k)?,
+                gather_cat(&p.v.contiguous()?, p.owners, &v.contiguous()?)?,
+            ),
+            None => (k.clone(), v.contiguous()?),
+        };
+        self.attention_matmuls(q, &k, &v, key_bias, scale)
     }
 
     /// The attention as matmuls around [`causal_softmax`] (where [`flash_attention`] declines):

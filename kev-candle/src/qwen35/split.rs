@@ -51,12 +51,6 @@ impl Split {
         kev_kernels::gather_rows(t, &self.owners)
     }
 
-    /// The state rows of `t: [R, H, S, d]` copied to the branch rows, each followed by its own
-    /// rows of `tail: [B, H, T, d]` along the steps: `[B, H, S + T, d]`, in one copy.
-    pub fn to_branches_then(&self, t: &Tensor, tail: &Tensor) -> Result<Tensor> {
-        kev_kernels::gather_cat(t, &self.owners, tail)
-    }
-
     /// The branch rows of packed `t: [N, ..]` as `[B·T, ..]` (a view).
     pub fn branch_rows(&self, t: &Tensor) -> Result<Tensor> {
         let r = &self.rows;
