@@ -119,25 +119,27 @@ impl PackedBf16 {
         let m = (end - start) / k;
         let pairs = k.div_ceil(2);
         let mut a = vec![0u32; m * pairs];
-        fn fill<T: Copy + Sync>(
+        // Each row's pairs by `row` (on rayon's threads).
+        fn fill<T: Sync>(
             a: &mut [u32],
             src: &[T],
             k: usize,
-            bits: impl Fn(T) -> u16 + Sync,
+            row: impl Fn(&mut [u32], &[T]) + Sync,
         ) {
             a.par_chunks_mut(k.div_ceil(2))
                 .zip(src.par_chunks(k))
-                .for_each(|(out, row)| pairs_of(out, row, &bits));
+                .for_each(|(out, r)| row(out, r));
         }
         match s {
-            CpuStorage::BF16(v) => fill(&mut a, &v[start..end], k, |x| x.to_bits()),
+            CpuStorage::BF16(v) => fill(&mut a, &v[start..end], k, |o, r| {
+                pairs_of(o, r, |x| x.to_bits())
+            }),
             // SAFETY: the CPU has AVX512-BF16 (this fn's contract).
-            CpuStorage::F32(v) => a
-                .par_chunks_mut(pairs)
-                .zip(v[start..end].par_chunks(k))
-                .for_each(|(out, row)| unsafe { f32_row_pairs(out, row) }),
-            CpuStorage::F16(v) => fill(&mut a, &v[start..end], k, |x| {
-                half::bf16::from_f32(x.to_f32()).to_bits()
+            CpuStorage::F32(v) => fill(&mut a, &v[start..end], k, |o, r| unsafe {
+                f32_row_pairs(o, r)
+            }),
+            CpuStorage::F16(v) => fill(&mut a, &v[start..end], k, |o, r| {
+                pairs_of(o, r, |x| half::bf16::from_f32(x.to_f32()).to_bits())
             }),
             other => bail!("bf16-linear: unsupported input dtype {:?}", other.dtype()),
         }

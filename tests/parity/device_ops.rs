@@ -572,8 +572,8 @@ fn attention_reference(
     scale: f64,
 ) -> Result<Tensor> {
     let f32_ = |t: &Tensor| t.to_dtype(DType::F32);
-    let (b_sz, hq, t_len, hd) = q.dims4()?;
-    let (_, hkv, l_len, _) = k.dims4()?;
+    let (b_sz, hq, t_len, _) = q.dims4()?;
+    let hkv = k.dim(1)?;
     let rep = hq / hkv;
     let mut outs = Vec::new();
     for b in 0..b_sz {
@@ -607,7 +607,6 @@ fn attention_reference(
         }
         outs.push(Tensor::stack(&heads, 0)?);
     }
-    let _ = (l_len, hd);
     Tensor::stack(&outs, 0)
 }
 
