@@ -70,7 +70,7 @@ const FLASH_SMEM: u32 = 101632;
 const GDR_WARPS: usize = 8;
 /// Steps per chunk, threads per block, the largest Dk and Dv, and the dynamic shared memory of the
 /// chunked kernels (`CH`, `CH_THREADS`, `DM`, `PREP_SMEM`, `SCAN_SMEM`, `PREP_TC_SMEM`,
-/// `SCAN_TC_SMEM` in gdr_chunked.cu).
+/// `ScanTc<NCOL>::BYTES` in gdr_chunked.cu).
 const GDRC_CHUNK: usize = 32;
 const GDRC_THREADS: u32 = 128;
 /// Threads per block of the tensor-core pair (`TC_THREADS`).
@@ -79,7 +79,12 @@ const GDRC_MAX_DIM: usize = 128;
 const GDRC_PREP_SMEM: u32 = 70016;
 const GDRC_SCAN_SMEM: u32 = 77824;
 const GDRC_PREP_TC_SMEM: u32 = 48512;
-const GDRC_SCAN_TC_SMEM: u32 = 46592;
+/// The tensor-core scans' columns per block (`NCOL`), widest first, with their shared memory.
+const GDRC_SCAN_TC: [(usize, &str, u32); 3] = [
+    (64, "gdrc_scan_tc64_", 109568),
+    (32, "gdrc_scan_tc_", 87040),
+    (16, "gdrc_scan_tc16_", 75776),
+];
 /// `mode` bits of the tensor-core scans (`SCAN_*` in gdr_chunked.cu): read the state first (else
 /// start at zero), write it at the end, read each row's state from its owner's (row 0's without
 /// an owner list).
@@ -515,19 +520,19 @@ fn gated_delta_rule_chunked(
     let tc = qkv.dtype() != DType::F32 && gpu(qkv.device())?.tensor_cores;
     let heads = op.b_sz * dims.num_v_heads;
     let load = |name: &str| Kernel::load_from(&GDR_CHUNKED, qkv.device(), &format!("{name}{dtag}"));
-    let (prep_smem, scan_smem) = if tc {
-        (GDRC_PREP_TC_SMEM, GDRC_SCAN_TC_SMEM)
+    let prep_smem = if tc {
+        GDRC_PREP_TC_SMEM
     } else {
-        (GDRC_PREP_SMEM, GDRC_SCAN_SMEM)
+        GDRC_PREP_SMEM
     };
     let prep = load(if tc { "gdrc_prep_tc_" } else { "gdrc_prep_" })?;
     prep.allow_shared_memory(prep_smem)?;
-    let (scan, scan_cols) = if tc {
+    let (scan, scan_cols, scan_smem) = if tc {
         tc_scan(qkv.device(), dtag, heads, dims.head_v_dim)?
     } else {
         let scan = load("gdrc_scan_")?;
-        scan.allow_shared_memory(scan_smem)?;
-        (scan, 32)
+        scan.allow_shared_memory(GDRC_SCAN_SMEM)?;
+        (scan, 32, GDRC_SCAN_SMEM)
     };
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
@@ -595,19 +600,24 @@ fn gated_delta_rule_chunked(
     })
 }
 
-/// The tensor-core scan for `heads` (row · head) pairs: 16 state columns per block instead of 32
-/// where 32 would leave multiprocessors idle (a long state has few pairs). The kernel and its
-/// columns per block.
-fn tc_scan(dev: &CudaDevice, dtag: &str, heads: usize, dv: usize) -> Result<(Kernel, usize)> {
-    let narrow = heads * dv.div_ceil(32) < gpu(dev)?.multiprocessors;
-    let (name, cols) = if narrow {
-        ("gdrc_scan_tc16_", 16)
-    } else {
-        ("gdrc_scan_tc_", 32)
-    };
+/// The tensor-core scan for `heads` (row · head) pairs: the most state columns per block that
+/// still give every multiprocessor a block (a batch's states: 64, one wave of two blocks per
+/// multiprocessor; a long state's few pairs: 16). Wider blocks read each chunk's operands fewer
+/// times and do more work per round of latency. The kernel, its columns and shared memory.
+fn tc_scan(dev: &CudaDevice, dtag: &str, heads: usize, dv: usize) -> Result<(Kernel, usize, u32)> {
+    let gpu = gpu(dev)?;
+    let [.., narrowest] = GDRC_SCAN_TC;
+    // 64 columns ask for more shared memory than sm_86/89 give a block.
+    let (cols, name, smem) = GDRC_SCAN_TC
+        .into_iter()
+        .find(|&(cols, _, smem)| {
+            smem as usize <= gpu.shared_memory_per_block
+                && heads * dv.div_ceil(cols) >= gpu.multiprocessors
+        })
+        .unwrap_or(narrowest);
     let scan = Kernel::load_from(&GDR_CHUNKED, dev, &format!("{name}{dtag}"))?;
-    scan.allow_shared_memory(GDRC_SCAN_TC_SMEM)?;
-    Ok((scan, cols))
+    scan.allow_shared_memory(smem)?;
+    Ok((scan, cols, smem))
 }
 
 /// Where the chunked kernels' scratch parts lie, for `blocks` (row · head, chunk) blocks: W, Q',
@@ -681,8 +691,8 @@ pub(crate) fn gated_delta_rule_split(
     };
     let prep = Kernel::load_from(&GDR_CHUNKED, dev, &format!("{prep_name}{dtag}"))?;
     prep.allow_shared_memory(GDRC_PREP_TC_SMEM)?;
-    let (scan_a, cols_a) = tc_scan(dev, dtag, states * hv, dv)?;
-    let (scan_b, cols_b) = tc_scan(dev, dtag, rows * hv, dv)?;
+    let (scan_a, cols_a, smem_a) = tc_scan(dev, dtag, states * hv, dv)?;
+    let (scan_b, cols_b, smem_b) = tc_scan(dev, dtag, rows * hv, dv)?;
     // Conv outputs, contiguous; or (conv) raw rows at their own pitch.
     let sa = crate::rows::rows(la, "gated-delta-rule-split state rows")?;
     let sb = crate::rows::rows(lb, "gated-delta-rule-split branch rows")?;
@@ -754,10 +764,11 @@ pub(crate) fn gated_delta_rule_split(
         let out_b = out.slice(s_tokens * hv * dv..);
         let [wt_b, qt_b, kd_b, at_b, u_b, gtot_b] = layout.parts(&scratch, blocks_a);
         let no_owners = 0u64;
-        for (scan, cols, parts, owners, o, t, nc, heads, mode) in [
+        for (scan, cols, smem, parts, owners, o, t, nc, heads, mode) in [
             (
                 &scan_a,
                 cols_a,
+                smem_a,
                 [&wt, &u, &qt, &kd, &at, &gtot],
                 &no_owners,
                 &out_a,
@@ -769,6 +780,7 @@ pub(crate) fn gated_delta_rule_split(
             (
                 &scan_b,
                 cols_b,
+                smem_b,
                 [&wt_b, &u_b, &qt_b, &kd_b, &at_b, &gtot_b],
                 &owners.ptr,
                 &out_b,
@@ -793,7 +805,7 @@ pub(crate) fn gated_delta_rule_split(
             let cfg = LaunchConfig {
                 grid_dim: (dv.div_ceil(cols) as u32, heads as u32, 1),
                 block_dim: (GDRC_TC_THREADS, 1, 1),
-                shared_mem_bytes: GDRC_SCAN_TC_SMEM,
+                shared_mem_bytes: smem,
             };
             // SAFETY: argument types and order match `gdrc_scan_tc*`; each scan reads the scratch
             // blocks of its own part, writes its own rows of `out`; the branches' scan only

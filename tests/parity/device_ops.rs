@@ -42,6 +42,11 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
             dims(16, 16, 128, 128),
             Some((0..24).map(|i| [40, 33, 1, 0, 32, 17][i % 6]).collect()),
         ),
+        // 64 (row, head) pairs of Dv = 128: the bf16 scan's 32-column blocks (24 rows above
+        // take 64 columns, the 4 heads of one row 16).
+        (2, 70, dims(16, 32, 128, 128), Some(vec![70usize, 41])),
+        // Dv rows not 16-byte aligned: the scan's U and O element by element.
+        (2, 45, dims(2, 4, 32, 18), Some(vec![45usize, 20])),
     ] {
         for dtype in [DType::F32, DType::BF16] {
             let (qkv, gb, state) = inputs(b, t, d)?;

@@ -25,10 +25,10 @@
 // gdrc_scan_<dtype>: grid = (ceil(Dv/32), B·Hv), block = 128, dynamic shared memory SCAN_SMEM.
 //   One block per 32 state columns walks the chunks in order; S lives in registers (an 8×4 tile
 //   per thread) and is mirrored to shared memory as the operand of W·S and Q'·S.
-// gdrc_prep_tc_<dtype>, gdrc_scan_tc_<dtype>, gdrc_scan_tc16_<dtype> (bf16/f16, compute capability
-//   ≥ 8.0): the same on tensor cores, PREP_TC_SMEM and SCAN_TC_SMEM; the scan with 32 or 16
-//   columns per block (grid.x = ceil(Dv/32) or ceil(Dv/16)), W and Q' by rows and K', Aqk
-//   transposed in scratch (for ldmatrix), in bf16. See the tensor-core section below.
+// gdrc_prep_tc_<dtype>, gdrc_scan_tc{64,,16}_<dtype> (bf16/f16, compute capability ≥ 8.0): the
+//   same on tensor cores, PREP_TC_SMEM and ScanTc<NCOL>::BYTES; the scan with NCOL = 64, 32 or 16
+//   columns per block (grid.x = ceil(Dv/NCOL)), W, Q' and Aqk by rows and K' transposed in
+//   scratch (for ldmatrix), in bf16. See the tensor-core section below.
 
 #define CH 32            // steps per chunk
 #define CH_THREADS 128   // threads of the FMA kernels
@@ -604,8 +604,8 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
 // 32 different banks: ≡ 8 (mod 32) for tiles read along their rows' index, ≡ 4 across it.
 // Scratch layout: each scan operand with k along its rows, as ldmatrix reads it (ldsm4 in mma.cuh), in
 // bf16: W and Q' by rows (wt, qt [c][CH][128]: the A operands of W·S and Q'·S), K'ᵀ (kd
-// [c][128][CH]: the A operand of the state update), Aqkᵀ (at [c][CH][CH], transposed into
-// shared memory by the scan). U and e^{G_CH} in f32 as the FMA kernels.
+// [c][128][CH]: the A operand of the state update), Aqk by rows (at [c][CH][CH], the A operand
+// of Aqk·Δ). U and e^{G_CH} in f32 as the FMA kernels.
 
 __device__ __forceinline__ float tf32r(float x) {
     unsigned r;
@@ -662,47 +662,6 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const unsigned sho
     }
 }
 
-// The scan's operands are bf16 (16-bit words, as the activations they come from): one m16n8k16
-// mma (mma.cuh) takes twice the products of a TF32 m16n8k8, and every operand moves half the
-// bytes. The state is accumulated in f32 (the mma's C operand) and rounded to bf16 only as an
-// operand, as flash-linear-attention's chunked kernels do.
-// acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT (1 or 2), X stored by rows
-// (x[m][k]) and Y transposed (y[n][k]), both bf16, by ldmatrix: a warp's 16 × 8·NT product,
-// fully unrolled (every load at a constant offset). Two n-tiles are two chains of dependent
-// mmas; one n-tile alternates its k-steps between two accumulators (added at the end) for the
-// same effect.
-template <int K, int NT>
-__device__ __forceinline__ void mma_ldsm(float (&acc)[NT][4], const bf16_t* x, int xp, int m0,
-                                         const bf16_t* y, int yp, int lane) {
-    static_assert(NT == 1 || NT == 2, "one or two n-tiles");
-    const bf16_t* xa = ldsm_a(x, xp, m0, lane);
-    if (NT == 2) {
-        const bf16_t* yb = ldsm_b2(y, yp, 0, lane);
-        #pragma unroll
-        for (int k0 = 0; k0 < K; k0 += 16) {
-            unsigned a[4], b[4];
-            ldsm4(a, xa + k0);
-            ldsm4(b, yb + k0);
-            mma16(acc[0], a, {b[0], b[1]});
-            mma16(acc[NT - 1], a, {b[2], b[3]});
-        }
-    } else {
-        const bf16_t* yb = ldsm_bk(y, yp, 0, lane);
-        float odd[4] = {};
-        #pragma unroll
-        for (int k0 = 0; k0 < K; k0 += 32) {
-            unsigned a0[4], a1[4], b[4];
-            ldsm4(a0, xa + k0);
-            ldsm4(a1, xa + k0 + 16);
-            ldsm4(b, yb + k0);
-            mma16(acc[0], a0, {b[0], b[1]});
-            mma16(odd, a1, {b[2], b[3]});
-        }
-        #pragma unroll
-        for (int i = 0; i < 4; i++) acc[0][i] += odd[i];
-    }
-}
-
 // Shared memory of the tensor-core preparation kernel, in floats. q and k stay 16-bit as loaded
 // (their l2 norms are per-step factors applied to the products), half the bytes of f32 q̂ᵀ and
 // k̂ᵀ: 48512 bytes, four blocks per multiprocessor instead of three (68736 bytes with f32 tiles;
@@ -755,7 +714,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
     else
         load_chunk<D, TC_THREADS, 1>(qkv, gb, tiles, T, len, t0, b, h, kh, hk, hv, dk, dv);
 
-    // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqkᵀ (global):
+    // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqk (global):
     //    KKᵀ and QKᵀ of the loaded q, k, then the steps' norm factors.
     {
         const bool is_k = warp < 4;
@@ -773,8 +732,17 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
                 if (is_k)
                     a_s[t * A_P + s] = s < t ? beta_s[t] * decay * dot : 0.f;
                 else
-                    a16[(cb * CH + s) * CH + t] = bf16r(decay * dot);
+                    acc[n][i] = decay * dot;
             }
+        if (!is_k)  // Aqk by rows, a word per pair of steps s, s + 1
+            #pragma unroll
+            for (int n = 0; n < 2; n++)
+                #pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int t = mt + g + 8 * hf, s = nt + 8 * n + 2 * c;
+                    *reinterpret_cast<unsigned*>(&a16[(cb * CH + t) * CH + s]) =
+                        bf16x2(acc[n][2 * hf], acc[n][2 * hf + 1]);
+                }
     }
     __syncthreads();
 
@@ -912,64 +880,137 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
     }
 }
 
-// The tensor-core scan's operands of one chunk (W, Q', K'ᵀ, Aqkᵀ in bf16 as the preparation
-// lays them out, the block's NCOL columns of U, e^{G_CH}), loaded into registers a chunk ahead
-// and stored to shared memory at the top of the next round.
+// The scan's tensor-core blocks (bf16/f16 models): NCOL (16, 32 or 64) state columns per block of
+// 8 warps (bf16 operands, f32 state: see above). One chunk's operands arrive by cp.async into one of two buffers while the previous
+// chunk computes (no registers held for them, so 64 columns fit in two blocks per multiprocessor:
+// a batch's states then take one wave instead of two). S and Δ are kept by rows in bf16 (pairs
+// stored as one word, no bank shared) and read as B operands by ldmatrix.trans; O goes out
+// through shared memory as 16-byte rows.
+#define TB_LP 136  // W, Q' [CH][..]: rows of DM (bf16 elements; ≡ 16 mod 128 bytes for ldmatrix)
+#define TB_CP 40   // K'ᵀ [DM][..], Aqk [CH][..]: rows of CH (bf16 elements)
 template <int NCOL>
-struct ChunkOperandsBf {
-    static constexpr int N8 = DM * CH / 8 / TC_THREADS, NU = CH * NCOL / TC_THREADS;
-    static_assert(CH * CH / 4 == TC_THREADS, "one 4-element piece of Aqkᵀ a thread");
-    uint4 w[N8], q[N8], k[N8];
-    uint2 a;
-    float u[NU], gtot;
-
-    __device__ __forceinline__ void fetch(const bf16_t* __restrict__ wt, const float* __restrict__ u_,
-                                          const bf16_t* __restrict__ qt,
-                                          const bf16_t* __restrict__ kd,
-                                          const bf16_t* __restrict__ atq,
-                                          const float* __restrict__ gt, size_t c, int c0, int dv) {
-        const int tid = threadIdx.x;
-        const uint4* w8 = reinterpret_cast<const uint4*>(wt + c * DM * CH);
-        const uint4* q8 = reinterpret_cast<const uint4*>(qt + c * DM * CH);
-        const uint4* k8 = reinterpret_cast<const uint4*>(kd + c * CH * DM);
-        #pragma unroll
-        for (int j = 0; j < N8; j++) {
-            w[j] = w8[tid + j * TC_THREADS];
-            q[j] = q8[tid + j * TC_THREADS];
-            k[j] = k8[tid + j * TC_THREADS];
-        }
-        a = reinterpret_cast<const uint2*>(atq + c * CH * CH)[tid];
-        #pragma unroll
-        for (int j = 0; j < NU; j++) {
-            const int e = tid + j * TC_THREADS, col = c0 + e % NCOL;
-            u[j] = col < dv ? u_[(c * CH + e / NCOL) * dv + col] : 0.f;
-        }
-        gtot = gt[c];
-    }
+struct ScanTc {  // shared memory, in bytes
+    static constexpr int SP = NCOL + 8;  // S [DM][..] and Δ [CH][..] (bf16): rows of NCOL
+    static constexpr int UP = NCOL + 4;  // U and O [CH][..] (f32)
+    // One chunk's operands (one buffer): W, Q', K'ᵀ, Aqk, U.
+    static constexpr int W = 0, Q = W + CH * TB_LP * 2, K = Q + CH * TB_LP * 2;
+    static constexpr int A = K + DM * TB_CP * 2, U = A + CH * TB_CP * 2, BUF = U + CH * UP * 4;
+    static constexpr int S = 2 * BUF, D = S + DM * SP * 2, O = D + CH * SP * 2;
+    static constexpr int BYTES = O + CH * UP * 4;
 };
 
-// Shared memory of the tensor-core scan, in bytes: the bf16 product operands, each stored with k
-// along its rows at a pitch ≡ 16 (mod 128) bytes for ldmatrix, then U in f32.
-#define TB_LP 136  // W, Q' [CH][..] and Sᵀ [NCOL][..]: rows of DM (bf16 elements)
-#define TB_CP 40   // K'ᵀ [DM][..], Aqk [CH][..] and Δᵀ [NCOL][..]: rows of CH (bf16 elements)
-#define TC_UP 40   // U [CH][..] (floats)
-#define T_S 0
-#define T_W (T_S + 32 * TB_LP * 2)
-#define T_Q (T_W + CH * TB_LP * 2)
-#define T_K (T_Q + CH * TB_LP * 2)
-#define T_A (T_K + DM * TB_CP * 2)
-#define T_D (T_A + CH * TB_CP * 2)
-#define T_U (T_D + 32 * TB_CP * 2)
-#define SCAN_TC_SMEM (T_U + CH * TC_UP * 4)  // 46592 bytes: GDRC_SCAN_TC_SMEM in cuda.rs
+// acc[n] += X[m0..m0+15, 0..K)·Y[0..K, n0 + 8n ..) for n < NT (1 or even): X by rows (x[m][k],
+// ldmatrix), Y by rows too (y[k][n]: its B fragments by ldmatrix.trans), both bf16; a warp's
+// 16 × 8·NT product, fully unrolled. One n-tile alternates its k-steps between two accumulators
+// (added at the end): two chains of dependent mmas, as two n-tiles give.
+template <int K, int NT>
+__device__ __forceinline__ void mma_kn(float (&acc)[NT][4], const bf16_t* x, int xp, int m0,
+                                       const bf16_t* y, int yp, int n0, int lane) {
+    static_assert(NT == 1 || NT % 2 == 0, "one n-tile or pairs");
+    const bf16_t* xa = ldsm_a(x, xp, m0, lane);
+    if constexpr (NT == 1) {
+        static_assert(K % 32 == 0, "two k-steps a load");
+        const bf16_t* yb = y + ((lane & 7) + 8 * (lane >> 3)) * yp + n0;  // tiles k +0, 8, 16, 24
+        float odd[4] = {};
+        #pragma unroll
+        for (int k0 = 0; k0 < K; k0 += 32) {
+            unsigned a0[4], a1[4], b[4];
+            ldsm4(a0, xa + k0);
+            ldsm4(a1, xa + k0 + 16);
+            ldsm4t(b, yb + k0 * yp);
+            mma16(acc[0], a0, {b[0], b[1]});
+            mma16(odd, a1, {b[2], b[3]});
+        }
+        #pragma unroll
+        for (int i = 0; i < 4; i++) acc[0][i] += odd[i];
+    } else {
+        // Tiles k +0/+8 of n-tile n, then of n-tile n + 1.
+        const bf16_t* yb = y + ((lane & 7) + 8 * ((lane >> 3) & 1)) * yp + n0 + 8 * (lane >> 4);
+        #pragma unroll
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            unsigned a[4];
+            ldsm4(a, xa + k0);
+            #pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                unsigned b[4];
+                ldsm4t(b, yb + k0 * yp + 8 * n);
+                mma16(acc[n], a, {b[0], b[1]});
+                mma16(acc[n + 1], a, {b[2], b[3]});
+            }
+        }
+    }
+}
 
-// One block of TC_THREADS per NCOL (32 or 16) state columns. Warp w of 8, with h = (w / 2) % 2
-// the half of the block's columns it takes: Δ = U − W·S for steps 16·(w % 2).. (w < 4) or
-// P = Q'·S for those steps (w ≥ 4); then O = P + Aqk·Δ (w ≥ 4); then S[16w..16w+15, :] += K'ᵀ·Δ
-// on all the block's columns, S held in mma accumulators (f32). 16 columns double the blocks of
-// a call with few (row, head) pairs (a long state: 32 pairs fill 128 blocks of 32 columns, not
-// an H200's 132 SMs), at the price of reading each chunk's W, Q', K', Aqk twice as often. W, Q',
-// K' and Aqk arrive in bf16 (from the preparation kernel); S and Δ are rounded to bf16 as they
-// are stored to shared memory, transposed (Sᵀ, Δᵀ: the B operands).
+// Chunk `c`'s operands (scratch block c) into the buffer at `buf`, as one cp.async group: W, Q'
+// by rows and K'ᵀ, Aqk in bf16 as the preparation lays them out, the block's NCOL columns of U
+// (f32; zeros past Dv; element by element where Dv rows are not 16-byte aligned).
+template <int NCOL>
+__device__ __forceinline__ void scan_tc_fetch(unsigned char* buf, const bf16_t* __restrict__ wt,
+                                              const float* __restrict__ u,
+                                              const bf16_t* __restrict__ qt,
+                                              const bf16_t* __restrict__ kd,
+                                              const bf16_t* __restrict__ atq, size_t c, int c0,
+                                              int dv) {
+    typedef ScanTc<NCOL> L;
+    const int tid = threadIdx.x;
+    #pragma unroll
+    for (int e = tid; e < CH * DM / 8; e += TC_THREADS) {  // 16-byte pieces
+        const int t = e / (DM / 8), p = 8 * (e % (DM / 8));
+        cp_async16(buf + L::W + (t * TB_LP + p) * 2, wt + (c * CH + t) * DM + p, 16);
+        cp_async16(buf + L::Q + (t * TB_LP + p) * 2, qt + (c * CH + t) * DM + p, 16);
+        const int r = e / (CH / 8), q = 8 * (e % (CH / 8));
+        cp_async16(buf + L::K + (r * TB_CP + q) * 2, kd + (c * DM + r) * CH + q, 16);
+    }
+    if (tid < CH * CH / 8) {
+        const int t = tid / (CH / 8), q = 8 * (tid % (CH / 8));
+        cp_async16(buf + L::A + (t * TB_CP + q) * 2, atq + (c * CH + t) * CH + q, 16);
+    }
+    float* u_s = reinterpret_cast<float*>(buf + L::U);
+    if (dv % 4 == 0) {
+        #pragma unroll
+        for (int e = tid; e < CH * NCOL / 4; e += TC_THREADS) {
+            const int t = e / (NCOL / 4), col = 4 * (e % (NCOL / 4));
+            const bool in = c0 + col < dv;
+            cp_async16(u_s + t * L::UP + col, in ? u + (c * CH + t) * dv + c0 + col : u, in ? 16 : 0);
+        }
+    } else {
+        for (int e = tid; e < CH * NCOL; e += TC_THREADS) {
+            const int t = e / NCOL, col = e % NCOL;
+            u_s[t * L::UP + col] = c0 + col < dv ? u[(c * CH + t) * dv + c0 + col] : 0.f;
+        }
+    }
+    cp_async_commit();
+}
+
+// Chunk `chunk`'s O, staged in shared memory (o_s [CH][UP] f32), to its rows of `out`: 8
+// columns (16 bytes) a piece where Dv rows allow.
+template <typename D, int NCOL>
+__device__ __forceinline__ void scan_tc_out(const float* o_s, typename D::T* __restrict__ out,
+                                            int chunk, int b, int h, int T, int hv, int dv,
+                                            int c0) {
+    typedef ScanTc<NCOL> L;
+    for (int e = threadIdx.x; e < CH * NCOL / 8; e += TC_THREADS) {
+        const int t = e / (NCOL / 8), col = 8 * (e % (NCOL / 8));
+        const int tt = chunk * CH + t, gc = c0 + col;
+        if (tt >= T || gc >= dv) continue;
+        const float4 lo = *reinterpret_cast<const float4*>(o_s + t * L::UP + col);
+        const float4 hi = *reinterpret_cast<const float4*>(o_s + t * L::UP + col + 4);
+        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        typename D::T* o = out + (((size_t)b * T + tt) * hv + h) * dv + gc;
+        if (dv % 8 == 0) {
+            Vec16<D>::store(o, v);
+        } else {
+            for (int j = 0; j < 8 && gc + j < dv; j++) D::store(o + j, v[j]);
+        }
+    }
+}
+
+// One block of TC_THREADS per NCOL state columns. Warp w of 8, with h = (w / 2) % 2 the half of
+// the block's columns it takes: Δ = U − W·S for steps 16·(w % 2).. (w < 4) or P = Q'·S for those
+// steps (w ≥ 4); then O = P + Aqk·Δ (w ≥ 4); then S[16w..16w+15, :] += K'ᵀ·Δ on all the block's
+// columns, S held in mma accumulators (f32). Fewer columns per block give a call with few
+// (row, head) pairs (a long state) more blocks, at the price of reading each chunk's W, Q', K',
+// Aqk more often. S and Δ are rounded to bf16 as they are stored to shared memory.
 // `mode` (SCAN_*): whether the state is read first (else it starts at zero), written at the end,
 // and shared between rows (head h of row b reads row owners[b]'s, row 0's if owners is null:
 // branches continuing their records' states, none of them writing it back).
@@ -983,11 +1024,11 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
                              float* __restrict__ state, const unsigned int* __restrict__ owners,
                              typename D::T* __restrict__ out, int T, int hv, int dk, int dv, int nc,
                              int mode) {
+    typedef ScanTc<NCOL> L;
     extern __shared__ __align__(16) unsigned char smb[];
-    bf16_t *st_s = reinterpret_cast<bf16_t*>(smb + T_S), *w_s = reinterpret_cast<bf16_t*>(smb + T_W);
-    bf16_t *q_s = reinterpret_cast<bf16_t*>(smb + T_Q), *k_s = reinterpret_cast<bf16_t*>(smb + T_K);
-    bf16_t *a_s = reinterpret_cast<bf16_t*>(smb + T_A), *dt_s = reinterpret_cast<bf16_t*>(smb + T_D);
-    float* u_s = reinterpret_cast<float*>(smb + T_U);
+    bf16_t* s_s = reinterpret_cast<bf16_t*>(smb + L::S);
+    bf16_t* d_s = reinterpret_cast<bf16_t*>(smb + L::D);
+    float* o_s = reinterpret_cast<float*>(smb + L::O);
     const bf16_t *wt = reinterpret_cast<const bf16_t*>(wt_), *qt = reinterpret_cast<const bf16_t*>(qt_);
     const bf16_t *kd = reinterpret_cast<const bf16_t*>(kd_), *atq = reinterpret_cast<const bf16_t*>(atq_);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
@@ -1001,6 +1042,8 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
     const int rs = 16 * warp;                      // its rows of S
     const int row = mode & SCAN_SHARED ? (owners ? (int)owners[b] : 0) : b;
     float* st = state + ((size_t)row * hv + h) * dk * dv;
+    const size_t first = (size_t)bh * nc;  // this (row, head)'s first scratch block
+    if (nc > 0) scan_tc_fetch<NCOL>(smb, wt, u, qt, kd, atq, first, c0, dv);
     // S rows rs + g (+8), columns 8·n + 2c (+1): accumulator element i of [n].
     float s[NS][4];
     #pragma unroll
@@ -1010,95 +1053,70 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
             const int r = rs + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c + i % 2;
             s[n][i] = (mode & SCAN_READ) && r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
-    // The state update's A operand (K'ᵀ rows rs..) and B operands (Δᵀ), per lane.
-    const bf16_t* ka = ldsm_a(k_s, TB_CP, rs, lane);
-    const bf16_t* db = ldsm_b2(dt_s, TB_CP, 0, lane);
-    typedef ChunkOperandsBf<NCOL> Ops;
-    Ops next;  // the next chunk's operands, in flight while this one computes
-    next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
-    for (int chunk = 0; chunk < nc; chunk++) {
-        // This round's operands into shared memory: Sᵀ (a rounded copy), W, Q', K'ᵀ, Aqk, U.
+    // The bf16 copy of S, the B operand of W·S and Q'·S: a word per pair of columns.
+    auto store_s = [&]() {
         #pragma unroll
         for (int n = 0; n < NS; n++)
             #pragma unroll
-            for (int i = 0; i < 4; i++)
-                st_s[(8 * n + 2 * c + i % 2) * TB_LP + rs + g + 8 * (i / 2)] = bf16r(s[n][i]);
-        #pragma unroll
-        for (int k = 0; k < Ops::N8; k++) {
-            const int e = tid + k * TC_THREADS;
-            const int t = e / (DM / 8), r = 8 * (e % (DM / 8));  // W, Q' [CH][DM]
-            *reinterpret_cast<uint4*>(&w_s[t * TB_LP + r]) = next.w[k];
-            *reinterpret_cast<uint4*>(&q_s[t * TB_LP + r]) = next.q[k];
-            const int rk = e / (CH / 8), tk = 8 * (e % (CH / 8));  // K'ᵀ [DM][CH]
-            *reinterpret_cast<uint4*>(&k_s[rk * TB_CP + tk]) = next.k[k];
-        }
-        {  // Aqkᵀ [CH][CH] → Aqk
-            const int sa = tid / (CH / 4), ta = 4 * (tid % (CH / 4));
-            a_s[ta * TB_CP + sa] = (bf16_t)(next.a.x & 0xffffu);
-            a_s[(ta + 1) * TB_CP + sa] = (bf16_t)(next.a.x >> 16);
-            a_s[(ta + 2) * TB_CP + sa] = (bf16_t)(next.a.y & 0xffffu);
-            a_s[(ta + 3) * TB_CP + sa] = (bf16_t)(next.a.y >> 16);
-        }
-        #pragma unroll
-        for (int k = 0; k < Ops::NU; k++) {
-            const int e = tid + k * TC_THREADS;
-            u_s[(e / NCOL) * TC_UP + e % NCOL] = next.u[k];
-        }
-        const float gc = next.gtot;
-        __syncthreads();
-        if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
+            for (int hf = 0; hf < 2; hf++)
+                *reinterpret_cast<unsigned*>(&s_s[(rs + g + 8 * hf) * L::SP + 8 * n + 2 * c]) =
+                    bf16x2(s[n][2 * hf], s[n][2 * hf + 1]);
+    };
+    store_s();
+    for (int chunk = 0; chunk < nc; chunk++) {
+        const unsigned char* buf = smb + (chunk % 2) * L::BUF;
+        const bf16_t* w_s = reinterpret_cast<const bf16_t*>(buf + L::W);
+        const bf16_t* q_s = reinterpret_cast<const bf16_t*>(buf + L::Q);
+        const bf16_t* k_s = reinterpret_cast<const bf16_t*>(buf + L::K);
+        const bf16_t* a_s = reinterpret_cast<const bf16_t*>(buf + L::A);
+        const float* u_s = reinterpret_cast<const float*>(buf + L::U);
+        cp_async_wait<0>();
+        __syncthreads();  // this chunk's operands, S and the last chunk's O are in shared memory
+        // The next chunk's operands into the other buffer (last read in the previous round).
+        if (chunk + 1 < nc)
+            scan_tc_fetch<NCOL>(smb + ((chunk + 1) % 2) * L::BUF, wt, u, qt, kd, atq,
+                                first + chunk + 1, c0, dv);
+        if (chunk > 0) scan_tc_out<D, NCOL>(o_s, out, chunk - 1, b, h, T, hv, dv, c0);
+        const float gc = gtot[first + chunk];
 
         // Δ = U − W·S (warps 0–3) or P = Q'·S (warps 4–7): 16 steps × NCOL/2 columns per warp.
         float acc[NH][4] = {};
-        mma_ldsm<DM, NH>(acc, is_delta ? w_s : q_s, TB_LP, mt, st_s + ch * TB_LP, TB_LP, lane);
+        mma_kn<DM, NH>(acc, is_delta ? w_s : q_s, TB_LP, mt, s_s, L::SP, ch, lane);
         if (is_delta) {
             #pragma unroll
             for (int n = 0; n < NH; n++)
                 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int t = mt + g + 8 * (i / 2), col = ch + 8 * n + 2 * c + i % 2;
-                    dt_s[col * TB_CP + t] = bf16r(u_s[t * TC_UP + col] - acc[n][i]);
+                for (int hf = 0; hf < 2; hf++) {
+                    const int t = mt + g + 8 * hf, col = ch + 8 * n + 2 * c;
+                    const float2 uu = *reinterpret_cast<const float2*>(&u_s[t * L::UP + col]);
+                    *reinterpret_cast<unsigned*>(&d_s[t * L::SP + col]) =
+                        bf16x2(uu.x - acc[n][2 * hf], uu.y - acc[n][2 * hf + 1]);
                 }
         }
-        __syncthreads();
+        __syncthreads();  // Δ is complete; S's copy and O's stage are free
 
-        // O = P + Aqk·Δ (warps 4–7), stored.
+        // O = P + Aqk·Δ (warps 4–7), staged in shared memory.
         if (!is_delta) {
-            mma_ldsm<CH, NH>(acc, a_s, TB_CP, mt, dt_s + ch * TB_CP, TB_CP, lane);
+            mma_kn<CH, NH>(acc, a_s, TB_CP, mt, d_s, L::SP, ch, lane);
             #pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                const int tt = chunk * CH + mt + g + 8 * hf;
-                if (tt < T) {
-                    typename D::T* o = out + (((size_t)b * T + tt) * hv + h) * dv;
-                    #pragma unroll
-                    for (int n = 0; n < NH; n++)
-                        #pragma unroll
-                        for (int q = 0; q < 2; q++) {
-                            const int col = c0 + ch + 8 * n + 2 * c + q;
-                            if (col < dv) D::store(o + col, acc[n][2 * hf + q]);
-                        }
+            for (int n = 0; n < NH; n++)
+                #pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int t = mt + g + 8 * hf, col = ch + 8 * n + 2 * c;
+                    *reinterpret_cast<float2*>(&o_s[t * L::UP + col]) =
+                        make_float2(acc[n][2 * hf], acc[n][2 * hf + 1]);
                 }
-            }
         }
-        // S ← e^{G_CH}·S + K'ᵀ·Δ on this warp's 16 rows.
+        // S ← e^{G_CH}·S + K'ᵀ·Δ on this warp's 16 rows, then its bf16 copy for the next chunk.
         #pragma unroll
         for (int n = 0; n < NS; n++)
             #pragma unroll
             for (int i = 0; i < 4; i++) s[n][i] *= gc;
-        #pragma unroll
-        for (int k0 = 0; k0 < CH; k0 += 16) {
-            unsigned a[4];
-            ldsm4(a, ka + k0);
-            #pragma unroll
-            for (int n = 0; n < NS; n += 2) {
-                unsigned bf[4];
-                ldsm4(bf, db + 8 * n * TB_CP + k0);
-                mma16(s[n], a, {bf[0], bf[1]});
-                mma16(s[n + 1], a, {bf[2], bf[3]});
-            }
-        }
-        __syncthreads();  // everything of this chunk in shared memory is consumed
+        mma_kn<CH, NS>(s, k_s, TB_CP, rs, d_s, L::SP, 0, lane);
+        store_s();
     }
+    __syncthreads();
+    if (nc > 0) scan_tc_out<D, NCOL>(o_s, out, nc - 1, b, h, T, hv, dv, c0);
     if (!(mode & SCAN_WRITE)) return;
     #pragma unroll
     for (int n = 0; n < NS; n++)
@@ -1160,6 +1178,7 @@ GDRC(f16, F16)
                                nc_b, wt, u, qt, kd, atq, gtot, hk, hv, dk, dv, owners, w,         \
                                pitch_a, pitch_b);                                                 \
     }                                                                                             \
+    GDRC_SCAN_TC(gdrc_scan_tc64_##TAG, 64, D)                                                     \
     GDRC_SCAN_TC(gdrc_scan_tc_##TAG, 32, D)                                                       \
     GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)
 GDRC_TC(bf16, BF16)
@@ -1167,7 +1186,9 @@ GDRC_TC(f16, F16)
 static_assert(PREP_TC_SMEM == 48512, "PREP_TC_SMEM");
 static_assert(CH * PT_WS <= CH * PT_VP && PT_KT + CH * PT_QS <= PT_V, "W and Q' fit where they leave");
 static_assert(PT_A % 4 == 0 && PT_TT % 4 == 0 && PT_V % 4 == 0, "float4-aligned tiles");
-static_assert(SCAN_TC_SMEM == 46592, "SCAN_TC_SMEM");
+static_assert(ScanTc<64>::BYTES == 109568 && ScanTc<32>::BYTES == 87040 &&
+                  ScanTc<16>::BYTES == 75776,
+              "ScanTc<NCOL>::BYTES: GDRC_SCAN_TC_SMEM in cuda.rs");
 #endif
 
 // The host's copies of the shared-memory sizes must match.
