@@ -81,9 +81,9 @@ const GDRC_SCAN_SMEM: u32 = 77824;
 const GDRC_PREP_TC_SMEM: u32 = 48512;
 /// The tensor-core scans' columns per block (`NCOL`), widest first, with their shared memory.
 const GDRC_SCAN_TC: [(usize, &str, u32); 3] = [
-    (64, "gdrc_scan_tc64_", 109568),
-    (32, "gdrc_scan_tc_", 87040),
-    (16, "gdrc_scan_tc16_", 75776),
+    (64, "gdrc_scan_tc64_", 101376),
+    (32, "gdrc_scan_tc_", 82944),
+    (16, "gdrc_scan_tc16_", 73728),
 ];
 /// `mode` bits of the tensor-core scans (`SCAN_*` in gdr_chunked.cu): read the state first (else
 /// start at zero), write it at the end, read each row's state from its owner's (row 0's without
@@ -621,8 +621,8 @@ fn tc_scan(dev: &CudaDevice, dtag: &str, heads: usize, dv: usize) -> Result<(Ker
 }
 
 /// Where the chunked kernels' scratch parts lie, for `blocks` (row · head, chunk) blocks: W, Q',
-/// K', Aqk (each transposed or not, as the kernel pair reads it; f32, or bf16 in half as many
-/// floats for the tensor-core pair), U, e^{G_CH}, each `blocks ×` its per-block size.
+/// K', Aqk (each transposed or not, as the kernel pair reads it), U (f32, or bf16 in half as many
+/// floats for the tensor-core pair), e^{G_CH}, each `blocks ×` its per-block size.
 /// Every element is written by a preparation kernel before a scan reads it. One allocation cut
 /// into parts (a short call is host-bound, and every allocation and free costs host time), the
 /// float4-read parts first so they stay aligned.
@@ -635,10 +635,10 @@ impl ScratchLayout {
     fn new(blocks: usize, dv: usize, bf16_operands: bool) -> Self {
         let (c, d) = (GDRC_CHUNK, GDRC_MAX_DIM);
         let per_float = if bf16_operands { 2 } else { 1 };
-        let [cd, cc] = [c * d, c * c].map(|n| n / per_float);
+        let [cd, cc, cu] = [c * d, c * c, c * dv].map(|n| n.div_ceil(per_float));
         Self {
             blocks,
-            per_block: [cd, cd, cd, cc, c * dv, 1],
+            per_block: [cd, cd, cd, cc, cu, 1],
         }
     }
 

@@ -605,7 +605,8 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
 // Scratch layout: each scan operand with k along its rows, as ldmatrix reads it (ldsm4 in mma.cuh), in
 // bf16: W and Q' by rows (wt, qt [c][CH][128]: the A operands of W·S and Q'·S), K'ᵀ (kd
 // [c][128][CH]: the A operand of the state update), Aqk by rows (at [c][CH][CH], the A operand
-// of Aqk·Δ). U and e^{G_CH} in f32 as the FMA kernels.
+// of Aqk·Δ); U by rows, in bf16 too (as flash-linear-attention keeps it: the scan rounds
+// Δ = U − W·S to bf16 anyway). e^{G_CH} in f32.
 
 __device__ __forceinline__ float tf32r(float x) {
     unsigned r;
@@ -797,9 +798,9 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
         }
         __syncthreads();  // kᵀ, A, Tmᵀ and v are consumed: they hold W and Q' on their way out
         float *w_st = vr, *q_st = sm + PT_KT;
-        // U goes straight out, a pair of columns per store: the lanes of a store fill whole
-        // 32-byte sectors of 8 rows.
+        // U goes straight out in bf16, a pair of columns per store.
         const bool pairs = dv % 2 == 0;
+        bf16_t* u16 = reinterpret_cast<bf16_t*>(u);
         #pragma unroll
         for (int mi = 0; mi < 2; mi++)
             #pragma unroll
@@ -808,15 +809,15 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
                 for (int i = 0; i < 4; i += 2) {
                     const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c;
                     const float v0 = acc[mi][n][i], v1 = acc[mi][n][i + 1];
-                    float* ur = u + (cb * CH + t) * dv;
+                    bf16_t* ur = u16 + (cb * CH + t) * dv;
                     if (is_w) {
                         w_st[t * PT_WS + col] = v0;
                         w_st[t * PT_WS + col + 1] = v1;
                     } else if (pairs && col < dv) {
-                        *reinterpret_cast<float2*>(ur + col) = make_float2(v0, v1);
+                        *reinterpret_cast<unsigned*>(ur + col) = bf16x2(v0, v1);
                     } else if (!pairs) {
-                        if (col < dv) ur[col] = v0;
-                        if (col + 1 < dv) ur[col + 1] = v1;
+                        if (col < dv) ur[col] = bf16r(v0);
+                        if (col + 1 < dv) ur[col + 1] = bf16r(v1);
                     }
                 }
         // Q' = diag(e^G)·Q̂, transposed from qᵀ: a lane per step on both sides, no bank shared.
@@ -890,11 +891,11 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
 #define TB_CP 40   // K'ᵀ [DM][..], Aqk [CH][..]: rows of CH (bf16 elements)
 template <int NCOL>
 struct ScanTc {  // shared memory, in bytes
-    static constexpr int SP = NCOL + 8;  // S [DM][..] and Δ [CH][..] (bf16): rows of NCOL
-    static constexpr int UP = NCOL + 4;  // U and O [CH][..] (f32)
+    static constexpr int SP = NCOL + 8;  // S [DM][..], Δ and U [CH][..] (bf16): rows of NCOL
+    static constexpr int UP = NCOL + 4;  // O [CH][..] (f32)
     // One chunk's operands (one buffer): W, Q', K'ᵀ, Aqk, U.
     static constexpr int W = 0, Q = W + CH * TB_LP * 2, K = Q + CH * TB_LP * 2;
-    static constexpr int A = K + DM * TB_CP * 2, U = A + CH * TB_CP * 2, BUF = U + CH * UP * 4;
+    static constexpr int A = K + DM * TB_CP * 2, U = A + CH * TB_CP * 2, BUF = U + CH * SP * 2;
     static constexpr int S = 2 * BUF, D = S + DM * SP * 2, O = D + CH * SP * 2;
     static constexpr int BYTES = O + CH * UP * 4;
 };
@@ -943,10 +944,10 @@ __device__ __forceinline__ void mma_kn(float (&acc)[NT][4], const bf16_t* x, int
 
 // Chunk `c`'s operands (scratch block c) into the buffer at `buf`, as one cp.async group: W, Q'
 // by rows and K'ᵀ, Aqk in bf16 as the preparation lays them out, the block's NCOL columns of U
-// (f32; zeros past Dv; element by element where Dv rows are not 16-byte aligned).
+// (zeros past Dv; element by element where Dv rows are not 16-byte aligned).
 template <int NCOL>
 __device__ __forceinline__ void scan_tc_fetch(unsigned char* buf, const bf16_t* __restrict__ wt,
-                                              const float* __restrict__ u,
+                                              const bf16_t* __restrict__ u,
                                               const bf16_t* __restrict__ qt,
                                               const bf16_t* __restrict__ kd,
                                               const bf16_t* __restrict__ atq, size_t c, int c0,
@@ -965,18 +966,18 @@ __device__ __forceinline__ void scan_tc_fetch(unsigned char* buf, const bf16_t* 
         const int t = tid / (CH / 8), q = 8 * (tid % (CH / 8));
         cp_async16(buf + L::A + (t * TB_CP + q) * 2, atq + (c * CH + t) * CH + q, 16);
     }
-    float* u_s = reinterpret_cast<float*>(buf + L::U);
-    if (dv % 4 == 0) {
+    bf16_t* u_s = reinterpret_cast<bf16_t*>(buf + L::U);
+    if (dv % 8 == 0) {
         #pragma unroll
-        for (int e = tid; e < CH * NCOL / 4; e += TC_THREADS) {
-            const int t = e / (NCOL / 4), col = 4 * (e % (NCOL / 4));
+        for (int e = tid; e < CH * NCOL / 8; e += TC_THREADS) {
+            const int t = e / (NCOL / 8), col = 8 * (e % (NCOL / 8));
             const bool in = c0 + col < dv;
-            cp_async16(u_s + t * L::UP + col, in ? u + (c * CH + t) * dv + c0 + col : u, in ? 16 : 0);
+            cp_async16(u_s + t * L::SP + col, in ? u + (c * CH + t) * dv + c0 + col : u, in ? 16 : 0);
         }
     } else {
         for (int e = tid; e < CH * NCOL; e += TC_THREADS) {
             const int t = e / NCOL, col = e % NCOL;
-            u_s[t * L::UP + col] = c0 + col < dv ? u[(c * CH + t) * dv + c0 + col] : 0.f;
+            u_s[t * L::SP + col] = c0 + col < dv ? u[(c * CH + t) * dv + c0 + col] : 0;
         }
     }
     cp_async_commit();
@@ -1018,7 +1019,7 @@ __device__ __forceinline__ void scan_tc_out(const float* o_s, typename D::T* __r
 #define SCAN_WRITE 2
 #define SCAN_SHARED 4
 template <typename D, int NCOL = 32>
-__device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restrict__ u,
+__device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restrict__ u_,
                              const float* __restrict__ qt_, const float* __restrict__ kd_,
                              const float* __restrict__ atq_, const float* __restrict__ gtot,
                              float* __restrict__ state, const unsigned int* __restrict__ owners,
@@ -1031,6 +1032,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
     float* o_s = reinterpret_cast<float*>(smb + L::O);
     const bf16_t *wt = reinterpret_cast<const bf16_t*>(wt_), *qt = reinterpret_cast<const bf16_t*>(qt_);
     const bf16_t *kd = reinterpret_cast<const bf16_t*>(kd_), *atq = reinterpret_cast<const bf16_t*>(atq_);
+    const bf16_t* u = reinterpret_cast<const bf16_t*>(u_);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv;
     constexpr int NS = NCOL / 8;   // n-tiles of the block's columns (the state update)
@@ -1069,7 +1071,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
         const bf16_t* q_s = reinterpret_cast<const bf16_t*>(buf + L::Q);
         const bf16_t* k_s = reinterpret_cast<const bf16_t*>(buf + L::K);
         const bf16_t* a_s = reinterpret_cast<const bf16_t*>(buf + L::A);
-        const float* u_s = reinterpret_cast<const float*>(buf + L::U);
+        const bf16_t* u_s = reinterpret_cast<const bf16_t*>(buf + L::U);
         cp_async_wait<0>();
         __syncthreads();  // this chunk's operands, S and the last chunk's O are in shared memory
         // The next chunk's operands into the other buffer (last read in the previous round).
@@ -1088,9 +1090,10 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
                 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     const int t = mt + g + 8 * hf, col = ch + 8 * n + 2 * c;
-                    const float2 uu = *reinterpret_cast<const float2*>(&u_s[t * L::UP + col]);
+                    const unsigned uu = *reinterpret_cast<const unsigned*>(&u_s[t * L::SP + col]);
                     *reinterpret_cast<unsigned*>(&d_s[t * L::SP + col]) =
-                        bf16x2(uu.x - acc[n][2 * hf], uu.y - acc[n][2 * hf + 1]);
+                        bf16x2(__uint_as_float(uu << 16) - acc[n][2 * hf],
+                               __uint_as_float(uu & 0xffff0000u) - acc[n][2 * hf + 1]);
                 }
         }
         __syncthreads();  // Δ is complete; S's copy and O's stage are free
@@ -1186,8 +1189,8 @@ GDRC_TC(f16, F16)
 static_assert(PREP_TC_SMEM == 48512, "PREP_TC_SMEM");
 static_assert(CH * PT_WS <= CH * PT_VP && PT_KT + CH * PT_QS <= PT_V, "W and Q' fit where they leave");
 static_assert(PT_A % 4 == 0 && PT_TT % 4 == 0 && PT_V % 4 == 0, "float4-aligned tiles");
-static_assert(ScanTc<64>::BYTES == 109568 && ScanTc<32>::BYTES == 87040 &&
-                  ScanTc<16>::BYTES == 75776,
+static_assert(ScanTc<64>::BYTES == 101376 && ScanTc<32>::BYTES == 82944 &&
+                  ScanTc<16>::BYTES == 73728,
               "ScanTc<NCOL>::BYTES: GDRC_SCAN_TC_SMEM in cuda.rs");
 #endif
 
