@@ -238,24 +238,43 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
             const E* src = raw(t0 + i0 + p - 3);
             win[p] = src ? *reinterpret_cast<const uint2*>(src + c0) : make_uint2(0u, 0u);
         }
+        // The run's outputs, rounded to the dtype in pairs of steps (zero past len), before
+        // any store: q and k go out as a word per pair of steps, v as 4 channels of a step.
+        unsigned y[NCH][RUN / 2];
         #pragma unroll
         for (int c = 0; c < NCH; c++) {
             // w[c0 + c, 0..4], read with its pair's (16 bytes). Loaded per channel: kept for
             // both channels of a pair, the preparation spilled.
             const uint4 wc = *reinterpret_cast<const uint4*>(cv.w + (size_t)(c0 + c - c % 2) * 4);
-            const int tap0 = 4 * (c % 2), r = r0 + c;
+            const int tap0 = 4 * (c % 2);
             const float w0 = unpack8<D>(wc, tap0), w1 = unpack8<D>(wc, tap0 + 1),
                         w2 = unpack8<D>(wc, tap0 + 2), w3 = unpack8<D>(wc, tap0 + 3);
+            float o[RUN];
             #pragma unroll
             for (int j = 0; j < RUN; j++) {
-                const int i = i0 + j;
                 const float acc = w0 * unpack4<D>(win[j], c) + w1 * unpack4<D>(win[j + 1], c) +
                                   w2 * unpack4<D>(win[j + 2], c) + w3 * unpack4<D>(win[j + 3], c);
-                const unsigned short y = t0 + i < len ? pack16<D>(silu<D>(acc)) : 0;
-                if (is_v)
-                    s.vr[i * s.vp + r] = D::load(&y);
-                else
-                    (is_k ? s.k16 : s.q16)[r * s.tp + swz(r, i)] = y;
+                o[j] = t0 + i0 + j < len ? silu<D>(acc) : 0.f;
+            }
+            #pragma unroll
+            for (int j = 0; j < RUN; j += 2) y[c][j / 2] = D::pack2(o[j], o[j + 1]);
+        }
+        if (is_v) {
+            #pragma unroll
+            for (int j = 0; j < RUN; j++) {
+                float v[NCH];
+                #pragma unroll
+                for (int c = 0; c < NCH; c++) v[c] = unpack4<D>(make_uint2(y[c][j / 2], 0u), j % 2);
+                st4(&s.vr[(i0 + j) * s.vp + r0], v[0], v[1], v[2], v[3]);
+            }
+        } else {
+            unsigned short* tile = is_k ? s.k16 : s.q16;
+            #pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                const int r = r0 + c;
+                #pragma unroll
+                for (int j = 0; j < RUN; j += 2)  // swz keeps a pair's two steps side by side
+                    *reinterpret_cast<unsigned*>(&tile[r * s.tp + swz(r, i0 + j)]) = y[c][j / 2];
             }
         }
     }
