@@ -42,11 +42,6 @@ __device__ __forceinline__ const bf16_t* ldsm_a(const bf16_t* x, int p, int m0, 
 __device__ __forceinline__ const bf16_t* ldsm_b2(const bf16_t* y, int p, int n0, int lane) {
     return y + (n0 + (lane & 7) + 8 * (lane >> 4)) * p + 8 * ((lane >> 3) & 1);
 }
-// ... for the B fragments of one n-tile at two k-steps (k +0, +8, +16, +24): registers {0, 1}
-// are k-step k0's fragment, {2, 3} k-step k0 + 16's.
-__device__ __forceinline__ const bf16_t* ldsm_bk(const bf16_t* y, int p, int n0, int lane) {
-    return y + (n0 + (lane & 7)) * p + 8 * (lane >> 3);
-}
 // ... with each 8 × 8 tile transposed: the B fragment of a matrix stored with n along its rows
 // (y[k][n]); lanes give row addresses as for ldsm4.
 __device__ __forceinline__ void ldsm4t(unsigned (&r)[4], const bf16_t* p) {
