@@ -901,9 +901,9 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
 }
 
 // The scan's tensor-core blocks (bf16/f16 models): NCOL (16, 32 or 64) state columns per block of
-// 8 warps (bf16 operands, f32 state: see above). One chunk's operands arrive by cp.async into one of two buffers while the previous
-// chunk computes (no registers held for them, so 64 columns fit in two blocks per multiprocessor:
-// a batch's states then take one wave instead of two). S and Δ are kept by rows in bf16 (pairs
+// 8 warps (bf16 operands, f32 state: see above). One chunk's operands arrive by cp.async into one
+// of two buffers while the previous chunk computes (no registers held for them, so 64 columns fit
+// in two blocks per multiprocessor: a batch's states then take one wave instead of two). S and Δ are kept by rows in bf16 (pairs
 // stored as one word, no bank shared) and read as B operands by ldmatrix.trans; O goes out
 // through shared memory as 16-byte rows.
 #define TB_LP 136  // W, Q' [CH][..]: rows of DM (bf16 elements; ≡ 16 mod 128 bytes for ldmatrix)
@@ -915,7 +915,7 @@ struct ScanTc {  // shared memory, in bytes
     // One chunk's operands (one buffer): W, Q', K'ᵀ, Aqk, U.
     static constexpr int W = 0, Q = W + CH * TB_LP * 2, K = Q + CH * TB_LP * 2;
     static constexpr int A = K + DM * TB_CP * 2, U = A + CH * TB_CP * 2, BUF = U + CH * SP * 2;
-    static constexpr int S = 2 * BUF, D = S + DM * SP * 2, O = D + CH * SP * 2;
+    static constexpr int S = 2 * BUF, DLT = S + DM * SP * 2, O = DLT + CH * SP * 2;  // S, Δ, O
     static constexpr int BYTES = O + CH * UP * 4;
 };
 
@@ -1047,7 +1047,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
     typedef ScanTc<NCOL> L;
     extern __shared__ __align__(16) unsigned char smb[];
     bf16_t* s_s = reinterpret_cast<bf16_t*>(smb + L::S);
-    bf16_t* d_s = reinterpret_cast<bf16_t*>(smb + L::D);
+    bf16_t* d_s = reinterpret_cast<bf16_t*>(smb + L::DLT);
     float* o_s = reinterpret_cast<float*>(smb + L::O);
     const bf16_t *wt = reinterpret_cast<const bf16_t*>(wt_), *qt = reinterpret_cast<const bf16_t*>(qt_);
     const bf16_t *kd = reinterpret_cast<const bf16_t*>(kd_), *atq = reinterpret_cast<const bf16_t*>(atq_);
@@ -1210,7 +1210,7 @@ static_assert(CH * PT_WS <= CH * PT_VP && PT_KT + CH * PT_QS <= PT_V, "W and Q' 
 static_assert(PT_A % 4 == 0 && PT_TT % 4 == 0 && PT_V % 4 == 0, "float4-aligned tiles");
 static_assert(ScanTc<64>::BYTES == 101376 && ScanTc<32>::BYTES == 82944 &&
                   ScanTc<16>::BYTES == 73728,
-              "ScanTc<NCOL>::BYTES: GDRC_SCAN_TC_SMEM in cuda.rs");
+              "ScanTc<NCOL>::BYTES: GDRC_SCAN_TC in cuda.rs");
 #endif
 
 // The host's copies of the shared-memory sizes must match.
