@@ -154,10 +154,7 @@ impl DecisionModel {
             } else {
                 (dtype, dtype)
             };
-        let config_text = std::fs::read_to_string(&checkpoint.base.config)
-            .map_err(|e| Error::io(&checkpoint.base.config, e))?;
-        let cfg = Config::from_json(&config_text)
-            .map_err(|m| Error::config(&checkpoint.base.config, "text_config", m))?;
+        let cfg = Config::from_file(&checkpoint.base.config)?;
         let adapter = match (
             checkpoint.adapter_config_path(),
             checkpoint.adapter_weights_path(),
@@ -174,6 +171,7 @@ impl DecisionModel {
         )?
         .with_projection_dtype(weights_dtype);
         let model = Model::new(&cfg, &weights)?;
+        weights.check_all_used()?;
         let head_cfg = &checkpoint.config.head;
         let head = PointerHead::load(
             &checkpoint.head_path,
@@ -183,16 +181,18 @@ impl DecisionModel {
             &device,
         )?;
         let encoder = checkpoint.encoder()?;
-        let vocab = encoder.tokenizer().get_vocab_size(true);
-        if vocab > cfg.vocab_size {
-            return Err(Error::config(
-                &checkpoint.base.config,
-                "vocab_size",
-                format!(
-                    "the tokenizer has {vocab} tokens but the model only {} embeddings",
-                    cfg.vocab_size
+        // Every id the tokenizer can produce needs an embedding row; checked here, not when a
+        // record first meets the token.
+        let max_id = encoder.max_token_id() as usize;
+        if max_id >= cfg.vocab_size {
+            return Err(Error::Tokenizer {
+                path: Some(encoder.tokenizer_path().to_path_buf()),
+                message: format!(
+                    "token id {max_id} has no embedding: the model's `vocab_size` is {} (`{}`)",
+                    cfg.vocab_size,
+                    checkpoint.base.config.display()
                 ),
-            ));
+            });
         }
         settle(&device)?;
         crate::device::release_freed_memory();
@@ -252,8 +252,11 @@ impl DecisionModel {
     /// replays a CUDA graph ([`LoadOptions::cuda_graphs`]).
     pub fn forward(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
         let (state, rows) = self.encode(record)?.rows();
-        self.logits_per_record(self.plan(vec![(state, rows)]))
-            .map(|mut per_record| per_record.remove(0))
+        let logits = self
+            .logits_per_record(self.plan(vec![(state, rows)]))?
+            .remove(0);
+        check_finite(record, 0, &logits)?;
+        Ok(logits)
     }
 
     /// The plan scoring `records` (each a state and its rows) in one go.
@@ -414,20 +417,20 @@ impl DecisionModel {
 
     /// Probabilities per question (prefix form).
     pub fn probs(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
-        Ok(self.forward(record)?.iter().map(|l| softmax(l)).collect())
+        probabilities(record, 0, &self.forward(record)?)
     }
 
     /// Probabilities per question, and the state's prefix for reuse.
     pub fn probs_and_prefix(&self, record: &Record) -> Result<(Vec<Vec<f32>>, Prefix)> {
         let (logits, prefix) = self.logits_and_prefix(record, None)?;
         let prefix = prefix.expect("a prefix is computed when none is given");
-        Ok((logits.iter().map(|l| softmax(l)).collect(), prefix))
+        Ok((probabilities(record, 0, &logits)?, prefix))
     }
 
     /// Probabilities per question, reusing `prefix` (which must come from the same state).
     pub fn probs_with_prefix(&self, record: &Record, prefix: &Prefix) -> Result<Vec<Vec<f32>>> {
         let (logits, _) = self.logits_and_prefix(record, Some(prefix))?;
-        Ok(logits.iter().map(|l| softmax(l)).collect())
+        probabilities(record, 0, &logits)
     }
 
     /// Runs `record.state` once into a prefix.
@@ -464,10 +467,12 @@ impl DecisionModel {
             .collect();
         let encoded = encoded.into_iter().collect::<Result<Vec<_>>>()?;
         let logits = self.logits_per_record(self.plan(encoded))?;
-        Ok(logits
+        records
             .iter()
-            .map(|questions| questions.iter().map(|l| softmax(l)).collect())
-            .collect())
+            .zip(&logits)
+            .enumerate()
+            .map(|(i, (record, questions))| probabilities(record, i, questions))
+            .collect()
     }
 
     fn logits_and_prefix(
@@ -584,6 +589,30 @@ impl DecisionModel {
             )
             .map_err(&err)
     }
+}
+
+/// Refuses logits that are not finite (NaN or infinity from the weights or the activations):
+/// an [`Error::NonFinite`] naming the record, never output.
+fn check_finite(record: &Record, index: usize, logits: &[Vec<f32>]) -> Result<()> {
+    match logits
+        .iter()
+        .position(|l| !l.iter().all(|x| x.is_finite()))
+    {
+        None => Ok(()),
+        Some(question) => Err(Error::NonFinite {
+            id: record.id.clone(),
+            index,
+            question,
+        }),
+    }
+}
+
+/// Each question's softmax, checked finite with its logits (see [`check_finite`]).
+fn probabilities(record: &Record, index: usize, logits: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+    check_finite(record, index, logits)?;
+    let probs: Vec<Vec<f32>> = logits.iter().map(|l| softmax(l)).collect();
+    check_finite(record, index, &probs)?;
+    Ok(probs)
 }
 
 /// Where the head reads rows `rows` of width `width` (flat indices into their `B·width`
