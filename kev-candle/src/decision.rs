@@ -594,10 +594,7 @@ impl DecisionModel {
 /// Refuses logits that are not finite (NaN or infinity from the weights or the activations):
 /// an [`Error::NonFinite`] naming the record, never output.
 fn check_finite(record: &Record, index: usize, logits: &[Vec<f32>]) -> Result<()> {
-    match logits
-        .iter()
-        .position(|l| !l.iter().all(|x| x.is_finite()))
-    {
+    match logits.iter().position(|l| !l.iter().all(|x| x.is_finite())) {
         None => Ok(()),
         Some(question) => Err(Error::NonFinite {
             id: record.id.clone(),

@@ -129,9 +129,9 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
             return Err(fault(
                 "layer_replication",
                 format!(
-                    "is not supported (got {}): the runtime folds adapters into the base's own layers",
-                    json::show(v)
-                ),
+                "is not supported (got {}): the runtime folds adapters into the base's own layers",
+                json::show(v)
+            ),
             ))
         }
     }

@@ -597,7 +597,9 @@ mod tests {
         let r = record(&"x".repeat(50 << 20), &[("which ?", &["a"])]);
         let msg = e.encode(&r, Some(4)).unwrap_err().to_string();
         assert!(
-            msg.starts_with("record at line 4 (`r1`): field `state`: is 52428800 bytes, so at least"),
+            msg.starts_with(
+                "record at line 4 (`r1`): field `state`: is 52428800 bytes, so at least"
+            ),
             "{msg}"
         );
         // A word-level tokenizer gives no bound (an unknown word is one token).

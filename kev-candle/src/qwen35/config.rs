@@ -97,7 +97,9 @@ impl Fields<'_> {
                 .as_u64()
                 .and_then(|n| usize::try_from(n).ok())
                 .map(Some)
-                .ok_or_else(|| self.fault(key, format!("must be a non-negative integer, found {v}"))),
+                .ok_or_else(|| {
+                    self.fault(key, format!("must be a non-negative integer, found {v}"))
+                }),
         }
     }
 
@@ -179,11 +181,17 @@ impl Config {
         };
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
-                return Err(f.fault("hidden_act", format!("`{act}` is not supported: only `silu`")));
+                return Err(f.fault(
+                    "hidden_act",
+                    format!("`{act}` is not supported: only `silu`"),
+                ));
             }
         }
         if f.opt_bool("attention_bias")? == Some(true) {
-            return Err(f.fault("attention_bias", "`true` is not supported: Qwen3.5 has no biases"));
+            return Err(f.fault(
+                "attention_bias",
+                "`true` is not supported: Qwen3.5 has no biases",
+            ));
         }
         let num_hidden_layers = f.size("num_hidden_layers")?;
         let layer_types = match f.obj.get("layer_types") {
@@ -210,7 +218,9 @@ impl Config {
                     Some("full_attention") => Ok(LayerType::FullAttention),
                     _ => Err(f.fault(
                         &format!("layer_types[{i}]"),
-                        format!("`{t}` is unknown: expected `linear_attention` or `full_attention`"),
+                        format!(
+                            "`{t}` is unknown: expected `linear_attention` or `full_attention`"
+                        ),
                     )),
                 })
                 .collect::<Result<Vec<_>, _>>()?,
@@ -266,7 +276,9 @@ impl Config {
         let rope_theta = match pick("rope_theta")? {
             None => 10_000_000.0,
             Some((x, _)) if x.is_finite() && x > 0.0 => x,
-            Some((x, fault)) => return Err(with(fault, format!("must be finite and > 0, got {x}"))),
+            Some((x, fault)) => {
+                return Err(with(fault, format!("must be finite and > 0, got {x}")))
+            }
         };
         let head_dim = f.size("head_dim")?;
         let (factor, factor_fault) = pick("partial_rotary_factor")?
@@ -394,12 +406,30 @@ mod tests {
             ),
             (flat(", \"rms_norm_eps\": -1e-6"), "rms_norm_eps"),
             (flat(", \"rms_norm_eps\": 1e-60"), "rms_norm_eps"),
-            (nested(", \"hidden_act\": \"gelu\""), "text_config.hidden_act"),
-            (nested(", \"layer_types\": [\"x\", 1, 2, 3]"), "text_config.layer_types[0]"),
-            (flat(", \"partial_rotary_factor\": 0.3"), "partial_rotary_factor"),
-            (flat(", \"partial_rotary_factor\": 2"), "partial_rotary_factor"),
-            (TEXT.replace("\"hidden_size\": 64", "\"hidden_size\": 0") + "}", "hidden_size"),
-            (TEXT.replace("\"head_dim\": 32", "\"head_dim\": \"32\"") + "}", "head_dim"),
+            (
+                nested(", \"hidden_act\": \"gelu\""),
+                "text_config.hidden_act",
+            ),
+            (
+                nested(", \"layer_types\": [\"x\", 1, 2, 3]"),
+                "text_config.layer_types[0]",
+            ),
+            (
+                flat(", \"partial_rotary_factor\": 0.3"),
+                "partial_rotary_factor",
+            ),
+            (
+                flat(", \"partial_rotary_factor\": 2"),
+                "partial_rotary_factor",
+            ),
+            (
+                TEXT.replace("\"hidden_size\": 64", "\"hidden_size\": 0") + "}",
+                "hidden_size",
+            ),
+            (
+                TEXT.replace("\"head_dim\": 32", "\"head_dim\": \"32\"") + "}",
+                "head_dim",
+            ),
             (TEXT.replace("\"vocab_size\": 300,", "") + "}", "vocab_size"),
         ];
         for (json, field) in cases {
