@@ -432,6 +432,9 @@ fn out_of_device_memory_is_a_recoverable_error() {
     );
     drop(hog);
     let again = model.probs_batch(&batch).unwrap();
-    assert_eq!(again, want, "the model must be usable, and unchanged, after the failure");
+    assert_eq!(
+        again, want,
+        "the model must be usable, and unchanged, after the failure"
+    );
     assert_eq!(model.probs(&batch[0]).unwrap(), want[0]);
 }
