@@ -9,9 +9,10 @@
 # this CPU (GGML_NATIVE), only the llama-bench tool. The checkpoint's base model (random weights,
 # LoRA not folded: prefill speed does not depend on it) is converted to GGUF with llama.cpp's
 # converter (bench/llamacpp_convert.py) in each of TYPES (`--no-mtp`: the checkpoints have no
-# multi-token-prediction block, and Kev does not use one), and `llama-bench -p 512 -n 0` measures the prefill of 512 tokens. Kev then runs
-# the state pass of the one-request workload (a 512-token state; bench example `--form state`) on
-# the same checkpoint, in each of KEV_TYPES, in the same command.
+# multi-token-prediction block, and Kev does not use one), and `llama-bench -p 512 -n 0` measures
+# the prefill of 512 tokens. Kev then runs the state pass of the one-request workload (a 512-token
+# state; bench example `--form state`) on the same checkpoint, in each of KEV_TYPES, in the same
+# command.
 #
 # Environment knobs (defaults in brackets):
 #   KEV_TYPES ["f32 bf16"] (Kev's dtypes; bf16 on a CPU with AVX512-BF16 is bf16 weights with f32
