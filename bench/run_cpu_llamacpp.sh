@@ -49,7 +49,8 @@ mkdir -p "$LLAMA" "$CACHE/gguf"
 if [ ! -d "$SRC" ]; then
   echo "== fetching llama-cpp-python $VERSION (vendored llama.cpp) from PyPI" >&2
   rm -rf "$LLAMA/sdist" && mkdir -p "$LLAMA/sdist"
-  "$PYTHON" -m pip download -q "llama-cpp-python==$VERSION" --no-deps --no-binary :all: -d "$LLAMA/sdist"
+  "$PYTHON" -m pip download -q "llama-cpp-python==$VERSION" --no-deps --no-binary llama-cpp-python \
+    -d "$LLAMA/sdist"
   sdist=$LLAMA/sdist/llama_cpp_python-$VERSION.tar.gz
   echo "$SHA256  $sdist" | sha256sum -c --quiet - || { echo "sha256 mismatch for $sdist" >&2; exit 1; }
   mv "$sdist" "$LLAMA/sdist.tar.gz"
