@@ -1,4 +1,4 @@
-//! [`DecisionModel`]: a Kev checkpoint loaded for scoring (KEV.md §3, §6).
+//! [`DecisionModel`]: a Kev checkpoint loaded for scoring (docs/CONTRACT.md §3, §6).
 //!
 //! Two forms compute the same numbers. The row form runs `state ++ branch_j` for each question
 //! (the reference). The prefix form runs the state once into a [`Cache`], then all branches as
@@ -243,7 +243,7 @@ impl DecisionModel {
         &self.encoder
     }
 
-    /// Token ids, segments and positions of `record` (KEV.md §2).
+    /// Token ids, segments and positions of `record` (docs/CONTRACT.md §2).
     pub fn encode(&self, record: &Record) -> Result<Encoding> {
         self.encoder.encode(record, None)
     }

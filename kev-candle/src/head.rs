@@ -1,4 +1,4 @@
-//! The pointer head (KEV.md §3), always f32, on the backbone's device:
+//! The pointer head (docs/CONTRACT.md §3), always f32, on the backbone's device:
 //! `q = Wq·h_decide + bq`, `k_i = Wk·h_opt_i + bk`, `logit_i = q·k_i / (√dim · temperature)`.
 
 use std::path::Path;

@@ -1,4 +1,4 @@
-//! Folding a PEFT LoRA adapter into the base weights (KEV.md §5).
+//! Folding a PEFT LoRA adapter into the base weights (docs/CONTRACT.md §5).
 //!
 //! The merge happens once, at load, on the CPU in f32: `W' = W + (B·A)·s·lora_scale`, with `s`
 //! from `adapter_config.json` (`alpha/r`, or `alpha/√r` with rsLoRA), and the result is rounded

@@ -1,4 +1,4 @@
-//! Record encoding (KEV.md §2): token ids, segments and the positions the pointer head reads.
+//! Record encoding (docs/CONTRACT.md §2): token ids, segments and the positions the head reads.
 //!
 //! Each text piece (the formatted state, each formatted prompt, each formatted option) is tokenized
 //! **on its own**, without special tokens, and the pieces are concatenated with the marker ids in
@@ -236,7 +236,7 @@ impl Encoder {
         &self.tokenizer_path
     }
 
-    /// Encodes a record (KEV.md §2). `line` is the record's input line, used in errors.
+    /// Encodes a record (docs/CONTRACT.md §2). `line` is the record's input line, used in errors.
     ///
     /// Validates the record first ([`Record::validate`]). Errors: [`Error::Record`] when a text
     /// contains a marker token (it would corrupt the positions), [`Error::TooLong`] when the state

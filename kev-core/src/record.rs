@@ -1,4 +1,4 @@
-//! Records (KEV.md §1): one shared state and one or more multiple-choice questions.
+//! Records (docs/CONTRACT.md §1): one shared state and one or more multiple-choice questions.
 //!
 //! Records arrive as JSON, one per line of a JSONL file. Parsing goes through
 //! [`serde_json::Value`] and checks every field by hand, so each error names the line, the record

@@ -1,4 +1,4 @@
-//! The chunked (UT/WY) form of the gated delta rule, QWEN35.md §8.2, written with batched
+//! The chunked (UT/WY) form of the gated delta rule, docs/BACKBONE.md §8.2, written with batched
 //! matmuls so the GPU's matrix units do the work instead of a step-by-step scan.
 //!
 //! Per (row, value head) and chunk of C = 64 steps with state S at the chunk start:

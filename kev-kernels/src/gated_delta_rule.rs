@@ -1,4 +1,4 @@
-//! The gated delta rule (Gated DeltaNet recurrence), QWEN35.md §3 step 7 / §8.1.
+//! The gated delta rule (Gated DeltaNet recurrence), docs/BACKBONE.md §3 step 7 / §8.1.
 //!
 //! Per batch row b and value head h, with the state `S: [Dk, Dv]` (f32) and for each step t:
 //! ```text

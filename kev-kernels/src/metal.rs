@@ -4,7 +4,7 @@
 //! at run time, once per device, and their pipelines cached. Every buffer a kernel writes is
 //! declared with `set_output_buffer` (the in-place state included): since candle 0.11 the compute
 //! encoder dispatches concurrently and inserts barriers only from those declarations
-//! (CANDLE.md §1.2). Outputs are allocated before taking the command encoder, which holds candle's
+//! (docs/DESIGN.md §4). Outputs are allocated before taking the command encoder, which holds candle's
 //! command mutex.
 //!
 //! The kernels' logic is tested on Linux by the emulation harness (`tests/metal_emu/`); on a Mac,

@@ -1,4 +1,4 @@
-//! The text config of a Qwen3.5 checkpoint, read from a real `config.json` (QWEN35.md §1).
+//! The text config of a Qwen3.5 checkpoint, read from a real `config.json` (docs/BACKBONE.md §1).
 //!
 //! Accepts the published multimodal wrapper (values under `text_config`) and text-only files,
 //! RoPE settings under `rope_parameters` or the older top-level `rope_theta` /
