@@ -48,7 +48,8 @@ pub enum GdrForm {
     Chunked,
 }
 
-/// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA).
+/// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA); the CUDA kernels' `L2NORM_EPS` in
+/// `kernels/common.cuh` must equal it.
 pub(crate) const L2NORM_EPS: f32 = 1e-6;
 
 /// Head counts and sizes of one Gated DeltaNet layer.

@@ -20,7 +20,7 @@ use candle_metal_kernels::metal::{ComputePipeline, Library};
 use objc2_metal::{MTLComputePipelineState, MTLSize};
 
 use crate::causal_conv1d::CausalConv1d;
-use crate::gated_delta_rule::{GatedDeltaRule, GdrDims};
+use crate::gated_delta_rule::{GatedDeltaRule, GdrDims, L2NORM_EPS};
 
 /// One MSL source file, compiled into one library per device.
 struct Source {
@@ -47,8 +47,6 @@ const GDR_COLUMNS_PER_GROUP: usize = 4;
 const GDR_MAX_DK: usize = 256;
 /// Threads per causal-conv1d threadgroup (one output element each); a common Metal default.
 const CONV_THREADS_PER_GROUP: usize = 256;
-/// The l2norm epsilon added to Σx², as the CPU op (HF `l2norm`, FLA).
-const L2NORM_EPS: f32 = 1e-6;
 /// Metal's limit for `setBytes`; larger per-row lengths go through a buffer.
 const SET_BYTES_LIMIT: usize = 4096;
 
