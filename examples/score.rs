@@ -20,7 +20,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use kev::score::{OutputPlan, Progress, ScoreOptions, Summary};
+use kev::score::{OutputPlan, Progress, ScoreError, ScoreOptions, Summary};
 use kev::{Backend, DType, DecisionModel, LoadOptions};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
@@ -65,8 +65,13 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            if let Some(p) = partial.filter(|p: &PathBuf| p.metadata().is_ok_and(|m| m.len() > 0))
-            {
+            // A partial file that does not match the input is not worth resuming.
+            let resumable = !matches!(
+                e.downcast_ref::<ScoreError>(),
+                Some(ScoreError::Resume { .. })
+            );
+            let kept = |p: &PathBuf| resumable && p.metadata().is_ok_and(|m| m.len() > 0);
+            if let Some(p) = partial.filter(kept) {
                 eprintln!(
                     "the lines written so far are in `{}`: rerun with --resume to continue",
                     p.display()
@@ -145,19 +150,24 @@ fn print_summary(s: &Summary) {
 /// nothing but skip reports otherwise.
 struct Bars {
     bar: Option<ProgressBar>,
-    scoring: bool,
+    phase: Phase,
+}
+
+#[derive(PartialEq)]
+enum Phase {
+    Start,
+    Validating,
+    Scoring,
 }
 
 impl Bars {
     fn new() -> Self {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-            set_style(&bar, "validating {bytes}/{total_bytes} {bytes_per_sec} eta {eta}");
-            bar
-        });
+        let bar = std::io::stderr()
+            .is_terminal()
+            .then(|| ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()));
         Bars {
             bar,
-            scoring: false,
+            phase: Phase::Start,
         }
     }
 
@@ -176,15 +186,21 @@ fn set_style(bar: &ProgressBar, template: &str) {
 
 impl Progress for Bars {
     fn validating(&mut self, read: u64, total: Option<u64>) {
-        if let Some(bar) = &self.bar {
-            if bar.length() != total {
-                match total {
-                    Some(t) => bar.set_length(t),
-                    None => bar.unset_length(),
+        let Some(bar) = &self.bar else { return };
+        if self.phase == Phase::Start {
+            self.phase = Phase::Validating;
+            match total {
+                Some(t) => {
+                    bar.set_length(t);
+                    set_style(
+                        bar,
+                        "validating {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+                    );
                 }
+                None => set_style(bar, "validating {bytes} {binary_bytes_per_sec}"),
             }
-            bar.set_position(read);
         }
+        bar.set_position(read);
     }
 
     fn skipped(&mut self, error: &kev::Error) {
@@ -196,17 +212,16 @@ impl Progress for Bars {
     }
 
     fn scoring(&mut self, done: u64, total: u64) {
-        if let Some(bar) = &self.bar {
-            if !self.scoring {
-                self.scoring = true;
-                bar.reset();
-                bar.set_length(total);
-                set_style(
-                    bar,
-                    "{bar:40} {pos}/{len} records {per_sec} eta {eta} ({elapsed})",
-                );
-            }
-            bar.set_position(done);
+        let Some(bar) = &self.bar else { return };
+        if self.phase != Phase::Scoring {
+            self.phase = Phase::Scoring;
+            bar.reset();
+            bar.set_length(total);
+            set_style(
+                bar,
+                "{bar:40} {pos}/{len} records {per_sec} eta {eta} ({elapsed})",
+            );
         }
+        bar.set_position(done);
     }
 }

@@ -264,7 +264,11 @@ pub fn score(
         (0, _) | (_, None) => None,
         (_, Some(partial)) => Some(PreviousLines {
             reader: BufReader::new(File::open(partial).map_err(|e| {
-                ScoreError::output(output.target(), format!("reading `{}`", partial.display()), e)
+                ScoreError::output(
+                    output.target(),
+                    format!("reading `{}`", partial.display()),
+                    e,
+                )
             })?),
             partial: partial.to_path_buf(),
             buf: String::new(),
@@ -307,7 +311,10 @@ pub fn score(
     }
     if valid < resumed {
         return Err(ScoreError::Resume {
-            partial: output.partial_path().unwrap_or(output.target()).to_path_buf(),
+            partial: output
+                .partial_path()
+                .unwrap_or(output.target())
+                .to_path_buf(),
             message: format!(
                 "it holds {resumed} lines, but `{}` has only {valid} valid records",
                 name.display()
@@ -339,7 +346,11 @@ pub fn score(
         let record = match record {
             Ok(r) => r,
             Err(e @ kev_core::Error::Io { .. }) => return Err(e.into()),
-            Err(e) => return Err(changed(format!("{e} (it was valid in the validation pass)"))),
+            Err(e) => {
+                return Err(changed(format!(
+                    "{e} (it was valid in the validation pass)"
+                )))
+            }
         };
         seen += 1;
         if seen > valid {
@@ -430,16 +441,24 @@ struct PreviousLines {
 impl PreviousLines {
     /// Checks that the next line is `record`'s (same ids, one distribution of the right
     /// length per question, finite, its argmax naming the option) and counts it in `metrics`.
-    fn check(&mut self, record: &Record, line: usize, metrics: &mut Metrics) -> Result<(), ScoreError> {
+    fn check(
+        &mut self,
+        record: &Record,
+        line: usize,
+        metrics: &mut Metrics,
+    ) -> Result<(), ScoreError> {
         let mismatch = |message: String| ScoreError::Resume {
             partial: self.partial.clone(),
             message: format!("{message}; remove it or run without resume"),
         };
         self.buf.clear();
-        let n = self.reader.read_line(&mut self.buf).map_err(|e| ScoreError::Resume {
-            partial: self.partial.clone(),
-            message: format!("reading it: {e}"),
-        })?;
+        let n = self
+            .reader
+            .read_line(&mut self.buf)
+            .map_err(|e| ScoreError::Resume {
+                partial: self.partial.clone(),
+                message: format!("reading it: {e}"),
+            })?;
         if n == 0 {
             return Err(mismatch("it ended early".into()));
         }

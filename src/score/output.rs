@@ -37,7 +37,9 @@ pub struct OutputPlan {
 enum PlanKind {
     Stdout,
     /// Not a regular file: opened for writing as it is.
-    Through { resolved: PathBuf },
+    Through {
+        resolved: PathBuf,
+    },
     /// A regular file or a new one: written beside `dest` (symlinks resolved) and renamed.
     Replace {
         dest: PathBuf,
@@ -237,8 +239,8 @@ impl OutputPlan {
                 }
                 let kept = match resume {
                     Some(align) if existed => {
-                        let (lines, bytes) = complete_lines(&file, align)
-                            .map_err(|e| err(step("reading"), e))?;
+                        let (lines, bytes) =
+                            complete_lines(&file, align).map_err(|e| err(step("reading"), e))?;
                         file.set_len(bytes)
                             .map_err(|e| err(step("truncating"), e))?;
                         file.seek(SeekFrom::End(0))
@@ -331,9 +333,7 @@ impl Output {
         let target = self.target.clone();
         let fail = |step: String, e| ScoreError::output(&target, step, e);
         match sink {
-            Sink::Stdout(mut w) => w
-                .flush()
-                .map_err(|e| stdout_error(&target, self.lines, e)),
+            Sink::Stdout(mut w) => w.flush().map_err(|e| stdout_error(&target, self.lines, e)),
             Sink::Through(mut w) => w.flush().map_err(|e| fail("writing".into(), e)),
             Sink::Replace {
                 writer,

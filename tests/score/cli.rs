@@ -42,7 +42,10 @@ fn default_run_scores_every_record_to_stdout() {
     let text = String::from_utf8(out.stdout.clone()).unwrap();
     assert_eq!(text.lines().count(), record_lines().len());
     let err = stderr(&out);
-    assert!(err.contains("records: 12, questions: 21, skipped: 0"), "{err}");
+    assert!(
+        err.contains("records: 12, questions: 21, skipped: 0"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -85,7 +88,12 @@ fn dev_full_fails_naming_the_target() {
 #[test]
 fn full_stdout_fails() {
     let out = Command::new(score_bin())
-        .stdout(std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap())
+        .stdout(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap(),
+        )
         .output()
         .unwrap();
     let err = stderr(&out);
@@ -127,14 +135,24 @@ fn invalid_record_exits_1_names_the_line_and_writes_nothing() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("line 5"), "{err}");
     assert!(!target.exists());
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "only the input is left");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "only the input is left"
+    );
 
     let out = score(&[&args[..], &["--skip-invalid"]].concat());
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("skipping: record at line 5"), "{err}");
-    assert!(err.contains("records: 11, questions: 20, skipped: 1"), "{err}");
-    assert_eq!(std::fs::read_to_string(&target).unwrap().lines().count(), 11);
+    assert!(
+        err.contains("records: 11, questions: 20, skipped: 1"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&target).unwrap().lines().count(),
+        11
+    );
 }
 
 #[test]

@@ -15,8 +15,11 @@ pub fn fixture(rel: &str) -> PathBuf {
 pub fn model() -> &'static DecisionModel {
     static MODEL: OnceLock<DecisionModel> = OnceLock::new();
     MODEL.get_or_init(|| {
-        DecisionModel::load(fixture("kev-small"), &LoadOptions::default().with_backend(kev::Backend::Cpu))
-            .expect("the shipped checkpoint loads")
+        DecisionModel::load(
+            fixture("kev-small"),
+            &LoadOptions::default().with_backend(kev::Backend::Cpu),
+        )
+        .expect("the shipped checkpoint loads")
     })
 }
 

@@ -97,7 +97,10 @@ fn dev_null_is_written_through_and_stays_a_device() {
     assert!(plan.partial_path().is_none());
     write_all(&plan, &["a", "b"]).unwrap();
     let meta = std::fs::symlink_metadata("/dev/null").unwrap();
-    assert!(meta.file_type().is_char_device(), "/dev/null is still a character device");
+    assert!(
+        meta.file_type().is_char_device(),
+        "/dev/null is still a character device"
+    );
     assert!(!Path::new("/dev/.null.partial").exists());
 }
 
@@ -116,7 +119,10 @@ fn fifo_is_written_through() {
         let fifo = fifo.clone();
         std::thread::spawn(move || {
             let mut s = String::new();
-            std::fs::File::open(fifo).unwrap().read_to_string(&mut s).unwrap();
+            std::fs::File::open(fifo)
+                .unwrap()
+                .read_to_string(&mut s)
+                .unwrap();
             s
         })
     };
@@ -147,10 +153,7 @@ fn symlink_to_regular_file_replaces_the_resolved_target_and_stays_a_link() {
     write_all(&plan, &["new"]).unwrap();
     let link_meta = std::fs::symlink_metadata(&link).unwrap();
     assert!(link_meta.file_type().is_symlink(), "the link stays a link");
-    assert_eq!(
-        std::fs::read_link(&link).unwrap(),
-        Path::new("real.jsonl")
-    );
+    assert_eq!(std::fs::read_link(&link).unwrap(), Path::new("real.jsonl"));
     assert_eq!(std::fs::read_to_string(&real).unwrap(), "new\n");
     assert_eq!(mode(&real), 0o604);
     assert_eq!(
@@ -335,10 +338,7 @@ fn resume_keeps_complete_lines_by_whole_batches() {
 #[test]
 fn stdout_and_devices_cannot_be_resumed() {
     for target in ["-", "/dev/null"] {
-        let err = OutputPlan::new(target)
-            .unwrap()
-            .open_resume(1)
-            .unwrap_err();
+        let err = OutputPlan::new(target).unwrap().open_resume(1).unwrap_err();
         assert!(matches!(err, ScoreError::Resume { .. }), "{target}: {err}");
     }
 }

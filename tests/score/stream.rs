@@ -71,12 +71,14 @@ fn options(batch_size: usize) -> ScoreOptions {
     }
 }
 
-fn run(
-    input: &Path,
-    target: &Path,
-    options: &ScoreOptions,
-) -> Result<Summary, ScoreError> {
-    score(model(), input, &OutputPlan::new(target)?, options, &mut Quiet)
+fn run(input: &Path, target: &Path, options: &ScoreOptions) -> Result<Summary, ScoreError> {
+    score(
+        model(),
+        input,
+        &OutputPlan::new(target)?,
+        options,
+        &mut Quiet,
+    )
 }
 
 fn write_records(dir: &Path, lines: &[String]) -> PathBuf {
@@ -93,7 +95,11 @@ fn streamed_output_equals_the_in_memory_output() {
         let target = dir.path().join(format!("out-{batch_size}.jsonl"));
         let summary = run(&fixture("records.jsonl"), &target, &options(batch_size)).unwrap();
         let got = std::fs::read_to_string(&target).unwrap();
-        assert_eq!(got, in_memory(&lines, batch_size), "batch size {batch_size}");
+        assert_eq!(
+            got,
+            in_memory(&lines, batch_size),
+            "batch size {batch_size}"
+        );
         assert_eq!(summary.records, lines.len() as u64);
         assert_eq!(summary.resumed, 0);
         assert_eq!(summary.skipped, 0);
@@ -179,7 +185,11 @@ fn resume_refuses_a_partial_file_of_other_records() {
     assert!(!target.exists());
     assert_eq!(std::fs::read_to_string(&partial).unwrap(), forged);
     // More lines than the input has records.
-    std::fs::write(&partial, format!("{full}{}", full.lines().next().unwrap()) + "\n").unwrap();
+    std::fs::write(
+        &partial,
+        format!("{full}{}", full.lines().next().unwrap()) + "\n",
+    )
+    .unwrap();
     let err = run(&input, &target, &resume).unwrap_err();
     assert!(err.to_string().contains("13 lines"), "{err}");
     assert!(!target.exists());
@@ -189,13 +199,20 @@ fn resume_refuses_a_partial_file_of_other_records() {
 fn invalid_record_writes_nothing_and_names_its_line() {
     let dir = tempfile::tempdir().unwrap();
     let mut lines = record_lines();
-    lines[2] = r#"{"id": "bad", "state": "s", "questions": [{"prompt": "p", "options": []}]}"#.into();
+    lines[2] =
+        r#"{"id": "bad", "state": "s", "questions": [{"prompt": "p", "options": []}]}"#.into();
     let input = write_records(dir.path(), &lines);
     let target = dir.path().join("out.jsonl");
     std::fs::write(&target, "old\n").unwrap();
     let err = run(&input, &target, &options(2)).unwrap_err();
     let msg = err.to_string();
-    assert!(matches!(err, ScoreError::Kev(kev::Error::Record { line: Some(3), .. })), "{msg}");
+    assert!(
+        matches!(
+            err,
+            ScoreError::Kev(kev::Error::Record { line: Some(3), .. })
+        ),
+        "{msg}"
+    );
     assert!(msg.contains("line 3"), "{msg}");
     assert_eq!(std::fs::read_to_string(&target).unwrap(), "old\n");
     assert!(!dir.path().join(".out.jsonl.partial").exists());
@@ -253,8 +270,14 @@ fn skip_invalid_reports_every_bad_line() {
         skip_invalid: true,
         ..options(8)
     };
-    let summary = score(model(), &input, &OutputPlan::new(&target).unwrap(), &opts, &mut skips)
-        .unwrap();
+    let summary = score(
+        model(),
+        &input,
+        &OutputPlan::new(&target).unwrap(),
+        &opts,
+        &mut skips,
+    )
+    .unwrap();
     assert_eq!(skips.0, vec![Some(2), Some(5), Some(8), Some(16)]);
     assert_eq!(summary.skipped, 4);
     assert_eq!(summary.records, good.len() as u64);
@@ -306,7 +329,14 @@ fn non_finite_probability_is_an_error_naming_the_record_and_never_written() {
         .unwrap_err();
         let msg = err.to_string();
         assert!(
-            matches!(err, ScoreError::NonFinite { line: 8, question: 0, .. }),
+            matches!(
+                err,
+                ScoreError::NonFinite {
+                    line: 8,
+                    question: 0,
+                    ..
+                }
+            ),
             "{msg}"
         );
         assert!(msg.contains("line 8") && msg.contains("`r8`"), "{msg}");
@@ -317,7 +347,10 @@ fn non_finite_probability_is_an_error_naming_the_record_and_never_written() {
         for line in partial.lines() {
             let v: serde_json::Value = serde_json::from_str(line).unwrap();
             for q in v["questions"].as_array().unwrap() {
-                assert!(q["probs"].as_array().unwrap().iter().all(|p| p.is_f64()), "{line}");
+                assert!(
+                    q["probs"].as_array().unwrap().iter().all(|p| p.is_f64()),
+                    "{line}"
+                );
             }
         }
     }
@@ -372,7 +405,12 @@ fn input_changed_between_the_passes_is_an_error() {
 #[test]
 fn zero_batch_size_is_an_invalid_argument() {
     let dir = tempfile::tempdir().unwrap();
-    let err = run(&fixture("records.jsonl"), &dir.path().join("o"), &options(0)).unwrap_err();
+    let err = run(
+        &fixture("records.jsonl"),
+        &dir.path().join("o"),
+        &options(0),
+    )
+    .unwrap_err();
     assert!(
         matches!(err, ScoreError::Kev(kev::Error::InvalidArgument { .. })),
         "{err}"
