@@ -259,7 +259,8 @@ impl OutputPlan {
                             writer: BufWriter::with_capacity(BUF_BYTES, file),
                             dest: dest.clone(),
                             partial: partial.clone(),
-                            remove_unused: !existed,
+                            // An old partial file emptied by a fresh run holds nothing either.
+                            remove_unused: !existed || resume.is_none(),
                         },
                         lines: kept,
                     },
@@ -272,7 +273,7 @@ impl OutputPlan {
 
 /// An open output: lines go in with [`Output::write_line`]; [`Output::finish`] makes them
 /// final. Dropped without `finish`, a partial file is kept for `--resume` when it holds lines,
-/// and removed when this run created it and wrote nothing.
+/// and removed when it holds none and was created or emptied by this run.
 #[derive(Debug)]
 pub struct Output {
     target: PathBuf,

@@ -68,12 +68,15 @@ fn stdin_input_gives_the_file_input_bytes() {
 
 #[test]
 fn negative_lora_scale_reaches_the_loader() {
-    let out = score(&["--lora-scale", "-1", "--out", "/dev/null"]);
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("out.jsonl");
+    let target = target.to_str().unwrap();
+    let out = score(&["--lora-scale", "-1", "--out", target]);
     let err = stderr(&out);
     // Parsed: whatever the loader decides of -1, it is not a command-line error.
     assert_ne!(out.status.code(), Some(2), "{err}");
     assert!(!err.contains("unexpected argument"), "{err}");
-    let out = score(&["--lora-scale=-0.5", "--out", "/dev/null"]);
+    let out = score(&["--lora-scale=-0.5", "--out", target]);
     assert_ne!(out.status.code(), Some(2), "{}", stderr(&out));
 }
 

@@ -289,7 +289,10 @@ fn unfinished_output_keeps_its_lines_for_resume_and_leaves_the_target() {
     let target = dir.path().join("out.jsonl");
     std::fs::write(&target, "old\n").unwrap();
     let plan = OutputPlan::new(&target).unwrap();
-    // Nothing written: the partial file goes away.
+    // Nothing written: the partial file goes away, a stale one from an earlier run too.
+    drop(plan.open().unwrap());
+    assert!(!plan.partial_path().unwrap().exists());
+    std::fs::write(plan.partial_path().unwrap(), "stale\n").unwrap();
     drop(plan.open().unwrap());
     assert!(!plan.partial_path().unwrap().exists());
     // Lines written: they stay for --resume; the target is untouched.
