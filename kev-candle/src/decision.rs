@@ -1,4 +1,4 @@
-//! [`DecisionModel`]: a Kev checkpoint loaded for scoring (KEV.md §3, §6).
+//! [`DecisionModel`]: a Kev checkpoint loaded for scoring (docs/CONTRACT.md §3, §6).
 //!
 //! Two forms compute the same numbers. The row form runs `state ++ branch_j` for each question
 //! (the reference). The prefix form runs the state once into a [`Cache`], then all branches as
@@ -154,10 +154,7 @@ impl DecisionModel {
             } else {
                 (dtype, dtype)
             };
-        let config_text = std::fs::read_to_string(&checkpoint.base.config)
-            .map_err(|e| Error::io(&checkpoint.base.config, e))?;
-        let cfg = Config::from_json(&config_text)
-            .map_err(|m| Error::config(&checkpoint.base.config, "text_config", m))?;
+        let cfg = Config::from_file(&checkpoint.base.config)?;
         let adapter = match (
             checkpoint.adapter_config_path(),
             checkpoint.adapter_weights_path(),
@@ -174,6 +171,7 @@ impl DecisionModel {
         )?
         .with_projection_dtype(weights_dtype);
         let model = Model::new(&cfg, &weights)?;
+        weights.check_all_used()?;
         let head_cfg = &checkpoint.config.head;
         let head = PointerHead::load(
             &checkpoint.head_path,
@@ -183,16 +181,18 @@ impl DecisionModel {
             &device,
         )?;
         let encoder = checkpoint.encoder()?;
-        let vocab = encoder.tokenizer().get_vocab_size(true);
-        if vocab > cfg.vocab_size {
-            return Err(Error::config(
-                &checkpoint.base.config,
-                "vocab_size",
-                format!(
-                    "the tokenizer has {vocab} tokens but the model only {} embeddings",
-                    cfg.vocab_size
+        // Every id the tokenizer can produce needs an embedding row; checked here, not when a
+        // record first meets the token.
+        let max_id = encoder.max_token_id() as usize;
+        if max_id >= cfg.vocab_size {
+            return Err(Error::Tokenizer {
+                path: Some(encoder.tokenizer_path().to_path_buf()),
+                message: format!(
+                    "token id {max_id} has no embedding: the model's `vocab_size` is {} (`{}`)",
+                    cfg.vocab_size,
+                    checkpoint.base.config.display()
                 ),
-            ));
+            });
         }
         settle(&device)?;
         crate::device::release_freed_memory();
@@ -243,7 +243,7 @@ impl DecisionModel {
         &self.encoder
     }
 
-    /// Token ids, segments and positions of `record` (KEV.md §2).
+    /// Token ids, segments and positions of `record` (docs/CONTRACT.md §2).
     pub fn encode(&self, record: &Record) -> Result<Encoding> {
         self.encoder.encode(record, None)
     }
@@ -252,8 +252,11 @@ impl DecisionModel {
     /// replays a CUDA graph ([`LoadOptions::cuda_graphs`]).
     pub fn forward(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
         let (state, rows) = self.encode(record)?.rows();
-        self.logits_per_record(self.plan(vec![(state, rows)]))
-            .map(|mut per_record| per_record.remove(0))
+        let logits = self
+            .logits_per_record(self.plan(vec![(state, rows)]))?
+            .remove(0);
+        check_finite(record, 0, &logits)?;
+        Ok(logits)
     }
 
     /// The plan scoring `records` (each a state and its rows) in one go.
@@ -414,20 +417,20 @@ impl DecisionModel {
 
     /// Probabilities per question (prefix form).
     pub fn probs(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
-        Ok(self.forward(record)?.iter().map(|l| softmax(l)).collect())
+        probabilities(record, 0, &self.forward(record)?)
     }
 
     /// Probabilities per question, and the state's prefix for reuse.
     pub fn probs_and_prefix(&self, record: &Record) -> Result<(Vec<Vec<f32>>, Prefix)> {
         let (logits, prefix) = self.logits_and_prefix(record, None)?;
         let prefix = prefix.expect("a prefix is computed when none is given");
-        Ok((logits.iter().map(|l| softmax(l)).collect(), prefix))
+        Ok((probabilities(record, 0, &logits)?, prefix))
     }
 
     /// Probabilities per question, reusing `prefix` (which must come from the same state).
     pub fn probs_with_prefix(&self, record: &Record, prefix: &Prefix) -> Result<Vec<Vec<f32>>> {
         let (logits, _) = self.logits_and_prefix(record, Some(prefix))?;
-        Ok(logits.iter().map(|l| softmax(l)).collect())
+        probabilities(record, 0, &logits)
     }
 
     /// Runs `record.state` once into a prefix.
@@ -446,9 +449,9 @@ impl DecisionModel {
         })
     }
 
-    /// Probabilities for many records at once: all states as one padded batch, then all branches
-    /// as one padded batch (in one pass over the layers where every state fits in one
-    /// `prefill_chunk`). Equal to scoring them one by one. On CUDA, a batch whose token shapes
+    /// Probabilities for many records at once: states of similar length as one padded batch
+    /// ([`length_buckets`]), then their branches as one padded batch (in one pass over the layers
+    /// where every state fits in one `prefill_chunk`). Equal to scoring them one by one. On CUDA, a batch whose token shapes
     /// were seen before replays a CUDA graph, as [`DecisionModel::forward`] does.
     pub fn probs_batch(&self, records: &[Record]) -> Result<Vec<Vec<Vec<f32>>>> {
         if records.is_empty() {
@@ -462,12 +465,30 @@ impl DecisionModel {
             .par_iter()
             .map(|r| self.encode(r).map(|e| e.rows()))
             .collect();
-        let encoded = encoded.into_iter().collect::<Result<Vec<_>>>()?;
-        let logits = self.logits_per_record(self.plan(encoded))?;
-        Ok(logits
+        let mut encoded: Vec<Option<(Vec<u32>, Vec<Row>)>> = encoded
+            .into_iter()
+            .map(|e| e.map(Some))
+            .collect::<Result<_>>()?;
+        let lengths: Vec<usize> = encoded
             .iter()
-            .map(|questions| questions.iter().map(|l| softmax(l)).collect())
-            .collect())
+            .map(|e| e.as_ref().map_or(0, |(state, _)| state.len()))
+            .collect();
+        let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); records.len()];
+        for bucket in length_buckets(&lengths) {
+            let group = bucket
+                .iter()
+                .map(|&i| encoded[i].take().expect("each record is in one bucket"))
+                .collect();
+            for (i, l) in bucket.iter().zip(self.logits_per_record(self.plan(group))?) {
+                logits[*i] = l;
+            }
+        }
+        records
+            .iter()
+            .zip(&logits)
+            .enumerate()
+            .map(|(i, (record, questions))| probabilities(record, i, questions))
+            .collect()
     }
 
     fn logits_and_prefix(
@@ -586,6 +607,60 @@ impl DecisionModel {
     }
 }
 
+/// Padding a bucket's states to its longest may cost at most this fraction of its real tokens
+/// (plus [`PAD_SLACK`]) before a longer state starts a new bucket.
+const PAD_WASTE: f64 = 0.25;
+/// Padding always allowed per bucket, in tokens: short states are cheap to pad and a pass has a
+/// fixed cost of its own.
+const PAD_SLACK: usize = 64;
+
+/// Records grouped by state length (indices into `lengths`, each group one pass): a batch pads
+/// every state to its longest, so mixing a 10-token state with a 1,000-token one would make the
+/// batch slower than scoring one by one. Sorted by length, a record joins the current group while
+/// the group's padded tokens stay within [`PAD_WASTE`] of its real ones plus [`PAD_SLACK`].
+fn length_buckets(lengths: &[usize]) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| lengths[i]);
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    let mut real = 0usize;
+    for i in order {
+        let len = lengths[i];
+        if let Some(bucket) = buckets.last_mut() {
+            let padded = (bucket.len() + 1) * len;
+            let real_then = real + len;
+            if padded as f64 <= (1.0 + PAD_WASTE) * real_then as f64 + PAD_SLACK as f64 {
+                bucket.push(i);
+                real = real_then;
+                continue;
+            }
+        }
+        buckets.push(vec![i]);
+        real = len;
+    }
+    buckets
+}
+
+/// Refuses logits that are not finite (NaN or infinity from the weights or the activations):
+/// an [`Error::NonFinite`] naming the record, never output.
+fn check_finite(record: &Record, index: usize, logits: &[Vec<f32>]) -> Result<()> {
+    match logits.iter().position(|l| !l.iter().all(|x| x.is_finite())) {
+        None => Ok(()),
+        Some(question) => Err(Error::NonFinite {
+            id: record.id.clone(),
+            index,
+            question,
+        }),
+    }
+}
+
+/// Each question's softmax, checked finite with its logits (see [`check_finite`]).
+fn probabilities(record: &Record, index: usize, logits: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+    check_finite(record, index, logits)?;
+    let probs: Vec<Vec<f32>> = logits.iter().map(|l| softmax(l)).collect();
+    check_finite(record, index, &probs)?;
+    Ok(probs)
+}
+
 /// Where the head reads rows `rows` of width `width` (flat indices into their `B·width`
 /// positions): each row's `[DECIDE]`, every row's options in order, and each option's row.
 fn head_positions(rows: &[Row], width: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
@@ -620,4 +695,30 @@ fn split_logits(flat: &[f32], rows: &[Row]) -> Vec<Vec<f32>> {
             flat[at - r.opts.len()..at].to_vec()
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::length_buckets;
+
+    #[test]
+    fn buckets_keep_padding_bounded_and_cover_every_record_once() {
+        assert!(length_buckets(&[]).is_empty());
+        assert_eq!(length_buckets(&[100, 100, 100]), vec![vec![0, 1, 2]]);
+        // Short states share a bucket (the slack); a long one does not join them.
+        assert_eq!(
+            length_buckets(&[10, 1000, 20, 30]),
+            vec![vec![0, 2, 3], vec![1]]
+        );
+        let lengths: Vec<usize> = (0..200).map(|i| (i * 37) % 1100).collect();
+        let buckets = length_buckets(&lengths);
+        let mut seen: Vec<usize> = buckets.iter().flatten().copied().collect();
+        seen.sort();
+        assert_eq!(seen, (0..200).collect::<Vec<_>>());
+        for b in &buckets {
+            let real: usize = b.iter().map(|&i| lengths[i]).sum();
+            let padded = b.len() * b.iter().map(|&i| lengths[i]).max().unwrap();
+            assert!(padded as f64 <= 1.25 * real as f64 + 64.0, "{b:?}");
+        }
+    }
 }

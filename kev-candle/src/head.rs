@@ -1,4 +1,4 @@
-//! The pointer head (KEV.md §3), always f32, on the backbone's device:
+//! The pointer head (docs/CONTRACT.md §3), always f32, on the backbone's device:
 //! `q = Wq·h_decide + bq`, `k_i = Wk·h_opt_i + bk`, `logit_i = q·k_i / (√dim · temperature)`.
 
 use std::path::Path;
@@ -25,6 +25,7 @@ impl PointerHead {
         temperature: f64,
         device: &Device,
     ) -> Result<Self> {
+        crate::weights::check_header(path)?;
         let tensors = candle_core::safetensors::load(path, &Device::Cpu)
             .map_err(|e| Error::backend(format!("reading head `{}`", path.display()), e))?;
         let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
@@ -38,9 +39,23 @@ impl PointerHead {
                     message: format!("expected shape {shape:?} (head dim {dim}, hidden {hidden}), found {:?} in `{}`", t.dims(), path.display()),
                 });
             }
-            t.to_dtype(DType::F32)
-                .and_then(|t| t.to_device(device))
-                .map_err(|e| Error::backend(format!("head tensor `{name}`"), e))
+            let ctx = |e| Error::backend(format!("head tensor `{name}`"), e);
+            let t = t.to_dtype(DType::F32).map_err(ctx)?;
+            // A NaN or infinity here would make every probability NaN: refused at load.
+            let values = t
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(ctx)?;
+            if let Some(bad) = values.iter().find(|x| !x.is_finite()) {
+                return Err(Error::Tensor {
+                    name: name.to_string(),
+                    message: format!(
+                        "holds {bad} in head `{}`: every value must be finite",
+                        path.display()
+                    ),
+                });
+            }
+            t.to_device(device).map_err(ctx)
         };
         if let Some(extra) = tensors
             .keys()

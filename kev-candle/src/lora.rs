@@ -1,11 +1,11 @@
-//! Folding a PEFT LoRA adapter into the base weights (KEV.md §5).
+//! Folding a PEFT LoRA adapter into the base weights (docs/CONTRACT.md §5).
 //!
 //! The merge happens once, at load, on the CPU in f32: `W' = W + (B·A)·s·lora_scale`, with `s`
 //! from `adapter_config.json` (`alpha/r`, or `alpha/√r` with rsLoRA), and the result is rounded
 //! once to the backbone dtype by the caller. Trained token embeddings
 //! (`trainable_token_indices`) replace rows: `row' = (1 − s)·row + s·new_row`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -45,52 +45,58 @@ fn tensor_err(name: &str, message: impl Into<String>) -> Error {
 }
 
 impl Adapter {
-    /// Reads `adapter_config.json` and `adapter_model.safetensors` from `dir`.
+    /// Reads `adapter_config.json` and `adapter_model.safetensors`.
+    ///
+    /// Every problem found is reported, in one error and in the order of the tensor names (so the
+    /// same broken adapter is always blamed on the same tensors): a key that matches no base
+    /// weight, a lone `lora_A` or `lora_B`, shapes that do not agree with the configured rank,
+    /// a module outside `layers_to_transform` or `target_modules`, a target module with no
+    /// tensors, and an adapter with no tensors at all.
     pub fn load(config_path: &Path, weights_path: &Path) -> Result<Self> {
         let config = AdapterConfig::load(config_path)?;
+        crate::weights::check_header(weights_path)?;
         let tensors = candle_core::safetensors::load(weights_path, &Device::Cpu)
             .map_err(|e| Error::backend(format!("reading `{}`", weights_path.display()), e))?;
-        let mut halves: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
+        let tensors: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+        let file = weights_path.display();
+        let mut errors = Vec::new();
+        let mut halves: BTreeMap<String, (Option<Tensor>, Option<Tensor>)> = BTreeMap::new();
         let mut tokens = None;
         for (key, tensor) in tensors {
-            let rest = PREFIXES
-                .iter()
-                .find_map(|p| {
-                    key.strip_prefix(p)
-                        .filter(|r| r.starts_with("layers.") || r.starts_with("embed_tokens."))
-                })
-                .ok_or_else(|| {
-                    tensor_err(
-                        &key,
-                        format!(
-                            "adapter tensor in `{}` matches no base weight (unknown prefix)",
-                            weights_path.display()
-                        ),
-                    )
-                })?;
+            let Some(rest) = PREFIXES.iter().find_map(|p| {
+                key.strip_prefix(p)
+                    .filter(|r| r.starts_with("layers.") || r.starts_with("embed_tokens."))
+            }) else {
+                errors.push(tensor_err(
+                    &key,
+                    format!("adapter tensor in `{file}` matches no base weight (unknown prefix)"),
+                ));
+                continue;
+            };
             let tensor = tensor
                 .to_dtype(DType::F32)
                 .map_err(|e| Error::backend(format!("adapter tensor `{key}`"), e))?;
             if rest == TOKENS_KEY {
-                let ids = config.trainable_token_indices.clone();
+                let ids = &config.trainable_token_indices;
                 let dims = tensor.dims().to_vec();
                 if ids.is_empty() || dims.len() != 2 || dims[0] != ids.len() {
-                    return Err(tensor_err(&key, format!("shape {dims:?} does not match the {} `trainable_token_indices` of the adapter config", ids.len())));
+                    errors.push(tensor_err(&key, format!("shape {dims:?} does not match the {} `trainable_token_indices` of the adapter config", ids.len())));
+                } else {
+                    tokens = Some((ids.clone(), tensor));
                 }
-                tokens = Some((ids, tensor));
             } else if let Some(module) = rest.strip_suffix(".lora_A.weight") {
                 halves.entry(module.to_string()).or_default().0 = Some(tensor);
             } else if let Some(module) = rest.strip_suffix(".lora_B.weight") {
                 halves.entry(module.to_string()).or_default().1 = Some(tensor);
             } else {
-                return Err(tensor_err(
+                errors.push(tensor_err(
                     &key,
                     "adapter tensor is neither `lora_A`, `lora_B` nor trained token rows",
                 ));
             }
         }
         if tokens.is_none() && !config.trainable_token_indices.is_empty() {
-            return Err(Error::Adapter {
+            errors.push(Error::Adapter {
                 path: weights_path.to_path_buf(),
                 message: format!(
                     "the config lists `trainable_token_indices` but `{TOKENS_KEY}` is missing"
@@ -100,22 +106,15 @@ impl Adapter {
         let mut pairs = HashMap::new();
         for (module, (a, b)) in halves {
             let (Some(a), Some(b)) = (a, b) else {
-                return Err(tensor_err(
+                errors.push(tensor_err(
                     &module,
                     "LoRA module has only one of `lora_A` / `lora_B`",
                 ));
+                continue;
             };
-            let r = config.rank(&module);
-            let (ra, rb) = (a.dims()[0], b.dims().get(1).copied().unwrap_or(0));
-            if a.rank() != 2 || b.rank() != 2 || ra != rb || ra != r {
-                return Err(tensor_err(
-                    &module,
-                    format!(
-                        "LoRA shapes A {:?}, B {:?} do not agree with rank {r}",
-                        a.dims(),
-                        b.dims()
-                    ),
-                ));
+            if let Some(problem) = module_problem(&config, &module, &a, &b) {
+                errors.push(tensor_err(&module, problem));
+                continue;
             }
             pairs.insert(
                 format!("{module}.weight"),
@@ -126,6 +125,17 @@ impl Adapter {
                 },
             );
         }
+        errors.extend(uncovered_targets(&config, &pairs, weights_path));
+        if pairs.is_empty() && tokens.is_none() && errors.is_empty() {
+            errors.push(Error::Adapter {
+                path: weights_path.to_path_buf(),
+                message: format!(
+                    "holds no LoRA tensors, but its config targets {:?}",
+                    config.target_modules
+                ),
+            });
+        }
+        Error::from_all(errors)?;
         Ok(Self {
             path: weights_path.to_path_buf(),
             pairs,
@@ -173,6 +183,91 @@ impl Adapter {
         }
         Ok(weight)
     }
+}
+
+/// What is wrong with one LoRA pair, if anything: its shapes against the configured rank, its
+/// layer against `layers_to_transform`, its name against a list of `target_modules`.
+fn module_problem(config: &AdapterConfig, module: &str, a: &Tensor, b: &Tensor) -> Option<String> {
+    let r = config.rank(module);
+    if a.rank() != 2 || b.rank() != 2 || a.dims()[0] != r || b.dims()[1] != r {
+        return Some(format!(
+            "LoRA shapes A {:?}, B {:?} do not agree with rank {r} (A must be [{r}, in], B [out, {r}])",
+            a.dims(),
+            b.dims()
+        ));
+    }
+    if let Some(layers) = &config.layers_to_transform {
+        match layer_of(module) {
+            Some(l) if layers.contains(&l) => {}
+            _ => {
+                return Some(format!(
+                    "is outside `layers_to_transform` {layers:?} of the adapter config"
+                ))
+            }
+        }
+    }
+    if !targets_are_regex(config) && !config.target_modules.is_empty() {
+        let name = module.rsplit('.').next().unwrap_or(module);
+        if !config
+            .target_modules
+            .iter()
+            .any(|t| t == name || suffix_of(module, t))
+        {
+            return Some(format!(
+                "is not among `target_modules` {:?} of the adapter config",
+                config.target_modules
+            ));
+        }
+    }
+    None
+}
+
+/// PEFT's `target_modules` is either a list of names or one string holding a regular expression,
+/// which this runtime does not evaluate (the adapter's tensors then decide).
+fn targets_are_regex(config: &AdapterConfig) -> bool {
+    config.target_modules.len() == 1
+        && config.target_modules[0].contains(|c: char| "\\^$*+?()[]{}|".contains(c))
+}
+
+fn suffix_of(module: &str, target: &str) -> bool {
+    module.ends_with(target) && module[..module.len() - target.len()].ends_with('.')
+}
+
+/// `layers.<n>.…` → n.
+fn layer_of(module: &str) -> Option<usize> {
+    module
+        .strip_prefix("layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A listed target module with no LoRA pair at all: the adapter file lost tensors.
+fn uncovered_targets(
+    config: &AdapterConfig,
+    pairs: &HashMap<String, LoraPair>,
+    path: &Path,
+) -> Vec<Error> {
+    if targets_are_regex(config) {
+        return Vec::new();
+    }
+    config
+        .target_modules
+        .iter()
+        .filter(|t| {
+            !pairs.keys().any(|k| {
+                let module = k.strip_suffix(".weight").unwrap_or(k);
+                module.rsplit('.').next() == Some(t.as_str()) || suffix_of(module, t)
+            })
+        })
+        .map(|t| Error::Adapter {
+            path: path.to_path_buf(),
+            message: format!(
+                "`target_modules` names `{t}` but the adapter holds no LoRA tensors for it"
+            ),
+        })
+        .collect()
 }
 
 fn replace_rows(name: &str, weight: Tensor, ids: &[u32], rows: &Tensor, s: f64) -> Result<Tensor> {

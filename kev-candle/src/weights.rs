@@ -1,7 +1,9 @@
 //! Reading the base weights: mmap'd safetensors (one file or shards), either checkpoint layout,
 //! LoRA folded in at load, converted once to the backbone dtype and moved to the device.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
@@ -23,6 +25,8 @@ pub struct Weights {
     /// The dtype of the projections' weights and the embedding table (`dtype` unless set).
     projections: DType,
     device: Device,
+    /// Text-model tensors read so far (full names), for [`Weights::check_all_used`].
+    used: Mutex<BTreeSet<String>>,
 }
 
 impl Weights {
@@ -37,6 +41,7 @@ impl Weights {
     ) -> Result<Self> {
         // SAFETY: the files are mapped read-only; like every mmap-based loader, we rely on them not
         // being truncated while the model is loading (weights are copied out during `get`).
+        refuse_repeated_tensors(files)?;
         let st = unsafe { MmapedSafetensors::multi(files) }
             .map_err(|e| Error::backend(format!("reading safetensors {}", list(files)), e))?;
         let names: Vec<String> = st.tensors().into_iter().map(|(n, _)| n).collect();
@@ -64,20 +69,21 @@ impl Weights {
             dtype,
             projections: dtype,
             device,
+            used: Mutex::default(),
         };
         if let Some(adapter) = &weights.adapter {
-            for target in adapter.targets() {
-                weights
-                    .st
-                    .get(&format!("{prefix}{target}"))
-                    .map_err(|_| Error::Tensor {
-                        name: target.to_string(),
-                        message: format!(
-                            "adapter `{}` modifies a weight the base does not have",
-                            adapter.path().display()
-                        ),
-                    })?;
-            }
+            let missing = adapter
+                .targets()
+                .filter(|t| weights.st.get(&format!("{prefix}{t}")).is_err())
+                .map(|t| Error::Tensor {
+                    name: t.to_string(),
+                    message: format!(
+                        "adapter `{}` modifies a weight the base does not have",
+                        adapter.path().display()
+                    ),
+                })
+                .collect();
+            Error::from_all(missing)?;
         }
         Ok(weights)
     }
@@ -124,7 +130,9 @@ impl Weights {
         let w = match &self.adapter {
             Some(adapter) if adapter.touches(name) => {
                 let w = stored.to_dtype(DType::F32).map_err(|e| self.err(name, e))?;
-                adapter.apply(name, w, self.lora_scale)?
+                let w = adapter.apply(name, w, self.lora_scale)?;
+                self.check_folded(name, &w, dtype)?;
+                w
             }
             _ => stored,
         };
@@ -133,9 +141,79 @@ impl Weights {
             .map_err(|e| self.err(name, e))
     }
 
+    /// Refuses a folded weight with a value that is not finite, or that `dtype` cannot hold:
+    /// an extreme `lora_scale` or alpha, or NaN in the base or the adapter, would otherwise give
+    /// NaN probabilities. It is checked here, in f32 on the CPU, where the fold already reads it.
+    fn check_folded(&self, name: &str, w: &Tensor, dtype: DType) -> Result<()> {
+        let limit = match dtype {
+            DType::F16 => f32::from(half::f16::MAX),
+            DType::BF16 => f32::from(half::bf16::MAX),
+            _ => f32::MAX,
+        };
+        let values = w
+            .flatten_all()
+            .and_then(|w| w.to_vec1::<f32>())
+            .map_err(|e| self.err(name, e))?;
+        if let Some(bad) = values.iter().find(|x| !x.is_finite() || x.abs() > limit) {
+            return Err(Error::Tensor {
+                name: format!("{}{name}", self.prefix),
+                message: format!(
+                    "with the adapter folded in (lora_scale {:?}) it holds {bad}, which {dtype:?} cannot hold: check the base and adapter weights, `lora_alpha` and the LoRA scale",
+                    self.lora_scale
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses every text-model tensor of the checkpoint that the model did not read: a layer past
+    /// `num_hidden_layers`, a misspelt or unsupported weight would otherwise be ignored silently.
+    /// Call once the model is built. Tensors outside the text model (a vision tower, `lm_head`,
+    /// the multi-token-prediction layers) are not the runtime's and are left alone.
+    pub fn check_all_used(&self) -> Result<()> {
+        let used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        let mut unused: Vec<String> = self
+            .st
+            .tensors()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| n.starts_with(self.prefix) && !used.contains(n))
+            .collect();
+        unused.sort();
+        let mut errors: Vec<Error> = unused
+            .into_iter()
+            .map(|name| Error::Tensor {
+                name,
+                message: format!(
+                    "in {} but not read by the model: the config (`num_hidden_layers`, `layer_types`) does not describe it",
+                    list(&self.files)
+                ),
+            })
+            .collect();
+        if let Some(adapter) = &self.adapter {
+            let mut unapplied: Vec<&str> = adapter
+                .targets()
+                .filter(|t| !used.contains(&format!("{}{t}", self.prefix)))
+                .collect();
+            unapplied.sort();
+            errors.extend(unapplied.into_iter().map(|t| Error::Tensor {
+                name: t.to_string(),
+                message: format!(
+                    "adapter `{}` modifies it, but the model does not read it",
+                    adapter.path().display()
+                ),
+            }));
+        }
+        Error::from_all(errors)
+    }
+
     /// The stored tensor, in its stored dtype, on the CPU.
     fn stored(&self, name: &str) -> Result<Tensor> {
         let full = format!("{}{name}", self.prefix);
+        self.used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(full.clone());
         self.st
             .load(&full, &Device::Cpu)
             .map_err(|_| Error::Tensor {
@@ -147,6 +225,68 @@ impl Weights {
     fn err(&self, name: &str, e: candle_core::Error) -> Error {
         Error::backend(format!("loading tensor `{}{name}`", self.prefix), e)
     }
+}
+
+/// A tensor stored in two shards would be read from one of them, chosen by the map's order.
+fn refuse_repeated_tensors(files: &[PathBuf]) -> Result<()> {
+    let mut first: BTreeMap<String, &PathBuf> = BTreeMap::new();
+    let mut errors = Vec::new();
+    for file in files {
+        check_header(file)?;
+        // SAFETY: as in `Weights::open`; only the header is read here.
+        let st = unsafe { MmapedSafetensors::new(file) }
+            .map_err(|e| Error::backend(format!("reading safetensors `{}`", file.display()), e))?;
+        let mut names: Vec<String> = st.tensors().into_iter().map(|(n, _)| n).collect();
+        names.sort();
+        for name in names {
+            if let Some(other) = first.get(&name) {
+                errors.push(Error::Tensor {
+                    message: format!(
+                        "stored twice, in `{}` and `{}`",
+                        other.display(),
+                        file.display()
+                    ),
+                    name,
+                });
+            } else {
+                first.insert(name, file);
+            }
+        }
+    }
+    Error::from_all(errors)
+}
+
+/// Reads a safetensors header strictly before the safetensors crate does: its declared length
+/// is checked against the file's before anything is allocated, and a tensor named twice in it
+/// (which a map would resolve silently to one of the two) is an error naming the file.
+pub(crate) fn check_header(path: &std::path::Path) -> Result<()> {
+    use std::io::Read;
+    let bad = |message: String| Error::Tensor {
+        name: "(header)".into(),
+        message: format!("`{}`: {message}", path.display()),
+    };
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|_| {
+        bad(format!(
+            "{file_len} bytes is too short for a safetensors file"
+        ))
+    })?;
+    let n = u64::from_le_bytes(len);
+    if n > file_len - 8 || n > 100 << 20 {
+        return Err(bad(format!(
+            "the header declares {n} bytes but the file has {} after the length (and headers are at most 100 MiB)",
+            file_len - 8
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| Error::io(path, e))?;
+    let text =
+        std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+    kev_core::json::parse_strict(text).map_err(|e| bad(format!("header: {e}")))?;
+    Ok(())
 }
 
 fn list(files: &[PathBuf]) -> String {

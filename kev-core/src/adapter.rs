@@ -1,4 +1,4 @@
-//! PEFT LoRA `adapter_config.json` (KEV.md §5): rank, alpha and the per-module scaling.
+//! PEFT LoRA `adapter_config.json` (docs/CONTRACT.md §5): rank, alpha and the per-module scaling.
 //!
 //! Only what changes the merged weights is read; the many other PEFT keys are ignored. Settings
 //! the runtime cannot honour (DoRA, LoRA biases, `fan_in_fan_out`, `modules_to_save`, a PEFT type
@@ -31,6 +31,9 @@ pub struct AdapterConfig {
     /// Token ids whose `embed_tokens` rows the adapter retrains (`trainable_token_indices`);
     /// empty when there are none.
     pub trainable_token_indices: Vec<u32>,
+    /// The layers PEFT put adapters on (`layers_to_transform`), `None` for every layer. The
+    /// adapter's tensors must keep to them.
+    pub layers_to_transform: Option<Vec<usize>>,
 }
 
 impl AdapterConfig {
@@ -46,10 +49,7 @@ impl AdapterConfig {
 
     /// Parses the text of an `adapter_config.json`; `path` is named in errors.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|source| Error::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let value = json::parse_json_text(text, path)?;
         parse(&value).map_err(|f| Error::config(path, f.field, f.message))
     }
 
@@ -123,6 +123,18 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
             return Err(fault(key, "`true` is not supported"));
         }
     }
+    match obj.get("layer_replication") {
+        None | Some(Value::Null) => {}
+        Some(v) => {
+            return Err(fault(
+                "layer_replication",
+                format!(
+                "is not supported (got {}): the runtime folds adapters into the base's own layers",
+                json::show(v)
+            ),
+            ))
+        }
+    }
     match obj.get("modules_to_save") {
         None | Some(Value::Null) => {}
         Some(Value::Array(a)) if a.is_empty() => {}
@@ -142,6 +154,7 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
         return Err(fault("r", "must be positive"));
     }
     let lora_alpha = json::opt_f64(obj, "lora_alpha", "")?.unwrap_or(8.0);
+    check_alpha(lora_alpha, "lora_alpha")?;
     let use_rslora = json::opt_bool(obj, "use_rslora", "")?.unwrap_or(false);
 
     let target_modules = match obj.get("target_modules") {
@@ -187,6 +200,7 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
                 format!("must be a number, found {}", json::type_name(v)),
             )
         })?;
+        check_alpha(alpha, &format!("alpha_pattern.{k}"))?;
         alpha_pattern.insert(k.clone(), alpha);
     }
 
@@ -218,6 +232,26 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
         }
     };
 
+    let layers_to_transform = match obj.get("layers_to_transform") {
+        None | Some(Value::Null) => None,
+        Some(v @ Value::Number(_)) => Some(vec![json::as_usize(v, "layers_to_transform")?]),
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .enumerate()
+                .map(|(i, v)| json::as_usize(v, &format!("layers_to_transform[{i}]")))
+                .collect::<FieldResult<_>>()?,
+        ),
+        Some(v) => {
+            return Err(fault(
+                "layers_to_transform",
+                format!(
+                    "must be a layer index or a list of them, found {}",
+                    json::type_name(v)
+                ),
+            ))
+        }
+    };
+
     Ok(AdapterConfig {
         r,
         lora_alpha,
@@ -226,7 +260,18 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
         rank_pattern,
         alpha_pattern,
         trainable_token_indices,
+        layers_to_transform,
     })
+}
+
+/// Alpha scales every merged delta: it must be finite (a huge one overflows the folded weights,
+/// which the loader also checks).
+fn check_alpha(alpha: f64, field: &str) -> FieldResult<()> {
+    if alpha.is_finite() {
+        Ok(())
+    } else {
+        Err(fault(field, format!("must be finite, got {alpha}")))
+    }
 }
 
 /// An optional object (absent or null: empty).
@@ -432,6 +477,32 @@ mod tests {
             config_field(load(&with("lora_alpha", r#""x""#))),
             "lora_alpha"
         );
+    }
+
+    #[test]
+    fn layers_to_transform_as_index_list_or_null() {
+        assert_eq!(load(PEFT).unwrap().layers_to_transform, None);
+        let c = load(&with("layers_to_transform", "[0, 3]")).unwrap();
+        assert_eq!(c.layers_to_transform, Some(vec![0, 3]));
+        let c = load(&with("layers_to_transform", "2")).unwrap();
+        assert_eq!(c.layers_to_transform, Some(vec![2]));
+        assert_eq!(
+            config_field(load(&with("layers_to_transform", "[1, -1]"))),
+            "layers_to_transform[1]"
+        );
+    }
+
+    #[test]
+    fn duplicate_keys_and_bom() {
+        let dup = PEFT.replacen(r#""r": 16,"#, r#""r": 16, "r": 4,"#, 1);
+        match load(&dup) {
+            Err(e @ Error::Json { .. }) => {
+                let src = std::error::Error::source(&e).unwrap().to_string();
+                assert!(src.contains("duplicate key `r`"), "{src}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(load(&format!("\u{feff}{PEFT}")).unwrap().r, 16);
     }
 
     #[test]

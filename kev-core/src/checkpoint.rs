@@ -1,4 +1,4 @@
-//! The checkpoint directory and its `kev.json` (KEV.md §4), and where the base model's files are.
+//! The checkpoint directory and its `kev.json` (docs/CONTRACT.md §4), and where the base files are.
 //!
 //! [`Checkpoint::open`] reads `kev.json`, resolves the base (a local folder, or `hf:<repo>[@rev]`
 //! through the Hugging Face cache, offline only: this crate never downloads) and checks that every
@@ -71,10 +71,7 @@ impl KevConfig {
 
     /// Parses and checks the text of a `kev.json`; `path` is named in errors.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|source| Error::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let value = json::parse_json_text(text, path)?;
         let config = parse_config(&value).map_err(|f| Error::config(path, f.field, f.message))?;
         config.template.validate(path)?;
         Ok(config)
@@ -166,10 +163,16 @@ fn parse_head(obj: &Map<String, Value>) -> FieldResult<HeadConfig> {
     }
     let temperature =
         json::opt_f64(obj, "temperature", "head")?.unwrap_or_else(default_temperature);
-    if !(temperature.is_finite() && temperature > 0.0) {
+    // The head divides f32 logits by it: its f32 value and its reciprocal must be normal numbers.
+    let t32 = temperature as f32;
+    if !(temperature > 0.0 && t32.is_normal() && (1.0 / t32).is_normal()) {
         return Err(fault(
             "head.temperature",
-            format!("must be finite and > 0, got {temperature}"),
+            format!(
+                "must be > 0 and within f32's normal range ({:e} to {:e}), got {temperature}",
+                1.0 / f32::MAX,
+                f32::MAX
+            ),
         ));
     }
     Ok(HeadConfig {
@@ -432,11 +435,7 @@ pub fn hub_cache_dir() -> Option<PathBuf> {
 /// The shard file names of a `model.safetensors.index.json`: the `weight_map` values, deduplicated
 /// and sorted.
 fn shards_of(index: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
-    let value: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
-        path: index.to_path_buf(),
-        source,
-    })?;
+    let value = json::read_json_file(index)?;
     let map = value
         .get("weight_map")
         .and_then(Value::as_object)
@@ -672,6 +671,19 @@ mod tests {
     }
 
     #[test]
+    fn duplicate_keys_refused_and_bom_accepted() {
+        let dup = KEV_JSON.replacen(r#""dim": 256,"#, r#""dim": 256, "dim": 128,"#, 1);
+        match parse(&dup) {
+            Err(e @ Error::Json { .. }) => {
+                let src = std::error::Error::source(&e).unwrap().to_string();
+                assert!(src.contains("duplicate key `dim`"), "{src}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(parse(&format!("\u{feff}{KEV_JSON}")).unwrap().head.dim, 256);
+    }
+
+    #[test]
     fn not_json() {
         assert!(
             matches!(parse("{\"format\": "), Err(Error::Json { path, .. }) if path == Path::new("ck/kev.json"))
@@ -694,6 +706,8 @@ mod tests {
             (&["head", "file"], None, "head.file"),
             (&["head", "temperature"], Some("0"), "head.temperature"),
             (&["head", "temperature"], Some("-1.5"), "head.temperature"),
+            (&["head", "temperature"], Some("1e-300"), "head.temperature"),
+            (&["head", "temperature"], Some("1e300"), "head.temperature"),
             (
                 &["head", "temperature"],
                 Some(r#""hot""#),

@@ -1,4 +1,4 @@
-//! Record encoding (KEV.md §2): token ids, segments and the positions the pointer head reads.
+//! Record encoding (docs/CONTRACT.md §2): token ids, segments and the positions the head reads.
 //!
 //! Each text piece (the formatted state, each formatted prompt, each formatted option) is tokenized
 //! **on its own**, without special tokens, and the pieces are concatenated with the marker ids in
@@ -98,6 +98,35 @@ pub struct Encoder {
     tokenizer_path: PathBuf,
     option_id: u32,
     decide_id: u32,
+    max_token_id: u32,
+    /// The most text bytes one token can stand for, when the tokenizer bounds it (see
+    /// [`bytes_per_token_bound`]); a text longer than this times `max_tokens` is refused before
+    /// it is tokenized.
+    bytes_per_token: Option<usize>,
+}
+
+/// The most bytes of input text one token can cover, when the tokenizer allows such a bound:
+/// a BPE model without a fused unknown token, behind no normalizer or a Unicode normalization
+/// (which can shorten a text at most 4 times: composition merges up to 3 code points, and the
+/// byte lengths of the merged code points bound their composite's).
+/// The longest vocabulary entry, in UTF-8 bytes, bounds the text bytes a token covers: byte-level
+/// and SentencePiece vocabularies spell each text byte with one or more bytes. `None` otherwise
+/// (WordPiece or WordLevel map a whole unknown word to one token).
+fn bytes_per_token_bound(tokenizer: &Tokenizer) -> Option<usize> {
+    use tokenizers::models::ModelWrapper;
+    use tokenizers::normalizers::NormalizerWrapper as N;
+    let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
+        return None;
+    };
+    if bpe.fuse_unk && bpe.unk_token.is_some() {
+        return None;
+    }
+    match tokenizer.get_normalizer() {
+        None | Some(N::NFC(_) | N::NFD(_) | N::NFKC(_) | N::NFKD(_)) => {}
+        Some(_) => return None,
+    }
+    let longest = tokenizer.get_vocab(true).keys().map(String::len).max()?;
+    Some(longest.max(1) * 4)
 }
 
 impl Encoder {
@@ -107,12 +136,23 @@ impl Encoder {
     /// with a checkpoint was already checked with the `kev.json` path), `max_tokens > 0`, and that
     /// each marker is a token that encodes, without special tokens, to exactly its own single id
     /// ([`Error::MissingMarker`] otherwise).
+    ///
+    /// The runtime owns truncation and padding (records are never truncated): the tokenizer's
+    /// own settings for both are turned off, so a `tokenizer.json` exported with truncation on
+    /// cannot cut a state silently.
     pub fn new(
-        tokenizer: Tokenizer,
+        mut tokenizer: Tokenizer,
         template: Template,
         max_tokens: usize,
         tokenizer_path: &Path,
     ) -> Result<Self> {
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| Error::Tokenizer {
+                path: Some(tokenizer_path.to_path_buf()),
+                message: format!("cannot turn truncation off: {e}"),
+            })?;
+        tokenizer.with_padding(None);
         template
             .check()
             .map_err(|(field, message)| Error::invalid_argument(field, message))?;
@@ -121,7 +161,16 @@ impl Encoder {
         }
         let option_id = marker_id(&tokenizer, &template.option_marker, tokenizer_path)?;
         let decide_id = marker_id(&tokenizer, &template.decide_marker, tokenizer_path)?;
+        let max_token_id = tokenizer
+            .get_vocab(true)
+            .values()
+            .copied()
+            .max()
+            .unwrap_or(0);
+        let bytes_per_token = bytes_per_token_bound(&tokenizer);
         Ok(Encoder {
+            max_token_id,
+            bytes_per_token,
             tokenizer,
             template,
             max_tokens,
@@ -161,6 +210,12 @@ impl Encoder {
         self.decide_id
     }
 
+    /// The largest token id the tokenizer can produce (vocabulary and added tokens): the model
+    /// must have an embedding row for it.
+    pub fn max_token_id(&self) -> u32 {
+        self.max_token_id
+    }
+
     /// The tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
@@ -181,7 +236,7 @@ impl Encoder {
         &self.tokenizer_path
     }
 
-    /// Encodes a record (KEV.md §2). `line` is the record's input line, used in errors.
+    /// Encodes a record (docs/CONTRACT.md §2). `line` is the record's input line, used in errors.
     ///
     /// Validates the record first ([`Record::validate`]). Errors: [`Error::Record`] when a text
     /// contains a marker token (it would corrupt the positions), [`Error::TooLong`] when the state
@@ -193,6 +248,13 @@ impl Encoder {
             line,
             id: record.id.as_deref(),
         };
+        self.check_bytes(&record.state, "state", ctx)?;
+        for (j, q) in record.questions.iter().enumerate() {
+            self.check_bytes(&q.prompt, &format!("questions[{j}].prompt"), ctx)?;
+            for (i, o) in q.options.iter().enumerate() {
+                self.check_bytes(o, &format!("questions[{j}].options[{i}]"), ctx)?;
+            }
+        }
         let mut ids = self.piece(&self.template.format_state(&record.state), "state", ctx)?;
         let state_len = ids.len();
         let mut segments = vec![0u32; state_len];
@@ -259,6 +321,28 @@ impl Encoder {
     /// split); same as [`Encoding::rows`].
     pub fn rows_of(encoding: &Encoding) -> (Vec<u32>, Vec<Row>) {
         encoding.rows()
+    }
+
+    /// Refuses a text whose bytes alone prove it longer than `max_tokens`, before tokenizing it
+    /// (a 50 MB state would otherwise take gigabytes of tokenizer memory to be refused).
+    fn check_bytes(&self, text: &str, field: &str, ctx: Ctx<'_>) -> Result<()> {
+        let Some(per_token) = self.bytes_per_token else {
+            return Ok(());
+        };
+        let at_least = text.len() / per_token;
+        if at_least > self.max_tokens {
+            return Err(Error::record(
+                ctx.line,
+                ctx.id,
+                field,
+                format!(
+                    "is {} bytes, so at least {at_least} tokens, more than `max_tokens` = {}",
+                    text.len(),
+                    self.max_tokens
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Tokenizes one formatted piece without special tokens and refuses marker ids in it.
@@ -478,6 +562,54 @@ mod tests {
             }
             e => panic!("{e:?}"),
         }
+    }
+
+    #[test]
+    fn the_tokenizers_truncation_and_padding_are_turned_off() {
+        let json = TOKENIZER_JSON.replace(
+            r#""truncation": null, "padding": null"#,
+            r#""truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0},
+               "padding": {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 3, "pad_type_id": 0, "pad_token": "[UNK]"}"#,
+        );
+        let tokenizer: Tokenizer = json.parse().unwrap();
+        assert!(tokenizer.get_truncation().is_some() && tokenizer.get_padding().is_some());
+        let e = Encoder::new(tokenizer, template(), 64, Path::new("t.json")).unwrap();
+        let ids = e.encode_state("a b c a b c").unwrap();
+        assert_eq!(ids.len(), 2 + 6, "{ids:?}");
+    }
+
+    /// The shipped byte-level BPE tokenizer (as Qwen's), for the byte bound.
+    fn bpe_encoder(max_tokens: usize) -> Encoder {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer.json");
+        let mut t = template();
+        t.state = "<|im_start|>user\n{state}\n".into();
+        Encoder::from_file(&path, t, max_tokens).unwrap()
+    }
+
+    #[test]
+    fn a_state_longer_than_its_bytes_allow_is_refused_before_tokenizing() {
+        let e = bpe_encoder(1024);
+        let per_token = e.bytes_per_token.unwrap();
+        // Just within the bound it is tokenized (and refused as too long by its real count).
+        let r = record(&"ab ".repeat(per_token * 1024 / 3), &[("which ?", &["a"])]);
+        assert!(matches!(e.encode(&r, Some(1)), Err(Error::TooLong { .. })));
+        // 50 MB: refused from its length alone, naming the field.
+        let r = record(&"x".repeat(50 << 20), &[("which ?", &["a"])]);
+        let msg = e.encode(&r, Some(4)).unwrap_err().to_string();
+        assert!(
+            msg.starts_with(
+                "record at line 4 (`r1`): field `state`: is 52428800 bytes, so at least"
+            ),
+            "{msg}"
+        );
+        // A word-level tokenizer gives no bound (an unknown word is one token).
+        assert_eq!(encoder(16).bytes_per_token, None);
+    }
+
+    #[test]
+    fn max_token_id_covers_added_tokens() {
+        assert_eq!(encoder(16).max_token_id(), 15);
+        assert_eq!(bpe_encoder(16).max_token_id(), 399);
     }
 
     #[test]

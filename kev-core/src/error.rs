@@ -45,7 +45,7 @@ pub enum Error {
         message: String,
     },
 
-    /// A record is not valid (KEV.md §1).
+    /// A record is not valid (docs/CONTRACT.md §1).
     ///
     /// Displayed as ``record at line 7 (`r17`): field `questions[1].options`: must not be empty``;
     /// the line is left out for records built in code, the id when it could not be read, and the
@@ -159,6 +159,29 @@ pub enum Error {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
 
+    /// The model's probabilities for a record are not finite (NaN or infinity in the weights or
+    /// the activations): an error, never output.
+    #[error(
+        "record{} at batch index {index}: question {question}: the model's probabilities are not finite (NaN or infinity in the weights or activations)",
+        .id.as_ref().map(|i| format!(" `{i}`")).unwrap_or_default()
+    )]
+    NonFinite {
+        /// The record's `id`, if any.
+        id: Option<String>,
+        /// The record's index in the call (0 for a one-record call).
+        index: usize,
+        /// The question whose probabilities are not finite.
+        question: usize,
+    },
+
+    /// Several faults found together: a loader reports every problem it finds, in a fixed order,
+    /// so that one run shows everything to fix.
+    #[error("{} problems:{}", .errors.len(), list_errors(.errors))]
+    Several {
+        /// The faults, in the order found (sorted by what they name).
+        errors: Vec<Error>,
+    },
+
     /// An argument given in code or on a command line is invalid.
     #[error("invalid argument `{name}`: {message}")]
     InvalidArgument {
@@ -222,6 +245,25 @@ impl Error {
     }
 }
 
+impl Error {
+    /// `Ok` for no faults, the fault itself for one, [`Error::Several`] for more.
+    pub fn from_all(mut errors: Vec<Error>) -> Result<()> {
+        match errors.len() {
+            0 => Ok(()),
+            1 => Err(errors.remove(0)),
+            _ => Err(Error::Several { errors }),
+        }
+    }
+}
+
+fn list_errors(errors: &[Error]) -> String {
+    let mut s = String::new();
+    for (i, e) in errors.iter().enumerate() {
+        let _ = write!(s, "\n  {}. {e}", i + 1);
+    }
+    s
+}
+
 /// "record at line 7 (`r17`): field `f`: message", leaving out what is unknown.
 fn record_prefix(line: &Option<usize>, id: &Option<String>, field: &str, message: &str) -> String {
     let mut s = String::from("record");
@@ -282,6 +324,22 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "record at line 2 (`a`): state plus longest branch is 10 tokens, more than `max_tokens` = 8"
+        );
+    }
+
+    #[test]
+    fn several_lists_every_fault_in_order() {
+        assert!(Error::from_all(vec![]).is_ok());
+        let one = Error::from_all(vec![Error::invalid_argument("a", "x")]).unwrap_err();
+        assert_eq!(one.to_string(), "invalid argument `a`: x");
+        let two = Error::from_all(vec![
+            Error::invalid_argument("a", "x"),
+            Error::invalid_argument("b", "y"),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            two.to_string(),
+            "2 problems:\n  1. invalid argument `a`: x\n  2. invalid argument `b`: y"
         );
     }
 

@@ -15,7 +15,7 @@
 //!
 //! Two design decisions matter to readers. Inputs are validated by hand from JSON values, so every
 //! error names the file or record line and the exact field, and nothing is silently dropped or
-//! coerced. Text is tokenized one piece at a time without special tokens (KEV.md §2), so positions
+//! coerced. Text is tokenized one piece at a time without special tokens (docs/CONTRACT.md §2), so positions
 //! do not depend on neighbouring text and the prefix form of the model equals its row form.
 //!
 //! ```no_run
@@ -40,7 +40,7 @@ pub mod adapter;
 pub mod checkpoint;
 pub mod encoding;
 pub mod error;
-mod json;
+pub mod json;
 pub mod options;
 pub mod record;
 pub mod template;
@@ -50,7 +50,7 @@ pub use checkpoint::{hub_cache_dir, BaseFiles, BaseRef, Checkpoint, HeadConfig, 
 pub use encoding::{BranchPositions, Encoder, Encoding, Row};
 pub use error::{Error, Result};
 pub use options::{Backend, DType, LoadOptions, DEFAULT_PREFILL_CHUNK};
-pub use record::{JsonlRecords, Question, Record};
+pub use record::{JsonlRecords, Question, Record, DEFAULT_MAX_LINE_BYTES};
 pub use template::Template;
 /// The tokenizers crate, re-exported so callers build [`Encoder`]s with the same version.
 pub use tokenizers;

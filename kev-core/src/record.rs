@@ -1,4 +1,4 @@
-//! Records (KEV.md §1): one shared state and one or more multiple-choice questions.
+//! Records (docs/CONTRACT.md §1): one shared state and one or more multiple-choice questions.
 //!
 //! Records arrive as JSON, one per line of a JSONL file. Parsing goes through
 //! [`serde_json::Value`] and checks every field by hand, so each error names the line, the record
@@ -53,8 +53,18 @@ impl Record {
     /// come from a file). Every fault is an [`Error::Record`] naming the line, the record id when
     /// it could be read, and the field.
     pub fn from_json_str(s: &str, line: Option<usize>) -> Result<Record> {
-        let value: Value = serde_json::from_str(s)
-            .map_err(|e| Error::record(line, None, "", format!("not valid JSON: {e}")))?;
+        let value = json::parse_strict(s).map_err(|e| {
+            Error::record(
+                line,
+                None,
+                "",
+                format!(
+                    "not valid JSON at column {}: {}",
+                    e.column(),
+                    json::message_without_position(&e)
+                ),
+            )
+        })?;
         Record::from_json_value(&value, line)
     }
 
@@ -190,19 +200,27 @@ fn check_record(r: &Record) -> FieldResult<()> {
     Ok(())
 }
 
-/// Reads records from JSONL, one per non-blank line.
+/// The longest line [`JsonlRecords`] reads by default: 64 MiB. A longer line is a record error
+/// without being held in memory, so a file with no newlines (`/dev/zero`) cannot exhaust it.
+pub const DEFAULT_MAX_LINE_BYTES: usize = 64 << 20;
+
+/// Reads records from JSONL, one per line.
 ///
-/// Yields `(line, result)` with the 1-based line number. Blank and whitespace-only lines are
-/// skipped (they are not records). A line that is not a valid record yields an
-/// [`Error::Record`] and reading goes on with the next line, so a caller can skip bad records;
-/// a line that is not UTF-8 is such a record error too. A read error yields [`Error::Io`] naming
-/// `source` and ends the iteration. A UTF-8 byte order mark at the start of the input is ignored.
+/// Yields `(line, result)` with the 1-based line number, for every line: each is a record or an
+/// [`Error::Record`] naming its line, and reading goes on with the next line, so a caller can
+/// skip bad records and report each one. A blank or whitespace-only line is such an error (it is
+/// not a record, and dropping it silently would hide a broken export), as are a line that is not
+/// UTF-8 and a line longer than the limit ([`DEFAULT_MAX_LINE_BYTES`]; its bytes are skipped, not
+/// kept). The only thing that is not a line is what follows the last newline when it is empty.
+/// A read error yields [`Error::Io`] naming `source` and ends the iteration. A UTF-8 byte order
+/// mark at the start of the input is ignored.
 #[derive(Debug)]
 pub struct JsonlRecords<R: BufRead> {
     reader: R,
     source: PathBuf,
     line: usize,
     buf: Vec<u8>,
+    max_line_bytes: usize,
     done: bool,
 }
 
@@ -214,13 +232,59 @@ impl<R: BufRead> JsonlRecords<R> {
             source: source.into(),
             line: 0,
             buf: Vec::new(),
+            max_line_bytes: DEFAULT_MAX_LINE_BYTES,
             done: false,
         }
+    }
+
+    /// Sets the longest line accepted, in bytes (without its newline).
+    pub fn with_max_line_bytes(mut self, max: usize) -> Self {
+        self.max_line_bytes = max;
+        self
     }
 
     /// The name given to the input.
     pub fn source(&self) -> &std::path::Path {
         &self.source
+    }
+
+    /// The number of lines read so far.
+    pub fn lines_read(&self) -> usize {
+        self.line
+    }
+
+    /// Reads one line into `buf` (without its newline), keeping at most `max_line_bytes`.
+    /// Returns `None` at the end of the input, else whether the line was longer than the limit.
+    fn read_line(&mut self) -> std::io::Result<Option<bool>> {
+        self.buf.clear();
+        let mut any = false;
+        let mut overlong = false;
+        loop {
+            let chunk = match self.reader.fill_buf() {
+                Ok(c) => c,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            if chunk.is_empty() {
+                return Ok(any.then_some(overlong));
+            }
+            any = true;
+            let (part, used, ended) = match chunk.iter().position(|&b| b == b'\n') {
+                Some(i) => (&chunk[..i], i + 1, true),
+                None => (chunk, chunk.len(), false),
+            };
+            let room = self.max_line_bytes.saturating_sub(self.buf.len());
+            if part.len() > room {
+                overlong = true;
+            }
+            if !overlong {
+                self.buf.extend_from_slice(part);
+            }
+            self.reader.consume(used);
+            if ended {
+                return Ok(Some(overlong));
+            }
+        }
     }
 }
 
@@ -228,43 +292,43 @@ impl<R: BufRead> Iterator for JsonlRecords<R> {
     type Item = (usize, Result<Record>);
 
     fn next(&mut self) -> Option<Self::Item> {
-        while !self.done {
-            self.buf.clear();
-            match self.reader.read_until(b'\n', &mut self.buf) {
-                Ok(0) => self.done = true,
-                Ok(_) => {
-                    self.line += 1;
-                    let mut bytes = self.buf.as_slice();
-                    if self.line == 1 {
-                        bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
-                    }
-                    let text = match std::str::from_utf8(bytes) {
-                        Ok(t) => t,
-                        Err(e) => {
-                            return Some((
-                                self.line,
-                                Err(Error::record(
-                                    Some(self.line),
-                                    None,
-                                    "",
-                                    format!("not valid UTF-8: {e}"),
-                                )),
-                            ))
-                        }
-                    };
-                    if text.trim().is_empty() {
-                        continue;
-                    }
-                    return Some((self.line, Record::from_json_str(text, Some(self.line))));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    self.done = true;
-                    return Some((self.line + 1, Err(Error::io(&self.source, e))));
-                }
-            }
+        if self.done {
+            return None;
         }
-        None
+        let overlong = match self.read_line() {
+            Ok(None) => {
+                self.done = true;
+                return None;
+            }
+            Ok(Some(overlong)) => overlong,
+            Err(e) => {
+                self.done = true;
+                return Some((self.line + 1, Err(Error::io(&self.source, e))));
+            }
+        };
+        self.line += 1;
+        let line = self.line;
+        let fail =
+            |message: String| Some((line, Err(Error::record(Some(line), None, "", message))));
+        if overlong {
+            return fail(format!(
+                "line is longer than {} bytes (the reader's limit)",
+                self.max_line_bytes
+            ));
+        }
+        let mut bytes = self.buf.as_slice();
+        if line == 1 {
+            bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+        }
+        let bytes = bytes.strip_suffix(b"\r").unwrap_or(bytes);
+        let text = match std::str::from_utf8(bytes) {
+            Ok(t) => t,
+            Err(e) => return fail(format!("not valid UTF-8: {e}")),
+        };
+        if text.trim().is_empty() {
+            return fail("blank line: every line must be a record".to_owned());
+        }
+        Some((line, Record::from_json_str(text, Some(line))))
     }
 }
 
@@ -545,17 +609,23 @@ mod tests {
     }
 
     #[test]
-    fn jsonl_skips_blank_lines_and_counts_lines() {
+    fn jsonl_reports_blank_lines_and_counts_lines() {
         let input = "\u{feff}{\"state\": \"a\", \"questions\": [{\"prompt\": \"p\", \"options\": [\"x\"]}]}\n\
                      \n   \t\n\
                      {\"id\": \"bad\", \"state\": 1}\r\n\
-                     {\"state\": \"b\", \"questions\": [{\"prompt\": \"p\", \"options\": [\"x\"]}]}";
+                     {\"state\": \"b\", \"questions\": [{\"prompt\": \"p\", \"options\": [\"x\"]}]}\n";
         let items: Vec<_> = JsonlRecords::new(input.as_bytes(), "in.jsonl").collect();
-        assert_eq!(items.len(), 3);
-        assert_eq!(items[0].0, 1);
+        let lines: Vec<usize> = items.iter().map(|(l, _)| *l).collect();
+        assert_eq!(lines, [1, 2, 3, 4, 5]);
         assert_eq!(items[0].1.as_ref().unwrap().state, "a");
-        assert_eq!(items[1].0, 4);
-        match &items[1].1 {
+        for blank in &items[1..3] {
+            let msg = blank.1.as_ref().unwrap_err().to_string();
+            assert!(
+                msg.starts_with(&format!("record at line {}: blank line", blank.0)),
+                "{msg}"
+            );
+        }
+        match &items[3].1 {
             Err(Error::Record {
                 line, id, field, ..
             }) => {
@@ -565,8 +635,57 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(items[2].0, 5);
-        assert_eq!(items[2].1.as_ref().unwrap().state, "b");
+        assert_eq!(items[4].1.as_ref().unwrap().state, "b");
+    }
+
+    #[test]
+    fn jsonl_overlong_line_is_reported_without_being_kept() {
+        let good = r#"{"state": "b", "questions": [{"prompt": "p", "options": ["x"]}]}"#;
+        let input = format!("{}\n{good}\n{}", "x".repeat(10_000), "y".repeat(500));
+        let reader = std::io::BufReader::with_capacity(64, input.as_bytes());
+        let mut records = JsonlRecords::new(reader, "in.jsonl").with_max_line_bytes(100);
+        let (line, first) = records.next().unwrap();
+        assert_eq!(line, 1);
+        let msg = first.unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "record at line 1: line is longer than 100 bytes (the reader's limit)"
+        );
+        assert!(records.buf.capacity() <= 200, "{}", records.buf.capacity());
+        assert!(records.next().unwrap().1.is_ok());
+        assert!(records.next().unwrap().1.is_err());
+        assert!(records.next().is_none());
+        // An endless line (as from `/dev/zero`) is one error after the limit, in bounded memory.
+        let zeros = std::io::BufReader::new(std::io::Read::take(std::io::repeat(0), 1 << 24));
+        let mut records = JsonlRecords::new(zeros, "/dev/zero").with_max_line_bytes(1 << 10);
+        assert!(records.next().unwrap().1.is_err());
+        assert!(records.buf.capacity() <= 1 << 12);
+    }
+
+    #[test]
+    fn json_syntax_error_names_one_line_and_the_column() {
+        let msg = Record::from_json_str(r#"{"state": }"#, Some(9))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.starts_with("record at line 9: not valid JSON at column 11: "),
+            "{msg}"
+        );
+        assert!(!msg.contains("line 1"), "{msg}");
+    }
+
+    #[test]
+    fn duplicate_keys_are_refused() {
+        for text in [
+            r#"{"state": "a", "state": "b", "questions": [{"prompt": "p", "options": ["x"]}]}"#,
+            r#"{"state": "a", "questions": [{"prompt": "p", "answer": 0, "options": ["x"], "answer": 0}]}"#,
+        ] {
+            let msg = Record::from_json_str(text, Some(2))
+                .unwrap_err()
+                .to_string();
+            assert!(msg.starts_with("record at line 2: not valid JSON"), "{msg}");
+            assert!(msg.contains("duplicate key"), "{msg}");
+        }
     }
 
     #[test]

@@ -1,11 +1,13 @@
-//! The text config of a Qwen3.5 checkpoint, read from a real `config.json` (QWEN35.md §1).
+//! The text config of a Qwen3.5 checkpoint, read from a real `config.json` (docs/BACKBONE.md §1).
 //!
 //! Accepts the published multimodal wrapper (values under `text_config`) and text-only files,
 //! RoPE settings under `rope_parameters` or the older top-level `rope_theta` /
 //! `partial_rotary_factor`, and `layer_types` or `full_attention_interval`.
 
-use serde::Deserialize;
-use serde_json::Value;
+use std::path::Path;
+
+use kev_core::Error;
+use serde_json::{Map, Value};
 
 /// The kind of mixer a decoder layer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,81 +55,154 @@ pub struct Config {
     pub linear_conv_kernel_dim: usize,
 }
 
-#[derive(Deserialize)]
-struct RawText {
-    hidden_size: usize,
-    num_hidden_layers: usize,
-    intermediate_size: usize,
-    vocab_size: usize,
-    #[serde(default = "default_eps")]
-    rms_norm_eps: f64,
-    layer_types: Option<Vec<String>>,
-    #[serde(default = "default_interval")]
-    full_attention_interval: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: usize,
-    head_dim: usize,
-    rope_parameters: Option<RawRope>,
-    rope_theta: Option<f64>,
-    partial_rotary_factor: Option<f64>,
-    linear_num_key_heads: usize,
-    linear_num_value_heads: usize,
-    linear_key_head_dim: usize,
-    linear_value_head_dim: usize,
-    linear_conv_kernel_dim: usize,
-    hidden_act: Option<String>,
-    attention_bias: Option<bool>,
+/// A fault in `config.json`: the field's path in the file (`text_config.rope_theta`) and what is
+/// wrong with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigFault {
+    /// The dotted path of the field; empty for the file as a whole.
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
 }
 
-#[derive(Deserialize)]
-struct RawRope {
-    rope_theta: Option<f64>,
-    partial_rotary_factor: Option<f64>,
-    rope_type: Option<String>,
+impl std::fmt::Display for ConfigFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "field `{}`: {}", self.field, self.message)
+        }
+    }
 }
 
-fn default_eps() -> f64 {
-    1e-6
+/// The fields of the text config, read by hand so that every fault names its field.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    /// `text_config.` for the multimodal wrapper, empty for a text-only file.
+    prefix: &'a str,
 }
 
-fn default_interval() -> usize {
-    4
+impl Fields<'_> {
+    fn fault(&self, key: &str, message: impl Into<String>) -> ConfigFault {
+        ConfigFault {
+            field: format!("{}{key}", self.prefix),
+            message: message.into(),
+        }
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, ConfigFault> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    self.fault(key, format!("must be a non-negative integer, found {v}"))
+                }),
+        }
+    }
+
+    /// A required integer > 0 (every size of the backbone).
+    fn size(&self, key: &str) -> Result<usize, ConfigFault> {
+        match self.opt_usize(key)? {
+            None => Err(self.fault(key, "missing (a positive integer is required)")),
+            Some(0) => Err(self.fault(key, "must be positive")),
+            Some(n) => Ok(n),
+        }
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>, ConfigFault> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.fault(key, format!("must be a number, found {v}"))),
+        }
+    }
+
+    fn opt_str(&self, key: &str) -> Result<Option<&str>, ConfigFault> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.fault(key, format!("must be a string, found {v}"))),
+        }
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>, ConfigFault> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.fault(key, format!("must be a boolean, found {v}"))),
+        }
+    }
 }
 
 impl Config {
-    /// Parses a `config.json` text. Errors name the offending field.
-    pub fn from_json(text: &str) -> Result<Self, String> {
-        let root: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
-        let text_part = root.get("text_config").cloned().unwrap_or(root);
-        let raw: RawText = serde_json::from_value(text_part).map_err(|e| e.to_string())?;
-        Self::from_raw(raw)
+    /// Reads a `config.json` strictly (a repeated key is an error, a byte order mark is
+    /// skipped); every fault is an [`Error::Config`] naming the field, or an [`Error::Json`].
+    pub fn from_file(path: &Path) -> kev_core::Result<Self> {
+        let root = kev_core::json::read_json_file(path)?;
+        Self::from_value(&root).map_err(|f| Error::config(path, f.field, f.message))
     }
 
-    fn from_raw(raw: RawText) -> Result<Self, String> {
-        if let Some(act) = raw.hidden_act.as_deref() {
+    /// Parses a `config.json` text (for tests and tools; [`Config::from_file`] names the file).
+    pub fn from_json(text: &str) -> Result<Self, ConfigFault> {
+        let root = kev_core::json::parse_strict(text).map_err(|e| ConfigFault {
+            field: String::new(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        Self::from_value(&root)
+    }
+
+    /// Reads the text config from a parsed `config.json`: the `text_config` object of the
+    /// multimodal wrapper, else the root.
+    pub fn from_value(root: &Value) -> Result<Self, ConfigFault> {
+        let root_obj = root.as_object().ok_or_else(|| ConfigFault {
+            field: String::new(),
+            message: "must be a JSON object".into(),
+        })?;
+        let f = match root_obj.get("text_config") {
+            None => Fields {
+                obj: root_obj,
+                prefix: "",
+            },
+            Some(Value::Object(obj)) => Fields {
+                obj,
+                prefix: "text_config.",
+            },
+            Some(v) => {
+                return Err(ConfigFault {
+                    field: "text_config".into(),
+                    message: format!("must be an object, found {v}"),
+                })
+            }
+        };
+        if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
-                return Err(format!("`hidden_act` is `{act}`; only `silu` is supported"));
+                return Err(f.fault(
+                    "hidden_act",
+                    format!("`{act}` is not supported: only `silu`"),
+                ));
             }
         }
-        if raw.attention_bias == Some(true) {
-            return Err("`attention_bias` is true; Qwen3.5 has no biases".into());
+        if f.opt_bool("attention_bias")? == Some(true) {
+            return Err(f.fault(
+                "attention_bias",
+                "`true` is not supported: Qwen3.5 has no biases",
+            ));
         }
-        let layer_types = match raw.layer_types {
-            Some(types) => types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "linear_attention" => Ok(LayerType::LinearAttention),
-                    "full_attention" => Ok(LayerType::FullAttention),
-                    other => Err(format!("`layer_types` has unknown entry `{other}`")),
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-            None => {
-                if raw.full_attention_interval == 0 {
-                    return Err("`full_attention_interval` must be > 0".into());
+        let num_hidden_layers = f.size("num_hidden_layers")?;
+        let layer_types = match f.obj.get("layer_types") {
+            None | Some(Value::Null) => {
+                let interval = f.opt_usize("full_attention_interval")?.unwrap_or(4);
+                if interval == 0 {
+                    return Err(f.fault("full_attention_interval", "must be positive"));
                 }
-                (0..raw.num_hidden_layers)
+                (0..num_hidden_layers)
                     .map(|i| {
-                        if (i + 1) % raw.full_attention_interval == 0 {
+                        if (i + 1) % interval == 0 {
                             LayerType::FullAttention
                         } else {
                             LayerType::LinearAttention
@@ -135,68 +210,135 @@ impl Config {
                     })
                     .collect()
             }
+            Some(Value::Array(types)) => types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match t.as_str() {
+                    Some("linear_attention") => Ok(LayerType::LinearAttention),
+                    Some("full_attention") => Ok(LayerType::FullAttention),
+                    _ => Err(f.fault(
+                        &format!("layer_types[{i}]"),
+                        format!(
+                            "`{t}` is unknown: expected `linear_attention` or `full_attention`"
+                        ),
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            Some(v) => return Err(f.fault("layer_types", format!("must be a list, found {v}"))),
         };
-        if layer_types.len() != raw.num_hidden_layers {
-            return Err(format!(
-                "`layer_types` has {} entries for `num_hidden_layers` = {}",
-                layer_types.len(),
-                raw.num_hidden_layers
+        if layer_types.len() != num_hidden_layers {
+            return Err(f.fault(
+                "layer_types",
+                format!(
+                    "has {} entries for `num_hidden_layers` = {num_hidden_layers}",
+                    layer_types.len()
+                ),
             ));
         }
-        let rope = raw.rope_parameters.as_ref();
-        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref()) {
-            if kind != "default" {
-                return Err(format!(
-                    "`rope_parameters.rope_type` is `{kind}`; only `default` is supported"
-                ));
+        let rope = match f.obj.get("rope_parameters") {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(obj)) => Some(Fields {
+                obj,
+                prefix: if f.prefix.is_empty() {
+                    "rope_parameters."
+                } else {
+                    "text_config.rope_parameters."
+                },
+            }),
+            Some(v) => {
+                return Err(f.fault("rope_parameters", format!("must be an object, found {v}")))
+            }
+        };
+        if let Some(rope) = &rope {
+            if let Some(kind) = rope.opt_str("rope_type")? {
+                if kind != "default" {
+                    return Err(rope.fault(
+                        "rope_type",
+                        format!("`{kind}` is not supported: only `default`"),
+                    ));
+                }
             }
         }
-        let rope_theta = rope
-            .and_then(|r| r.rope_theta)
-            .or(raw.rope_theta)
-            .unwrap_or(10_000_000.0);
-        let factor = rope
-            .and_then(|r| r.partial_rotary_factor)
-            .or(raw.partial_rotary_factor)
-            .unwrap_or(0.25);
-        let rotary_dim = (raw.head_dim as f64 * factor) as usize;
-        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > raw.head_dim {
-            return Err(format!(
-                "`partial_rotary_factor` {factor} gives rotary dim {rotary_dim} for head_dim {}",
-                raw.head_dim
+        // A setting under `rope_parameters` wins over the older top-level one; the fault names
+        // the field that was read.
+        let pick = |key: &str| -> Result<Option<(f64, ConfigFault)>, ConfigFault> {
+            if let Some(rope) = &rope {
+                if let Some(x) = rope.opt_f64(key)? {
+                    return Ok(Some((x, rope.fault(key, ""))));
+                }
+            }
+            Ok(f.opt_f64(key)?.map(|x| (x, f.fault(key, ""))))
+        };
+        let with = |mut fault: ConfigFault, message: String| {
+            fault.message = message;
+            fault
+        };
+        let rope_theta = match pick("rope_theta")? {
+            None => 10_000_000.0,
+            Some((x, _)) if x.is_finite() && x > 0.0 => x,
+            Some((x, fault)) => {
+                return Err(with(fault, format!("must be finite and > 0, got {x}")))
+            }
+        };
+        let head_dim = f.size("head_dim")?;
+        let (factor, factor_fault) = pick("partial_rotary_factor")?
+            .unwrap_or_else(|| (0.25, f.fault("partial_rotary_factor", "")));
+        let rotary = head_dim as f64 * factor;
+        let rotary_dim = rotary as usize;
+        if !(factor > 0.0 && factor <= 1.0)
+            || rotary != rotary_dim as f64
+            || rotary_dim == 0
+            || !rotary_dim.is_multiple_of(2)
+        {
+            return Err(with(
+                factor_fault,
+                format!("{factor} gives rotary dim {rotary} for head_dim {head_dim}: it must be an even whole number in 2..=head_dim"),
             ));
         }
-        let heads_ok = raw.num_key_value_heads > 0
-            && raw
-                .num_attention_heads
-                .is_multiple_of(raw.num_key_value_heads)
-            && raw.linear_num_key_heads > 0
-            && raw
-                .linear_num_value_heads
-                .is_multiple_of(raw.linear_num_key_heads);
-        if !heads_ok {
-            return Err("head counts must divide: attention heads by kv heads, linear value heads by linear key heads".into());
+        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0 && (rms_norm_eps as f32) > 0.0) {
+            return Err(f.fault(
+                "rms_norm_eps",
+                format!("must be finite and > 0 (in f32), got {rms_norm_eps}"),
+            ));
         }
-        if raw.linear_conv_kernel_dim < 2 {
-            return Err("`linear_conv_kernel_dim` must be at least 2".into());
+        let num_attention_heads = f.size("num_attention_heads")?;
+        let num_key_value_heads = f.size("num_key_value_heads")?;
+        if !num_attention_heads.is_multiple_of(num_key_value_heads) {
+            return Err(f.fault(
+                "num_key_value_heads",
+                format!("{num_key_value_heads} does not divide `num_attention_heads` = {num_attention_heads}"),
+            ));
+        }
+        let linear_num_key_heads = f.size("linear_num_key_heads")?;
+        let linear_num_value_heads = f.size("linear_num_value_heads")?;
+        if !linear_num_value_heads.is_multiple_of(linear_num_key_heads) {
+            return Err(f.fault(
+                "linear_num_key_heads",
+                format!("{linear_num_key_heads} does not divide `linear_num_value_heads` = {linear_num_value_heads}"),
+            ));
+        }
+        let linear_conv_kernel_dim = f.size("linear_conv_kernel_dim")?;
+        if linear_conv_kernel_dim < 2 {
+            return Err(f.fault("linear_conv_kernel_dim", "must be at least 2"));
         }
         Ok(Self {
-            hidden_size: raw.hidden_size,
-            num_hidden_layers: raw.num_hidden_layers,
-            intermediate_size: raw.intermediate_size,
-            vocab_size: raw.vocab_size,
-            rms_norm_eps: raw.rms_norm_eps,
+            hidden_size: f.size("hidden_size")?,
+            num_hidden_layers,
+            intermediate_size: f.size("intermediate_size")?,
+            vocab_size: f.size("vocab_size")?,
+            rms_norm_eps,
             layer_types,
-            num_attention_heads: raw.num_attention_heads,
-            num_key_value_heads: raw.num_key_value_heads,
-            head_dim: raw.head_dim,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
             rope_theta,
             rotary_dim,
-            linear_num_key_heads: raw.linear_num_key_heads,
-            linear_num_value_heads: raw.linear_num_value_heads,
-            linear_key_head_dim: raw.linear_key_head_dim,
-            linear_value_head_dim: raw.linear_value_head_dim,
-            linear_conv_kernel_dim: raw.linear_conv_kernel_dim,
+            linear_num_key_heads,
+            linear_num_value_heads,
+            linear_key_head_dim: f.size("linear_key_head_dim")?,
+            linear_value_head_dim: f.size("linear_value_head_dim")?,
+            linear_conv_kernel_dim,
         })
     }
 
@@ -246,6 +388,55 @@ mod tests {
     fn layer_types_length_mismatch_is_an_error() {
         let err = Config::from_json(&format!("{TEXT}, \"layer_types\": [\"full_attention\"]}}"))
             .unwrap_err();
-        assert!(err.contains("`layer_types` has 1 entries"), "{err}");
+        assert_eq!(err.field, "layer_types");
+        assert!(err.message.contains("has 1 entries"), "{err}");
+    }
+
+    /// Each fault names its own field, under `text_config.` when the file nests it.
+    #[test]
+    fn faults_name_their_field() {
+        let nested = |extra: &str| format!("{{\"text_config\": {TEXT}{extra}}}}}");
+        let flat = |extra: &str| format!("{TEXT}{extra}}}");
+        let cases = [
+            (nested(", \"rope_theta\": 0"), "text_config.rope_theta"),
+            (nested(", \"rope_theta\": -5"), "text_config.rope_theta"),
+            (
+                nested(", \"rope_parameters\": {\"rope_theta\": 0}"),
+                "text_config.rope_parameters.rope_theta",
+            ),
+            (flat(", \"rms_norm_eps\": -1e-6"), "rms_norm_eps"),
+            (flat(", \"rms_norm_eps\": 1e-60"), "rms_norm_eps"),
+            (
+                nested(", \"hidden_act\": \"gelu\""),
+                "text_config.hidden_act",
+            ),
+            (
+                nested(", \"layer_types\": [\"x\", 1, 2, 3]"),
+                "text_config.layer_types[0]",
+            ),
+            (
+                flat(", \"partial_rotary_factor\": 0.3"),
+                "partial_rotary_factor",
+            ),
+            (
+                flat(", \"partial_rotary_factor\": 2"),
+                "partial_rotary_factor",
+            ),
+            (
+                TEXT.replace("\"hidden_size\": 64", "\"hidden_size\": 0") + "}",
+                "hidden_size",
+            ),
+            (
+                TEXT.replace("\"head_dim\": 32", "\"head_dim\": \"32\"") + "}",
+                "head_dim",
+            ),
+            (TEXT.replace("\"vocab_size\": 300,", "") + "}", "vocab_size"),
+        ];
+        for (json, field) in cases {
+            let err = Config::from_json(&json).unwrap_err();
+            assert_eq!(err.field, field, "{json}: {err}");
+        }
+        let dup = Config::from_json(&flat(", \"head_dim\": 16")).unwrap_err();
+        assert!(dup.message.contains("duplicate key `head_dim`"), "{dup}");
     }
 }
