@@ -5,19 +5,23 @@
 //! cargo run --release --example score -- --checkpoint my-kev --records in.jsonl --out out.jsonl
 //! ```
 //! Each output line: `{"id": "r17", "questions": [{"id": "q1", "probs": [..], "argmax": 2, "option": "c"}]}`.
-//! A summary goes to stderr. Invalid records stop the run (non-zero exit, nothing written) unless
-//! `--skip-invalid` is given; then they are reported with their line number and left out.
+//! The work is [`kev::score::score`]'s (streamed in two passes; see the README's `score` section
+//! for what is guaranteed about the output); this is its command line.
+//!
+//! Exit status: 0 when every valid record was scored and written; 1 on any error (an invalid
+//! record without `--skip-invalid`, a load or model failure, any failure to write the output,
+//! stdout's reader leaving early); 2 for a bad command line.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use kev::{Backend, DType, DecisionModel, JsonlRecords, LoadOptions, Record};
-use serde::Serialize;
+use kev::score::{OutputPlan, Progress, ScoreError, ScoreOptions, Summary};
+use kev::{Backend, DType, DecisionModel, LoadOptions};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -28,10 +32,10 @@ struct Args {
     /// Checkpoint folder (holding kev.json). By default, the small checkpoint shipped in the repository.
     #[arg(long)]
     checkpoint: Option<PathBuf>,
-    /// JSONL records, or `-` for stdin. By default, the sample records shipped in the repository.
+    /// JSONL records, or `-` for stdin (copied to a temporary file for the second pass). By default, the sample records shipped in the repository.
     #[arg(long)]
     records: Option<PathBuf>,
-    /// Output JSONL file, or `-` for stdout (the default). Written only once every record is scored.
+    /// Output JSONL file, or `-` for stdout (the default). A regular file is written beside it and renamed over it at the end; a device or FIFO is written through.
     #[arg(long, default_value = "-")]
     out: PathBuf,
     /// auto, cpu, cuda[:i] or metal[:i]. By default, auto: Metal on Apple Silicon, CUDA where built and present, else CPU.
@@ -40,8 +44,8 @@ struct Args {
     /// auto, f32, bf16 or f16. By default, auto: f32 on the CPU, bf16 on GPUs.
     #[arg(long, default_value = "auto")]
     dtype: DType,
-    /// Adapter interpolation: 0 = base model, 1 = fine-tuned (the default).
-    #[arg(long, default_value_t = 1.0)]
+    /// Adapter interpolation: 0 = base model, 1 = fine-tuned (the default); checked by the loader.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     lora_scale: f64,
     /// Report invalid records (with their line number) and go on without them.
     #[arg(long)]
@@ -49,58 +53,48 @@ struct Args {
     /// Records scored together (their states as one batch, then all their branches as one batch).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     batch_size: u64,
-}
-
-#[derive(Serialize)]
-struct QuestionOut<'a> {
-    id: Option<&'a str>,
-    probs: &'a [f32],
-    argmax: usize,
-    option: &'a str,
-}
-
-#[derive(Serialize)]
-struct RecordOut<'a> {
-    id: Option<&'a str>,
-    questions: Vec<QuestionOut<'a>>,
-}
-
-/// Accuracy and log-loss over questions that carry an `answer`.
-#[derive(Default)]
-struct Metrics {
-    questions: usize,
-    answered: usize,
-    correct: usize,
-    log_loss: f64,
+    /// Continue an interrupted run into the same `--out` from its partial file (`.NAME.partial`).
+    #[arg(long)]
+    resume: bool,
 }
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    let args = Args::parse();
+    let mut partial = None;
+    match run(&args, &mut partial) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
+            // A partial file that does not match the input is not worth resuming.
+            let resumable = !matches!(
+                e.downcast_ref::<ScoreError>(),
+                Some(ScoreError::Resume { .. })
+            );
+            let kept = |p: &PathBuf| resumable && p.metadata().is_ok_and(|m| m.len() > 0);
+            if let Some(p) = partial.filter(kept) {
+                eprintln!(
+                    "the lines written so far are in `{}`: rerun with --resume to continue",
+                    p.display()
+                );
+            }
             ExitCode::FAILURE
         }
     }
 }
 
-fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        c.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-    })
-}
-
-fn run(args: Args) -> Result<()> {
+fn run(args: &Args, partial: &mut Option<PathBuf>) -> Result<()> {
     let checkpoint = args
         .checkpoint
         .clone()
         .unwrap_or_else(|| Path::new(ROOT).join("tests/fixtures/kev-small"));
-    let records_path = args
+    let records = args
         .records
         .clone()
         .unwrap_or_else(|| Path::new(ROOT).join("tests/fixtures/records.jsonl"));
+
+    // The output is looked at before the model loads, so a bad `--out` fails at once.
+    let plan = OutputPlan::new(&args.out)?;
+    *partial = plan.partial_path().map(Path::to_path_buf);
 
     let started = Instant::now();
     let options = LoadOptions::default()
@@ -117,150 +111,117 @@ fn run(args: Args) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
 
-    let records = read_records(&records_path, &model, args.skip_invalid)?;
-    let progress = progress_bar(
-        records.len(),
-        args.records.as_deref() != Some(Path::new("-")),
-    );
-    let started = Instant::now();
-    let mut lines = Vec::with_capacity(records.len());
-    let mut metrics = Metrics::default();
-    for chunk in records.chunks(args.batch_size as usize) {
-        let batch: Vec<Record> = chunk.iter().map(|(_, r)| r.clone()).collect();
-        let probs = model.probs_batch(&batch).with_context(|| {
-            format!(
-                "scoring records at lines {}..={}",
-                chunk[0].0,
-                chunk[chunk.len() - 1].0
-            )
-        })?;
-        for (record, probs) in batch.iter().zip(&probs) {
-            lines.push(format_record(record, probs, &mut metrics)?);
-        }
-        progress.inc(chunk.len() as u64);
-    }
-    progress.finish_and_clear();
-    let elapsed = started.elapsed().as_secs_f64();
-    write_output(&args.out, &lines)?;
-
-    eprintln!(
-        "records: {}, questions: {}",
-        records.len(),
-        metrics.questions
-    );
-    if metrics.answered > 0 {
-        eprintln!(
-            "accuracy: {:.4} ({} / {} answered questions), mean log-loss: {:.4}",
-            metrics.correct as f64 / metrics.answered as f64,
-            metrics.correct,
-            metrics.answered,
-            metrics.log_loss / metrics.answered as f64
-        );
-    }
-    eprintln!(
-        "{:.2} records/s ({:.2} s scoring)",
-        records.len() as f64 / elapsed.max(1e-9),
-        elapsed
-    );
+    let options = ScoreOptions {
+        batch_size: usize::try_from(args.batch_size).context("--batch-size")?,
+        skip_invalid: args.skip_invalid,
+        resume: args.resume,
+    };
+    let mut progress = Bars::new();
+    let summary = kev::score::score(&model, &records, &plan, &options, &mut progress);
+    progress.clear();
+    print_summary(&summary?);
     Ok(())
 }
 
-/// Reads and encodes every record first, so an invalid one stops the run before any output.
-fn read_records(
-    path: &Path,
-    model: &DecisionModel,
-    skip_invalid: bool,
-) -> Result<Vec<(usize, Record)>> {
-    let reader: Box<dyn BufRead> = if path == Path::new("-") {
-        Box::new(BufReader::new(std::io::stdin()))
+fn print_summary(s: &Summary) {
+    let resumed = if s.resumed > 0 {
+        format!(" ({} resumed)", s.resumed)
     } else {
-        let file = std::fs::File::open(path)
-            .with_context(|| format!("opening records `{}`", path.display()))?;
-        Box::new(BufReader::new(file))
+        String::new()
     };
-    let mut records = Vec::new();
-    let mut skipped = 0;
-    for (line, record) in JsonlRecords::new(reader, path) {
-        let checked = record.and_then(|r| model.encoder().encode(&r, Some(line)).map(|_| r));
-        match checked {
-            Ok(r) => records.push((line, r)),
-            Err(e) if skip_invalid && !matches!(e, kev::Error::Io { .. }) => {
-                eprintln!("skipping: {e}");
-                skipped += 1;
-            }
-            Err(e) => return Err(e).with_context(|| format!("in `{}`", path.display())),
-        }
+    eprintln!(
+        "records: {}{resumed}, questions: {}, skipped: {}, {:.2} records/s ({:.2} s validation, {:.2} s scoring)",
+        s.records,
+        s.metrics.questions,
+        s.skipped,
+        s.records_per_second(),
+        s.validation.as_secs_f64(),
+        s.scoring.as_secs_f64()
+    );
+    if let (Some(acc), Some(ll)) = (s.metrics.accuracy(), s.metrics.mean_log_loss()) {
+        eprintln!(
+            "accuracy: {acc:.4} ({} / {} answered questions), mean log-loss: {ll:.4}",
+            s.metrics.correct, s.metrics.answered
+        );
     }
-    if skipped > 0 {
-        eprintln!("skipped {skipped} invalid record(s)");
-    }
-    Ok(records)
 }
 
-fn format_record(record: &Record, probs: &[Vec<f32>], metrics: &mut Metrics) -> Result<String> {
-    let mut questions = Vec::with_capacity(record.questions.len());
-    for (q, p) in record.questions.iter().zip(probs) {
-        let argmax = p
-            .iter()
-            .enumerate()
-            .fold(0, |best, (i, x)| if *x > p[best] { i } else { best });
-        metrics.questions += 1;
-        if let Some(answer) = q.answer {
-            metrics.answered += 1;
-            metrics.correct += usize::from(argmax == answer);
-            metrics.log_loss -= f64::from(p[answer].max(1e-12)).ln();
-        }
-        questions.push(QuestionOut {
-            id: q.id.as_deref(),
-            probs: p,
-            argmax,
-            option: &q.options[argmax],
-        });
-    }
-    let out = RecordOut {
-        id: record.id.as_deref(),
-        questions,
-    };
-    Ok(serde_json::to_string(&out)?)
+/// Progress bars on a terminal (bytes while validating, records/s and ETA while scoring);
+/// nothing but skip reports otherwise.
+struct Bars {
+    bar: Option<ProgressBar>,
+    phase: Phase,
 }
 
-/// Writes all lines at once: to stdout, or to a temporary file renamed over `out` at the end.
-fn write_output(out: &Path, lines: &[String]) -> Result<()> {
-    if out == Path::new("-") {
-        let mut stdout = std::io::stdout().lock();
-        for l in lines {
-            writeln!(stdout, "{l}")?;
-        }
-        return Ok(stdout.flush()?);
-    }
-    let Some(name) = out.file_name() else {
-        bail!("`--out {}` is not a file path", out.display())
-    };
-    let tmp = out.with_file_name(format!(".{}.partial", name.to_string_lossy()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-        for l in lines {
-            writeln!(f, "{l}")?;
-        }
-        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, out)
-    };
-    write()
-        .inspect_err(|_| {
-            let _ = std::fs::remove_file(&tmp);
-        })
-        .with_context(|| format!("writing `{}`", out.display()))
+#[derive(PartialEq)]
+enum Phase {
+    Start,
+    Validating,
+    Scoring,
 }
 
-fn progress_bar(len: usize, from_file: bool) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
-    if !from_file || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        bar.set_draw_target(ProgressDrawTarget::hidden());
+impl Bars {
+    fn new() -> Self {
+        let bar = std::io::stderr()
+            .is_terminal()
+            .then(|| ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()));
+        Bars {
+            bar,
+            phase: Phase::Start,
+        }
     }
-    if let Ok(style) =
-        ProgressStyle::with_template("{bar:40} {pos}/{len} records {per_sec} eta {eta}")
-    {
+
+    fn clear(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn set_style(bar: &ProgressBar, template: &str) {
+    if let Ok(style) = ProgressStyle::with_template(template) {
         bar.set_style(style);
     }
-    bar
+}
+
+impl Progress for Bars {
+    fn validating(&mut self, read: u64, total: Option<u64>) {
+        let Some(bar) = &self.bar else { return };
+        if self.phase == Phase::Start {
+            self.phase = Phase::Validating;
+            match total {
+                Some(t) => {
+                    bar.set_length(t);
+                    set_style(
+                        bar,
+                        "validating {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+                    );
+                }
+                None => set_style(bar, "validating {bytes} {binary_bytes_per_sec}"),
+            }
+        }
+        bar.set_position(read);
+    }
+
+    fn skipped(&mut self, error: &kev::Error) {
+        let message = format!("skipping: {error}");
+        match &self.bar {
+            Some(bar) => bar.suspend(|| eprintln!("{message}")),
+            None => eprintln!("{message}"),
+        }
+    }
+
+    fn scoring(&mut self, done: u64, total: u64) {
+        let Some(bar) = &self.bar else { return };
+        if self.phase != Phase::Scoring {
+            self.phase = Phase::Scoring;
+            bar.reset();
+            bar.set_length(total);
+            set_style(
+                bar,
+                "{bar:40} {pos}/{len} records {per_sec} eta {eta} ({elapsed})",
+            );
+        }
+        bar.set_position(done);
+    }
 }

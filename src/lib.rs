@@ -28,6 +28,8 @@
 
 #![warn(missing_docs)]
 
+pub mod score;
+
 pub use kev_candle::{qwen35, DecisionModel, GraphStats, PointerHead, Prefix};
 pub use kev_core::{
     Backend, BaseFiles, BaseRef, Checkpoint, DType, Encoder, Encoding, Error, JsonlRecords,

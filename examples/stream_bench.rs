@@ -1,0 +1,97 @@
+//! Memory and time of `kev::score::score` on a large file (issue 23's streaming figures).
+//!
+//! ```sh
+//! python3 bench/stream_records.py --n 1000000 --out bench/.cache/stream-1m.jsonl
+//! cargo run --release --example stream_bench -- --records bench/.cache/stream-1m.jsonl --out /tmp/o.jsonl
+//! cargo run --release --example stream_bench -- --records bench/.cache/stream-1m.jsonl --out /tmp/o.jsonl --stub
+//! ```
+//! Prints the run's summary and the process's peak resident memory (`VmHWM`). With `--stub`
+//! the validation pass is the real one (the checkpoint's encoder) but the scoring pass returns
+//! uniform distributions instead of running the model: it measures everything the pipeline
+//! itself holds (reading, both passes, formatting, writing, the rename) at full speed, where
+//! the model would take hours on a small CPU.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Parser;
+use kev::score::{OutputPlan, Quiet, ScoreOptions, Scorer};
+use kev::{Backend, DecisionModel, LoadOptions, Record};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Checkpoint folder; by default the shipped small one.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    #[arg(long)]
+    records: PathBuf,
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Uniform distributions instead of the model in the scoring pass.
+    #[arg(long)]
+    stub: bool,
+}
+
+/// The real encoder check; uniform distributions in place of the forward pass.
+struct Stub<'a>(&'a DecisionModel);
+
+impl Scorer for Stub<'_> {
+    fn check(&self, record: &Record, line: usize) -> kev::Result<()> {
+        self.0.check(record, line)
+    }
+
+    fn probs_batch(&self, records: &[Record]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+        Ok(records
+            .iter()
+            .map(|r| {
+                r.questions
+                    .iter()
+                    .map(|q| vec![1.0 / q.options.len() as f32; q.options.len()])
+                    .collect()
+            })
+            .collect())
+    }
+}
+
+fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let checkpoint = args.checkpoint.clone().unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kev-small")
+    });
+    let model = DecisionModel::load(
+        &checkpoint,
+        &LoadOptions::default().with_backend(Backend::Cpu),
+    )?;
+    let plan = OutputPlan::new(&args.out)?;
+    let options = ScoreOptions {
+        batch_size: args.batch_size,
+        ..ScoreOptions::default()
+    };
+    let summary = if args.stub {
+        kev::score::score(&Stub(&model), &args.records, &plan, &options, &mut Quiet)?
+    } else {
+        kev::score::score(&model, &args.records, &plan, &options, &mut Quiet)?
+    };
+    let validation = summary.validation.as_secs_f64();
+    let scoring = summary.scoring.as_secs_f64();
+    println!(
+        "records {} questions {} stub {} validation_s {validation:.2} scoring_s {scoring:.2} \
+         validation_per_record_us {:.2} records_per_s {:.2} validation_over_scoring {:.4} peak_rss_kib {}",
+        summary.records,
+        summary.metrics.questions,
+        args.stub,
+        validation * 1e6 / summary.records.max(1) as f64,
+        summary.records_per_second(),
+        validation / scoring.max(1e-9),
+        peak_rss_kib().unwrap_or(0),
+    );
+    Ok(())
+}

@@ -1,0 +1,7 @@
+//! The `score` pipeline (`kev::score`): its output writer, streaming, resume and invalid-record
+//! handling as a library, and the `score` example's exit codes end to end. One test binary.
+
+mod cli;
+mod common;
+mod output;
+mod stream;
