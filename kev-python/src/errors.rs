@@ -78,9 +78,7 @@ pub fn to_py(e: kev::Error) -> PyErr {
                 set(value, "path", shown(path)).and_then(|_| set(value, "marker", marker))
             }
             E::Tokenizer { path, .. } => set(value, "path", path.as_deref().map(shown)),
-            E::Tensor { name, .. } | E::InvalidArgument { name, .. } => {
-                set(value, "name", name)
-            }
+            E::Tensor { name, .. } | E::InvalidArgument { name, .. } => set(value, "name", name),
             _ => Ok(()),
         };
         match result {

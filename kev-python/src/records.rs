@@ -3,9 +3,9 @@
 //! [`kev::Record::from_json_str`], so the checks and their messages are the library's.
 
 use kev::{Error, Record};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::exceptions::PyTypeError;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::errors::OrRaise;
@@ -34,7 +34,13 @@ pub fn json_text(obj: &Bound<'_, PyAny>, line: Option<usize>) -> PyResult<String
         Ok(text) => Ok(text.cast_into::<PyString>()?.to_cow()?.into_owned()),
         Err(e) => {
             let why = e.value(py).str()?.to_cow()?.into_owned();
-            Err(Error::record(line, None, "", format!("not valid JSON: {why}"))).or_raise()
+            Err(Error::record(
+                line,
+                None,
+                "",
+                format!("not valid JSON: {why}"),
+            ))
+            .or_raise()
         }
     }
 }
@@ -55,7 +61,5 @@ pub fn records(objs: &Bound<'_, PyAny>) -> PyResult<Vec<Record>> {
             "expected a sequence of records, got a single record",
         ));
     }
-    objs.try_iter()?
-        .map(|obj| record(&obj?, None))
-        .collect()
+    objs.try_iter()?.map(|obj| record(&obj?, None)).collect()
 }
