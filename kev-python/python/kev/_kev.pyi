@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
@@ -97,7 +98,7 @@ class DecisionModel:
     def device(self) -> str:
         """"cpu", "cuda:i" or "metal:i"."""
     @property
-    def path(self) -> str:
+    def path(self) -> pathlib.Path:
         """The checkpoint folder."""
     @property
     def max_tokens(self) -> int: ...
