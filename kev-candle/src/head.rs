@@ -76,6 +76,17 @@ impl PointerHead {
         })
     }
 
+    /// The weights by their names in `head.safetensors`: `q.weight [dim, H]`, `q.bias [dim]`,
+    /// `k.weight [dim, H]`, `k.bias [dim]` (f32, on the model's device).
+    pub fn tensors(&self) -> [(&'static str, &Tensor); 4] {
+        [
+            ("q.weight", &self.q_weight),
+            ("q.bias", &self.q_bias),
+            ("k.weight", &self.k_weight),
+            ("k.bias", &self.k_bias),
+        ]
+    }
+
     /// The projection size.
     pub fn dim(&self) -> usize {
         self.dim
