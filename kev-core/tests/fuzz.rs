@@ -1052,3 +1052,34 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Regressions: cases the fuzzing found
+// ---------------------------------------------------------------------------------------------
+
+/// The shipped tokenizer.json with `key` set to `value`, in a temp folder.
+fn tokenizer_with(dir: &TempDir, key: &str, value: Value) -> PathBuf {
+    let mut tok: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("tokenizer.json")).unwrap()).unwrap();
+    tok[key] = value;
+    let path = dir.0.join("tokenizer.json");
+    std::fs::write(&path, tok.to_string()).unwrap();
+    path
+}
+
+/// A truncation stride not below `max_length` made tokenizers panic inside `Encoder::encode`
+/// ("`stride` must be strictly less than `max_len=1`"). The runtime's own encoding is used.
+#[test]
+fn tokenizer_truncation_stride_at_max_length_encodes_untruncated() {
+    let dir = TempDir::new("stride");
+    let path = tokenizer_with(
+        &dir,
+        "truncation",
+        json!({"max_length": 1, "stride": 1, "strategy": "LongestFirst", "direction": "Left"}),
+    );
+    let encoder = Encoder::from_file(&path, shipped_template(), 1024).unwrap();
+    let plain = Encoder::from_file(fixture("tokenizer.json"), shipped_template(), 1024).unwrap();
+    for r in fixture_records() {
+        assert_eq!(encoder.encode(&r, None).unwrap(), plain.encode(&r, None).unwrap());
+    }
+}
