@@ -19,391 +19,11 @@ use std::path::{Path, PathBuf};
 use kev_core::{AdapterConfig, Checkpoint, Encoder, Error, JsonlRecords, KevConfig, Record, Template};
 use proptest::prelude::*;
 use proptest::sample::Index;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
-// ---------------------------------------------------------------------------------------------
-// Harness
-// ---------------------------------------------------------------------------------------------
-
-/// `normal` cases, times `KEV_FUZZ_SCALE` (default 1). Failures are not persisted to files: a
-/// failure found is turned into a plain regression test instead.
-fn cases(normal: u32) -> ProptestConfig {
-    let scale = std::env::var("KEV_FUZZ_SCALE")
-        .ok()
-        .and_then(|s| s.parse::<u32>().ok())
-        .unwrap_or(1)
-        .max(1);
-    ProptestConfig {
-        cases: normal.saturating_mul(scale),
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
-fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(rel)
-}
-
-/// A unique folder under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "kev-fuzz-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Generators: JSON values, paths and edits
-// ---------------------------------------------------------------------------------------------
-
-/// Field names of every format fuzzed here, so that random objects often hit real fields.
-const KEYS: &[&str] = &[
-    "id", "state", "questions", "prompt", "options", "answer", "format", "base", "adapter",
-    "head", "file", "dim", "temperature", "template", "question", "option", "option_marker",
-    "decide_marker", "max_tokens", "r", "lora_alpha", "use_rslora", "target_modules",
-    "rank_pattern", "alpha_pattern", "trainable_token_indices", "embed_tokens", "peft_type",
-    "bias", "modules_to_save", "fan_in_fan_out", "use_dora", "lora_bias", "", "__proto__",
-];
-
-/// Strings that matter to the formats: markers, template fields, braces, odd characters.
-const TEXTS: &[&str] = &[
-    "", " ", "x", "{state}", "{prompt}", "{option}", "{", "}", "{{", "}}", "{}", "{0}",
-    "{state:>4}", "{state!r}", "{{state}}", "{state", "state}", "<|kev_option|>",
-    "<|kev_decide|>", "<|im_start|>", "<|endoftext|>", "kev/1", "kev/2", "LORA", "none", "all",
-    "hf:", "hf:a/b", "hf:a/b@", "hf:/a", "../base-mm", "\u{feff}", "\0", "\n", "\r\n", "\t",
-    "\u{2028}", "\u{a0}", "é", "数字", "🦀", "\u{10ffff}", "q_proj", "embed_tokens", "lm_head",
-    "layers.0.self_attn.q_proj",
-];
-
-fn text() -> impl Strategy<Value = String> {
-    prop_oneof![
-        3 => prop::sample::select(TEXTS).prop_map(str::to_owned),
-        2 => "\\PC{0,12}",
-        1 => any::<String>(),
-        1 => (prop::sample::select(TEXTS), prop::sample::select(TEXTS), "[a-z {}]{0,4}")
-            .prop_map(|(a, b, c)| format!("{a}{c}{b}")),
-    ]
-}
-
-fn key() -> impl Strategy<Value = String> {
-    prop_oneof![
-        3 => prop::sample::select(KEYS).prop_map(str::to_owned),
-        1 => text(),
-    ]
-}
-
-fn number() -> impl Strategy<Value = Value> {
-    prop_oneof![
-        prop::sample::select(vec![
-            0u64,
-            1,
-            2,
-            3,
-            4,
-            16,
-            255,
-            256,
-            65_535,
-            u32::MAX as u64,
-            1 << 53,
-            u64::MAX
-        ])
-        .prop_map(Value::from),
-        any::<u64>().prop_map(Value::from),
-        any::<i64>().prop_map(Value::from),
-        prop::sample::select(vec![
-            0.0f64,
-            -0.0,
-            0.5,
-            -1.0,
-            -1.5,
-            1e-320,
-            1e-7,
-            1e300,
-            -1e300,
-            f64::MAX,
-            f64::MIN_POSITIVE
-        ])
-        .prop_map(Value::from),
-        (-1e12f64..1e12).prop_map(Value::from),
-    ]
-}
-
-fn leaf() -> impl Strategy<Value = Value> {
-    prop_oneof![
-        Just(Value::Null),
-        any::<bool>().prop_map(Value::Bool),
-        number(),
-        text().prop_map(Value::String),
-    ]
-}
-
-/// Any JSON value, nesting at most 3 deep.
-fn value() -> impl Strategy<Value = Value> {
-    leaf().prop_recursive(3, 24, 4, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-            prop::collection::vec((key(), inner), 0..4)
-                .prop_map(|kv| Value::Object(kv.into_iter().collect::<Map<_, _>>())),
-        ]
-    })
-}
-
-/// One step of a path inside a JSON value.
-#[derive(Clone, Debug, PartialEq)]
-enum Seg {
-    Key(String),
-    Index(usize),
-}
-
-/// Every node's path (the root is `[]`), in document order.
-fn paths(v: &Value) -> Vec<Vec<Seg>> {
-    fn walk(v: &Value, at: &mut Vec<Seg>, out: &mut Vec<Vec<Seg>>) {
-        out.push(at.clone());
-        match v {
-            Value::Object(m) => {
-                for (k, c) in m {
-                    at.push(Seg::Key(k.clone()));
-                    walk(c, at, out);
-                    at.pop();
-                }
-            }
-            Value::Array(a) => {
-                for (i, c) in a.iter().enumerate() {
-                    at.push(Seg::Index(i));
-                    walk(c, at, out);
-                    at.pop();
-                }
-            }
-            _ => {}
-        }
-    }
-    let mut out = Vec::new();
-    walk(v, &mut Vec::new(), &mut out);
-    out
-}
-
-/// The path as Kev's errors write fields: `questions[1].options[2]`, `head.dim`.
-fn render(path: &[Seg]) -> String {
-    let mut s = String::new();
-    for seg in path {
-        match seg {
-            Seg::Key(k) => {
-                if !s.is_empty() {
-                    s.push('.');
-                }
-                s.push_str(k);
-            }
-            Seg::Index(i) => s.push_str(&format!("[{i}]")),
-        }
-    }
-    s
-}
-
-fn node_mut<'a>(v: &'a mut Value, path: &[Seg]) -> &'a mut Value {
-    path.iter().fold(v, |v, seg| match seg {
-        Seg::Key(k) => &mut v[k.as_str()],
-        Seg::Index(i) => &mut v[*i],
-    })
-}
-
-/// One structural edit of a JSON value, at a node chosen among all of them.
-#[derive(Clone, Debug)]
-enum Edit {
-    None,
-    /// The node becomes this value.
-    Replace(Index, Value),
-    /// The node is removed from its object or array (the root becomes `null`).
-    Remove(Index),
-    /// A key is added to the node (an object), or the node becomes an object with it.
-    AddKey(Index, String, Value),
-    /// A value is appended to the node (an array), or the node becomes an array with it.
-    Push(Index, Value),
-}
-
-fn edit() -> impl Strategy<Value = Edit> {
-    prop_oneof![
-        1 => Just(Edit::None),
-        4 => (any::<Index>(), value()).prop_map(|(i, v)| Edit::Replace(i, v)),
-        2 => any::<Index>().prop_map(Edit::Remove),
-        1 => (any::<Index>(), key(), value()).prop_map(|(i, k, v)| Edit::AddKey(i, k, v)),
-        1 => (any::<Index>(), value()).prop_map(|(i, v)| Edit::Push(i, v)),
-    ]
-}
-
-/// Applies `edit` to `v`; returns the rendered path of the node edited (`None`: no edit).
-fn apply(v: &mut Value, edit: &Edit) -> Option<Vec<Seg>> {
-    let all = paths(v);
-    let pick = |i: &Index| all[i.index(all.len())].clone();
-    match edit {
-        Edit::None => None,
-        Edit::Replace(i, new) => {
-            let p = pick(i);
-            *node_mut(v, &p) = new.clone();
-            Some(p)
-        }
-        Edit::Remove(i) => {
-            let p = pick(i);
-            match p.split_last() {
-                None => *v = Value::Null,
-                Some((last, parent)) => match (node_mut(v, parent), last) {
-                    (Value::Object(m), Seg::Key(k)) => {
-                        m.remove(k);
-                    }
-                    (Value::Array(a), Seg::Index(i)) => {
-                        a.remove(*i);
-                    }
-                    _ => unreachable!("paths() only gives existing nodes"),
-                },
-            }
-            Some(p)
-        }
-        Edit::AddKey(i, k, new) => {
-            let p = pick(i);
-            let node = node_mut(v, &p);
-            match node {
-                Value::Object(m) => {
-                    m.insert(k.clone(), new.clone());
-                }
-                other => *other = json!({ k.clone(): new.clone() }),
-            }
-            Some(p)
-        }
-        Edit::Push(i, new) => {
-            let p = pick(i);
-            let node = node_mut(v, &p);
-            match node {
-                Value::Array(a) => a.push(new.clone()),
-                other => *other = json!([new.clone()]),
-            }
-            Some(p)
-        }
-    }
-}
-
-/// A textual edit of serialized JSON (it stays UTF-8).
-#[derive(Clone, Debug)]
-enum TextEdit {
-    None,
-    /// Cut at this character.
-    Truncate(Index),
-    /// Insert this text at this character.
-    Insert(Index, String),
-    /// Remove one character.
-    Delete(Index),
-    /// Repeat a key of the top-level object at its start: `{"k": v, ...original...}`.
-    DuplicateKey(String, Value),
-    /// Wrap the text in this many arrays.
-    Nest(usize),
-    /// A byte order mark, or whitespace, before and after.
-    Wrap(&'static str, &'static str),
-}
-
-fn text_edit() -> impl Strategy<Value = TextEdit> {
-    prop_oneof![
-        6 => Just(TextEdit::None),
-        1 => any::<Index>().prop_map(TextEdit::Truncate),
-        1 => (any::<Index>(), prop_oneof![
-                prop::sample::select(vec!["{", "}", "[", "]", ",", ":", "\"", "\\", "\0", "\u{feff}", "1e999", "-", "null"]).prop_map(str::to_owned),
-                text(),
-            ]).prop_map(|(i, s)| TextEdit::Insert(i, s)),
-        1 => any::<Index>().prop_map(TextEdit::Delete),
-        1 => (key(), value()).prop_map(|(k, v)| TextEdit::DuplicateKey(k, v)),
-        1 => prop_oneof![1usize..8, 100usize..140, Just(5000usize)].prop_map(TextEdit::Nest),
-        1 => prop::sample::select(vec![("\u{feff}", ""), (" \t", "\n"), ("\r\n", "\r\n"), ("", " x")])
-            .prop_map(|(a, b)| TextEdit::Wrap(a, b)),
-    ]
-}
-
-fn apply_text(s: &str, edit: &TextEdit) -> String {
-    let at = |i: &Index| {
-        let bounds: Vec<usize> = s.char_indices().map(|(b, _)| b).chain([s.len()]).collect();
-        bounds[i.index(bounds.len())]
-    };
-    match edit {
-        TextEdit::None => s.to_owned(),
-        TextEdit::Truncate(i) => s[..at(i)].to_owned(),
-        TextEdit::Insert(i, t) => {
-            let b = at(i);
-            format!("{}{t}{}", &s[..b], &s[b..])
-        }
-        TextEdit::Delete(i) => {
-            let b = at(i);
-            let next = s[b..].chars().next().map_or(0, char::len_utf8);
-            format!("{}{}", &s[..b], &s[b + next..])
-        }
-        TextEdit::DuplicateKey(k, v) => match s.strip_prefix('{') {
-            Some(rest) => format!("{{{}: {v},{rest}", Value::String(k.clone())),
-            None => s.to_owned(),
-        },
-        TextEdit::Nest(n) => format!("{}{s}{}", "[".repeat(*n), "]".repeat(*n)),
-        TextEdit::Wrap(a, b) => format!("{a}{s}{b}"),
-    }
-}
-
-/// Splits a rendered field path into its steps: `questions[1].options` → `questions`, `[1]`,
-/// `options`.
-fn steps(field: &str) -> Vec<&str> {
-    let mut out = Vec::new();
-    let mut start = 0;
-    for (i, c) in field.char_indices() {
-        if c == '.' || c == '[' {
-            if start < i {
-                out.push(&field[start..i]);
-            }
-            start = if c == '.' { i + 1 } else { i };
-        }
-    }
-    if start < field.len() {
-        out.push(&field[start..]);
-    }
-    out
-}
-
-/// Whether an error's `field` can be blamed on an edit at `edited`: one is a prefix of the
-/// other, or both are inside the same question (`questions[j]`) or the same top-level section
-/// (`template`, `head`). An error with no field concerns the whole document (root edits only).
-/// Keys containing `.` or `[` are compared as rendered, so they cannot be split apart wrongly.
-fn related(field: &str, edited: &[Seg]) -> bool {
-    if edited.is_empty() {
-        return true;
-    }
-    let p = render(edited);
-    if field.is_empty() {
-        return false;
-    }
-    let under = |a: &str, b: &str| {
-        a == b || (a.starts_with(b) && matches!(a.as_bytes()[b.len()], b'.' | b'['))
-    };
-    if under(field, &p) || under(&p, field) {
-        return true;
-    }
-    let (f, e) = (steps(field), steps(&p));
-    let shared = f.iter().zip(&e).take_while(|(a, b)| a == b).count();
-    match f.first() {
-        Some(&"questions") => shared >= 2,
-        Some(_) => shared >= 1,
-        None => false,
-    }
-}
+#[path = "../../tests/fuzz_common/mod.rs"]
+mod common;
+use common::*;
 
 // ---------------------------------------------------------------------------------------------
 // Records
@@ -1082,4 +702,111 @@ fn tokenizer_truncation_stride_at_max_length_encodes_untruncated() {
     for r in fixture_records() {
         assert_eq!(encoder.encode(&r, None).unwrap(), plain.encode(&r, None).unwrap());
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounded memory: numbers read from a file never size an allocation before they are checked
+// ---------------------------------------------------------------------------------------------
+
+/// The address space the bounded tests' children get: room for the test binary and the fixture
+/// tokenizer, far from what any of the numbers below would allocate.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const LIMIT: u64 = 1 << 30;
+
+/// The harness itself: a child that allocates (and touches) more than its limit fails, so a
+/// passing bounded test means the code under test stayed within it.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn bounded_child_catches_an_allocation_over_its_limit() {
+    match bounded_child("bounded_child_catches_an_allocation_over_its_limit", LIMIT) {
+        None => {
+            let v = vec![1u8; std::hint::black_box(2 * LIMIT as usize)];
+            assert_eq!(std::hint::black_box(&v)[v.len() - 1], 1);
+        }
+        Some((status, text)) => assert!(!status.success(), "{text}"),
+    }
+}
+
+/// A line with no end (`/dev/zero`-like input) is refused while at most the reader's line limit
+/// is held: 1.5 GiB of input under a 1 GiB address space.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn endless_line_is_refused_in_bounded_memory() {
+    run_bounded("endless_line_is_refused_in_bounded_memory", LIMIT, || {
+        use std::io::Read;
+        let input = BufReader::new(std::io::repeat(b'x').take(3 << 29));
+        let items: Vec<_> = JsonlRecords::new(input, "endless").collect();
+        assert_eq!(items.len(), 1);
+        assert!(matches!(items[0], (1, Err(Error::Record { line: Some(1), .. }))), "{:?}", items[0].1);
+    });
+}
+
+/// tokenizer.json asking to pad every piece to 2^40 tokens: the runtime's own encoding, no
+/// terabyte of padding.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn huge_tokenizer_padding_is_not_allocated() {
+    run_bounded("huge_tokenizer_padding_is_not_allocated", LIMIT, || {
+        let dir = TempDir::new("pad");
+        let path = tokenizer_with(
+            &dir,
+            "padding",
+            json!({"strategy": {"Fixed": 1u64 << 40}, "direction": "Right", "pad_to_multiple_of": null,
+                   "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
+        );
+        let encoder = Encoder::from_file(&path, shipped_template(), 1024).unwrap();
+        let plain = Encoder::from_file(fixture("tokenizer.json"), shipped_template(), 1024).unwrap();
+        for r in fixture_records() {
+            assert_eq!(encoder.encode(&r, None).unwrap(), plain.encode(&r, None).unwrap());
+        }
+    });
+}
+
+/// A 64 MB state under `max_tokens` = 1024 is refused from its length, without tokenizing it
+/// (which takes gigabytes).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn huge_state_is_refused_in_bounded_memory() {
+    run_bounded("huge_state_is_refused_in_bounded_memory", LIMIT, || {
+        let encoder = Encoder::from_file(fixture("tokenizer.json"), shipped_template(), 1024).unwrap();
+        let r = Record {
+            id: Some("big".into()),
+            state: "word ".repeat(64 << 20 / 5),
+            questions: vec![kev_core::Question {
+                id: None,
+                prompt: "p".into(),
+                options: vec!["a".into()],
+                answer: None,
+            }],
+        };
+        match encoder.encode(&r, Some(1)) {
+            Err(Error::TooLong { line: Some(1), .. }) => {}
+            other => panic!("{:?}", other.map(|e| e.ids.len())),
+        }
+    });
+}
+
+/// kev.json numbers at their largest (`max_tokens`, `head.dim`) size nothing when the
+/// checkpoint is opened and its encoder built.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn huge_kev_json_numbers_allocate_nothing() {
+    run_bounded("huge_kev_json_numbers_allocate_nothing", LIMIT, || {
+        let dir = TempDir::new("bigkev");
+        let base = fixture("base-mm").canonicalize().unwrap();
+        let ck = fixture("kev-small").canonicalize().unwrap();
+        let kev = json!({
+            "format": "kev/1", "base": base, "adapter": ck.join("adapter"),
+            "head": {"file": ck.join("head.safetensors"), "dim": u64::MAX, "temperature": 1.0},
+            "template": {"state": "{state}", "question": "{prompt}", "option": "{option}",
+                         "option_marker": "<|kev_option|>", "decide_marker": "<|kev_decide|>"},
+            "max_tokens": u64::MAX
+        });
+        std::fs::write(dir.0.join("kev.json"), kev.to_string()).unwrap();
+        let ck = Checkpoint::open(&dir.0).unwrap();
+        let encoder = ck.encoder().unwrap();
+        for r in fixture_records() {
+            encoder.encode(&r, None).unwrap();
+        }
+    });
 }
