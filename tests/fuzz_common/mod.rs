@@ -68,20 +68,90 @@ impl Drop for TempDir {
 
 /// Field names of every format fuzzed here, so that random objects often hit real fields.
 pub const KEYS: &[&str] = &[
-    "id", "state", "questions", "prompt", "options", "answer", "format", "base", "adapter",
-    "head", "file", "dim", "temperature", "template", "question", "option", "option_marker",
-    "decide_marker", "max_tokens", "r", "lora_alpha", "use_rslora", "target_modules",
-    "rank_pattern", "alpha_pattern", "trainable_token_indices", "embed_tokens", "peft_type",
-    "bias", "modules_to_save", "fan_in_fan_out", "use_dora", "lora_bias", "", "__proto__",
+    "id",
+    "state",
+    "questions",
+    "prompt",
+    "options",
+    "answer",
+    "format",
+    "base",
+    "adapter",
+    "head",
+    "file",
+    "dim",
+    "temperature",
+    "template",
+    "question",
+    "option",
+    "option_marker",
+    "decide_marker",
+    "max_tokens",
+    "r",
+    "lora_alpha",
+    "use_rslora",
+    "target_modules",
+    "rank_pattern",
+    "alpha_pattern",
+    "trainable_token_indices",
+    "embed_tokens",
+    "peft_type",
+    "bias",
+    "modules_to_save",
+    "fan_in_fan_out",
+    "use_dora",
+    "lora_bias",
+    "",
+    "__proto__",
 ];
 
 /// Strings that matter to the formats: markers, template fields, braces, odd characters.
 pub const TEXTS: &[&str] = &[
-    "", " ", "x", "{state}", "{prompt}", "{option}", "{", "}", "{{", "}}", "{}", "{0}",
-    "{state:>4}", "{state!r}", "{{state}}", "{state", "state}", "<|kev_option|>",
-    "<|kev_decide|>", "<|im_start|>", "<|endoftext|>", "kev/1", "kev/2", "LORA", "none", "all",
-    "hf:", "hf:a/b", "hf:a/b@", "hf:/a", "../base-mm", "\u{feff}", "\0", "\n", "\r\n", "\t",
-    "\u{2028}", "\u{a0}", "é", "数字", "🦀", "\u{10ffff}", "q_proj", "embed_tokens", "lm_head",
+    "",
+    " ",
+    "x",
+    "{state}",
+    "{prompt}",
+    "{option}",
+    "{",
+    "}",
+    "{{",
+    "}}",
+    "{}",
+    "{0}",
+    "{state:>4}",
+    "{state!r}",
+    "{{state}}",
+    "{state",
+    "state}",
+    "<|kev_option|>",
+    "<|kev_decide|>",
+    "<|im_start|>",
+    "<|endoftext|>",
+    "kev/1",
+    "kev/2",
+    "LORA",
+    "none",
+    "all",
+    "hf:",
+    "hf:a/b",
+    "hf:a/b@",
+    "hf:/a",
+    "../base-mm",
+    "\u{feff}",
+    "\0",
+    "\n",
+    "\r\n",
+    "\t",
+    "\u{2028}",
+    "\u{a0}",
+    "é",
+    "数字",
+    "🦀",
+    "\u{10ffff}",
+    "q_proj",
+    "embed_tokens",
+    "lm_head",
     "layers.0.self_attn.q_proj",
 ];
 
@@ -397,7 +467,6 @@ pub fn related(field: &str, edited: &[Seg]) -> bool {
     }
 }
 
-
 /// The environment variable naming the test a child process runs under a bounded address space.
 const BOUNDED_CHILD: &str = "KEV_FUZZ_BOUNDED_CHILD";
 
@@ -433,7 +502,11 @@ pub fn bounded_child(test: &str, limit: u64) -> Option<(std::process::ExitStatus
 }
 
 /// The child of [`bounded_child`] ran its test and passed.
-pub fn assert_child_passed(test: &str, limit: u64, (status, text): (std::process::ExitStatus, String)) {
+pub fn assert_child_passed(
+    test: &str,
+    limit: u64,
+    (status, text): (std::process::ExitStatus, String),
+) {
     assert!(
         status.success() && text.contains("1 passed"),
         "`{test}` under a {} MiB address space: {status}\n{text}",
