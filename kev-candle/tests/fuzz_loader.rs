@@ -801,3 +801,20 @@ fn checkpoint_with_config(tag: &str, edit: impl FnOnce(&mut Value)) -> TempDir {
     std::fs::write(&path, v.to_string()).unwrap();
     dir
 }
+
+/// `num_hidden_layers` = 2^40 (no `layer_types`, so the interval builds the list): refused
+/// without a terabyte-long layer list.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn huge_layer_count_fails_fast() {
+    run_bounded("huge_layer_count_fails_fast", LIMIT, || {
+        let dir = checkpoint_with_config("layers", |t| {
+            t.as_object_mut().unwrap().remove("layer_types");
+            t["num_hidden_layers"] = json!(1u64 << 40);
+        });
+        let e = DecisionModel::load(dir.0.join("kev-small"), &LoadOptions::default())
+            .err()
+            .expect("2^40 layers cannot load");
+        assert!(e.to_string().contains("num_hidden_layers"), "{e}");
+    });
+}
