@@ -818,3 +818,35 @@ fn huge_layer_count_fails_fast() {
         assert!(e.to_string().contains("num_hidden_layers"), "{e}");
     });
 }
+
+/// A base of DeltaNet layers only, its config stating `head_dim` = 2^40: no tensor checks
+/// `head_dim` (only attention layers have it), so nothing may be sized by it.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn unchecked_head_dim_sizes_nothing() {
+    run_bounded("unchecked_head_dim_sizes_nothing", LIMIT, || {
+        let dir = checkpoint_with_config("headdim", |t| {
+            t["num_hidden_layers"] = json!(3);
+            t["layer_types"] = json!(vec!["linear_attention"; 3]);
+            t["head_dim"] = json!(1u64 << 40);
+        });
+        // The first three layers (all DeltaNet) of the base, and no adapter (it has the others).
+        let st = dir.0.join("base-mm/model.safetensors");
+        let mut table = Table::read(&st);
+        table.entries.retain(|e| {
+            !(3..8).any(|l| {
+                e.name
+                    .starts_with(&format!("model.language_model.layers.{l}."))
+            })
+        });
+        std::fs::write(&st, table.to_bytes()).unwrap();
+        let kev = dir.0.join("kev-small/kev.json");
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&kev).unwrap()).unwrap();
+        v.as_object_mut().unwrap().remove("adapter");
+        std::fs::write(&kev, v.to_string()).unwrap();
+        let model = DecisionModel::load(dir.0.join("kev-small"), &LoadOptions::default()).unwrap();
+        for r in fixture_records() {
+            model.probs(&r).unwrap();
+        }
+    });
+}

@@ -194,7 +194,9 @@ impl Config {
         if num_hidden_layers > MAX_LAYERS {
             return Err(f.fault(
                 "num_hidden_layers",
-                format!("{num_hidden_layers} is more than the {MAX_LAYERS} layers a config may have"),
+                format!(
+                    "{num_hidden_layers} is more than the {MAX_LAYERS} layers a config may have"
+                ),
             ));
         }
         let layer_types = match f.obj.get("layer_types") {
