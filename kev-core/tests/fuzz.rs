@@ -16,7 +16,9 @@
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
-use kev_core::{AdapterConfig, Checkpoint, Encoder, Error, JsonlRecords, KevConfig, Record, Template};
+use kev_core::{
+    AdapterConfig, Checkpoint, Encoder, Error, JsonlRecords, KevConfig, Record, Template,
+};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use serde_json::{json, Value};
@@ -66,7 +68,10 @@ fn record_value() -> impl Strategy<Value = Value> {
 
 /// The rules of [`check_record_result`] for an accepted record.
 fn check_accepted(r: &Record, line: usize) -> Result<(), TestCaseError> {
-    prop_assert!(r.validate().is_ok(), "accepted record breaks the rules: {r:?}");
+    prop_assert!(
+        r.validate().is_ok(),
+        "accepted record breaks the rules: {r:?}"
+    );
     prop_assert!(!r.questions.is_empty());
     for q in &r.questions {
         prop_assert!(!q.options.is_empty());
@@ -195,19 +200,35 @@ fn check_jsonl(bytes: &[u8], cap: usize) -> Result<(), TestCaseError> {
         l.strip_suffix(b"\r").unwrap_or(l)
     };
     let numbers: Vec<usize> = items.iter().map(|(n, _)| *n).collect();
-    prop_assert!(numbers.windows(2).all(|w| w[0] < w[1]), "line numbers {numbers:?}");
-    prop_assert!(numbers.iter().all(|&n| n >= 1 && n <= lines.len()), "{numbers:?} of {} lines", lines.len());
+    prop_assert!(
+        numbers.windows(2).all(|w| w[0] < w[1]),
+        "line numbers {numbers:?}"
+    );
+    prop_assert!(
+        numbers.iter().all(|&n| n >= 1 && n <= lines.len()),
+        "{numbers:?} of {} lines",
+        lines.len()
+    );
     for n in 1..=lines.len() {
         let blank = std::str::from_utf8(content(n)).is_ok_and(|t| t.trim().is_empty());
         if !blank {
-            prop_assert!(numbers.contains(&n), "line {n} ({:?}) dropped", String::from_utf8_lossy(content(n)));
+            prop_assert!(
+                numbers.contains(&n),
+                "line {n} ({:?}) dropped",
+                String::from_utf8_lossy(content(n))
+            );
         }
     }
     for (n, res) in &items {
         check_record_result(res, *n)?;
         if let Ok(text) = std::str::from_utf8(content(*n)) {
             let alone = Record::from_json_str(text, Some(*n));
-            prop_assert_eq!(res.as_ref().ok(), alone.as_ref().ok(), "line {} read differently", n);
+            prop_assert_eq!(
+                res.as_ref().ok(),
+                alone.as_ref().ok(),
+                "line {} read differently",
+                n
+            );
         } else {
             prop_assert!(res.is_err(), "line {n} is not UTF-8 but was accepted");
         }
@@ -271,7 +292,11 @@ fn check_kev_config(c: &KevConfig, path: &Path) -> Result<(), TestCaseError> {
 
 /// A kev.json failure is typed and names kev.json (or the file found missing), and a field
 /// related to the edit.
-fn check_kev_error(e: &Error, kev_json: &Path, edited: Option<&[Seg]>) -> Result<(), TestCaseError> {
+fn check_kev_error(
+    e: &Error,
+    kev_json: &Path,
+    edited: Option<&[Seg]>,
+) -> Result<(), TestCaseError> {
     let msg = e.to_string();
     match e {
         Error::Config { path, field, .. } => {
@@ -279,7 +304,11 @@ fn check_kev_error(e: &Error, kev_json: &Path, edited: Option<&[Seg]>) -> Result
             prop_assert!(msg.contains(&kev_json.display().to_string()), "{msg}");
             prop_assert!(msg.contains(&format!("field `{field}`")), "{msg}");
             if let Some(p) = edited {
-                prop_assert!(related(field, p), "edit at `{}` blamed on `{field}`", render(p));
+                prop_assert!(
+                    related(field, p),
+                    "edit at `{}` blamed on `{field}`",
+                    render(p)
+                );
             }
         }
         Error::Json { path, .. } => prop_assert_eq!(path.as_path(), kev_json, "{}", msg),
@@ -287,7 +316,11 @@ fn check_kev_error(e: &Error, kev_json: &Path, edited: Option<&[Seg]>) -> Result
             prop_assert!(msg.contains(&path.display().to_string()), "{msg}");
         }
         Error::Io { path, .. } => prop_assert!(!path.as_os_str().is_empty()),
-        other => return Err(TestCaseError::fail(format!("unexpected error kind: {other:?}"))),
+        other => {
+            return Err(TestCaseError::fail(format!(
+                "unexpected error kind: {other:?}"
+            )))
+        }
     }
     Ok(())
 }
@@ -365,8 +398,24 @@ fn template_text() -> impl Strategy<Value = String> {
     prop_oneof![
         prop::collection::vec(
             prop::sample::select(vec![
-                "{", "}", "{{", "}}", "{state}", "{prompt}", "{option}", "{x}", "{}", "a", " ",
-                "\n", "é", "<|kev_option|>", "<|kev_decide|>", "<|im_start|>", ":", "!"
+                "{",
+                "}",
+                "{{",
+                "}}",
+                "{state}",
+                "{prompt}",
+                "{option}",
+                "{x}",
+                "{}",
+                "a",
+                " ",
+                "\n",
+                "é",
+                "<|kev_option|>",
+                "<|kev_decide|>",
+                "<|im_start|>",
+                ":",
+                "!"
             ]),
             0..6
         )
@@ -547,11 +596,15 @@ fn tokenizer_settings() -> impl Strategy<Value = (Value, Value, Vec<(usize, u8, 
         1 => value(),
     ];
     // (which added token, which field, new value)
-    let token_edit = (0usize..5, 0u8..8, prop_oneof![
-        any::<bool>().prop_map(Value::Bool),
-        prop_oneof![0u32..10, 390u32..410, Just(u32::MAX)].prop_map(Value::from),
-        text().prop_map(Value::String),
-    ]);
+    let token_edit = (
+        0usize..5,
+        0u8..8,
+        prop_oneof![
+            any::<bool>().prop_map(Value::Bool),
+            prop_oneof![0u32..10, 390u32..410, Just(u32::MAX)].prop_map(Value::from),
+            text().prop_map(Value::String),
+        ],
+    );
     let normalizer = prop_oneof![
         3 => Just(Value::Null),
         1 => prop::sample::select(vec![
@@ -563,11 +616,20 @@ fn tokenizer_settings() -> impl Strategy<Value = (Value, Value, Vec<(usize, u8, 
         ]),
         1 => value(),
     ];
-    (truncation, padding, prop::collection::vec(token_edit, 0..3), normalizer)
+    (
+        truncation,
+        padding,
+        prop::collection::vec(token_edit, 0..3),
+        normalizer,
+    )
 }
 
 /// The positions an encoding gives the head are where the markers are.
-fn check_encoding(enc: &kev_core::Encoding, r: &Record, encoder: &Encoder) -> Result<(), TestCaseError> {
+fn check_encoding(
+    enc: &kev_core::Encoding,
+    r: &Record,
+    encoder: &Encoder,
+) -> Result<(), TestCaseError> {
     let (o, d) = (encoder.option_id(), encoder.decide_id());
     prop_assert_eq!(enc.ids.len(), enc.segments.len());
     prop_assert!(enc.state_len + enc.longest_branch() <= encoder.max_tokens());
@@ -586,7 +648,9 @@ fn check_encoding(enc: &kev_core::Encoding, r: &Record, encoder: &Encoder) -> Re
         prop_assert!(b.opts.iter().all(|&p| ids[p] == o));
         prop_assert_eq!(ids.iter().filter(|&&x| x == o).count(), q.options.len());
         prop_assert_eq!(ids.iter().filter(|&&x| x == d).count(), 1);
-        prop_assert!(enc.segments[b.start..b.start + b.len].iter().all(|&s| s as usize == j + 1));
+        prop_assert!(enc.segments[b.start..b.start + b.len]
+            .iter()
+            .all(|&s| s as usize == j + 1));
     }
     prop_assert_eq!(at, enc.ids.len());
     Ok(())
@@ -700,7 +764,10 @@ fn tokenizer_truncation_stride_at_max_length_encodes_untruncated() {
     let encoder = Encoder::from_file(&path, shipped_template(), 1024).unwrap();
     let plain = Encoder::from_file(fixture("tokenizer.json"), shipped_template(), 1024).unwrap();
     for r in fixture_records() {
-        assert_eq!(encoder.encode(&r, None).unwrap(), plain.encode(&r, None).unwrap());
+        assert_eq!(
+            encoder.encode(&r, None).unwrap(),
+            plain.encode(&r, None).unwrap()
+        );
     }
 }
 
@@ -737,7 +804,11 @@ fn endless_line_is_refused_in_bounded_memory() {
         let input = BufReader::new(std::io::repeat(b'x').take(3 << 29));
         let items: Vec<_> = JsonlRecords::new(input, "endless").collect();
         assert_eq!(items.len(), 1);
-        assert!(matches!(items[0], (1, Err(Error::Record { line: Some(1), .. }))), "{:?}", items[0].1);
+        assert!(
+            matches!(items[0], (1, Err(Error::Record { line: Some(1), .. }))),
+            "{:?}",
+            items[0].1
+        );
     });
 }
 
@@ -755,9 +826,13 @@ fn huge_tokenizer_padding_is_not_allocated() {
                    "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
         );
         let encoder = Encoder::from_file(&path, shipped_template(), 1024).unwrap();
-        let plain = Encoder::from_file(fixture("tokenizer.json"), shipped_template(), 1024).unwrap();
+        let plain =
+            Encoder::from_file(fixture("tokenizer.json"), shipped_template(), 1024).unwrap();
         for r in fixture_records() {
-            assert_eq!(encoder.encode(&r, None).unwrap(), plain.encode(&r, None).unwrap());
+            assert_eq!(
+                encoder.encode(&r, None).unwrap(),
+                plain.encode(&r, None).unwrap()
+            );
         }
     });
 }
@@ -768,7 +843,8 @@ fn huge_tokenizer_padding_is_not_allocated() {
 #[test]
 fn huge_state_is_refused_in_bounded_memory() {
     run_bounded("huge_state_is_refused_in_bounded_memory", LIMIT, || {
-        let encoder = Encoder::from_file(fixture("tokenizer.json"), shipped_template(), 1024).unwrap();
+        let encoder =
+            Encoder::from_file(fixture("tokenizer.json"), shipped_template(), 1024).unwrap();
         let r = Record {
             id: Some("big".into()),
             state: "word ".repeat(64 << 20 / 5),
