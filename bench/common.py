@@ -1,4 +1,4 @@
-"""Shared by the bench scripts: the Kev template and encoding (KEV.md §2), text-config reading,
+"""Shared by the bench scripts: Kev's template and encoding (docs/CONTRACT.md §2), text-config reading,
 and the model-FLOP count that examples/bench.rs mirrors (keep the two in step)."""
 
 import json
@@ -22,7 +22,7 @@ def piece_ids(tok, text):
 
 
 def encode(tok, rec, template=TEMPLATE):
-    """KEV.md §2: each piece tokenized alone (no special tokens added), then concatenated.
+    """docs/CONTRACT.md §2: each piece tokenized alone (no special tokens added), then concatenated.
     Returns (state_ids, rows) with rows = [{"ids", "decide", "opts"}] relative to the branch."""
     opt_id = tok.token_to_id(template["option_marker"])
     dec_id = tok.token_to_id(template["decide_marker"])

@@ -3,7 +3,7 @@
     python bench/make_checkpoint.py --size 0.8b --out bench/.cache/kev-0.8b          # CPU, ~1.6 GB
     python bench/make_checkpoint.py --size 4b --out bench/.cache/kev-4b --device cuda # ~8.5 GB
 
-Layout (KEV.md §4, QWEN35.md §1-2):
+Layout (docs/CONTRACT.md §4, docs/BACKBONE.md §1-2):
   DIR/kev.json                  base "base", adapter "adapter", head dim 256 (tiny: 16), the
                                 template of reference/generate.py, max_tokens 8192
   DIR/head.safetensors          q/k weight [dim, H] and bias [dim], f32

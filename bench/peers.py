@@ -6,7 +6,7 @@
 Loads the base's text model (`Qwen3_5TextModel`) from the multimodal files by hand (config from
 `text_config`, weights `model.language_model.*` renamed, vision / MTP tensors skipped), applies the
 PEFT adapter and merges it, and reads a torch pointer head (f32), scoring with Kev's encoding
-(KEV.md §2). Forms (`--form`, comma-separated, `both` = row,prefix, `all` = row,prefix,batch):
+(docs/CONTRACT.md §2). Forms (`--form`, comma-separated, `both` = row,prefix, `all` = row,prefix,batch):
 
   row     per question, the causal row `state ++ branch_j` alone (batch 1): the reference form
   prefix  per record, the state once with a cache, the cache replicated per question
@@ -143,7 +143,7 @@ def load(ckpt, device, dtype, attn):
 
 
 def head_probs(head, kev, h, decide, opts):
-    """h: [T, H]; KEV.md §3 pointer head in f32."""
+    """h: [T, H]; docs/CONTRACT.md §3 pointer head in f32."""
     dim, temp = kev["head"]["dim"], kev["head"].get("temperature", 1.0)
     hd = h[decide].float()
     ho = h[opts].float()

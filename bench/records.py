@@ -6,7 +6,7 @@
   batch8.jsonl  8 records like that one (different states and questions)
   long.jsonl    1 record:  a 4096-token state, 4 questions x 4 options, 48-token branches
 
-Lengths are exact under the given tokenizer and Kev's encoding (KEV.md §2: each piece tokenized
+Lengths are exact under the given tokenizer and Kev's encoding (docs/CONTRACT.md §2: pieces tokenized
 alone, no special tokens): the state is the encoded `template.state` piece (the `<|im_start|>user`
 prefix included), a branch is `question` + 4 x (`option` + [OPTION]) + [DECIDE]. Every length is
 checked by encoding and written to `lengths.json`. Seeded: a rerun writes the same files.

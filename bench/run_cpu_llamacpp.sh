@@ -4,14 +4,15 @@
 #   bench/run_cpu_llamacpp.sh        # fetch and build llama.cpp and convert (once), then run both
 #
 # llama.cpp is the copy vendored in PyPI's llama-cpp-python source distribution (Debian 12 has no
-# llama.cpp package and only PyPI, crates.io and Debian are reachable here): downloaded from PyPI's
-# simple index with its sha256 checked, built with PyPI's cmake for this CPU (GGML_NATIVE), only
-# the llama-bench tool. The checkpoint's base model (random weights, LoRA not folded: prefill speed
-# does not depend on it) is converted to GGUF with llama.cpp's converter (bench/llamacpp_convert.py)
-# in each of TYPES (`--no-mtp`: the checkpoints have no multi-token-prediction block, and Kev does
-# not use one), and `llama-bench -p 512 -n 0` measures the prefill of 512 tokens. Kev then runs
-# the state pass of the one-request workload (a 512-token state; bench example `--form state`) on
-# the same checkpoint, in each of KEV_TYPES, in the same command.
+# llama.cpp package and only PyPI, crates.io and Debian are reachable here): fetched with
+# `pip download` (the sdist, no dependencies) and its sha256 checked, built with PyPI's cmake for
+# this CPU (GGML_NATIVE), only the llama-bench tool. The checkpoint's base model (random weights,
+# LoRA not folded: prefill speed does not depend on it) is converted to GGUF with llama.cpp's
+# converter (bench/llamacpp_convert.py) in each of TYPES (`--no-mtp`: the checkpoints have no
+# multi-token-prediction block, and Kev does not use one), and `llama-bench -p 512 -n 0` measures
+# the prefill of 512 tokens. Kev then runs the state pass of the one-request workload (a 512-token
+# state; bench example `--form state`) on the same checkpoint, in each of KEV_TYPES, in the same
+# command.
 #
 # Environment knobs (defaults in brackets):
 #   KEV_TYPES ["f32 bf16"] (Kev's dtypes; bf16 on a CPU with AVX512-BF16 is bf16 weights with f32
@@ -47,16 +48,12 @@ mkdir -p "$LLAMA" "$CACHE/gguf"
 
 if [ ! -d "$SRC" ]; then
   echo "== fetching llama-cpp-python $VERSION (vendored llama.cpp) from PyPI" >&2
-  "$PYTHON" - "$VERSION" "$SHA256" "$LLAMA/sdist.tar.gz" <<'PY'
-import hashlib, re, sys, urllib.request
-version, sha, out = sys.argv[1:]
-index = urllib.request.urlopen("https://pypi.org/simple/llama-cpp-python/").read().decode()
-url = next(u for u in re.findall(r'href="([^"]+)"', index) if f"llama_cpp_python-{version}.tar.gz" in u)
-data = urllib.request.urlopen(url.split("#")[0]).read()
-if hashlib.sha256(data).hexdigest() != sha:
-    raise SystemExit(f"sha256 mismatch for {url}")
-open(out, "wb").write(data)
-PY
+  rm -rf "$LLAMA/sdist" && mkdir -p "$LLAMA/sdist"
+  "$PYTHON" -m pip download -q "llama-cpp-python==$VERSION" --no-deps --no-binary llama-cpp-python \
+    -d "$LLAMA/sdist"
+  sdist=$LLAMA/sdist/llama_cpp_python-$VERSION.tar.gz
+  echo "$SHA256  $sdist" | sha256sum -c --quiet - || { echo "sha256 mismatch for $sdist" >&2; exit 1; }
+  mv "$sdist" "$LLAMA/sdist.tar.gz"
   tar xzf "$LLAMA/sdist.tar.gz" -C "$LLAMA" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 fi
 if [ ! -x "$BENCH" ]; then

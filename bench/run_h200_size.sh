@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One size, Kev and transformers (with and without fla) in one command, as BENCHMARKS.md's
-# fifth-session table was measured (one device command per size, to stay within 10 minutes):
+# H200 table is measured (one device command per size, to stay within 10 minutes):
 #
 #   bench/run_h200_size.sh 0.8b      # on the GPU machine, from a copy holding .gpu/ and .whl/
 #

@@ -8,7 +8,7 @@ What it writes (see tests/fixtures/README.md):
   base-text/              the same text weights in the text-only layout (tied, two shards + index)
   backbone.safetensors    transformers' f32 hidden states: every layer and the final norm, for
                           several lengths, and prefix-then-continuation runs through its cache
-  records.jsonl           a dozen Kev records covering the cases of KEV.md §1
+  records.jsonl           a dozen Kev records covering the cases of docs/CONTRACT.md §1
   kev-small/              Kev checkpoint: LoRA on every linear module (r=4), head, kev.json
   kev-rslora/             Kev checkpoint on base-text: rsLoRA, PEFT prefix `base_model.model.model.`
   kev-tokens/             Kev checkpoint: LoRA + trained marker embeddings (trainable_token_indices)
@@ -265,7 +265,7 @@ def records():
 
 
 def encode(tok: Tokenizer, rec):
-    """KEV.md §2: each piece tokenized alone (no special tokens added), then concatenated."""
+    """docs/CONTRACT.md §2: each piece tokenized alone (no special tokens), then concatenated."""
     piece = lambda s: tok.encode(s, add_special_tokens=False).ids
     opt_id, dec_id = tok.token_to_id(OPTION), tok.token_to_id(DECIDE)
     state = piece(TEMPLATE["state"].format(state=rec["state"]))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CUDA 13.0 toolchain for `cargo build --features cuda` on a Linux x86-64 machine without a GPU.
-# The binaries run on a machine with the CUDA 13.0 driver (see shared TOOLCHAIN.md).
+# The binaries run on a machine with the CUDA 13.0 driver (see docs/DESIGN.md §10).
 #
 #   CUDA_ROOT=/some/dir scripts/cuda-env.sh install   # once: pip wheels + link-time fix-ups
 #   CUDA_ROOT=/some/dir source scripts/cuda-env.sh    # each shell: export the build environment

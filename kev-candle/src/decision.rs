@@ -1,4 +1,4 @@
-//! [`DecisionModel`]: a Kev checkpoint loaded for scoring (KEV.md §3, §6).
+//! [`DecisionModel`]: a Kev checkpoint loaded for scoring (docs/CONTRACT.md §3, §6).
 //!
 //! Two forms compute the same numbers. The row form runs `state ++ branch_j` for each question
 //! (the reference). The prefix form runs the state once into a [`Cache`], then all branches as
@@ -243,7 +243,7 @@ impl DecisionModel {
         &self.encoder
     }
 
-    /// Token ids, segments and positions of `record` (KEV.md §2).
+    /// Token ids, segments and positions of `record` (docs/CONTRACT.md §2).
     pub fn encode(&self, record: &Record) -> Result<Encoding> {
         self.encoder.encode(record, None)
     }
@@ -449,9 +449,9 @@ impl DecisionModel {
         })
     }
 
-    /// Probabilities for many records at once: all states as one padded batch, then all branches
-    /// as one padded batch (in one pass over the layers where every state fits in one
-    /// `prefill_chunk`). Equal to scoring them one by one. On CUDA, a batch whose token shapes
+    /// Probabilities for many records at once: states of similar length as one padded batch
+    /// ([`length_buckets`]), then their branches as one padded batch (in one pass over the layers
+    /// where every state fits in one `prefill_chunk`). Equal to scoring them one by one. On CUDA, a batch whose token shapes
     /// were seen before replays a CUDA graph, as [`DecisionModel::forward`] does.
     pub fn probs_batch(&self, records: &[Record]) -> Result<Vec<Vec<Vec<f32>>>> {
         if records.is_empty() {
@@ -465,8 +465,24 @@ impl DecisionModel {
             .par_iter()
             .map(|r| self.encode(r).map(|e| e.rows()))
             .collect();
-        let encoded = encoded.into_iter().collect::<Result<Vec<_>>>()?;
-        let logits = self.logits_per_record(self.plan(encoded))?;
+        let mut encoded: Vec<Option<(Vec<u32>, Vec<Row>)>> = encoded
+            .into_iter()
+            .map(|e| e.map(Some))
+            .collect::<Result<_>>()?;
+        let lengths: Vec<usize> = encoded
+            .iter()
+            .map(|e| e.as_ref().map_or(0, |(state, _)| state.len()))
+            .collect();
+        let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); records.len()];
+        for bucket in length_buckets(&lengths) {
+            let group = bucket
+                .iter()
+                .map(|&i| encoded[i].take().expect("each record is in one bucket"))
+                .collect();
+            for (i, l) in bucket.iter().zip(self.logits_per_record(self.plan(group))?) {
+                logits[*i] = l;
+            }
+        }
         records
             .iter()
             .zip(&logits)
@@ -591,13 +607,43 @@ impl DecisionModel {
     }
 }
 
+/// Padding a bucket's states to its longest may cost at most this fraction of its real tokens
+/// (plus [`PAD_SLACK`]) before a longer state starts a new bucket.
+const PAD_WASTE: f64 = 0.25;
+/// Padding always allowed per bucket, in tokens: short states are cheap to pad and a pass has a
+/// fixed cost of its own.
+const PAD_SLACK: usize = 64;
+
+/// Records grouped by state length (indices into `lengths`, each group one pass): a batch pads
+/// every state to its longest, so mixing a 10-token state with a 1,000-token one would make the
+/// batch slower than scoring one by one. Sorted by length, a record joins the current group while
+/// the group's padded tokens stay within [`PAD_WASTE`] of its real ones plus [`PAD_SLACK`].
+fn length_buckets(lengths: &[usize]) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| lengths[i]);
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    let mut real = 0usize;
+    for i in order {
+        let len = lengths[i];
+        if let Some(bucket) = buckets.last_mut() {
+            let padded = (bucket.len() + 1) * len;
+            let real_then = real + len;
+            if padded as f64 <= (1.0 + PAD_WASTE) * real_then as f64 + PAD_SLACK as f64 {
+                bucket.push(i);
+                real = real_then;
+                continue;
+            }
+        }
+        buckets.push(vec![i]);
+        real = len;
+    }
+    buckets
+}
+
 /// Refuses logits that are not finite (NaN or infinity from the weights or the activations):
 /// an [`Error::NonFinite`] naming the record, never output.
 fn check_finite(record: &Record, index: usize, logits: &[Vec<f32>]) -> Result<()> {
-    match logits
-        .iter()
-        .position(|l| !l.iter().all(|x| x.is_finite()))
-    {
+    match logits.iter().position(|l| !l.iter().all(|x| x.is_finite())) {
         None => Ok(()),
         Some(question) => Err(Error::NonFinite {
             id: record.id.clone(),
@@ -649,4 +695,30 @@ fn split_logits(flat: &[f32], rows: &[Row]) -> Vec<Vec<f32>> {
             flat[at - r.opts.len()..at].to_vec()
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::length_buckets;
+
+    #[test]
+    fn buckets_keep_padding_bounded_and_cover_every_record_once() {
+        assert!(length_buckets(&[]).is_empty());
+        assert_eq!(length_buckets(&[100, 100, 100]), vec![vec![0, 1, 2]]);
+        // Short states share a bucket (the slack); a long one does not join them.
+        assert_eq!(
+            length_buckets(&[10, 1000, 20, 30]),
+            vec![vec![0, 2, 3], vec![1]]
+        );
+        let lengths: Vec<usize> = (0..200).map(|i| (i * 37) % 1100).collect();
+        let buckets = length_buckets(&lengths);
+        let mut seen: Vec<usize> = buckets.iter().flatten().copied().collect();
+        seen.sort();
+        assert_eq!(seen, (0..200).collect::<Vec<_>>());
+        for b in &buckets {
+            let real: usize = b.iter().map(|&i| lengths[i]).sum();
+            let padded = b.len() * b.iter().map(|&i| lengths[i]).max().unwrap();
+            assert!(padded as f64 <= 1.25 * real as f64 + 64.0, "{b:?}");
+        }
+    }
 }

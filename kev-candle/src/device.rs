@@ -1,4 +1,4 @@
-//! Choosing the device and dtype from [`LoadOptions`](kev_core::LoadOptions) (KEV.md §6): Auto picks Metal on Apple
+//! Choosing the device and dtype from [`LoadOptions`](kev_core::LoadOptions) (docs/CONTRACT.md §6): Auto picks Metal on Apple
 //! Silicon, CUDA where built and present, else the CPU; dtype Auto is f32 on the CPU and bf16 on
 //! GPUs.
 

@@ -1,4 +1,4 @@
-//! The pointer head (KEV.md §3), always f32, on the backbone's device:
+//! The pointer head (docs/CONTRACT.md §3), always f32, on the backbone's device:
 //! `q = Wq·h_decide + bq`, `k_i = Wk·h_opt_i + bk`, `logit_i = q·k_i / (√dim · temperature)`.
 
 use std::path::Path;
@@ -42,11 +42,17 @@ impl PointerHead {
             let ctx = |e| Error::backend(format!("head tensor `{name}`"), e);
             let t = t.to_dtype(DType::F32).map_err(ctx)?;
             // A NaN or infinity here would make every probability NaN: refused at load.
-            let values = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(ctx)?;
+            let values = t
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(ctx)?;
             if let Some(bad) = values.iter().find(|x| !x.is_finite()) {
                 return Err(Error::Tensor {
                     name: name.to_string(),
-                    message: format!("holds {bad} in head `{}`: every value must be finite", path.display()),
+                    message: format!(
+                        "holds {bad} in head `{}`: every value must be finite",
+                        path.display()
+                    ),
                 });
             }
             t.to_device(device).map_err(ctx)

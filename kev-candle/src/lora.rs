@@ -1,4 +1,4 @@
-//! Folding a PEFT LoRA adapter into the base weights (KEV.md §5).
+//! Folding a PEFT LoRA adapter into the base weights (docs/CONTRACT.md §5).
 //!
 //! The merge happens once, at load, on the CPU in f32: `W' = W + (B·A)·s·lora_scale`, with `s`
 //! from `adapter_config.json` (`alpha/r`, or `alpha/√r` with rsLoRA), and the result is rounded
@@ -208,7 +208,11 @@ fn module_problem(config: &AdapterConfig, module: &str, a: &Tensor, b: &Tensor) 
     }
     if !targets_are_regex(config) && !config.target_modules.is_empty() {
         let name = module.rsplit('.').next().unwrap_or(module);
-        if !config.target_modules.iter().any(|t| t == name || suffix_of(module, t)) {
+        if !config
+            .target_modules
+            .iter()
+            .any(|t| t == name || suffix_of(module, t))
+        {
             return Some(format!(
                 "is not among `target_modules` {:?} of the adapter config",
                 config.target_modules
@@ -231,7 +235,12 @@ fn suffix_of(module: &str, target: &str) -> bool {
 
 /// `layers.<n>.…` → n.
 fn layer_of(module: &str) -> Option<usize> {
-    module.strip_prefix("layers.")?.split('.').next()?.parse().ok()
+    module
+        .strip_prefix("layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// A listed target module with no LoRA pair at all: the adapter file lost tensors.
@@ -254,7 +263,9 @@ fn uncovered_targets(
         })
         .map(|t| Error::Adapter {
             path: path.to_path_buf(),
-            message: format!("`target_modules` names `{t}` but the adapter holds no LoRA tensors for it"),
+            message: format!(
+                "`target_modules` names `{t}` but the adapter holds no LoRA tensors for it"
+            ),
         })
         .collect()
 }

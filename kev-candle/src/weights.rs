@@ -154,11 +154,11 @@ impl Weights {
             .flatten_all()
             .and_then(|w| w.to_vec1::<f32>())
             .map_err(|e| self.err(name, e))?;
-        if let Some(bad) = values.iter().find(|x| !(x.abs() <= limit)) {
+        if let Some(bad) = values.iter().find(|x| !x.is_finite() || x.abs() > limit) {
             return Err(Error::Tensor {
                 name: format!("{}{name}", self.prefix),
                 message: format!(
-                    "with the adapter folded in (lora_scale {}) it holds {bad}, which {dtype:?} cannot hold: check the base and adapter weights, `lora_alpha` and the LoRA scale",
+                    "with the adapter folded in (lora_scale {:?}) it holds {bad}, which {dtype:?} cannot hold: check the base and adapter weights, `lora_alpha` and the LoRA scale",
                     self.lora_scale
                 ),
             });
@@ -180,18 +180,31 @@ impl Weights {
             .filter(|n| n.starts_with(self.prefix) && !used.contains(n))
             .collect();
         unused.sort();
-        Error::from_all(
-            unused
-                .into_iter()
-                .map(|name| Error::Tensor {
-                    name,
-                    message: format!(
-                        "in {} but not read by the model: the config (`num_hidden_layers`, `layer_types`) does not describe it",
-                        list(&self.files)
-                    ),
-                })
-                .collect(),
-        )
+        let mut errors: Vec<Error> = unused
+            .into_iter()
+            .map(|name| Error::Tensor {
+                name,
+                message: format!(
+                    "in {} but not read by the model: the config (`num_hidden_layers`, `layer_types`) does not describe it",
+                    list(&self.files)
+                ),
+            })
+            .collect();
+        if let Some(adapter) = &self.adapter {
+            let mut unapplied: Vec<&str> = adapter
+                .targets()
+                .filter(|t| !used.contains(&format!("{}{t}", self.prefix)))
+                .collect();
+            unapplied.sort();
+            errors.extend(unapplied.into_iter().map(|t| Error::Tensor {
+                name: t.to_string(),
+                message: format!(
+                    "adapter `{}` modifies it, but the model does not read it",
+                    adapter.path().display()
+                ),
+            }));
+        }
+        Error::from_all(errors)
     }
 
     /// The stored tensor, in its stored dtype, on the CPU.
@@ -255,8 +268,11 @@ pub(crate) fn check_header(path: &std::path::Path) -> Result<()> {
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     let mut len = [0u8; 8];
-    file.read_exact(&mut len)
-        .map_err(|_| bad(format!("{file_len} bytes is too short for a safetensors file")))?;
+    file.read_exact(&mut len).map_err(|_| {
+        bad(format!(
+            "{file_len} bytes is too short for a safetensors file"
+        ))
+    })?;
     let n = u64::from_le_bytes(len);
     if n > file_len - 8 || n > 100 << 20 {
         return Err(bad(format!(
@@ -265,8 +281,10 @@ pub(crate) fn check_header(path: &std::path::Path) -> Result<()> {
         )));
     }
     let mut header = vec![0u8; n as usize];
-    file.read_exact(&mut header).map_err(|e| Error::io(path, e))?;
-    let text = std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+    file.read_exact(&mut header)
+        .map_err(|e| Error::io(path, e))?;
+    let text =
+        std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
     kev_core::json::parse_strict(text).map_err(|e| bad(format!("header: {e}")))?;
     Ok(())
 }

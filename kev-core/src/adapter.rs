@@ -1,4 +1,4 @@
-//! PEFT LoRA `adapter_config.json` (KEV.md §5): rank, alpha and the per-module scaling.
+//! PEFT LoRA `adapter_config.json` (docs/CONTRACT.md §5): rank, alpha and the per-module scaling.
 //!
 //! Only what changes the merged weights is read; the many other PEFT keys are ignored. Settings
 //! the runtime cannot honour (DoRA, LoRA biases, `fan_in_fan_out`, `modules_to_save`, a PEFT type
@@ -129,9 +129,9 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
             return Err(fault(
                 "layer_replication",
                 format!(
-                    "is not supported (got {}): the runtime folds adapters into the base's own layers",
-                    json::show(v)
-                ),
+                "is not supported (got {}): the runtime folds adapters into the base's own layers",
+                json::show(v)
+            ),
             ))
         }
     }

@@ -1,4 +1,4 @@
-//! The checkpoint directory and its `kev.json` (KEV.md §4), and where the base model's files are.
+//! The checkpoint directory and its `kev.json` (docs/CONTRACT.md §4), and where the base files are.
 //!
 //! [`Checkpoint::open`] reads `kev.json`, resolves the base (a local folder, or `hf:<repo>[@rev]`
 //! through the Hugging Face cache, offline only: this crate never downloads) and checks that every

@@ -1,4 +1,4 @@
-//! Record encoding (KEV.md §2): token ids, segments and the positions the pointer head reads.
+//! Record encoding (docs/CONTRACT.md §2): token ids, segments and the positions the head reads.
 //!
 //! Each text piece (the formatted state, each formatted prompt, each formatted option) is tokenized
 //! **on its own**, without special tokens, and the pieces are concatenated with the marker ids in
@@ -236,7 +236,7 @@ impl Encoder {
         &self.tokenizer_path
     }
 
-    /// Encodes a record (KEV.md §2). `line` is the record's input line, used in errors.
+    /// Encodes a record (docs/CONTRACT.md §2). `line` is the record's input line, used in errors.
     ///
     /// Validates the record first ([`Record::validate`]). Errors: [`Error::Record`] when a text
     /// contains a marker token (it would corrupt the positions), [`Error::TooLong`] when the state
@@ -597,7 +597,9 @@ mod tests {
         let r = record(&"x".repeat(50 << 20), &[("which ?", &["a"])]);
         let msg = e.encode(&r, Some(4)).unwrap_err().to_string();
         assert!(
-            msg.starts_with("record at line 4 (`r1`): field `state`: is 52428800 bytes, so at least"),
+            msg.starts_with(
+                "record at line 4 (`r1`): field `state`: is 52428800 bytes, so at least"
+            ),
             "{msg}"
         );
         // A word-level tokenizer gives no bound (an unknown word is one token).

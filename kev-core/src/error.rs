@@ -45,7 +45,7 @@ pub enum Error {
         message: String,
     },
 
-    /// A record is not valid (KEV.md §1).
+    /// A record is not valid (docs/CONTRACT.md §1).
     ///
     /// Displayed as ``record at line 7 (`r17`): field `questions[1].options`: must not be empty``;
     /// the line is left out for records built in code, the id when it could not be read, and the

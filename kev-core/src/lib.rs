@@ -15,7 +15,7 @@
 //!
 //! Two design decisions matter to readers. Inputs are validated by hand from JSON values, so every
 //! error names the file or record line and the exact field, and nothing is silently dropped or
-//! coerced. Text is tokenized one piece at a time without special tokens (KEV.md §2), so positions
+//! coerced. Text is tokenized one piece at a time without special tokens (docs/CONTRACT.md §2), so positions
 //! do not depend on neighbouring text and the prefix form of the model equals its row form.
 //!
 //! ```no_run

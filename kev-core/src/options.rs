@@ -1,4 +1,4 @@
-//! Load options (KEV.md §6): backend, dtype and LoRA scale.
+//! Load options (docs/CONTRACT.md §6): backend, dtype and LoRA scale.
 //!
 //! These are plain values with no device behind them: `kev-core` has no tensor backend. The
 //! backend crate resolves `Auto` (Metal on Apple Silicon, CUDA where built and present, else CPU;
@@ -125,7 +125,7 @@ pub struct LoadOptions {
     pub backend: Backend,
     /// Backbone dtype. By default, [`DType::Auto`].
     pub dtype: DType,
-    /// LoRA interpolation (WiSE-FT, KEV.md §5): `W' = W + ΔW · lora_scale`, and trained token rows
+    /// LoRA interpolation (WiSE-FT, docs/CONTRACT.md §5): `W' = W + ΔW · lora_scale`, and trained token rows
     /// `(1 − s)·row + s·new_row`. 0 is the base model, 1 the adapter; any finite value is
     /// accepted. Ignored without an adapter. By default, 1.0.
     pub lora_scale: f64,

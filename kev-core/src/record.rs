@@ -1,4 +1,4 @@
-//! Records (KEV.md §1): one shared state and one or more multiple-choice questions.
+//! Records (docs/CONTRACT.md §1): one shared state and one or more multiple-choice questions.
 //!
 //! Records arrive as JSON, one per line of a JSONL file. Parsing goes through
 //! [`serde_json::Value`] and checks every field by hand, so each error names the line, the record
@@ -308,7 +308,8 @@ impl<R: BufRead> Iterator for JsonlRecords<R> {
         };
         self.line += 1;
         let line = self.line;
-        let fail = |message: String| Some((line, Err(Error::record(Some(line), None, "", message))));
+        let fail =
+            |message: String| Some((line, Err(Error::record(Some(line), None, "", message))));
         if overlong {
             return fail(format!(
                 "line is longer than {} bytes (the reader's limit)",
@@ -619,7 +620,10 @@ mod tests {
         assert_eq!(items[0].1.as_ref().unwrap().state, "a");
         for blank in &items[1..3] {
             let msg = blank.1.as_ref().unwrap_err().to_string();
-            assert!(msg.starts_with(&format!("record at line {}: blank line", blank.0)), "{msg}");
+            assert!(
+                msg.starts_with(&format!("record at line {}: blank line", blank.0)),
+                "{msg}"
+            );
         }
         match &items[3].1 {
             Err(Error::Record {
@@ -643,7 +647,10 @@ mod tests {
         let (line, first) = records.next().unwrap();
         assert_eq!(line, 1);
         let msg = first.unwrap_err().to_string();
-        assert_eq!(msg, "record at line 1: line is longer than 100 bytes (the reader's limit)");
+        assert_eq!(
+            msg,
+            "record at line 1: line is longer than 100 bytes (the reader's limit)"
+        );
         assert!(records.buf.capacity() <= 200, "{}", records.buf.capacity());
         assert!(records.next().unwrap().1.is_ok());
         assert!(records.next().unwrap().1.is_err());
@@ -660,7 +667,10 @@ mod tests {
         let msg = Record::from_json_str(r#"{"state": }"#, Some(9))
             .unwrap_err()
             .to_string();
-        assert!(msg.starts_with("record at line 9: not valid JSON at column 11: "), "{msg}");
+        assert!(
+            msg.starts_with("record at line 9: not valid JSON at column 11: "),
+            "{msg}"
+        );
         assert!(!msg.contains("line 1"), "{msg}");
     }
 
@@ -670,7 +680,9 @@ mod tests {
             r#"{"state": "a", "state": "b", "questions": [{"prompt": "p", "options": ["x"]}]}"#,
             r#"{"state": "a", "questions": [{"prompt": "p", "answer": 0, "options": ["x"], "answer": 0}]}"#,
         ] {
-            let msg = Record::from_json_str(text, Some(2)).unwrap_err().to_string();
+            let msg = Record::from_json_str(text, Some(2))
+                .unwrap_err()
+                .to_string();
             assert!(msg.starts_with("record at line 2: not valid JSON"), "{msg}");
             assert!(msg.contains("duplicate key"), "{msg}");
         }

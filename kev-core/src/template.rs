@@ -1,4 +1,4 @@
-//! The prompt template of `kev.json` (KEV.md §4) and its Python `str.format` semantics.
+//! The prompt template of `kev.json` (docs/CONTRACT.md §4) and its Python `str.format` semantics.
 //!
 //! Each template string has exactly one named field (`{state}`, `{prompt}`, `{option}`) and the
 //! escapes `{{` and `}}`, as the Python runtime used them with `str.format`. Anything else

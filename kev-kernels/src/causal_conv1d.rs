@@ -1,7 +1,7 @@
 //! Depthwise causal conv1d with fused SiLU (the short convolution of a Gated DeltaNet layer).
 //!
 //! Written as an op because candle's `conv1d(groups = C)` loops over the groups and is hundreds
-//! of times slower (CANDLE.md §5.3). The caller prepends the K−1 cached inputs (zeros at the start
+//! of times slower (docs/DESIGN.md §4.3). The caller prepends the K−1 cached inputs (zeros at the start
 //! of a sequence), so the op itself is stateless and continuation is exact.
 
 use candle_core::backend::BackendStorage;

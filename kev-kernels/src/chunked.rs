@@ -1,4 +1,4 @@
-//! The chunked (UT/WY) form of the gated delta rule, QWEN35.md §8.2, written with batched
+//! The chunked (UT/WY) form of the gated delta rule, docs/BACKBONE.md §8.2, written with batched
 //! matmuls so the GPU's matrix units do the work instead of a step-by-step scan.
 //!
 //! Per (row, value head) and chunk of C = 64 steps with state S at the chunk start:
@@ -17,11 +17,10 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
-use crate::gated_delta_rule::GdrDims;
+use crate::gated_delta_rule::{GdrDims, L2NORM_EPS};
 
 /// Chunk length (HF, FLA and llama.cpp use 64).
 pub const CHUNK: usize = 64;
-const L2NORM_EPS: f64 = 1e-6;
 
 /// Same contract as [`crate::gated_delta_rule`]: `state` (`[B, Hv, Dk, Dv]` f32, contiguous) is
 /// overwritten with the final state; returns `o: [B, T, Hv, Dv]` in the dtype of `qkv`.
@@ -55,7 +54,7 @@ pub fn gated_delta_rule_chunked(
     let x = pad_time(&qkv.to_dtype(DType::F32)?, padded)?; // [B, P, C]
     let gb = pad_time(gb, padded)?; // [B, P, Hv, 2]
     let l2 = |t: Tensor| -> Result<Tensor> {
-        let norm = (t.sqr()?.sum_keepdim(D::Minus1)? + L2NORM_EPS)?.sqrt()?;
+        let norm = (t.sqr()?.sum_keepdim(D::Minus1)? + f64::from(L2NORM_EPS))?.sqrt()?;
         t.broadcast_div(&norm)
     };
     let group = hv / hk;

@@ -344,23 +344,14 @@ fn contiguous(l: &Layout, what: &str) -> Result<(usize, usize)> {
 }
 
 /// State columns per warp in the recurrence: more columns share each step's staged q/k and
-/// make fewer blocks, fewer give more warps to a short batch. `KEV_GDR_COLS` (1, 2 or 4)
-/// overrides, for tuning.
+/// make fewer blocks, fewer give more warps to a short batch. `gdr_bench` on the H200: 4 columns
+/// win from 128 (row, head) pairs, 1 column below 64.
 fn gdr_cols(heads: usize, dv: usize) -> usize {
-    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
-    let forced = *FORCED.get_or_init(|| {
-        std::env::var("KEV_GDR_COLS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|c| [1, 2, 4].contains(c))
-    });
-    // gdr_bench on the H200: 4 columns win from 128 (row, head) pairs (0.8B, 8 × 512 steps:
-    // 0.72 vs 0.90 ms with 2), 1 column below 64 (1 × 512: 0.19 vs 0.27 ms with 4).
-    let cols = forced.unwrap_or(match heads {
+    let cols = match heads {
         128.. => 4,
         64.. => 2,
         _ => 1,
-    });
+    };
     if dv.is_multiple_of(cols) {
         cols
     } else {

@@ -1,4 +1,4 @@
-//! The gated delta rule (Gated DeltaNet recurrence), QWEN35.md §3 step 7 / §8.1.
+//! The gated delta rule (Gated DeltaNet recurrence), docs/BACKBONE.md §3 step 7 / §8.1.
 //!
 //! Per batch row b and value head h, with the state `S: [Dk, Dv]` (f32) and for each step t:
 //! ```text
@@ -13,7 +13,7 @@
 //! row's length (right padding of a batch) are skipped: the state is left untouched and the
 //! output is zero.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
@@ -25,27 +25,14 @@ use crate::split::SplitRows;
 
 /// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
 /// preparation kernel per chunk of 32 steps, then a scan over the chunks) instead of the
-/// step-by-step one, for bf16 and f16 models (f32 always runs step by step).
-/// `KEV_GDR_CHUNKED_MIN_LEN` replaces it, for tuning.
-///
-/// gdr_bench on the H200 (bf16, ms, chunked vs step by step, 2026-11-30): 0.8B heads 0.163 vs
-/// 0.194 at 1 × 512 steps, 0.582 vs 0.799 at 8 × 512, 1.04 vs 1.55 at 1 × 4096; 4B heads 0.224 vs
-/// 0.312, 1.05 vs 1.41, 1.22 vs 2.39; at 48 steps (a branch) with 32 rows 0.333 vs 0.372 (0.8B)
-/// and 0.584 vs 0.719 (4B). With a single request's 4 rows of 48 steps the threshold was 64
-/// while the forward was host-bound (two launches cost more than they saved); replayed as a
-/// CUDA graph, the chunked kernels make the whole request 7–8 % faster (0.8B 7.49 → 6.93 ms, 4B
-/// 19.08 → 17.61 ms, same command, sixth session), hence one chunk.
+/// step-by-step one, for bf16 and f16 models (f32 always runs step by step). One chunk: measured
+/// with `gdr_bench` on the H200, the chunked form is faster from a single chunk on for every
+/// Qwen3.5 shape, and within a CUDA graph its extra launch costs nothing (BENCHMARKS.md).
 pub const CHUNKED_MIN_LEN: usize = 32;
 
 /// Whether [`GdrForm::Auto`] takes the chunked kernels for `seq_len` steps.
 fn auto_prefers_chunked(seq_len: usize) -> bool {
-    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
-    let forced = FORCED.get_or_init(|| {
-        std::env::var("KEV_GDR_CHUNKED_MIN_LEN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    });
-    seq_len >= forced.unwrap_or(CHUNKED_MIN_LEN)
+    seq_len >= CHUNKED_MIN_LEN
 }
 
 /// Which algorithm runs the recurrence, for backends that have both (CUDA, Dk ≤ 128); the others
@@ -61,7 +48,8 @@ pub enum GdrForm {
     Chunked,
 }
 
-/// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA).
+/// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA); the CUDA kernels' `L2NORM_EPS` in
+/// `kernels/common.cuh` must equal it.
 pub(crate) const L2NORM_EPS: f32 = 1e-6;
 
 /// Head counts and sizes of one Gated DeltaNet layer.
@@ -130,8 +118,7 @@ impl candle_core::CustomOp3 for GdrSplit {
 /// states, then on the branch rows from copies of their states' final states (the same kernels,
 /// blocks and sums). `None` where this form does not apply (not CUDA, an f32 model, no tensor
 /// cores, Dk or Dv over 128, an empty part, no branch rows, a part shorter than
-/// [`CHUNKED_MIN_LEN`] steps or its `KEV_GDR_CHUNKED_MIN_LEN` override): compose those two calls
-/// there.
+/// [`CHUNKED_MIN_LEN`] steps): compose those two calls there.
 ///
 /// Errors name what does not fit: shapes against `rows`, head counts (Hv a multiple of Hk > 0),
 /// the two parts' dtypes, gates other than f32.

@@ -1,5 +1,5 @@
 //! The per-step gates of a Gated DeltaNet layer in one op: from the `b` and `a` projections to
-//! the `(g, β)` pairs the delta rule reads (QWEN35.md §3 step 5), instead of ~13 tensor ops.
+//! the `(g, β)` pairs the delta rule reads (docs/BACKBONE.md §3 step 4), instead of ~13 tensor ops.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};

@@ -4,7 +4,7 @@
 //! at run time, once per device, and their pipelines cached. Every buffer a kernel writes is
 //! declared with `set_output_buffer` (the in-place state included): since candle 0.11 the compute
 //! encoder dispatches concurrently and inserts barriers only from those declarations
-//! (CANDLE.md §1.2). Outputs are allocated before taking the command encoder, which holds candle's
+//! (docs/DESIGN.md §4). Outputs are allocated before taking the command encoder, which holds candle's
 //! command mutex.
 //!
 //! The kernels' logic is tested on Linux by the emulation harness (`tests/metal_emu/`); on a Mac,
@@ -20,7 +20,7 @@ use candle_metal_kernels::metal::{ComputePipeline, Library};
 use objc2_metal::{MTLComputePipelineState, MTLSize};
 
 use crate::causal_conv1d::CausalConv1d;
-use crate::gated_delta_rule::{GatedDeltaRule, GdrDims};
+use crate::gated_delta_rule::{GatedDeltaRule, GdrDims, L2NORM_EPS};
 
 /// One MSL source file, compiled into one library per device.
 struct Source {
@@ -47,8 +47,6 @@ const GDR_COLUMNS_PER_GROUP: usize = 4;
 const GDR_MAX_DK: usize = 256;
 /// Threads per causal-conv1d threadgroup (one output element each); a common Metal default.
 const CONV_THREADS_PER_GROUP: usize = 256;
-/// The l2norm epsilon added to Σx², as the CPU op (HF `l2norm`, FLA).
-const L2NORM_EPS: f32 = 1e-6;
 /// Metal's limit for `setBytes`; larger per-row lengths go through a buffer.
 const SET_BYTES_LIMIT: usize = 4096;
 

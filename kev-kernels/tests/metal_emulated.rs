@@ -34,7 +34,7 @@ fn find_clang() -> String {
     }
     panic!(
         "the Metal emulation test needs clang >= 15 and found none of {candidates:?}: \
-         install it (Debian/Ubuntu: `apt-get install clang-16`) or point KEV_EMU_CXX at one"
+         run `scripts/test`, which brings one from PyPI (ziglang), install one (Debian/Ubuntu: `apt-get install clang-16`), or point KEV_EMU_CXX at one"
     )
 }
 

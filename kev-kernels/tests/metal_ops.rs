@@ -8,7 +8,7 @@ use kev_kernels::testing::{assert_close, dims, gdr_inputs, patterned};
 use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
 
 /// Metal f32 vs CPU f32 on unit-scale data: the same math in another summation order (simd_sum
-/// trees) and Metal's fast-math exp/rsqrt, over up to 37 recurrent steps (STYLE.md's starting
+/// trees) and Metal's fast-math exp/rsqrt, over up to 37 steps (docs/DESIGN.md §9's starting
 /// point for a kernel vs a reference). The emulated kernel agrees with a double loop to ~5e-8.
 const TOL_F32: f32 = 1e-4;
 /// Outputs rounded once to bf16 on both sides: one bf16 ulp apart at most for |x| < 2 (2^-7),

@@ -10,7 +10,7 @@ use candle_core::{DType, Result, Tensor};
 /// summation orders and the chunked (HF) vs recurrent (ours) delta rule give ~1e-6 relative;
 /// 1e-4 absolute is the ceiling the issue names, and what we measure is far below it.
 pub const TOL_HIDDEN_F32: f32 = 1e-4;
-/// f32 probabilities vs the reference: KEV.md parity target.
+/// f32 probabilities vs the reference: docs/CONTRACT.md §7 parity target.
 pub const TOL_PROBS_F32: f32 = 1e-5;
 /// f32 prefix form vs row form, batched vs one by one: the same math with other batch shapes,
 /// so other GEMM blockings and attention sums. Logits reach ~12 here, so f32 rounding of ~1e-6

@@ -401,3 +401,40 @@ fn chunked_state_equals_whole_state() {
         assert!(worst <= TOL_FORMS_F32, "{worst:e}");
     }
 }
+
+/// On CUDA, a device allocation that fails is an error the caller can recover from, not an
+/// abort: with the GPU's memory taken by other tensors, a large batch fails with an error; once
+/// the memory is free again, the same model scores the batch exactly as before.
+#[cfg(feature = "cuda")]
+#[test]
+fn out_of_device_memory_is_a_recoverable_error() {
+    let opts = LoadOptions::default()
+        .with_dtype(DType::F32)
+        .with_backend(kev::Backend::Cuda(0));
+    let model = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
+    let batch: Vec<Record> = (0..50).flat_map(|_| records()).collect();
+    let want = model.probs_batch(&batch).unwrap();
+    let dev = model.device().clone();
+    // Take the device's memory, in ever smaller pieces, until not even 1 MiB is left.
+    let mut hog = Vec::new();
+    for chunk in [1usize << 30, 1 << 26, 1 << 20] {
+        while let Ok(t) = candle_core::Tensor::zeros(chunk, candle_core::DType::U8, &dev) {
+            hog.push(t);
+        }
+    }
+    let taken: usize = hog.iter().map(|t| t.elem_count()).sum();
+    let err = model
+        .probs_batch(&batch)
+        .expect_err("a batch cannot fit in under 1 MiB of device memory");
+    eprintln!(
+        "with {:.1} GiB taken: {err:#}",
+        taken as f64 / (1u64 << 30) as f64
+    );
+    drop(hog);
+    let again = model.probs_batch(&batch).unwrap();
+    assert_eq!(
+        again, want,
+        "the model must be usable, and unchanged, after the failure"
+    );
+    assert_eq!(model.probs(&batch[0]).unwrap(), want[0]);
+}

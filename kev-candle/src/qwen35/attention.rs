@@ -1,4 +1,4 @@
-//! Gated full attention (QWEN35.md §4): per-head `[q | gate]` query projection, zero-centred
+//! Gated full attention (docs/BACKBONE.md §4): per-head `[q | gate]` query projection, zero-centred
 //! q/k norms, partial RoPE, GQA, causal softmax in f32, and a sigmoid output gate before `o_proj`.
 //! On CUDA, batches large enough to fill the GPU run the softmax inside a flash-attention kernel
 //! (kev-kernels), the rest as matmuls around it: the two round differently (the kernel keeps the

@@ -1,4 +1,4 @@
-//! What a forward pass leaves behind so the next one can continue (KEV.md §3, prefix form).
+//! What a forward leaves behind so the next one can continue (docs/CONTRACT.md §3, prefix form).
 //!
 //! Per full-attention layer: K (after k_norm and RoPE) and V. Per DeltaNet layer: the last K−1
 //! raw `in_proj_qkv` outputs (the conv window) and the f32 recurrent state. Rows of a batch may

@@ -1,4 +1,4 @@
-//! The text config of a Qwen3.5 checkpoint, read from a real `config.json` (QWEN35.md §1).
+//! The text config of a Qwen3.5 checkpoint, read from a real `config.json` (docs/BACKBONE.md §1).
 //!
 //! Accepts the published multimodal wrapper (values under `text_config`) and text-only files,
 //! RoPE settings under `rope_parameters` or the older top-level `rope_theta` /
@@ -102,7 +102,9 @@ impl Fields<'_> {
                 .as_u64()
                 .and_then(|n| usize::try_from(n).ok())
                 .map(Some)
-                .ok_or_else(|| self.fault(key, format!("must be a non-negative integer, found {v}"))),
+                .ok_or_else(|| {
+                    self.fault(key, format!("must be a non-negative integer, found {v}"))
+                }),
         }
     }
 
@@ -184,11 +186,17 @@ impl Config {
         };
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
-                return Err(f.fault("hidden_act", format!("`{act}` is not supported: only `silu`")));
+                return Err(f.fault(
+                    "hidden_act",
+                    format!("`{act}` is not supported: only `silu`"),
+                ));
             }
         }
         if f.opt_bool("attention_bias")? == Some(true) {
-            return Err(f.fault("attention_bias", "`true` is not supported: Qwen3.5 has no biases"));
+            return Err(f.fault(
+                "attention_bias",
+                "`true` is not supported: Qwen3.5 has no biases",
+            ));
         }
         let num_hidden_layers = f.size("num_hidden_layers")?;
         if num_hidden_layers > MAX_LAYERS {
@@ -223,7 +231,9 @@ impl Config {
                     Some("full_attention") => Ok(LayerType::FullAttention),
                     _ => Err(f.fault(
                         &format!("layer_types[{i}]"),
-                        format!("`{t}` is unknown: expected `linear_attention` or `full_attention`"),
+                        format!(
+                            "`{t}` is unknown: expected `linear_attention` or `full_attention`"
+                        ),
                     )),
                 })
                 .collect::<Result<Vec<_>, _>>()?,
@@ -279,7 +289,9 @@ impl Config {
         let rope_theta = match pick("rope_theta")? {
             None => 10_000_000.0,
             Some((x, _)) if x.is_finite() && x > 0.0 => x,
-            Some((x, fault)) => return Err(with(fault, format!("must be finite and > 0, got {x}"))),
+            Some((x, fault)) => {
+                return Err(with(fault, format!("must be finite and > 0, got {x}")))
+            }
         };
         let head_dim = f.size("head_dim")?;
         let (factor, factor_fault) = pick("partial_rotary_factor")?
@@ -407,12 +419,30 @@ mod tests {
             ),
             (flat(", \"rms_norm_eps\": -1e-6"), "rms_norm_eps"),
             (flat(", \"rms_norm_eps\": 1e-60"), "rms_norm_eps"),
-            (nested(", \"hidden_act\": \"gelu\""), "text_config.hidden_act"),
-            (nested(", \"layer_types\": [\"x\", 1, 2, 3]"), "text_config.layer_types[0]"),
-            (flat(", \"partial_rotary_factor\": 0.3"), "partial_rotary_factor"),
-            (flat(", \"partial_rotary_factor\": 2"), "partial_rotary_factor"),
-            (TEXT.replace("\"hidden_size\": 64", "\"hidden_size\": 0") + "}", "hidden_size"),
-            (TEXT.replace("\"head_dim\": 32", "\"head_dim\": \"32\"") + "}", "head_dim"),
+            (
+                nested(", \"hidden_act\": \"gelu\""),
+                "text_config.hidden_act",
+            ),
+            (
+                nested(", \"layer_types\": [\"x\", 1, 2, 3]"),
+                "text_config.layer_types[0]",
+            ),
+            (
+                flat(", \"partial_rotary_factor\": 0.3"),
+                "partial_rotary_factor",
+            ),
+            (
+                flat(", \"partial_rotary_factor\": 2"),
+                "partial_rotary_factor",
+            ),
+            (
+                TEXT.replace("\"hidden_size\": 64", "\"hidden_size\": 0") + "}",
+                "hidden_size",
+            ),
+            (
+                TEXT.replace("\"head_dim\": 32", "\"head_dim\": \"32\"") + "}",
+                "head_dim",
+            ),
             (TEXT.replace("\"vocab_size\": 300,", "") + "}", "vocab_size"),
         ];
         for (json, field) in cases {

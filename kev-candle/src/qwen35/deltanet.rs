@@ -1,4 +1,4 @@
-//! Gated DeltaNet (QWEN35.md §3): projections, causal depthwise conv + SiLU over `[q | k | v]`,
+//! Gated DeltaNet (docs/BACKBONE.md §3): projections, causal depthwise conv + SiLU on [q | k | v],
 //! gates in f32, the gated delta rule over an f32 state (kev-kernels), gated RMSNorm, `out_proj`.
 
 use candle_core::{DType, Module, Result, Tensor, D};

@@ -1,5 +1,5 @@
 //! The Qwen3.5 hybrid text backbone (Gated DeltaNet + gated full attention), prefill only, with a
-//! cache that lets a forward continue from a prefix. QWEN35.md has the math and weight names.
+//! cache that lets a forward continue from a prefix. docs/BACKBONE.md: the math and weight names.
 
 mod attention;
 mod cache;

@@ -1,4 +1,4 @@
-//! The two RMSNorms of Qwen3.5 (QWEN35.md §10 pitfall 1), each one kev-kernels op.
+//! The two RMSNorms of Qwen3.5 (docs/BACKBONE.md §10 pitfall 1), each one kev-kernels op.
 
 use candle_core::{DType, Result, Tensor};
 

@@ -1,4 +1,4 @@
-//! Partial rotary position embedding (QWEN35.md §10 pitfall 3): only the first `rotary_dim`
+//! Partial rotary position embedding (docs/BACKBONE.md §10 pitfall 3): only the first `rotary_dim`
 //! dims of each head rotate, NeoX style (`rotate_half`). For text, the interleaved mRoPE of the
 //! checkpoint reduces to plain 1-D RoPE because all three position axes are equal.
 

@@ -1,4 +1,4 @@
-// The gated delta rule in chunked form (QWEN35.md §8.2), two kernels. The step-by-step kernel
+// The gated delta rule, chunked (docs/BACKBONE.md §8.2), two kernels. The step-by-step kernel
 // (ops.cu) is bound by one step's latency; this form does the same work as small dense products
 // per chunk of CH steps, so a row of T steps is T/CH sequential rounds instead of T.
 //
@@ -158,7 +158,7 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
 
 // Where the fused conv's preparation (gdrc_prep2c_tc_<dtype>) reads its inputs: a part's raw
 // in_proj rows `[q | k | v | ..]` at row pitch `pitch` (elements), before the causal depthwise
-// conv + SiLU (QWEN35.md §3), with its weight w [C, 4]. The steps before a row's first: zeros
+// conv + SiLU (docs/BACKBONE.md §3), weight w [C, 4]. The steps before a row's first: zeros
 // for a state row (hist null); for a branch row, the last 3 real raw rows of the state row it
 // continues, `owners[b]` (null: row 0) of the state part `hist` (rows of hist_t steps at pitch
 // hist_pitch, hist_len real ones; null: all).

@@ -1,7 +1,7 @@
 // Kev's CUDA kernels, compiled at run time with NVRTC (no CUDA headers: bf16 and f16 are read
 // and written as 16-bit integers).
 //
-// gdr_<dtype>_nk<NK>: the gated delta rule, recurrent form (QWEN35.md §3 step 7).
+// gdr_<dtype>_nk<NK>: the gated delta rule, recurrent form (docs/BACKBONE.md §3 step 7).
 //   grid  = (ceil(Dv / (WARPS·COLS)), B·Hv), block = 32·WARPS threads.
 //   One warp owns COLS state columns S[:, j] of one (batch row, value head); lane l keeps the NK
 //   elements S[l + 32·i, j] of each in registers for the whole sequence (Dk ≤ 32·NK).

@@ -469,9 +469,11 @@ template <class To, class From> inline To as_type(From from) {
     return to;
 }
 
-// Math. Only float/half overloads here: the C library's global int overloads stay unambiguous.
+// Math. The float overloads are the C++ library's own (`using std::exp`): libc++ also declares
+// them in the global namespace, so a second definition here would be ambiguous under
+// `using namespace metal`. Only the half overloads, and what std lacks, are defined here.
 #define EMU_UNARY(NAME, EXPR)                                                                  \
-    inline float NAME(float x) { return EXPR; }                                                \
+    using std::NAME;                                                                           \
     inline half NAME(half h) {                                                                 \
         const float x = float(h);                                                              \
         return half(EXPR);                                                                     \
@@ -481,7 +483,6 @@ EMU_UNARY(exp2, std::exp2(x))
 EMU_UNARY(log, std::log(x))
 EMU_UNARY(log2, std::log2(x))
 EMU_UNARY(sqrt, std::sqrt(x))
-EMU_UNARY(rsqrt, 1.0f / std::sqrt(x))
 EMU_UNARY(sin, std::sin(x))
 EMU_UNARY(cos, std::cos(x))
 EMU_UNARY(tanh, std::tanh(x))
@@ -491,6 +492,8 @@ EMU_UNARY(floor, std::floor(x))
 EMU_UNARY(ceil, std::ceil(x))
 EMU_UNARY(round, std::round(x))
 EMU_UNARY(trunc, std::trunc(x))
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline half rsqrt(half h) { return half(1.0f / std::sqrt(float(h))); }
 #undef EMU_UNARY
 inline float pow(float x, float y) { return std::pow(x, y); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
