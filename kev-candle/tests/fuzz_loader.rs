@@ -722,7 +722,10 @@ fn check_load_error(e: &Error, root: &Path) -> Result<(), TestCaseError> {
         }
         Error::Tensor { name, .. } => {
             // A tensor named "" (a valid safetensors key) is named by its file instead.
-            prop_assert!((!name.is_empty() || names_file) && msg.contains(name.as_str()), "{msg}")
+            prop_assert!(
+                (!name.is_empty() || names_file) && msg.contains(name.as_str()),
+                "{msg}"
+            )
         }
         Error::Backend { context, .. } => {
             prop_assert!(names_file || context.contains('`'), "{msg}")
