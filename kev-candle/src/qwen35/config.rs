@@ -9,6 +9,11 @@ use std::path::Path;
 use kev_core::Error;
 use serde_json::{Map, Value};
 
+/// The most decoder layers a config may state. The layer list is built from
+/// `num_hidden_layers` before any tensor can confirm it (the weights are read later), so the
+/// number alone must not size it: 2^40 layers asked for a terabyte. Real checkpoints have tens.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// The kind of mixer a decoder layer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerType {
@@ -194,6 +199,14 @@ impl Config {
             ));
         }
         let num_hidden_layers = f.size("num_hidden_layers")?;
+        if num_hidden_layers > MAX_LAYERS {
+            return Err(f.fault(
+                "num_hidden_layers",
+                format!(
+                    "{num_hidden_layers} is more than the {MAX_LAYERS} layers a config may have"
+                ),
+            ));
+        }
         let layer_types = match f.obj.get("layer_types") {
             None | Some(Value::Null) => {
                 let interval = f.opt_usize("full_attention_interval")?.unwrap_or(4);

@@ -180,12 +180,20 @@ impl Model {
         let norm =
             ZeroCenteredRmsNorm::new(&w.get("norm.weight", &[cfg.hidden_size])?, cfg.rms_norm_eps)
                 .map_err(|e| kev_core::Error::backend("`norm.weight`", e))?;
+        // RoPE serves the attention layers only, whose q/k norms confirmed `head_dim` against
+        // their tensors. Without one, no tensor checks `head_dim`, so it must size nothing (a
+        // config stating 2^40 made this table half a terabyte).
+        let rotary_dim = if cfg.layer_types.contains(&LayerType::FullAttention) {
+            cfg.rotary_dim
+        } else {
+            0
+        };
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens: Embedding::new(embed, cfg.hidden_size),
             layers,
             norm,
-            rope: Rope::new(cfg.rope_theta, cfg.rotary_dim),
+            rope: Rope::new(cfg.rope_theta, rotary_dim),
             dtype: w.dtype(),
             weights_dtype: w.projection_dtype(),
             device: w.device().clone(),
