@@ -123,6 +123,24 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
             return Err(fault(key, "`true` is not supported"));
         }
     }
+    // PEFT variants that change the merged weights and that this runtime does not implement.
+    for key in ["use_qalora", "use_bdlora"] {
+        if json::opt_bool(obj, key, "")? == Some(true) {
+            return Err(fault(key, "`true` is not supported"));
+        }
+    }
+    for key in ["alora_invocation_tokens", "target_parameters"] {
+        match obj.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(v) => {
+                return Err(fault(
+                    key,
+                    format!("is not supported (got {})", json::show(v)),
+                ))
+            }
+        }
+    }
     match obj.get("layer_replication") {
         None | Some(Value::Null) => {}
         Some(v) => {
@@ -251,6 +269,14 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
             ))
         }
     };
+
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(dup) = trainable_token_indices.iter().find(|id| !seen.insert(**id)) {
+        return Err(fault(
+            "trainable_token_indices",
+            format!("lists token id {dup} twice: its trained row would be ambiguous"),
+        ));
+    }
 
     Ok(AdapterConfig {
         r,
@@ -489,6 +515,31 @@ mod tests {
         assert_eq!(
             config_field(load(&with("layers_to_transform", "[1, -1]"))),
             "layers_to_transform[1]"
+        );
+    }
+
+    #[test]
+    fn unsupported_peft_variants_are_refused() {
+        assert_eq!(
+            config_field(load(&with("use_qalora", "true"))),
+            "use_qalora"
+        );
+        assert_eq!(
+            config_field(load(&with("use_bdlora", "true"))),
+            "use_bdlora"
+        );
+        assert_eq!(
+            config_field(load(&with("alora_invocation_tokens", "[5]"))),
+            "alora_invocation_tokens"
+        );
+        assert_eq!(
+            config_field(load(&with("target_parameters", r#"["mlp.experts"]"#))),
+            "target_parameters"
+        );
+        assert!(load(&with("alora_invocation_tokens", "null")).is_ok());
+        assert_eq!(
+            config_field(load(&with("trainable_token_indices", "[3, 3]"))),
+            "trainable_token_indices"
         );
     }
 

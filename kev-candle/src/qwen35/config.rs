@@ -207,9 +207,16 @@ impl Config {
                 ),
             ));
         }
+        if f.opt_bool("attn_output_gate")? == Some(false) {
+            return Err(f.fault(
+                "attn_output_gate",
+                "`false` is not supported: Qwen3.5's attention is gated",
+            ));
+        }
+        let interval = f.opt_usize("full_attention_interval")?;
         let layer_types = match f.obj.get("layer_types") {
             None | Some(Value::Null) => {
-                let interval = f.opt_usize("full_attention_interval")?.unwrap_or(4);
+                let interval = interval.unwrap_or(4);
                 if interval == 0 {
                     return Err(f.fault("full_attention_interval", "must be positive"));
                 }
@@ -247,6 +254,19 @@ impl Config {
                     layer_types.len()
                 ),
             ));
+        }
+        if let (Some(interval), Some(_)) = (interval, f.obj.get("layer_types")) {
+            let agrees = interval > 0
+                && layer_types
+                    .iter()
+                    .enumerate()
+                    .all(|(i, t)| (*t == LayerType::FullAttention) == ((i + 1) % interval == 0));
+            if !agrees {
+                return Err(f.fault(
+                    "full_attention_interval",
+                    format!("{interval} contradicts `layer_types`"),
+                ));
+            }
         }
         let rope = match f.obj.get("rope_parameters") {
             None | Some(Value::Null) => None,
