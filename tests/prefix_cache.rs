@@ -52,6 +52,18 @@ fn mixed_cold_and_cached_equals_one_by_one() {
             }
         }
     }
+    // Each alone on its prefix from the batch, and all of them on their prefixes together.
+    for (i, s) in cold.iter().enumerate() {
+        let one = model
+            .probs_prefixed(&enc[i..=i], &[Some(Arc::clone(&s.prefix))])
+            .unwrap();
+        assert!(one[0].reused);
+        worst = worst.max(max_delta(&one[0].probs, &want[i]));
+    }
+    let all: Vec<_> = cold.iter().map(|s| Some(Arc::clone(&s.prefix))).collect();
+    for (i, s) in model.probs_prefixed(&enc, &all).unwrap().iter().enumerate() {
+        worst = worst.max(max_delta(&s.probs, &want[i]));
+    }
     // Every other record continues a prefix (half from the batch above, half made one by one),
     // the rest run cold, records repeated and out of order.
     let order: Vec<usize> = (0..recs.len()).rev().chain(0..recs.len()).collect();

@@ -295,7 +295,15 @@ impl Worker {
         };
         let result = match std::panic::catch_unwind(AssertUnwindSafe(run)) {
             Ok(Ok(probs)) => Ok(probs),
-            Ok(Err(e)) => Err(e.to_string()),
+            Ok(Err(e)) => {
+                let mut message = e.to_string();
+                let mut source = std::error::Error::source(&e);
+                while let Some(s) = source {
+                    message = format!("{message}: {s}");
+                    source = s.source();
+                }
+                Err(message)
+            }
             Err(_) => Err("the model worker panicked on this batch".to_string()),
         };
         self.metrics.observe_batch(

@@ -342,11 +342,17 @@ async fn score(State(app): State<Arc<App>>, req: Request) -> Response {
     let timeout = app.config.request_timeout();
     let response = match tokio::time::timeout(timeout, score_inner(&app, req)).await {
         Ok(r) => r,
-        Err(_) => error(
-            StatusCode::GATEWAY_TIMEOUT,
-            format!("not answered within {} ms", timeout.as_millis()),
-            None,
-        ),
+        Err(_) => {
+            // The body may be unread: the connection closes after this answer.
+            let mut r = error(
+                StatusCode::GATEWAY_TIMEOUT,
+                format!("not answered within {} ms", timeout.as_millis()),
+                None,
+            );
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            r
+        }
     };
     app.metrics
         .observe_request(response.status().as_u16(), arrived.elapsed().as_secs_f64());
@@ -395,19 +401,22 @@ async fn score_inner(app: &App, req: Request) -> Response {
     let Some(engine) = app.engine.get() else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the model is loading", None);
     };
+    // A body announced over the limit is refused before it is read.
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > app.config.max_body_bytes as u64) {
+        return too_large(app.config.max_body_bytes);
+    }
     let body = match Bytes::from_request(req, &()).await {
         Ok(b) => b,
         Err(rejection) => {
             let code = rejection.status();
-            let message = if code == StatusCode::PAYLOAD_TOO_LARGE {
-                format!(
-                    "the body is larger than {} bytes",
-                    app.config.max_body_bytes
-                )
-            } else {
-                rejection.body_text()
-            };
-            return error(code, message, None);
+            if code == StatusCode::PAYLOAD_TOO_LARGE {
+                return too_large(app.config.max_body_bytes);
+            }
+            return error(code, rejection.body_text(), None);
         }
     };
     let (records, batched) = match parse(&body) {
@@ -439,6 +448,19 @@ async fn score_inner(app: &App, req: Request) -> Response {
     } else {
         Json(&outs[0]).into_response()
     }
+}
+
+/// 413, closing the connection: the rest of the body is not read, so the connection cannot
+/// carry another request (and the client must not reuse it).
+fn too_large(limit: usize) -> Response {
+    let mut r = error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("the body is larger than {limit} bytes"),
+        None,
+    );
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
 }
 
 async fn submit(

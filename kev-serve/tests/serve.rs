@@ -48,7 +48,7 @@ async fn answers_equal_the_library_in_order() {
             .json()
             .await
             .unwrap();
-        assert_eq!(one["id"], a["id"]);
+        assert_eq!(one["id"], a["id"], "{one}");
         worst = worst.max(max_delta(&probs_of(&one), &want));
     }
     println!("server vs library: max|Δp| {worst:.2e}");

@@ -261,7 +261,8 @@ impl DecisionModel {
                     *t = match t.take() {
                         Some(_) if len == 0 => None,
                         Some(x) if x.dim(2).map_err(&err)? > len => {
-                            Some(x.narrow(2, 0, len).and_then(|x| x.copy()).map_err(&err)?)
+                            // Narrowed keys are strided: `contiguous` copies them compactly.
+                            Some(x.narrow(2, 0, len).and_then(|x| x.contiguous()).map_err(&err)?)
                         }
                         kept => kept,
                     };
