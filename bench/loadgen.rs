@@ -7,7 +7,7 @@
 //! In order, in one process: the library alone (`probs` per record: single-record latency;
 //! `probs_batch` over the file: records/s), then a server started in-process on a loopback port
 //! (or `--url` of one running elsewhere) under a closed loop at each `--concurrency` (clients
-//! sending one record after another) and an open loop at each `--rates` (requests/s on a fixed
+//! sending one record after another; the prefix cache off, as the records repeat) and an open loop at each `--rates` (requests/s on a fixed
 //! schedule, latency from the scheduled time), then the shared-state workload
 //! (`--shared-requests` requests over `--shared-states` states, the questions differing) on a
 //! server with the prefix cache and one without. Prints one JSON line per measurement and a
@@ -31,6 +31,13 @@ struct Args {
     /// JSONL records sent one per request (default: the shipped sample records).
     #[arg(long)]
     records: Option<PathBuf>,
+    /// Instead of `--records`: this many records of distinct states of `--shared-words` words,
+    /// 4 questions of 4 options each (one token shape, as `bench/records.py`'s workloads).
+    #[arg(long, default_value_t = 0)]
+    synthetic: usize,
+    /// Records per `probs_batch` call of the library figure.
+    #[arg(long, default_value_t = 8)]
+    lib_batch: usize,
     /// A running server to load instead of an in-process one (the library figures then come from
     /// this process's own copy of the model).
     #[arg(long)]
@@ -71,6 +78,9 @@ struct Args {
     /// Shared-state workload: clients.
     #[arg(long, default_value_t = 16)]
     shared_concurrency: usize,
+    /// Leave out the library figures (for sweeps of the server's settings).
+    #[arg(long)]
+    skip_library: bool,
     /// Free text copied into every JSON line.
     #[arg(long, default_value = "")]
     label: String,
@@ -257,6 +267,21 @@ fn shared_workload(requests: usize, states: usize, words: usize) -> Vec<Value> {
         .collect()
 }
 
+/// `n` records of distinct states of `words` words, 4 questions of 4 options each.
+fn synthetic(n: usize, words: usize) -> Vec<Value> {
+    let opts = ["north", "south", "east", "west"];
+    shared_workload(n, n, words)
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut v)| {
+            v["questions"] = json!((0..4)
+                .map(|q| json!({"prompt": format!("Question {q} of case {i}?"), "options": opts}))
+                .collect::<Vec<_>>());
+            v
+        })
+        .collect()
+}
+
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
@@ -289,7 +314,11 @@ async fn main() -> Result<()> {
         .records
         .clone()
         .unwrap_or_else(|| kev_serve::config::shipped_checkpoint().join("../records.jsonl"));
-    let values = read_records(&records_path)?;
+    let values = if args.synthetic > 0 {
+        synthetic(args.synthetic, args.shared_words)
+    } else {
+        read_records(&records_path)?
+    };
     let records: Vec<Record> = values
         .iter()
         .map(|v| Record::from_json_value(v, None))
@@ -301,7 +330,7 @@ async fn main() -> Result<()> {
     };
 
     // The library alone.
-    {
+    if !args.skip_library {
         let dir = args
             .checkpoint
             .clone()
@@ -312,11 +341,14 @@ async fn main() -> Result<()> {
         let model = Arc::new(DecisionModel::load(&dir, &options)?);
         let m = Arc::clone(&model);
         let recs = records.clone();
+        let lib_batch = args.lib_batch.max(1);
         let (single, batch) = tokio::task::spawn_blocking(move || -> kev::Result<_> {
             for r in &recs {
                 m.probs(r)?;
             }
-            m.probs_batch(&recs)?;
+            for chunk in recs.chunks(lib_batch) {
+                m.probs_batch(chunk)?;
+            }
             let mut single = Vec::new();
             let end = Instant::now() + duration;
             while Instant::now() < end {
@@ -328,19 +360,25 @@ async fn main() -> Result<()> {
             }
             let (mut n, t) = (0usize, Instant::now());
             while t.elapsed() < duration {
-                m.probs_batch(&recs)?;
-                n += recs.len();
+                for chunk in recs.chunks(lib_batch) {
+                    m.probs_batch(chunk)?;
+                    n += chunk.len();
+                }
             }
             Ok((single, n as f64 / t.elapsed().as_secs_f64()))
         })
         .await??;
         let mut s = single.clone();
         s.sort_by(f64::total_cmp);
-        emit(json!({"kind": "library", "param": "probs (1 record)", "label": args.label,
+        emit(
+            json!({"kind": "library", "param": "probs (1 record)", "label": args.label,
                     "records_per_s": s.len() as f64 / (s.iter().sum::<f64>() / 1e3),
-                    "p50_ms": percentile(&s, 0.5), "p90_ms": percentile(&s, 0.9), "p99_ms": percentile(&s, 0.99)}));
-        emit(json!({"kind": "library", "param": format!("probs_batch ({} records)", records.len()),
-                    "label": args.label, "records_per_s": batch}));
+                    "p50_ms": percentile(&s, 0.5), "p90_ms": percentile(&s, 0.9), "p99_ms": percentile(&s, 0.99)}),
+        );
+        emit(
+            json!({"kind": "library", "param": format!("probs_batch ({} records a call)", args.lib_batch),
+                    "label": args.label, "records_per_s": batch}),
+        );
     }
 
     let bodies: Arc<Vec<(String, usize)>> =
@@ -348,7 +386,8 @@ async fn main() -> Result<()> {
     let (server, url) = match &args.url {
         Some(u) => (None, format!("{}/v1/score", u.trim_end_matches('/'))),
         None => {
-            let mut s = Server::start(server_config(&args, args.prefix_cache_mib)).await?;
+            // No prefix cache here: the records repeat, and the library figures have none.
+            let mut s = Server::start(server_config(&args, 0)).await?;
             s.ready().await?;
             let url = format!("http://{}/v1/score", s.addr());
             (Some(s), url)

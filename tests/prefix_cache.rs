@@ -38,7 +38,10 @@ fn mixed_cold_and_cached_equals_one_by_one() {
     let model = model();
     let recs = records();
     let want: Vec<_> = recs.iter().map(|r| model.probs(r).unwrap()).collect();
-    let enc: Vec<_> = recs.iter().map(|r| model.encode_record(r).unwrap()).collect();
+    let enc: Vec<_> = recs
+        .iter()
+        .map(|r| model.encode_record(r).unwrap())
+        .collect();
 
     // All cold: every distinct state runs once, records with equal states share one prefix.
     let cold = model.probs_prefixed(&enc, &vec![None; enc.len()]).unwrap();
@@ -98,7 +101,7 @@ fn wrong_prefix_is_an_error() {
     assert_ne!(a.state_ids(), b.state_ids());
     let (_, prefix) = model.probs_and_prefix(&recs[1]).unwrap();
     let err = model
-        .probs_prefixed(&[a.clone()], &[Some(Arc::new(prefix))])
+        .probs_prefixed(std::slice::from_ref(&a), &[Some(Arc::new(prefix))])
         .err()
         .unwrap();
     assert!(matches!(err, Error::Prefix { .. }), "{err}");

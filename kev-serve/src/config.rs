@@ -26,7 +26,12 @@ pub struct Config {
     pub addr: SocketAddr,
     /// One model worker per entry, all over the one queue: auto, cpu, cuda[:i], metal[:i],
     /// comma-separated (`cuda:0,cuda:1`; `cpu,cpu` runs two CPU workers on one model).
-    #[arg(long, env = "KEV_DEVICES", value_delimiter = ',', default_value = "auto")]
+    #[arg(
+        long,
+        env = "KEV_DEVICES",
+        value_delimiter = ',',
+        default_value = "auto"
+    )]
     pub devices: Vec<Backend>,
     /// auto, f32, bf16 or f16 (auto: f32 on the CPU, bf16 on GPUs).
     #[arg(long, env = "KEV_DTYPE", default_value = "auto")]

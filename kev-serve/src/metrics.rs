@@ -49,7 +49,11 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("kev");
         let requests = Family::<StatusLabel, Counter>::default();
-        registry.register("requests", "POST /v1/score answers by status", requests.clone());
+        registry.register(
+            "requests",
+            "POST /v1/score answers by status",
+            requests.clone(),
+        );
         let latency = Histogram::new(exponential_buckets(0.0005, 2.0, 18));
         registry.register(
             "request_duration_seconds",
@@ -67,11 +71,7 @@ impl Metrics {
         let batches = Counter::default();
         registry.register("batches", "batches run", batches.clone());
         let batch_records = Histogram::new(exponential_buckets(1.0, 2.0, 12));
-        registry.register(
-            "batch_records",
-            "records per batch",
-            batch_records.clone(),
-        );
+        registry.register("batch_records", "records per batch", batch_records.clone());
         let batch_tokens = Histogram::new(exponential_buckets(16.0, 2.0, 14));
         registry.register(
             "batch_tokens",
@@ -169,7 +169,11 @@ impl Collector for CacheCollector {
                 "lookups that found their state's prefix",
                 sum(|s| s.hits),
             ),
-            ("prefix_cache_misses", "lookups that did not", sum(|s| s.misses)),
+            (
+                "prefix_cache_misses",
+                "lookups that did not",
+                sum(|s| s.misses),
+            ),
             (
                 "prefix_cache_evictions",
                 "prefixes dropped to make room",

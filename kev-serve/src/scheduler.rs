@@ -2,9 +2,9 @@
 //! and a short wait.
 //!
 //! A worker takes the oldest request, then every request already queued (and, for up to
-//! `max_wait`, those that arrive) while the batch stays within `max_batch_tokens`. A request's
-//! cost is what it will run: its branches, plus its state unless the state's prefix is cached or
-//! already runs in this batch. The batch then runs as one call of
+//! `max_wait`, those that arrive) while the batch stays within `max_batch_tokens`. A batch's
+//! tokens are what the model will run, padding included: its distinct uncached states padded to
+//! the longest, plus all its branch rows padded to the longest. The batch then runs as one call of
 //! [`DecisionModel::probs_prefixed`] (cold states once, then every branch continuing its prefix)
 //! and the new prefixes go to the device's [`PrefixCache`]. Requests whose client has gone are
 //! dropped before they run.
@@ -142,6 +142,23 @@ impl Drop for Scheduler {
     }
 }
 
+/// What a batch runs, as the model pads it: its distinct cold states as one right-padded block,
+/// all its branch rows as another. Padding is computed, so a long record joining short ones
+/// costs its length times theirs.
+#[derive(Default)]
+struct Shape {
+    cold: HashSet<Vec<u32>>,
+    state_max: usize,
+    rows: usize,
+    row_max: usize,
+}
+
+impl Shape {
+    fn tokens(&self) -> usize {
+        self.cold.len() * self.state_max + self.rows * self.row_max
+    }
+}
+
 /// A job taken from the queue, with the prefixes found for its records.
 struct Taken {
     job: Job,
@@ -181,12 +198,11 @@ impl Worker {
             Some(job) => job,
             None => self.rx.recv().ok()?,
         };
-        let mut cold: HashSet<Vec<u32>> = HashSet::new();
+        let mut shape = Shape::default();
         let mut batch = Vec::new();
-        let (first, mut tokens) = self.take(first, &mut cold);
-        batch.extend(first);
+        batch.extend(self.take(first, &mut shape));
         let deadline = Instant::now() + self.policy.max_wait;
-        while tokens < self.policy.max_batch_tokens {
+        while shape.tokens() < self.policy.max_batch_tokens {
             let job = match self.rx.try_recv() {
                 Ok(job) => job,
                 Err(_) if self.policy.max_wait.is_zero() => break,
@@ -195,61 +211,60 @@ impl Worker {
                     Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
                 },
             };
-            if tokens + self.cost(&job, &cold) > self.policy.max_batch_tokens {
+            if self.tokens_with(&shape, &job) > self.policy.max_batch_tokens {
                 self.carry = Some(job);
                 break;
             }
-            let (taken, t) = self.take(job, &mut cold);
-            tokens += t;
-            batch.extend(taken);
+            batch.extend(self.take(job, &mut shape));
         }
         Some(batch)
     }
 
-    /// Tokens `job` would add to a batch whose cold states are `cold` (lookups not counted).
-    fn cost(&self, job: &Job, cold: &HashSet<Vec<u32>>) -> usize {
-        let mut seen: HashSet<&[u32]> = HashSet::new();
-        job.records
-            .iter()
-            .map(|r| {
-                let ids = r.state_ids();
-                let warm = cold.contains(ids)
-                    || !seen.insert(ids)
-                    || self.device.cache.as_ref().is_some_and(|c| c.contains(ids));
-                r.branch_tokens() + if warm { 0 } else { ids.len() }
-            })
-            .sum()
+    /// The padded tokens of `shape` with `job` added (no lookups counted).
+    fn tokens_with(&self, shape: &Shape, job: &Job) -> usize {
+        let mut new: HashSet<&[u32]> = HashSet::new();
+        let (mut state_max, mut rows, mut row_max) = (shape.state_max, shape.rows, shape.row_max);
+        for r in &job.records {
+            let ids = r.state_ids();
+            let warm = shape.cold.contains(ids)
+                || self.device.cache.as_ref().is_some_and(|c| c.contains(ids));
+            if !warm && new.insert(ids) {
+                state_max = state_max.max(ids.len());
+            }
+            rows += r.questions();
+            row_max = row_max.max(r.longest_branch());
+        }
+        (shape.cold.len() + new.len()) * state_max + rows * row_max
     }
 
-    /// Looks `job`'s states up and adds its cold ones to `cold`; returns the job (none if its
-    /// client has gone) and its cost.
-    fn take(&self, job: Job, cold: &mut HashSet<Vec<u32>>) -> (Option<Taken>, usize) {
+    /// Looks `job`'s states up and adds it to `shape`; none if its client has gone.
+    fn take(&self, job: Job, shape: &mut Shape) -> Option<Taken> {
         if job.reply.is_closed() {
             self.metrics.abandoned.inc();
-            return (None, 0);
+            return None;
         }
         self.metrics
             .queue_wait
             .observe(job.queued.elapsed().as_secs_f64());
-        let mut tokens = 0;
         let prefixes = job
             .records
             .iter()
             .map(|r| {
                 let ids = r.state_ids();
-                let found = if cold.contains(ids) {
+                let found = if shape.cold.contains(ids) {
                     None
                 } else {
                     self.device.cache.as_ref().and_then(|c| c.get(ids))
                 };
-                if found.is_none() && cold.insert(ids.to_vec()) {
-                    tokens += ids.len();
+                if found.is_none() && shape.cold.insert(ids.to_vec()) {
+                    shape.state_max = shape.state_max.max(ids.len());
                 }
-                tokens += r.branch_tokens();
+                shape.rows += r.questions();
+                shape.row_max = shape.row_max.max(r.longest_branch());
                 found
             })
             .collect();
-        (Some(Taken { job, prefixes }), tokens)
+        Some(Taken { job, prefixes })
     }
 
     fn execute(&self, batch: Vec<Taken>) {

@@ -244,23 +244,14 @@ fn load(app: &App) -> Result<Duration, StartError> {
         "max_batch_tokens": c.max_batch_tokens,
         "max_wait_ms": c.max_wait_ms,
     });
-    app.metrics.set_caches(
-        loaded
-            .iter()
-            .filter_map(|(_, d)| d.cache.clone())
-            .collect(),
-    );
+    app.metrics
+        .set_caches(loaded.iter().filter_map(|(_, d)| d.cache.clone()).collect());
     let policy = BatchPolicy {
         max_batch_tokens: c.max_batch_tokens,
         max_wait: Duration::from_millis(c.max_wait_ms),
     };
-    let scheduler = Scheduler::start(
-        workers,
-        c.queue_capacity,
-        policy,
-        Arc::clone(&app.metrics),
-    )
-    .map_err(StartError::Worker)?;
+    let scheduler = Scheduler::start(workers, c.queue_capacity, policy, Arc::clone(&app.metrics))
+        .map_err(StartError::Worker)?;
     let _ = app.engine.set(Engine {
         scheduler: Mutex::new(scheduler),
         encoder: first,
@@ -318,7 +309,11 @@ async fn ready(State(app): State<Arc<App>>) -> Response {
 async fn model_info(State(app): State<Arc<App>>) -> Response {
     match app.engine.get() {
         Some(e) => Json(e.info.clone()).into_response(),
-        None => error(StatusCode::SERVICE_UNAVAILABLE, "the model is loading", None),
+        None => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model is loading",
+            None,
+        ),
     }
 }
 
@@ -399,7 +394,11 @@ fn record_out<'a>(record: &'a Record, probs: &'a [Vec<f32>]) -> RecordOut<'a> {
 
 async fn score_inner(app: &App, req: Request) -> Response {
     let Some(engine) = app.engine.get() else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "the model is loading", None);
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model is loading",
+            None,
+        );
     };
     // A body announced over the limit is refused before it is read.
     let announced = req

@@ -73,13 +73,18 @@ async fn load_and_faults() {
         b"{".to_vec(),
         b"[]".to_vec(),
         json!({"state": "s", "questions": []}).to_string().into(),
-        json!({"state": "s", "questions": [{"prompt": "p", "options": ["a"], "answer": 9}]}).to_string().into(),
+        json!({"state": "s", "questions": [{"prompt": "p", "options": ["a"], "answer": 9}]})
+            .to_string()
+            .into(),
         json!({"records": [{"state": "s"}]}).to_string().into(),
     ]);
 
     let rss0 = rss_mib();
     let tally = Arc::new(Tally::default());
-    let client = reqwest::Client::builder().pool_max_idle_per_host(CLIENTS).build().unwrap();
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(CLIENTS)
+        .build()
+        .unwrap();
     let end = Instant::now() + RUN;
     let tasks: Vec<_> = (0..CLIENTS)
         .map(|c| {
@@ -89,7 +94,7 @@ async fn load_and_faults() {
                 let mut n = c;
                 while Instant::now() < end {
                     n = n.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    let pick = (n >> 33) as usize;
+                    let pick = n >> 33;
                     match pick % 10 {
                         // Invalid: 4xx, never 5xx.
                         0 => {
@@ -152,7 +157,14 @@ async fn load_and_faults() {
         t.await.unwrap();
     }
     let rss1 = rss_mib();
-    let m = client.get(url(addr, "/metrics")).send().await.unwrap().text().await.unwrap();
+    let m = client
+        .get(url(addr, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let (ok, busy, rejected, cut) = (
         tally.ok.load(Ordering::Relaxed),
         tally.busy.load(Ordering::Relaxed),
@@ -175,11 +187,20 @@ async fn load_and_faults() {
     assert!(metric(&m, "kev_prefix_cache_bytes") <= (CACHE_MIB << 20) as f64 * 2.0);
     assert!(metric(&m, "kev_prefix_cache_bytes") <= metric(&m, "kev_prefix_cache_budget_bytes"));
     for code in [500, 502, 504] {
-        assert_eq!(metric(&m, &format!("kev_requests_total{{code=\"{code}\"}}")), 0.0, "{code}: {m}");
+        assert_eq!(
+            metric(&m, &format!("kev_requests_total{{code=\"{code}\"}}")),
+            0.0,
+            "{code}: {m}"
+        );
     }
     assert!(rss1 - rss0 < RSS_GROWTH_MIB, "RSS {rss0} -> {rss1} MiB");
     // Still serving after the storm.
-    let r = client.post(url(addr, "/v1/score")).json(&pool[0].0).send().await.unwrap();
+    let r = client
+        .post(url(addr, "/v1/score"))
+        .json(&pool[0].0)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     server.shutdown().await.unwrap();
 }

@@ -33,7 +33,11 @@ async fn answers_equal_the_library_in_order() {
         let want = model.probs(&rec).unwrap();
         assert_eq!(a["id"], v.get("id").cloned().unwrap_or(Value::Null));
         worst = worst.max(max_delta(&probs_of(a), &want));
-        for (q, (qa, p)) in rec.questions.iter().zip(a["questions"].as_array().unwrap().iter().zip(&want)) {
+        for (q, (qa, p)) in rec
+            .questions
+            .iter()
+            .zip(a["questions"].as_array().unwrap().iter().zip(&want))
+        {
             assert_eq!(qa["id"], q.id.clone().map_or(Value::Null, Value::String));
             let argmax = qa["argmax"].as_u64().unwrap() as usize;
             assert!(p.iter().all(|x| *x <= p[argmax]));
@@ -55,16 +59,38 @@ async fn answers_equal_the_library_in_order() {
     assert!(worst <= TOL, "{worst:e}");
 
     // The other endpoints.
-    let info: Value = client.get(url(addr, "/v1/model")).send().await.unwrap().json().await.unwrap();
+    let info: Value = client
+        .get(url(addr, "/v1/model"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(info["max_tokens"], 1024);
     assert_eq!(info["head"]["dim"], 16);
     assert_eq!(info["dtype"], "f32");
-    assert!(info["base"].is_string() && info["checkpoint"].is_string() && info["backend"].is_array());
+    assert!(
+        info["base"].is_string() && info["checkpoint"].is_string() && info["backend"].is_array()
+    );
     for path in ["/health", "/ready"] {
-        assert_eq!(client.get(url(addr, path)).send().await.unwrap().status(), 200);
+        assert_eq!(
+            client.get(url(addr, path)).send().await.unwrap().status(),
+            200
+        );
     }
-    let m = client.get(url(addr, "/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(metric(&m, "kev_requests_total") >= 1.0 + values.len() as f64, "{m}");
+    let m = client
+        .get(url(addr, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(&m, "kev_requests_total") >= 1.0 + values.len() as f64,
+        "{m}"
+    );
     assert!(metric(&m, "kev_prefix_cache_hits_total") > 0.0, "{m}");
     assert!(m.contains("kev_prefix_cache_bytes"), "{m}");
     server.shutdown().await.unwrap();
@@ -87,7 +113,14 @@ async fn a_batch_mixing_cold_and_cached_states_equals_one_by_one() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let m0 = client.get(url(addr, "/metrics")).send().await.unwrap().text().await.unwrap();
+    let m0 = client
+        .get(url(addr, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let hits0 = metric(&m0, "kev_prefix_cache_hits_total");
 
     // Interleaved: cached, new, cached, new ...; new records repeat states among themselves.
@@ -113,8 +146,18 @@ async fn a_batch_mixing_cold_and_cached_states_equals_one_by_one() {
         assert_eq!(a["id"], v.get("id").cloned().unwrap_or(Value::Null));
         worst = worst.max(max_delta(&probs_of(a), &model.probs(&record(v)).unwrap()));
     }
-    let m1 = client.get(url(addr, "/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(metric(&m1, "kev_prefix_cache_hits_total") >= hits0 + warm.len() as f64, "{m1}");
+    let m1 = client
+        .get(url(addr, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(&m1, "kev_prefix_cache_hits_total") >= hits0 + warm.len() as f64,
+        "{m1}"
+    );
     println!("mixed cold/cached batch vs one by one: max|Δp| {worst:.2e}");
     assert!(worst <= TOL, "{worst:e}");
     server.shutdown().await.unwrap();
@@ -131,7 +174,8 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
     let addr = server.addr();
     let client = reqwest::Client::new();
     let good = record_values()[0].clone();
-    let q = |options: Value| json!({"state": "s", "questions": [{"prompt": "p", "options": options}]});
+    let q =
+        |options: Value| json!({"state": "s", "questions": [{"prompt": "p", "options": options}]});
     let long_state = "word ".repeat(3000);
     let corpus: Vec<(Vec<u8>, u16, &str)> = vec![
         (b"".to_vec(), 400, "empty body"),
@@ -141,17 +185,65 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
         (b"null".to_vec(), 422, "null"),
         (b"[1, 2]".to_vec(), 422, "a list"),
         (b"\"text\"".to_vec(), 422, "a string"),
-        (json!({"state": 1, "questions": []}).to_string().into(), 422, "state a number"),
-        (json!({"state": "s"}).to_string().into(), 422, "no questions"),
-        (json!({"state": "s", "questions": []}).to_string().into(), 422, "empty questions"),
+        (
+            json!({"state": 1, "questions": []}).to_string().into(),
+            422,
+            "state a number",
+        ),
+        (
+            json!({"state": "s"}).to_string().into(),
+            422,
+            "no questions",
+        ),
+        (
+            json!({"state": "s", "questions": []}).to_string().into(),
+            422,
+            "empty questions",
+        ),
         (q(json!([])).to_string().into(), 422, "empty options"),
-        (q(json!(["a", 2])).to_string().into(), 422, "option a number"),
-        (json!({"state": "s", "questions": [{"prompt": "p", "options": ["a"], "answer": 3}]}).to_string().into(), 422, "answer out of range"),
-        (json!({"state": "s", "questions": [{"prompt": "p", "options": ["a"]}], "extra": 1}).to_string().into(), 422, "unknown field"),
-        (q(json!(["a <|kev_option|> b"])).to_string().into(), 422, "marker in an option"),
-        (json!({"state": long_state, "questions": [{"prompt": "p", "options": ["a"]}]}).to_string().into(), 422, "over max_tokens"),
-        (json!({"records": 3}).to_string().into(), 422, "records a number"),
-        (json!({"records": [good, {"state": "x"}]}).to_string().into(), 422, "second record invalid"),
+        (
+            q(json!(["a", 2])).to_string().into(),
+            422,
+            "option a number",
+        ),
+        (
+            json!({"state": "s", "questions": [{"prompt": "p", "options": ["a"], "answer": 3}]})
+                .to_string()
+                .into(),
+            422,
+            "answer out of range",
+        ),
+        (
+            json!({"state": "s", "questions": [{"prompt": "p", "options": ["a"]}], "extra": 1})
+                .to_string()
+                .into(),
+            422,
+            "unknown field",
+        ),
+        (
+            q(json!(["a <|kev_option|> b"])).to_string().into(),
+            422,
+            "marker in an option",
+        ),
+        (
+            json!({"state": long_state, "questions": [{"prompt": "p", "options": ["a"]}]})
+                .to_string()
+                .into(),
+            422,
+            "over max_tokens",
+        ),
+        (
+            json!({"records": 3}).to_string().into(),
+            422,
+            "records a number",
+        ),
+        (
+            json!({"records": [good, {"state": "x"}]})
+                .to_string()
+                .into(),
+            422,
+            "second record invalid",
+        ),
         (vec![b' '; limit + 1], 413, "over the body limit"),
     ];
     for (body, code, what) in &corpus {
@@ -165,24 +257,66 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
         assert_eq!(r.status().as_u16(), *code, "{what}");
         let e: Value = r.json().await.unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(e["error"]["code"], *code, "{what}");
-        assert!(e["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}");
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{what}"
+        );
         if *what == "second record invalid" {
             assert_eq!(e["error"]["record"], 1);
             assert_eq!(e["error"]["field"], "questions");
-            assert!(e["error"]["message"].as_str().unwrap().starts_with("records[1]"));
+            assert!(e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("records[1]"));
         }
     }
     // A body announced over the limit is refused before it is sent.
-    assert_eq!(raw(addr, &post_head(limit * 4), b"", Duration::from_secs(5)).await, 413);
+    assert_eq!(
+        raw(addr, &post_head(limit * 4), b"", Duration::from_secs(5)).await,
+        413
+    );
     // A body that never arrives in full: 504 at the request timeout.
-    assert_eq!(raw(addr, &post_head(100), b"{\"state\"", Duration::from_secs(5)).await, 504);
+    assert_eq!(
+        raw(addr, &post_head(100), b"{\"state\"", Duration::from_secs(5)).await,
+        504
+    );
     // Wrong method, unknown path.
-    assert_eq!(client.get(url(addr, "/v1/score")).send().await.unwrap().status(), 405);
-    assert_eq!(client.get(url(addr, "/nope")).send().await.unwrap().status(), 404);
+    assert_eq!(
+        client
+            .get(url(addr, "/v1/score"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        405
+    );
+    assert_eq!(
+        client
+            .get(url(addr, "/nope"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
     // Still serving.
-    let r = client.post(url(addr, "/v1/score")).json(&record_values()[1]).send().await.unwrap();
+    let r = client
+        .post(url(addr, "/v1/score"))
+        .json(&record_values()[1])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    let m = client.get(url(addr, "/metrics")).send().await.unwrap().text().await.unwrap();
+    let m = client
+        .get(url(addr, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert_eq!(metric(&m, "kev_requests_total{code=\"500\"}"), 0.0, "{m}");
     server.shutdown().await.unwrap();
 }
@@ -193,7 +327,10 @@ async fn a_client_that_disconnects_does_not_disturb_others() {
     let addr = server.addr();
     let model = model();
     let values = record_values();
-    let want: Vec<_> = values.iter().map(|v| model.probs(&record(v)).unwrap()).collect();
+    let want: Vec<_> = values
+        .iter()
+        .map(|v| model.probs(&record(v)).unwrap())
+        .collect();
     let body = json!({ "records": values }).to_string().into_bytes();
     let client = reqwest::Client::new();
     let mut tasks = Vec::new();
@@ -209,11 +346,22 @@ async fn a_client_that_disconnects_does_not_disturb_others() {
                 }
                 // Sent whole, then gone before the answer.
                 1 => {
-                    let _ = raw(addr, &post_head(body.len()), &body, Duration::from_millis(1)).await;
+                    let _ = raw(
+                        addr,
+                        &post_head(body.len()),
+                        &body,
+                        Duration::from_millis(1),
+                    )
+                    .await;
                     None
                 }
                 _ => {
-                    let r = client.post(url(addr, "/v1/score")).body(body).send().await.unwrap();
+                    let r = client
+                        .post(url(addr, "/v1/score"))
+                        .body(body)
+                        .send()
+                        .await
+                        .unwrap();
                     assert_eq!(r.status(), 200);
                     Some(r.json::<Value>().await.unwrap())
                 }
@@ -246,7 +394,12 @@ async fn shutdown_answers_what_was_accepted() {
     for v in values.iter().cycle().take(16) {
         let (client, v) = (client.clone(), v.clone());
         tasks.push(tokio::spawn(async move {
-            client.post(url(addr, "/v1/score")).json(&v).send().await.map(|r| r.status().as_u16())
+            client
+                .post(url(addr, "/v1/score"))
+                .json(&v)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
         }));
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -263,21 +416,39 @@ async fn shutdown_answers_what_was_accepted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_answer_as_one() {
     let one = start(config(|_| {})).await;
-    let two = start(config(|c| c.devices = vec![kev::Backend::Cpu, kev::Backend::Cpu])).await;
-    let info: Value = reqwest::get(url(two.addr(), "/v1/model")).await.unwrap().json().await.unwrap();
+    let two = start(config(|c| {
+        c.devices = vec![kev::Backend::Cpu, kev::Backend::Cpu]
+    }))
+    .await;
+    let info: Value = reqwest::get(url(two.addr(), "/v1/model"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(info["devices"].as_array().unwrap().len(), 2);
     let values = record_values();
     let client = reqwest::Client::new();
     let ask = |addr, v: Value| {
         let client = client.clone();
         tokio::spawn(async move {
-            let r = client.post(url(addr, "/v1/score")).json(&v).send().await.unwrap();
+            let r = client
+                .post(url(addr, "/v1/score"))
+                .json(&v)
+                .send()
+                .await
+                .unwrap();
             assert_eq!(r.status(), 200);
             probs_of(&r.json::<Value>().await.unwrap())
         })
     };
     // Concurrent requests, each record three times, so both workers take some.
-    let jobs: Vec<_> = values.iter().cycle().take(values.len() * 3).cloned().collect();
+    let jobs: Vec<_> = values
+        .iter()
+        .cycle()
+        .take(values.len() * 3)
+        .cloned()
+        .collect();
     let a: Vec<_> = jobs.iter().map(|v| ask(one.addr(), v.clone())).collect();
     let b: Vec<_> = jobs.iter().map(|v| ask(two.addr(), v.clone())).collect();
     let mut worst = 0f32;
@@ -305,7 +476,12 @@ async fn a_full_queue_answers_503_with_retry_after() {
         .map(|_| {
             let (client, body) = (client.clone(), body.clone());
             tokio::spawn(async move {
-                let r = client.post(url(addr, "/v1/score")).json(&body).send().await.unwrap();
+                let r = client
+                    .post(url(addr, "/v1/score"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
                 (r.status().as_u16(), r.headers().get("retry-after").cloned())
             })
         })

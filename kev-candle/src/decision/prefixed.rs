@@ -43,6 +43,11 @@ impl EncodedRecord {
         self.state_ids.len() + self.branch_tokens()
     }
 
+    /// Tokens of its longest branch.
+    pub fn longest_branch(&self) -> usize {
+        self.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0)
+    }
+
     /// Tokens of its branches alone (what it runs when its prefix is cached).
     pub fn branch_tokens(&self) -> usize {
         self.rows.iter().map(|r| r.ids.len()).sum()
@@ -128,11 +133,7 @@ impl DecisionModel {
         if records.len() != prefixes.len() {
             return Err(Error::invalid_argument(
                 "prefixes",
-                format!(
-                    "{} prefixes for {} records",
-                    prefixes.len(),
-                    records.len()
-                ),
+                format!("{} prefixes for {} records", prefixes.len(), records.len()),
             ));
         }
         if records.is_empty() {
@@ -262,7 +263,11 @@ impl DecisionModel {
                         Some(_) if len == 0 => None,
                         Some(x) if x.dim(2).map_err(&err)? > len => {
                             // Narrowed keys are strided: `contiguous` copies them compactly.
-                            Some(x.narrow(2, 0, len).and_then(|x| x.contiguous()).map_err(&err)?)
+                            Some(
+                                x.narrow(2, 0, len)
+                                    .and_then(|x| x.contiguous())
+                                    .map_err(&err)?,
+                            )
                         }
                         kept => kept,
                     };
