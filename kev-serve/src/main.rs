@@ -9,6 +9,7 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .with_env_filter(
             EnvFilter::try_from_env("KEV_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
         )
