@@ -22,6 +22,7 @@ use crate::qwen35::{Cache, LayerCache};
 /// row per question.
 #[derive(Debug, Clone)]
 pub struct EncodedRecord {
+    id: Option<String>,
     state: String,
     state_ids: Vec<u32>,
     rows: Vec<Row>,
@@ -92,6 +93,7 @@ impl DecisionModel {
     pub fn encode_record(&self, record: &Record) -> Result<EncodedRecord> {
         let (state_ids, rows) = self.encode(record)?.rows();
         Ok(EncodedRecord {
+            id: record.id.clone(),
             state: record.state.clone(),
             state_ids,
             rows,
@@ -110,11 +112,12 @@ impl DecisionModel {
                 .map(|r| (r.state_ids.clone(), r.rows.clone()))
                 .collect(),
         );
-        Ok(self
-            .logits_per_record(plan)?
+        self.logits_per_record(plan)?
             .iter()
-            .map(|questions| questions.iter().map(|l| softmax(l)).collect())
-            .collect())
+            .zip(records)
+            .enumerate()
+            .map(|(i, (logits, rec))| finite_probs(rec, i, logits))
+            .collect()
     }
 
     /// Probabilities for `records`, where `prefixes[i]`, if given, is a prefix of record i's
@@ -219,8 +222,9 @@ impl DecisionModel {
 
         let mut computed: Vec<Option<Arc<Prefix>>> = vec![None; cold.len()];
         let mut out = Vec::with_capacity(records.len());
-        for (rec, s) in records.iter().zip(&source) {
-            let probs = logits.by_ref().take(rec.rows.len()).map(|l| softmax(&l));
+        for (i, (rec, s)) in records.iter().zip(&source).enumerate() {
+            let mine: Vec<Vec<f32>> = logits.by_ref().take(rec.rows.len()).collect();
+            let probs = finite_probs(rec, i, &mine)?;
             let (prefix, reused) = match *s {
                 Source::Given(g) => (Arc::clone(given[g]), true),
                 Source::Cold(j) => {
@@ -241,7 +245,7 @@ impl DecisionModel {
                 }
             };
             out.push(Prefixed {
-                probs: probs.collect(),
+                probs,
                 prefix,
                 reused,
             });
@@ -347,6 +351,21 @@ impl DecisionModel {
             .collect();
         out.seen = parts.iter().flat_map(|p| p.seen.iter().copied()).collect();
         Ok(out)
+    }
+}
+
+/// Each question's softmax, refusing logits or probabilities that are not finite as
+/// [`DecisionModel::probs`] does ([`Error::NonFinite`]).
+fn finite_probs(rec: &EncodedRecord, index: usize, logits: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+    let probs: Vec<Vec<f32>> = logits.iter().map(|l| softmax(l)).collect();
+    let bad = |x: &[Vec<f32>]| x.iter().position(|l| !l.iter().all(|v| v.is_finite()));
+    match bad(logits).or_else(|| bad(&probs)) {
+        None => Ok(probs),
+        Some(question) => Err(Error::NonFinite {
+            id: rec.id.clone(),
+            index,
+            question,
+        }),
     }
 }
 
