@@ -30,7 +30,10 @@
 
 pub mod score;
 
-pub use kev_candle::{qwen35, DecisionModel, GraphStats, PointerHead, Prefix};
+pub use kev_candle::{
+    qwen35, DecisionModel, EncodedRecord, GraphStats, PointerHead, Prefix, PrefixCache,
+    PrefixCacheStats, Prefixed,
+};
 pub use kev_core::{
     Backend, BaseFiles, BaseRef, Checkpoint, DType, Encoder, Encoding, Error, JsonlRecords,
     KevConfig, LoadOptions, Question, Record, Result, Row,

@@ -21,6 +21,9 @@ use crate::lora::Adapter;
 use crate::qwen35::{Cache, Config, Model, Split};
 use crate::weights::Weights;
 
+mod prefixed;
+pub use prefixed::{EncodedRecord, Prefixed};
+
 /// Token id used to right-pad branches and states (never read: both layer kinds are causal and
 /// padded positions are masked out of later attention).
 const PAD_ID: u32 = 0;

@@ -10,9 +10,11 @@ pub mod device;
 pub mod graphs;
 pub mod head;
 pub mod lora;
+pub mod prefix_cache;
 pub mod qwen35;
 pub mod weights;
 
-pub use decision::{DecisionModel, Prefix};
+pub use decision::{DecisionModel, EncodedRecord, Prefix, Prefixed};
 pub use graphs::GraphStats;
 pub use head::PointerHead;
+pub use prefix_cache::{PrefixCache, PrefixCacheStats};

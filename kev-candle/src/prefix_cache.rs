@@ -1,0 +1,190 @@
+//! [`PrefixCache`]: prefixes of states seen before, kept for the next records with the same state.
+//!
+//! Keyed by the state's exact token ids (a prefix is valid for exactly those ids, at any length:
+//! no block alignment), least recently used first out under a byte budget that counts the
+//! prefixes' device bytes ([`Prefix::bytes`]). Entries are shared read-only (`Arc`): a batch
+//! copies the rows it continues, so concurrent batches may use one entry.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kev_core::{Record, Result};
+
+use crate::decision::{DecisionModel, Prefix};
+
+/// Counters and sizes of a [`PrefixCache`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Lookups that found their state.
+    pub hits: u64,
+    /// Lookups that did not.
+    pub misses: u64,
+    /// Entries dropped to make room.
+    pub evictions: u64,
+    /// Prefixes not kept because they alone exceed the budget.
+    pub rejected: u64,
+    /// Entries held.
+    pub entries: usize,
+    /// Device bytes held.
+    pub bytes: usize,
+    /// The byte budget.
+    pub budget: usize,
+}
+
+/// An LRU cache of [`Prefix`]es under a byte budget; safe to share between threads.
+pub struct PrefixCache {
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    budget: usize,
+    entries: HashMap<Vec<u32>, Entry>,
+    /// Last use → key: the oldest first.
+    order: BTreeMap<u64, Vec<u32>>,
+    clock: u64,
+    stats: PrefixCacheStats,
+}
+
+struct Entry {
+    prefix: Arc<Prefix>,
+    used: u64,
+}
+
+impl PrefixCache {
+    /// A cache holding at most `budget_bytes` of prefix tensors (0: keeps nothing).
+    pub fn new(budget_bytes: usize) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                budget: budget_bytes,
+                entries: HashMap::new(),
+                order: BTreeMap::new(),
+                clock: 0,
+                stats: PrefixCacheStats {
+                    budget: budget_bytes,
+                    ..Default::default()
+                },
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // The state is consistent after every statement, so a panic elsewhere leaves it usable.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The prefix of the state with token ids `state_ids`, if held (it becomes the most recent).
+    pub fn get(&self, state_ids: &[u32]) -> Option<Arc<Prefix>> {
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        inner.clock += 1;
+        match inner.entries.get_mut(state_ids) {
+            Some(e) => {
+                let key = inner.order.remove(&e.used).expect("every entry is ordered");
+                e.used = inner.clock;
+                inner.order.insert(e.used, key);
+                inner.stats.hits += 1;
+                Some(Arc::clone(&e.prefix))
+            }
+            None => {
+                inner.stats.misses += 1;
+                None
+            }
+        }
+    }
+
+    /// Whether the state with token ids `state_ids` is held (not a lookup: no counter moves).
+    pub fn contains(&self, state_ids: &[u32]) -> bool {
+        self.lock().entries.contains_key(state_ids)
+    }
+
+    /// Keeps `prefix` (keyed by its state's ids), dropping the least recently used entries
+    /// until it fits. A prefix larger than the whole budget is not kept; one already held for
+    /// the same ids is kept and refreshed. Returns whether `prefix`'s state is held now.
+    pub fn insert(&self, prefix: Arc<Prefix>) -> bool {
+        let bytes = prefix.bytes();
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        inner.clock += 1;
+        if let Some(e) = inner.entries.get_mut(prefix.state_ids()) {
+            let key = inner.order.remove(&e.used).expect("every entry is ordered");
+            e.used = inner.clock;
+            inner.order.insert(e.used, key);
+            return true;
+        }
+        if bytes > inner.budget {
+            inner.stats.rejected += 1;
+            return false;
+        }
+        while inner.stats.bytes + bytes > inner.budget {
+            let Some((_, key)) = inner.order.pop_first() else {
+                break;
+            };
+            if let Some(old) = inner.entries.remove(&key) {
+                inner.stats.bytes -= old.prefix.bytes();
+                inner.stats.evictions += 1;
+            }
+        }
+        let key = prefix.state_ids().to_vec();
+        inner.order.insert(inner.clock, key.clone());
+        inner.entries.insert(
+            key,
+            Entry {
+                prefix,
+                used: inner.clock,
+            },
+        );
+        inner.stats.bytes += bytes;
+        true
+    }
+
+    /// Drops every entry (the counters stay).
+    pub fn clear(&self) {
+        let mut inner = self.lock();
+        inner.entries.clear();
+        inner.order.clear();
+        inner.stats.bytes = 0;
+    }
+
+    /// Counters and sizes now.
+    pub fn stats(&self) -> PrefixCacheStats {
+        let inner = self.lock();
+        PrefixCacheStats {
+            entries: inner.entries.len(),
+            ..inner.stats
+        }
+    }
+}
+
+impl std::fmt::Debug for PrefixCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixCache")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl DecisionModel {
+    /// Probabilities for `records` as [`DecisionModel::probs_batch`] gives them, reusing the
+    /// prefixes `cache` holds for their states and keeping the new ones there.
+    pub fn probs_cached(
+        &self,
+        records: &[Record],
+        cache: &PrefixCache,
+    ) -> Result<Vec<Vec<Vec<f32>>>> {
+        let encoded = records
+            .iter()
+            .map(|r| self.encode_record(r))
+            .collect::<Result<Vec<_>>>()?;
+        let prefixes: Vec<_> = encoded.iter().map(|e| cache.get(e.state_ids())).collect();
+        let scored = self.probs_prefixed(&encoded, &prefixes)?;
+        Ok(scored
+            .into_iter()
+            .map(|s| {
+                if !s.reused {
+                    cache.insert(s.prefix);
+                }
+                s.probs
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,16 @@
+//! `kev-serve`: Kev decision models over HTTP.
+//!
+//! Requests from all connections go to one bounded queue in front of one model worker per
+//! device ([`scheduler`]); a worker forms batches by a token budget and a short wait and runs
+//! each as one call of [`kev::DecisionModel::probs_prefixed`]: records whose state's prefix is in
+//! the device's [`kev::PrefixCache`] run their branches only, the others their state and
+//! branches, and the new prefixes are kept for the next requests. [`server`] is the HTTP side
+//! (axum): `POST /v1/score`, `GET /health`, `/ready`, `/metrics`, `/v1/model`.
+
+pub mod config;
+pub mod metrics;
+pub mod scheduler;
+pub mod server;
+
+pub use config::Config;
+pub use server::{Server, StartError};

@@ -1,0 +1,346 @@
+//! One bounded queue in front of one model worker per device; batches formed by a token budget
+//! and a short wait.
+//!
+//! A worker takes the oldest request, then every request already queued (and, for up to
+//! `max_wait`, those that arrive) while the batch stays within `max_batch_tokens`. A batch's
+//! tokens are what the model will run, padding included: its distinct uncached states padded to
+//! the longest, plus all its branch rows padded to the longest. The batch then runs as one call of
+//! [`DecisionModel::probs_prefixed`] (cold states once, then every branch continuing its prefix)
+//! and the new prefixes go to the device's [`PrefixCache`]. Requests whose client has gone are
+//! dropped before they run.
+
+use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
+use kev::{DecisionModel, EncodedRecord, Prefix, PrefixCache};
+use tokio::sync::oneshot;
+
+use crate::metrics::Metrics;
+
+/// Probabilities per record and question, or the library's message.
+pub type Reply = std::result::Result<Vec<Vec<Vec<f32>>>, String>;
+
+/// One request's records, waiting for a worker.
+pub struct Job {
+    records: Vec<EncodedRecord>,
+    reply: oneshot::Sender<Reply>,
+    queued: Instant,
+}
+
+impl Job {
+    /// A job and the receiver of its reply.
+    pub fn new(records: Vec<EncodedRecord>) -> (Self, oneshot::Receiver<Reply>) {
+        let (reply, rx) = oneshot::channel();
+        let job = Self {
+            records,
+            reply,
+            queued: Instant::now(),
+        };
+        (job, rx)
+    }
+}
+
+/// Why a job was not queued.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The queue is full.
+    #[error("the queue is full ({0} requests waiting)")]
+    Full(usize),
+    /// The workers have stopped.
+    #[error("the server is shutting down")]
+    Closed,
+}
+
+/// How workers form batches.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchPolicy {
+    /// A batch takes no request that would bring it over this many tokens (a first request
+    /// larger than it runs alone).
+    pub max_batch_tokens: usize,
+    /// How long to wait for more requests when the queue is empty and the batch is not full.
+    pub max_wait: Duration,
+}
+
+/// A model and the prefix cache of its device, shared by that device's workers.
+#[derive(Clone)]
+pub struct DeviceModel {
+    /// The model.
+    pub model: Arc<DecisionModel>,
+    /// Its device's prefix cache (none: states always run).
+    pub cache: Option<Arc<PrefixCache>>,
+}
+
+/// The queue and its workers.
+pub struct Scheduler {
+    tx: Option<Sender<Job>>,
+    capacity: usize,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Scheduler {
+    /// Starts one worker thread per entry of `devices` (entries may share a model) behind a
+    /// queue of `capacity` requests.
+    pub fn start(
+        devices: Vec<DeviceModel>,
+        capacity: usize,
+        policy: BatchPolicy,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Self> {
+        let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
+        let mut workers = Vec::with_capacity(devices.len());
+        for (i, device) in devices.into_iter().enumerate() {
+            let worker = Worker {
+                device,
+                rx: rx.clone(),
+                policy,
+                metrics: Arc::clone(&metrics),
+                carry: None,
+            };
+            workers.push(
+                std::thread::Builder::new()
+                    .name(format!("kev-worker-{i}"))
+                    .spawn(move || worker.run())?,
+            );
+        }
+        Ok(Self {
+            tx: Some(tx),
+            capacity: capacity.max(1),
+            workers,
+        })
+    }
+
+    /// Queues `job`, or says why not (never waits).
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        let tx = self.tx.as_ref().ok_or(SubmitError::Closed)?;
+        tx.try_send(job).map_err(|e| match e {
+            TrySendError::Full(_) => SubmitError::Full(self.capacity),
+            TrySendError::Disconnected(_) => SubmitError::Closed,
+        })
+    }
+
+    /// Requests waiting now.
+    pub fn queued(&self) -> usize {
+        self.tx.as_ref().map_or(0, Sender::len)
+    }
+
+    /// Takes no more jobs, lets the workers finish the queued ones, and waits for them.
+    pub fn shutdown(&mut self) {
+        self.tx = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// What a batch runs, as the model pads it: its distinct cold states as one right-padded block,
+/// all its branch rows as another. Padding is computed, so a long record joining short ones
+/// costs its length times theirs.
+#[derive(Default)]
+struct Shape {
+    cold: HashSet<Vec<u32>>,
+    state_max: usize,
+    rows: usize,
+    row_max: usize,
+}
+
+impl Shape {
+    fn tokens(&self) -> usize {
+        self.cold.len() * self.state_max + self.rows * self.row_max
+    }
+}
+
+/// A job taken from the queue, with the prefixes found for its records.
+struct Taken {
+    job: Job,
+    prefixes: Vec<Option<Arc<Prefix>>>,
+}
+
+struct Worker {
+    device: DeviceModel,
+    rx: Receiver<Job>,
+    policy: BatchPolicy,
+    metrics: Arc<Metrics>,
+    /// A job taken that did not fit the last batch: the first of the next.
+    carry: Option<Job>,
+}
+
+impl Worker {
+    fn run(mut self) {
+        while let Some(batch) = self.next_batch() {
+            self.execute(batch);
+        }
+    }
+
+    /// The next batch, or none once the queue is closed and empty.
+    fn next_batch(&mut self) -> Option<Vec<Taken>> {
+        loop {
+            let batch = self.gather()?;
+            // Empty when every job taken had lost its client: wait for the next.
+            if !batch.is_empty() {
+                return Some(batch);
+            }
+        }
+    }
+
+    /// Jobs for one batch (none once the queue is closed and empty).
+    fn gather(&mut self) -> Option<Vec<Taken>> {
+        let first = match self.carry.take() {
+            Some(job) => job,
+            None => self.rx.recv().ok()?,
+        };
+        let mut shape = Shape::default();
+        let mut batch = Vec::new();
+        batch.extend(self.take(first, &mut shape));
+        let deadline = Instant::now() + self.policy.max_wait;
+        while shape.tokens() < self.policy.max_batch_tokens {
+            let job = match self.rx.try_recv() {
+                Ok(job) => job,
+                Err(_) if self.policy.max_wait.is_zero() => break,
+                Err(_) => match self.rx.recv_deadline(deadline) {
+                    Ok(job) => job,
+                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                },
+            };
+            if self.tokens_with(&shape, &job) > self.policy.max_batch_tokens {
+                self.carry = Some(job);
+                break;
+            }
+            batch.extend(self.take(job, &mut shape));
+        }
+        Some(batch)
+    }
+
+    /// The padded tokens of `shape` with `job` added (no lookups counted).
+    fn tokens_with(&self, shape: &Shape, job: &Job) -> usize {
+        let mut new: HashSet<&[u32]> = HashSet::new();
+        let (mut state_max, mut rows, mut row_max) = (shape.state_max, shape.rows, shape.row_max);
+        for r in &job.records {
+            let ids = r.state_ids();
+            let warm = shape.cold.contains(ids)
+                || self.device.cache.as_ref().is_some_and(|c| c.contains(ids));
+            if !warm && new.insert(ids) {
+                state_max = state_max.max(ids.len());
+            }
+            rows += r.questions();
+            row_max = row_max.max(r.longest_branch());
+        }
+        (shape.cold.len() + new.len()) * state_max + rows * row_max
+    }
+
+    /// Looks `job`'s states up and adds it to `shape`; none if its client has gone.
+    fn take(&self, job: Job, shape: &mut Shape) -> Option<Taken> {
+        if job.reply.is_closed() {
+            self.metrics.abandoned.inc();
+            return None;
+        }
+        self.metrics
+            .queue_wait
+            .observe(job.queued.elapsed().as_secs_f64());
+        let prefixes = job
+            .records
+            .iter()
+            .map(|r| {
+                let ids = r.state_ids();
+                let found = if shape.cold.contains(ids) {
+                    None
+                } else {
+                    self.device.cache.as_ref().and_then(|c| c.get(ids))
+                };
+                if found.is_none() && shape.cold.insert(ids.to_vec()) {
+                    shape.state_max = shape.state_max.max(ids.len());
+                }
+                shape.rows += r.questions();
+                shape.row_max = shape.row_max.max(r.longest_branch());
+                found
+            })
+            .collect();
+        Some(Taken { job, prefixes })
+    }
+
+    fn execute(&self, batch: Vec<Taken>) {
+        if batch.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let model = &self.device.model;
+        let records: Vec<EncodedRecord> = batch
+            .iter()
+            .flat_map(|t| t.job.records.iter().cloned())
+            .collect();
+        let prefixes: Vec<Option<Arc<Prefix>>> =
+            batch.iter().flat_map(|t| t.prefixes.clone()).collect();
+        let tokens: usize = records
+            .iter()
+            .zip(&prefixes)
+            .map(|(r, p)| {
+                if p.is_some() {
+                    r.branch_tokens()
+                } else {
+                    r.tokens()
+                }
+            })
+            .sum();
+        let run = || -> kev::Result<Vec<Vec<Vec<f32>>>> {
+            match &self.device.cache {
+                // No cache: the one-pass batch (as `probs_batch`), no prefixes kept.
+                None => model.probs_encoded(&records),
+                Some(cache) => {
+                    let scored = model.probs_prefixed(&records, &prefixes)?;
+                    Ok(scored
+                        .into_iter()
+                        .map(|s| {
+                            if !s.reused {
+                                cache.insert(s.prefix);
+                            }
+                            s.probs
+                        })
+                        .collect())
+                }
+            }
+        };
+        let result = match std::panic::catch_unwind(AssertUnwindSafe(run)) {
+            Ok(Ok(probs)) => Ok(probs),
+            Ok(Err(e)) => {
+                let mut message = e.to_string();
+                let mut source = std::error::Error::source(&e);
+                while let Some(s) = source {
+                    message = format!("{message}: {s}");
+                    source = s.source();
+                }
+                Err(message)
+            }
+            Err(_) => Err("the model worker panicked on this batch".to_string()),
+        };
+        self.metrics.observe_batch(
+            batch.len(),
+            records.len(),
+            tokens,
+            started.elapsed().as_secs_f64(),
+        );
+        match result {
+            Ok(probs) => {
+                let mut probs = probs.into_iter();
+                for t in batch {
+                    let mine: Vec<_> = probs.by_ref().take(t.job.records.len()).collect();
+                    let _ = t.job.reply.send(Ok(mine));
+                }
+            }
+            Err(message) => {
+                tracing::error!(%message, records = records.len(), "batch failed");
+                for t in batch {
+                    let _ = t.job.reply.send(Err(message.clone()));
+                }
+            }
+        }
+    }
+}

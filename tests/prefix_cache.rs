@@ -1,0 +1,168 @@
+//! `DecisionModel::probs_prefixed` (records with and without cached prefixes in one batch) and
+//! `PrefixCache`, against scoring one by one (f32, CPU).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kev::{Backend, DecisionModel, Error, LoadOptions, PrefixCache, Record};
+
+const TOL: f32 = 1e-5;
+
+fn model() -> DecisionModel {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kev-small");
+    DecisionModel::load(dir, &LoadOptions::default().with_backend(Backend::Cpu)).unwrap()
+}
+
+fn records() -> Vec<Record> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/records.jsonl");
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| Record::from_json_str(l, None).unwrap())
+        .collect()
+}
+
+fn max_delta(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            assert_eq!(x.len(), y.len());
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn mixed_cold_and_cached_equals_one_by_one() {
+    let model = model();
+    let recs = records();
+    let want: Vec<_> = recs.iter().map(|r| model.probs(r).unwrap()).collect();
+    let enc: Vec<_> = recs
+        .iter()
+        .map(|r| model.encode_record(r).unwrap())
+        .collect();
+
+    // All cold: every distinct state runs once, records with equal states share one prefix.
+    let cold = model.probs_prefixed(&enc, &vec![None; enc.len()]).unwrap();
+    let mut worst = 0f32;
+    for (i, s) in cold.iter().enumerate() {
+        assert!(!s.reused);
+        worst = worst.max(max_delta(&s.probs, &want[i]));
+        for (j, t) in cold.iter().enumerate() {
+            if enc[i].state_ids() == enc[j].state_ids() {
+                assert!(Arc::ptr_eq(&s.prefix, &t.prefix), "records {i}, {j}");
+            }
+        }
+    }
+    // Each alone on its prefix from the batch, and all of them on their prefixes together.
+    for (i, s) in cold.iter().enumerate() {
+        let one = model
+            .probs_prefixed(&enc[i..=i], &[Some(Arc::clone(&s.prefix))])
+            .unwrap();
+        assert!(one[0].reused);
+        worst = worst.max(max_delta(&one[0].probs, &want[i]));
+    }
+    let all: Vec<_> = cold.iter().map(|s| Some(Arc::clone(&s.prefix))).collect();
+    for (i, s) in model.probs_prefixed(&enc, &all).unwrap().iter().enumerate() {
+        worst = worst.max(max_delta(&s.probs, &want[i]));
+    }
+    // Every other record continues a prefix (half from the batch above, half made one by one),
+    // the rest run cold, records repeated and out of order.
+    let order: Vec<usize> = (0..recs.len()).rev().chain(0..recs.len()).collect();
+    let batch: Vec<_> = order.iter().map(|&i| enc[i].clone()).collect();
+    let prefixes: Vec<_> = order
+        .iter()
+        .enumerate()
+        .map(|(k, &i)| match k % 4 {
+            0 => Some(Arc::clone(&cold[i].prefix)),
+            1 => Some(Arc::new(model.probs_and_prefix(&recs[i]).unwrap().1)),
+            _ => None,
+        })
+        .collect();
+    let mixed = model.probs_prefixed(&batch, &prefixes).unwrap();
+    for (k, (&i, s)) in order.iter().zip(&mixed).enumerate() {
+        assert_eq!(s.reused, prefixes[k].is_some());
+        worst = worst.max(max_delta(&s.probs, &want[i]));
+        // A returned prefix serves the record again.
+        let again = model.probs_with_prefix(&recs[i], &s.prefix).unwrap();
+        worst = worst.max(max_delta(&again, &want[i]));
+    }
+    println!("probs_prefixed vs probs one by one: max|Δp| {worst:.2e}");
+    assert!(worst <= TOL, "{worst:e}");
+}
+
+#[test]
+fn wrong_prefix_is_an_error() {
+    let model = model();
+    let recs = records();
+    let a = model.encode_record(&recs[0]).unwrap();
+    let b = model.encode_record(&recs[1]).unwrap();
+    assert_ne!(a.state_ids(), b.state_ids());
+    let (_, prefix) = model.probs_and_prefix(&recs[1]).unwrap();
+    let err = model
+        .probs_prefixed(std::slice::from_ref(&a), &[Some(Arc::new(prefix))])
+        .err()
+        .unwrap();
+    assert!(matches!(err, Error::Prefix { .. }), "{err}");
+    let err = model.probs_prefixed(&[a], &[]).err().unwrap();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert!(model.probs_prefixed(&[], &[]).unwrap().is_empty());
+}
+
+#[test]
+fn cache_reuses_and_evicts_within_its_budget() {
+    let model = model();
+    let recs = records();
+    let want = model.probs_batch(&recs).unwrap();
+    let sizes: Vec<usize> = recs
+        .iter()
+        .map(|r| model.probs_and_prefix(r).unwrap().1.bytes())
+        .collect();
+    assert!(sizes.iter().all(|&b| b > 0));
+    // Longer states hold more keys.
+    let len = |r: &Record| model.encode_record(r).unwrap().state_ids().len();
+    for (i, a) in recs.iter().enumerate() {
+        for (j, b) in recs.iter().enumerate() {
+            if len(a) < len(b) {
+                assert!(sizes[i] < sizes[j], "{i} {j}");
+            }
+        }
+    }
+
+    let roomy = PrefixCache::new(1 << 30);
+    let first = model.probs_cached(&recs, &roomy).unwrap();
+    let second = model.probs_cached(&recs, &roomy).unwrap();
+    let stats = roomy.stats();
+    assert_eq!(stats.misses as usize, recs.len());
+    assert_eq!(stats.hits as usize, recs.len());
+    assert_eq!(stats.evictions, 0);
+    let distinct: std::collections::HashSet<Vec<u32>> = recs
+        .iter()
+        .map(|r| model.encode_record(r).unwrap().state_ids().to_vec())
+        .collect();
+    assert_eq!(stats.entries, distinct.len());
+    for (w, (a, b)) in want.iter().zip(first.iter().zip(&second)) {
+        assert!(max_delta(w, a) <= TOL && max_delta(w, b) <= TOL);
+    }
+
+    // Room for about two prefixes: entries go, bytes stay within the budget, answers stay equal.
+    let budget = sizes.iter().max().unwrap() * 2 + 1;
+    let tight = PrefixCache::new(budget);
+    for _ in 0..3 {
+        let got = model.probs_cached(&recs, &tight).unwrap();
+        for (w, g) in want.iter().zip(&got) {
+            assert!(max_delta(w, g) <= TOL);
+        }
+        let s = tight.stats();
+        assert!(s.bytes <= budget, "{s:?}");
+    }
+    assert!(tight.stats().evictions > 0);
+
+    // Nothing fits: nothing kept, every lookup a miss.
+    let none = PrefixCache::new(0);
+    model.probs_cached(&recs, &none).unwrap();
+    let s = none.stats();
+    assert_eq!((s.entries, s.bytes, s.hits), (0, 0, 0));
+    assert_eq!(s.rejected as usize, recs.len());
+}
