@@ -494,7 +494,10 @@ fn adapter_value() -> impl Strategy<Value = Value> {
             v["rank_pattern"] = json!(ranks);
             v["alpha_pattern"] = json!(alphas);
             v["use_rslora"] = json!(rslora);
-            if let Some(t) = tokens {
+            if let Some(mut t) = tokens {
+                // A valid config lists each trained token once (a repeat is refused).
+                t.sort_unstable();
+                t.dedup();
                 v["trainable_token_indices"] = json!({"embed_tokens": t});
             }
             v

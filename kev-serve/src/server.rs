@@ -12,8 +12,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use kev::score::RecordOut;
 use kev::{Backend, DecisionModel, EncodedRecord, LoadOptions, PrefixCache, Record};
-use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
@@ -354,44 +354,6 @@ async fn score(State(app): State<Arc<App>>, req: Request) -> Response {
     response
 }
 
-/// One record as `score` prints it.
-#[derive(Serialize)]
-struct RecordOut<'a> {
-    id: Option<&'a str>,
-    questions: Vec<QuestionOut<'a>>,
-}
-
-#[derive(Serialize)]
-struct QuestionOut<'a> {
-    id: Option<&'a str>,
-    probs: &'a [f32],
-    argmax: usize,
-    option: &'a str,
-}
-
-fn record_out<'a>(record: &'a Record, probs: &'a [Vec<f32>]) -> RecordOut<'a> {
-    RecordOut {
-        id: record.id.as_deref(),
-        questions: record
-            .questions
-            .iter()
-            .zip(probs)
-            .map(|(q, p)| {
-                let argmax = p
-                    .iter()
-                    .enumerate()
-                    .fold(0, |best, (i, x)| if *x > p[best] { i } else { best });
-                QuestionOut {
-                    id: q.id.as_deref(),
-                    probs: p,
-                    argmax,
-                    option: &q.options[argmax],
-                }
-            })
-            .collect(),
-    }
-}
-
 async fn score_inner(app: &App, req: Request) -> Response {
     let Some(engine) = app.engine.get() else {
         return error(
@@ -440,7 +402,7 @@ async fn score_inner(app: &App, req: Request) -> Response {
     let outs: Vec<RecordOut<'_>> = records
         .iter()
         .zip(&probs)
-        .map(|(r, p)| record_out(r, p))
+        .map(|(r, p)| RecordOut::new(r, p))
         .collect();
     if batched {
         Json(json!({ "records": outs })).into_response()

@@ -146,18 +146,51 @@ impl Metrics {
     }
 }
 
-#[derive(Serialize)]
-struct QuestionOut<'a> {
-    id: Option<&'a str>,
-    probs: &'a [f32],
-    argmax: usize,
-    option: &'a str,
+/// One question of an output line.
+#[derive(Debug, Serialize)]
+pub struct QuestionOut<'a> {
+    /// The question's id.
+    pub id: Option<&'a str>,
+    /// Its probabilities, in option order.
+    pub probs: &'a [f32],
+    /// The first index of the largest probability.
+    pub argmax: usize,
+    /// The option at `argmax`.
+    pub option: &'a str,
 }
 
-#[derive(Serialize)]
-struct RecordOut<'a> {
-    id: Option<&'a str>,
-    questions: Vec<QuestionOut<'a>>,
+/// One output line, as `score` writes it and `kev-serve` answers it:
+/// `{"id":…,"questions":[{"id":…,"probs":[…],"argmax":…,"option":…}]}`.
+#[derive(Debug, Serialize)]
+pub struct RecordOut<'a> {
+    /// The record's id.
+    pub id: Option<&'a str>,
+    /// Its questions, in order.
+    pub questions: Vec<QuestionOut<'a>>,
+}
+
+impl<'a> RecordOut<'a> {
+    /// The output of `record` scored as `probs` (one distribution per question, each as long as
+    /// its options; [`format_record`] checks that first).
+    pub fn new(record: &'a Record, probs: &'a [Vec<f32>]) -> Self {
+        RecordOut {
+            id: record.id.as_deref(),
+            questions: record
+                .questions
+                .iter()
+                .zip(probs)
+                .map(|(q, p)| {
+                    let argmax = argmax(p);
+                    QuestionOut {
+                        id: q.id.as_deref(),
+                        probs: p,
+                        argmax,
+                        option: &q.options[argmax],
+                    }
+                })
+                .collect(),
+        }
+    }
 }
 
 /// The output line of `record` (from input line `line`) scored as `probs`:
@@ -200,21 +233,10 @@ pub fn format_record(
             });
         }
     }
-    let mut questions = Vec::with_capacity(record.questions.len());
-    for (q, p) in record.questions.iter().zip(probs) {
-        let argmax = argmax(p);
-        metrics.add(q.answer, p, argmax);
-        questions.push(QuestionOut {
-            id: q.id.as_deref(),
-            probs: p,
-            argmax,
-            option: &q.options[argmax],
-        });
+    let out = RecordOut::new(record, probs);
+    for (q, o) in record.questions.iter().zip(&out.questions) {
+        metrics.add(q.answer, o.probs, o.argmax);
     }
-    let out = RecordOut {
-        id: record.id.as_deref(),
-        questions,
-    };
     Ok(serde_json::to_string(&out).expect("strings and finite numbers always serialize"))
 }
 

@@ -319,7 +319,10 @@ fn graph_replays_equal_eager_batches() {
     eprintln!("graphs: {stats:?}, max |Δp| vs eager {worst:e}");
     if graphs.device().is_cuda() {
         assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
-        assert_eq!((stats.captured, stats.replayed), (1, 2));
+        // One graph per group of similar state lengths (`probs_batch` groups a batch by them),
+        // each captured once and replayed for both later batches.
+        assert!(stats.captured >= 1, "{stats:?}");
+        assert_eq!(stats.replayed, 2 * stats.captured, "{stats:?}");
     } else {
         assert_eq!(stats, kev::GraphStats::default());
     }
@@ -404,13 +407,17 @@ fn chunked_state_equals_whole_state() {
 
 /// On CUDA, a device allocation that fails is an error the caller can recover from, not an
 /// abort: with the GPU's memory taken by other tensors, a large batch fails with an error; once
-/// the memory is free again, the same model scores the batch exactly as before.
+/// the memory is free again, the same model scores the batch exactly as before (eager forwards).
+/// On the H200 this fails today: the failed batch is an error, not an abort, but afterwards the
+/// same batch differs by about 5e-7 and other models' forwards fail with
+/// `CUDA_ERROR_INVALID_VALUE`, so some device state is left broken by the failed allocation.
 #[cfg(feature = "cuda")]
 #[test]
 fn out_of_device_memory_is_a_recoverable_error() {
     let opts = LoadOptions::default()
         .with_dtype(DType::F32)
-        .with_backend(kev::Backend::Cuda(0));
+        .with_backend(kev::Backend::Cuda(0))
+        .with_cuda_graphs(false);
     let model = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
     let batch: Vec<Record> = (0..50).flat_map(|_| records()).collect();
     let want = model.probs_batch(&batch).unwrap();
