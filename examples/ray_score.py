@@ -37,7 +37,7 @@ from ray.data.datasource import FileBasedDatasource
 ROOT = Path(__file__).resolve().parents[1]
 
 #: What Rust's `str::trim` removes (Unicode White_Space): a line of only these is blank, and is
-#: skipped as the Rust reader skips it (Python's `str.strip` also strips \x1c-\x1f).
+#: an error for its line as the Rust reader makes it (Python's `str.strip` also strips \x1c-\x1f).
 WHITESPACE = (
     "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
     "\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
@@ -52,10 +52,10 @@ def is_blank(raw: bytes) -> bool:
 
 
 class JsonlLines(FileBasedDatasource):
-    """Each non-blank line of JSONL files, with its 1-based line number in its file.
+    """Each line of JSONL files, with its 1-based line number in its file.
 
-    The numbering is the Rust reader's (`kev::JsonlRecords`): every line counts, blank ones are
-    skipped, a UTF-8 byte order mark at the start of a file is ignored. Lines stay bytes, so
+    The numbering is the Rust reader's (`kev::JsonlRecords`): every line is a record or an error
+    for that line (blank ones too), a UTF-8 byte order mark at the start of a file is ignored. Lines stay bytes, so
     one that is not UTF-8 reaches the model, which reports it as the Rust reader does.
     Blocks hold `records_per_block` lines each (the last of a file fewer).
     """
@@ -89,10 +89,9 @@ class JsonlLines(FileBasedDatasource):
             number += 1
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
-            if not is_blank(raw):
-                paths.append(path)
-                numbers.append(number)
-                texts.append(raw)
+            paths.append(path)
+            numbers.append(number)
+            texts.append(raw)
 
         while True:
             chunk = f.read(1 << 20)
@@ -149,6 +148,12 @@ class Scorer:
         invalid = np.zeros(n, dtype=bool)
         valid: List[int] = []
         for i, (text, line) in enumerate(zip(batch["text"], batch["line"])):
+            if is_blank(text):
+                message = f"record at line {int(line)}: blank line: every line must be a record"
+                error = {"id": None, "error": message, "error_type": "RecordError"}
+                out[i] = self.line(batch, i, error)
+                invalid[i] = True
+                continue
             try:
                 # Checked with its line, so that an error names it as `score` does.
                 self.model.encode(text, line=int(line))

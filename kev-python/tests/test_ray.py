@@ -74,12 +74,12 @@ def test_ray_accounts_for_every_record(tmp_path, score_bin):
     mine = [r for r in ours if r["path"].endswith("mixed.jsonl")]
     rest = [r for r in ours if r["path"].endswith("records.jsonl")]
     assert len(mine) + len(rest) == len(ours)
-    # Every non-blank line, in order: 1, 3, 4, 6, 7, 8, 9, 10 (not UTF-8), 11.
-    assert [r["line"] for r in mine] == [1, 3, 4, 6, 7, 8, 9, 10, 11]
+    # Every line, in order, blank ones (2, 5) and the one not UTF-8 (10) as errors.
+    assert [r["line"] for r in mine] == list(range(1, 12))
     errors = [r for r in mine if "error" in r]
-    assert [r["error"] for r in errors] == skipped and len(skipped) == 4
-    assert [r["error_type"] for r in errors] == ["RecordError"] * 4
-    assert [r["id"] for r in errors] == ["bad1", None, "bad2", None]
+    assert [r["error"] for r in errors] == skipped and len(skipped) == 6
+    assert [r["error_type"] for r in errors] == ["RecordError"] * 6
+    assert [r["id"] for r in errors] == [None, "bad1", None, None, "bad2", None]
     assert [r["line"] for r in rest] == list(range(1, len(want_all) + 1))
     for got, want in [(mine, scored), (rest, want_all)]:
         got = [r for r in got if "error" not in r]
