@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the CUDA binaries (the parity test binary and the bench example) on a machine without a
+# Builds the CUDA binaries (the parity test binary, the bench example and kev-serve's load generator) on a machine without a
 # GPU and packs them into .gpu/ (ignored by git) for a CUDA 13.0 machine:
 #
 #   CUDA_ROOT=/some/dir scripts/cuda-env.sh install     # once
@@ -14,6 +14,7 @@ target="${KEV_CUDA_TARGET:-target-cuda}"
 jobs="${CARGO_BUILD_JOBS:-2}"
 cargo build --release --features cuda --target-dir "$target" -j "$jobs" --example bench
 cargo build --release --features cuda --target-dir "$target" -j "$jobs" -p kev-kernels --example gdr_bench
+cargo build --release --features cuda --target-dir "$target" -j "$jobs" -p kev-serve --example loadgen
 parity=$(cargo test --release --features cuda --target-dir "$target" -j "$jobs" --test parity --no-run \
   --message-format=json 2>/dev/null | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n1 || true)
 if [ -z "$parity" ]; then
@@ -22,7 +23,8 @@ if [ -z "$parity" ]; then
   exit 1
 fi
 mkdir -p .gpu
-for bin in "$parity:parity" "$target/release/examples/bench:bench" "$target/release/examples/gdr_bench:gdr_bench"; do
+for bin in "$parity:parity" "$target/release/examples/bench:bench" "$target/release/examples/gdr_bench:gdr_bench" \
+  "$target/release/examples/loadgen:loadgen"; do
   src=${bin%%:*} name=${bin##*:}
   strip -o ".gpu/$name" "$src"
   xz -T2 -6 -f ".gpu/$name"          # the GPU machine takes at most 64 MiB per call

@@ -15,7 +15,7 @@ use kev_core::{Checkpoint, Encoder, Encoding, Error, LoadOptions, Record, Result
 use kev_kernels::{RowIndex, SplitRows};
 use rayon::prelude::*;
 
-use crate::device::{select_device, select_dtype, settle};
+use crate::device::{recovered, select_device, select_dtype, settle};
 use crate::head::{softmax, PointerHead};
 use crate::lora::Adapter;
 use crate::qwen35::{Cache, Config, Model, Split};
@@ -288,11 +288,12 @@ impl DecisionModel {
     fn logits_per_record(&self, plan: Plan) -> Result<Vec<Vec<Vec<f32>>>> {
         #[cfg(feature = "cuda")]
         let flat = match (&self.graphs, self.device()) {
-            (Some(graphs), Device::Cuda(dev)) => graphs.logits(self, &plan, dev)?,
-            _ => self.plan_logits_eager(&plan)?,
+            (Some(graphs), Device::Cuda(dev)) => graphs.logits(self, &plan, dev),
+            _ => self.plan_logits_eager(&plan),
         };
         #[cfg(not(feature = "cuda"))]
-        let flat = self.plan_logits_eager(&plan)?;
+        let flat = self.plan_logits_eager(&plan);
+        let flat = recovered(self.device(), flat)?;
         let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); plan.records];
         for (owner, l) in plan.owners.iter().zip(split_logits(&flat, &plan.rows)) {
             out[*owner].push(l);
@@ -403,7 +404,8 @@ impl DecisionModel {
     /// Slower; this is the reference the prefix form is checked against.
     pub fn forward_rows(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
         let (state, rows) = self.encode(record)?.rows();
-        rows.iter()
+        let logits = rows
+            .iter()
             .map(|row| {
                 let ids: Vec<u32> = state.iter().chain(&row.ids).copied().collect();
                 let mut cache = self.model.new_cache(1).map_err(backend_err("row form"))?;
@@ -415,7 +417,8 @@ impl DecisionModel {
                 };
                 Ok(self.read_head(&hidden, &[shifted])?.remove(0))
             })
-            .collect()
+            .collect();
+        recovered(self.device(), logits)
     }
 
     /// Probabilities per question (prefix form).
@@ -444,7 +447,11 @@ impl DecisionModel {
     /// Runs already-encoded state ids into a prefix.
     fn prefix_of(&self, state: &str, state_ids: Vec<u32>) -> Result<Prefix> {
         let pieces = self.pieces(std::slice::from_ref(&state_ids));
-        let cache = self.state_cache(1, &pieces, &self.upload_all(&pieces)?)?;
+        let cache = recovered(
+            self.device(),
+            self.upload_all(&pieces)
+                .and_then(|ids| self.state_cache(1, &pieces, &ids)),
+        )?;
         Ok(Prefix {
             state: state.to_string(),
             state_ids,
@@ -527,9 +534,11 @@ impl DecisionModel {
         let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
         let pieces = self.pieces(&ids);
         let owners = vec![0; rows.len()];
-        let logits =
-            self.branch_logits(cache, &owners, &pieces, &self.upload_all(&pieces)?, rows)?;
-        read_per_row(&logits, rows)
+        let logits = self
+            .upload_all(&pieces)
+            .and_then(|ids| self.branch_logits(cache, &owners, &pieces, &ids, rows))
+            .and_then(|logits| read_per_row(&logits, rows));
+        recovered(self.device(), logits)
     }
 
     /// Right-pads `seqs` into `[B, T]` and cuts it into pieces of at most `prefill_chunk` steps.

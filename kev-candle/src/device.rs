@@ -59,6 +59,21 @@ fn single_stream(dev: &Device) {
     let _ = dev;
 }
 
+/// `result`, after handing the device pool's free memory back to the driver where it is a
+/// backend error on CUDA ([`kev_kernels::release_device_memory`]): a forward that ran out of
+/// device memory leaves its freed intermediates in the pool, where only stream-ordered
+/// allocations can use them, and the model must stay usable after the error.
+pub(crate) fn recovered<T>(dev: &Device, result: Result<T>) -> Result<T> {
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(d), Err(Error::Backend { .. })) = (dev, &result) {
+        // Best effort: the forward's own error is the one to report.
+        let _ = kev_kernels::release_device_memory(d);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = dev;
+    result
+}
+
 /// Waits until everything issued on `dev` so far has completed. candle's CUDA device issues
 /// work on the calling thread's per-thread stream, so weights uploaded while loading on one
 /// thread have no ordering with a forward started on another: the load ends with a context-wide

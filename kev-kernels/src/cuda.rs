@@ -148,6 +148,30 @@ pub fn keep_device_memory(dev: &CudaDevice) -> Result<()> {
     }
 }
 
+/// Hands the memory kept in the device's default pool ([`keep_device_memory`]) back to the
+/// driver once the stream's work is done. Memory kept there serves only stream-ordered
+/// allocations: after a forward ran out of memory, its freed intermediates held in the pool would
+/// starve everything that allocates from the driver directly (cuBLAS's workspaces, module loads,
+/// another library in the process), so a failed forward ends with this.
+pub fn release_device_memory(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    dev.cuda_stream().synchronize().w()?;
+    let cu_dev = dev.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: plain driver calls on a valid device handle, with a pointer to a local that
+    // outlives them; trimming only returns memory no allocation holds.
+    let code = unsafe {
+        match sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev) {
+            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolTrimTo(pool, 0),
+            other => other,
+        }
+    };
+    match code {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        other => bail!("handing the device memory pool's free memory back: {other:?}"),
+    }
+}
+
 /// What the launch choices need to know of the GPU. Asked once per process, by the first device,
 /// like the PTX target of each source (`Source::ptx`): a process mixing GPU kinds is not
 /// supported.

@@ -78,7 +78,7 @@ pub use causal_conv1d::{
 };
 pub use chunked::{gated_delta_rule_chunked, CHUNK};
 #[cfg(feature = "cuda")]
-pub use cuda::{keep_device_memory, pool_peak_bytes, profiler_range};
+pub use cuda::{keep_device_memory, pool_peak_bytes, profiler_range, release_device_memory};
 pub use flash_attn::{flash_attention, flash_attention_fills_gpu, FlashPast, FLASH_HEAD_DIM};
 pub use gated_delta_rule::{
     conv_gated_delta_rule_split, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent,

@@ -15,6 +15,7 @@ use candle_core::Tensor;
 use kev_core::{Error, Record, Result, Row};
 
 use super::{backend_err, read_per_row, DecisionModel, Prefix};
+use crate::device::recovered;
 use crate::head::softmax;
 use crate::qwen35::{Cache, LayerCache};
 
@@ -142,6 +143,15 @@ impl DecisionModel {
         if records.is_empty() {
             return Ok(Vec::new());
         }
+        recovered(self.device(), self.run_prefixed(records, prefixes))
+    }
+
+    /// [`DecisionModel::probs_prefixed`] past its argument checks.
+    fn run_prefixed(
+        &self,
+        records: &[EncodedRecord],
+        prefixes: &[Option<Arc<Prefix>>],
+    ) -> Result<Vec<Prefixed>> {
         // Where each record's prefix comes from: a row of the cold states' pass, or a given one.
         let mut cold: Vec<&[u32]> = Vec::new();
         let mut cold_at: HashMap<&[u32], usize> = HashMap::new();
