@@ -4,6 +4,12 @@
 
     target/py-venv/bin/python bench/python_ray.py [--copies 20] [--checkpoint DIR] [--score BIN]
 
+With `--gpu` (a GPU machine with a CUDA build of the package): the library alone is the
+package's `probs_batch` in this process (bf16 on CUDA), against Ray Data with one actor holding
+the GPU (`--gpus-per-actor 1`), on `--records` repeated `--copies` times:
+
+    python bench/python_ray.py --gpu --checkpoint bench/.cache/kev-0.8b --records FILE --copies 50
+
 The records are tests/fixtures/records.jsonl repeated `--copies` times. Figures:
 - `score`: its own records/s (scoring only, batches of `--batch-size`, default 8);
 - Python, `probs_batch` on batches of that size, one thread; and `probs` one record a call, 1 thread
@@ -31,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "tests/fixtures/records.jsonl"
 
 
-def write_records(path: Path, copies: int) -> int:
-    lines = RECORDS.read_text(encoding="utf-8").splitlines()
+def write_records(path: Path, copies: int, source: Path = RECORDS) -> int:
+    lines = [l for l in source.read_text(encoding="utf-8").splitlines() if l.strip()]
     out = []
     for k in range(copies):
         for line in lines:
@@ -90,18 +96,57 @@ def python_rates(checkpoint: str, records: Path, repeat: int, batch: int) -> dic
     }
 
 
-def ray_run(checkpoint: str, records: Path, actors: int, cpus_per_actor: float, batch: int) -> float:
+def ray_run(checkpoint: str, records: Path, actors: int, cpus_per_actor: float, batch: int,
+            gpu: bool = False) -> float:
+    device = (["--gpus-per-actor", "1", "--backend", "cuda", "--dtype", "bf16", "--num-cpus", "8"]
+              if gpu else ["--backend", "cpu", "--dtype", "f32", "--num-cpus", "2"])
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        subprocess.run(
+        proc = subprocess.run(
             [sys.executable, str(ROOT / "examples/ray_score.py"), "--checkpoint", checkpoint,
-             "--records", str(records), "--out", str(Path(tmp) / "out.jsonl"), "--num-cpus", "2",
-             "--actors", str(actors), "--cpus-per-actor", str(cpus_per_actor),
-             "--backend", "cpu", "--dtype", "f32", "--batch-size", str(batch),
-             "--batches-per-block", str(max(1, 16 // batch))],
-            capture_output=True, text=True, check=True,
+             "--records", str(records), "--out", str(Path(tmp) / "out.jsonl"),
+             "--actors", str(actors), "--cpus-per-actor", str(cpus_per_actor), *device,
+             "--batch-size", str(batch), "--batches-per-block", str(max(1, 16 // batch))],
+            capture_output=True, text=True,
         )
+        if proc.returncode != 0:
+            sys.exit(f"ray_score.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return time.perf_counter() - t
+
+
+def gpu_main(args) -> None:
+    """The package's probs_batch alone against Ray Data with one GPU actor, same records."""
+    import kev
+
+    source = Path(args.records)
+    with tempfile.TemporaryDirectory() as tmp:
+        big, small = Path(tmp) / "big.jsonl", Path(tmp) / "small.jsonl"
+        n_big, n_small = write_records(big, args.copies, source), write_records(small, 1, source)
+        b = args.batch_size
+        model = kev.DecisionModel.load(args.checkpoint, backend="cuda", dtype="bf16")
+        recs = big.read_text(encoding="utf-8").splitlines()
+        model.probs_batch(recs[:b])
+
+        def batches():
+            for i in range(0, len(recs), b):
+                model.probs_batch(recs[i : i + b])
+
+        times = []
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            batches()
+            times.append(time.perf_counter() - t)
+        figures = {"records": n_big, "batch_size": b, "python_probs_batch": n_big / min(times)}
+        del model
+        t_big = min(ray_run(args.checkpoint, big, 1, 1, b, gpu=True) for _ in range(args.repeat))
+        t_small = min(ray_run(args.checkpoint, small, 1, 1, b, gpu=True) for _ in range(args.repeat))
+        figures["ray_1_gpu_actor"] = (n_big - n_small) / (t_big - t_small)
+        figures["ray_1_gpu_actor_whole_run"] = n_big / t_big
+    base = figures["python_probs_batch"]
+    print("| what | records/s | vs the package alone |\n|---|---|---|")
+    for key in ["python_probs_batch", "ray_1_gpu_actor", "ray_1_gpu_actor_whole_run"]:
+        print(f"| {key} | {figures[key]:.2f} | {figures[key] / base:.2f}× |")
+    print(json.dumps(figures))
 
 
 def main() -> None:
@@ -112,7 +157,11 @@ def main() -> None:
     p.add_argument("--score", default=str(Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release/examples/score"))
     p.add_argument("--batch-size", type=int, default=8, help="records per probs_batch call")
     p.add_argument("--no-ray", action="store_true")
+    p.add_argument("--gpu", action="store_true", help="the GPU form (see above)")
+    p.add_argument("--records", default=str(RECORDS), help="records repeated --copies times (--gpu)")
     args = p.parse_args()
+    if args.gpu:
+        return gpu_main(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         big, small = Path(tmp) / "big.jsonl", Path(tmp) / "small.jsonl"

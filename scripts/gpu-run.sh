@@ -5,6 +5,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for f in .gpu/*.xz; do xz -dkf "$f"; done
-chmod +x .gpu/parity .gpu/bench .gpu/gdr_bench 2>/dev/null
+chmod +x .gpu/parity .gpu/bench .gpu/gdr_bench .gpu/loadgen 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 KEV_TEST_BACKEND=cuda .gpu/parity --test-threads 1 --nocapture 2>&1 | grep -vE "^\s*$"

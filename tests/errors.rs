@@ -5,11 +5,9 @@ use std::path::{Path, PathBuf};
 
 use kev::{DecisionModel, Error, LoadOptions, Record};
 
-fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(rel)
-}
+#[path = "fuzz_common/mod.rs"]
+mod common;
+use common::{copy_dir, fixture};
 
 /// A fresh copy of `kev-small` with its base copied alongside, in a unique temp folder.
 fn broken_copy(tag: &str) -> PathBuf {
@@ -18,19 +16,6 @@ fn broken_copy(tag: &str) -> PathBuf {
     copy_dir(&fixture("kev-small"), &root.join("kev-small"));
     copy_dir(&fixture("base-mm"), &root.join("base-mm"));
     root.join("kev-small")
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let dest = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &dest);
-        } else {
-            std::fs::copy(entry.path(), dest).unwrap();
-        }
-    }
 }
 
 fn load_err(dir: &Path) -> Error {

@@ -475,30 +475,33 @@ impl DecisionModel {
             .par_iter()
             .map(|r| self.encode(r).map(|e| e.rows()))
             .collect();
-        let mut encoded: Vec<Option<(Vec<u32>, Vec<Row>)>> = encoded
-            .into_iter()
-            .map(|e| e.map(Some))
-            .collect::<Result<_>>()?;
-        let lengths: Vec<usize> = encoded
-            .iter()
-            .map(|e| e.as_ref().map_or(0, |(state, _)| state.len()))
-            .collect();
-        let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); records.len()];
-        for bucket in length_buckets(&lengths) {
-            let group = bucket
-                .iter()
-                .map(|&i| encoded[i].take().expect("each record is in one bucket"))
-                .collect();
-            for (i, l) in bucket.iter().zip(self.logits_per_record(self.plan(group))?) {
-                logits[*i] = l;
-            }
-        }
+        let encoded = encoded.into_iter().collect::<Result<Vec<_>>>()?;
+        let logits = self.grouped_logits(encoded)?;
         records
             .iter()
             .zip(&logits)
             .enumerate()
             .map(|(i, (record, questions))| probabilities(record, i, questions))
             .collect()
+    }
+
+    /// Logits per record and question of `records` (each a state and its rows), records of
+    /// similar state length run as one plan ([`length_buckets`]).
+    fn grouped_logits(&self, records: Vec<(Vec<u32>, Vec<Row>)>) -> Result<Vec<Vec<Vec<f32>>>> {
+        let lengths: Vec<usize> = records.iter().map(|(state, _)| state.len()).collect();
+        let mut records: Vec<Option<(Vec<u32>, Vec<Row>)>> =
+            records.into_iter().map(Some).collect();
+        let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); records.len()];
+        for bucket in length_buckets(&lengths) {
+            let group = bucket
+                .iter()
+                .map(|&i| records[i].take().expect("each record is in one bucket"))
+                .collect();
+            for (i, l) in bucket.iter().zip(self.logits_per_record(self.plan(group))?) {
+                logits[*i] = l;
+            }
+        }
+        Ok(logits)
     }
 
     fn logits_and_prefix(
@@ -650,6 +653,16 @@ fn length_buckets(lengths: &[usize]) -> Vec<Vec<usize>> {
         real = len;
     }
     buckets
+}
+
+/// The tokens the state passes of states of these `lengths` run, padding included: each group
+/// of [`length_buckets`] padded to its longest. What a batch costs, for callers that budget
+/// batches (a server's batcher).
+pub fn state_pass_tokens(lengths: &[usize]) -> usize {
+    length_buckets(lengths)
+        .iter()
+        .map(|group| group.len() * group.iter().map(|&i| lengths[i]).max().unwrap_or(0))
+        .sum()
 }
 
 /// Refuses logits that are not finite (NaN or infinity from the weights or the activations):

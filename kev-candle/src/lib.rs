@@ -14,7 +14,7 @@ pub mod prefix_cache;
 pub mod qwen35;
 pub mod weights;
 
-pub use decision::{DecisionModel, EncodedRecord, Prefix, Prefixed};
+pub use decision::{state_pass_tokens, DecisionModel, EncodedRecord, Prefix, Prefixed};
 pub use graphs::GraphStats;
 pub use head::PointerHead;
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};

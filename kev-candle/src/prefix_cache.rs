@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kev_core::{Record, Result};
 
-use crate::decision::{DecisionModel, Prefix};
+use crate::decision::{DecisionModel, Prefix, Prefixed};
 
 /// Counters and sizes of a [`PrefixCache`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -137,6 +137,20 @@ impl PrefixCache {
         true
     }
 
+    /// Keeps the prefixes [`DecisionModel::probs_prefixed`] computed (those it did not reuse)
+    /// and returns the probabilities, in order.
+    pub fn keep(&self, scored: Vec<Prefixed>) -> Vec<Vec<Vec<f32>>> {
+        scored
+            .into_iter()
+            .map(|s| {
+                if !s.reused {
+                    self.insert(s.prefix);
+                }
+                s.probs
+            })
+            .collect()
+    }
+
     /// Drops every entry (the counters stay).
     pub fn clear(&self) {
         let mut inner = self.lock();
@@ -176,15 +190,6 @@ impl DecisionModel {
             .map(|r| self.encode_record(r))
             .collect::<Result<Vec<_>>>()?;
         let prefixes: Vec<_> = encoded.iter().map(|e| cache.get(e.state_ids())).collect();
-        let scored = self.probs_prefixed(&encoded, &prefixes)?;
-        Ok(scored
-            .into_iter()
-            .map(|s| {
-                if !s.reused {
-                    cache.insert(s.prefix);
-                }
-                s.probs
-            })
-            .collect())
+        Ok(cache.keep(self.probs_prefixed(&encoded, &prefixes)?))
     }
 }

@@ -3,8 +3,8 @@
 //!
 //! A worker takes the oldest request, then every request already queued (and, for up to
 //! `max_wait`, those that arrive) while the batch stays within `max_batch_tokens`. A batch's
-//! tokens are what the model will run, padding included: its distinct uncached states padded to
-//! the longest, plus all its branch rows padded to the longest. The batch then runs as one call of
+//! tokens are what the model will run, padding included: its distinct uncached states in passes
+//! grouped by length (`kev::state_pass_tokens`), plus all its branch rows padded to the longest. The batch then runs as one call of
 //! [`DecisionModel::probs_prefixed`] (cold states once, then every branch continuing its prefix)
 //! and the new prefixes go to the device's [`PrefixCache`]. Requests whose client has gone are
 //! dropped before they run.
@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
-use kev::{DecisionModel, EncodedRecord, Prefix, PrefixCache};
+use kev::{state_pass_tokens, DecisionModel, EncodedRecord, Prefix, PrefixCache};
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
@@ -142,21 +142,26 @@ impl Drop for Scheduler {
     }
 }
 
-/// What a batch runs, as the model pads it: its distinct cold states as one right-padded block,
-/// all its branch rows as another. Padding is computed, so a long record joining short ones
-/// costs its length times theirs.
+/// What a batch runs, as the model pads it: its distinct cold states in passes grouped by
+/// length ([`state_pass_tokens`]), all its branch rows as one right-padded block. Padding is
+/// counted, so a long branch joining short ones costs its length times theirs.
 #[derive(Default)]
 struct Shape {
     cold: HashSet<Vec<u32>>,
-    state_max: usize,
     rows: usize,
     row_max: usize,
 }
 
 impl Shape {
     fn tokens(&self) -> usize {
-        self.cold.len() * self.state_max + self.rows * self.row_max
+        tokens(self.cold.iter().map(Vec::len), self.rows, self.row_max)
     }
+}
+
+/// The padded tokens of cold states of these lengths and `rows` branch rows of at most
+/// `row_max` tokens.
+fn tokens(states: impl Iterator<Item = usize>, rows: usize, row_max: usize) -> usize {
+    state_pass_tokens(&states.collect::<Vec<_>>()) + rows * row_max
 }
 
 /// A job taken from the queue, with the prefixes found for its records.
@@ -223,18 +228,23 @@ impl Worker {
     /// The padded tokens of `shape` with `job` added (no lookups counted).
     fn tokens_with(&self, shape: &Shape, job: &Job) -> usize {
         let mut new: HashSet<&[u32]> = HashSet::new();
-        let (mut state_max, mut rows, mut row_max) = (shape.state_max, shape.rows, shape.row_max);
+        let (mut rows, mut row_max) = (shape.rows, shape.row_max);
         for r in &job.records {
             let ids = r.state_ids();
             let warm = shape.cold.contains(ids)
                 || self.device.cache.as_ref().is_some_and(|c| c.contains(ids));
-            if !warm && new.insert(ids) {
-                state_max = state_max.max(ids.len());
+            if !warm {
+                new.insert(ids);
             }
             rows += r.questions();
             row_max = row_max.max(r.longest_branch());
         }
-        (shape.cold.len() + new.len()) * state_max + rows * row_max
+        let states = shape
+            .cold
+            .iter()
+            .map(Vec::len)
+            .chain(new.iter().map(|s| s.len()));
+        tokens(states, rows, row_max)
     }
 
     /// Looks `job`'s states up and adds it to `shape`; none if its client has gone.
@@ -256,8 +266,8 @@ impl Worker {
                 } else {
                     self.device.cache.as_ref().and_then(|c| c.get(ids))
                 };
-                if found.is_none() && shape.cold.insert(ids.to_vec()) {
-                    shape.state_max = shape.state_max.max(ids.len());
+                if found.is_none() {
+                    shape.cold.insert(ids.to_vec());
                 }
                 shape.rows += r.questions();
                 shape.row_max = shape.row_max.max(r.longest_branch());
@@ -294,18 +304,7 @@ impl Worker {
             match &self.device.cache {
                 // No cache: the one-pass batch (as `probs_batch`), no prefixes kept.
                 None => model.probs_encoded(&records),
-                Some(cache) => {
-                    let scored = model.probs_prefixed(&records, &prefixes)?;
-                    Ok(scored
-                        .into_iter()
-                        .map(|s| {
-                            if !s.reused {
-                                cache.insert(s.prefix);
-                            }
-                            s.probs
-                        })
-                        .collect())
-                }
+                Some(cache) => Ok(cache.keep(model.probs_prefixed(&records, &prefixes)?)),
             }
         };
         let result = match std::panic::catch_unwind(AssertUnwindSafe(run)) {

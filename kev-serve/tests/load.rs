@@ -157,14 +157,7 @@ async fn load_and_faults() {
         t.await.unwrap();
     }
     let rss1 = rss_mib();
-    let m = client
-        .get(url(addr, "/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics_text(&client, addr).await;
     let (ok, busy, rejected, cut) = (
         tally.ok.load(Ordering::Relaxed),
         tally.busy.load(Ordering::Relaxed),

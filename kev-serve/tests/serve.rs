@@ -79,14 +79,7 @@ async fn answers_equal_the_library_in_order() {
             200
         );
     }
-    let m = client
-        .get(url(addr, "/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics_text(&client, addr).await;
     assert!(
         metric(&m, "kev_requests_total") >= 1.0 + values.len() as f64,
         "{m}"
@@ -113,14 +106,7 @@ async fn a_batch_mixing_cold_and_cached_states_equals_one_by_one() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let m0 = client
-        .get(url(addr, "/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m0 = metrics_text(&client, addr).await;
     let hits0 = metric(&m0, "kev_prefix_cache_hits_total");
 
     // Interleaved: cached, new, cached, new ...; new records repeat states among themselves.
@@ -146,14 +132,7 @@ async fn a_batch_mixing_cold_and_cached_states_equals_one_by_one() {
         assert_eq!(a["id"], v.get("id").cloned().unwrap_or(Value::Null));
         worst = worst.max(max_delta(&probs_of(a), &model.probs(&record(v)).unwrap()));
     }
-    let m1 = client
-        .get(url(addr, "/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m1 = metrics_text(&client, addr).await;
     assert!(
         metric(&m1, "kev_prefix_cache_hits_total") >= hits0 + warm.len() as f64,
         "{m1}"
@@ -309,14 +288,7 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let m = client
-        .get(url(addr, "/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics_text(&client, addr).await;
     assert_eq!(metric(&m, "kev_requests_total{code=\"500\"}"), 0.0, "{m}");
     server.shutdown().await.unwrap();
 }

@@ -1,6 +1,6 @@
-//! Shared by the fuzz tests of every crate of the workspace (`#[path]`-included): the case count,
-//! temp folders, fixtures, a child process with a bounded address space, and generators of JSON
-//! values and of edits (structural and textual) to valid inputs.
+//! Shared by the fuzz and error tests of every crate of the workspace (`#[path]`-included): the
+//! case count, temp folders, fixtures and copies of them, a child process with a bounded address
+//! space, and generators of JSON values and of edits (structural and textual) to valid inputs.
 
 #![allow(dead_code)]
 
@@ -36,6 +36,20 @@ pub fn fixture(rel: &str) -> PathBuf {
         dir = dir.parent().expect("tests/fixtures above the crate");
     }
     dir.join("tests/fixtures").join(rel)
+}
+
+/// Copies the folder `from` (recursively) to `to`.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let dest = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &dest);
+        } else {
+            std::fs::copy(entry.path(), dest).unwrap();
+        }
+    }
 }
 
 /// A unique folder under the system temp dir, removed on drop.

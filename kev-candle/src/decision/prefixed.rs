@@ -1,9 +1,9 @@
 //! Scoring records of which some continue cached prefixes ([`DecisionModel::probs_prefixed`]).
 //!
 //! A server keeps the prefixes of the states it has seen; a batch then mixes records whose state
-//! is cached with records whose state is new. The new (cold) states run first as one
-//! right-padded state pass (distinct states once), then the branches of *every* record run as
-//! one batch, each branch row continuing its record's prefix: a cold state's row of that pass or
+//! is cached with records whose state is new. The new (cold) states run first, distinct states
+//! once, as right-padded state passes grouped by length (as `probs_batch` groups them), then the
+//! branches of *every* record run as one batch, each branch row continuing its record's prefix: a cold state's row of that pass or
 //! a cached prefix. Cached prefixes are only read (their rows are copied into the branch batch),
 //! so one prefix can serve concurrent batches. The cold states' prefixes are cut out of the state
 //! pass (their own storage, no padding) and returned for the caller to keep.
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use kev_core::{Error, Record, Result, Row};
 
-use super::{backend_err, read_per_row, DecisionModel, Prefix};
+use super::{backend_err, length_buckets, read_per_row, DecisionModel, Prefix};
 use crate::device::recovered;
 use crate::head::softmax;
 use crate::qwen35::{Cache, LayerCache};
@@ -101,19 +101,18 @@ impl DecisionModel {
         })
     }
 
-    /// Probabilities for encoded records as [`DecisionModel::probs_batch`] computes them (in one
-    /// pass where the states fit, replayed as a CUDA graph where one serves), keeping no prefix.
+    /// Probabilities for encoded records as [`DecisionModel::probs_batch`] computes them (grouped
+    /// by state length, each group in one pass where its states fit, replayed as a CUDA graph
+    /// where one serves), keeping no prefix.
     pub fn probs_encoded(&self, records: &[EncodedRecord]) -> Result<Vec<Vec<Vec<f32>>>> {
         if records.is_empty() {
             return Ok(Vec::new());
         }
-        let plan = self.plan(
-            records
-                .iter()
-                .map(|r| (r.state_ids.clone(), r.rows.clone()))
-                .collect(),
-        );
-        self.logits_per_record(plan)?
+        let encoded = records
+            .iter()
+            .map(|r| (r.state_ids.clone(), r.rows.clone()))
+            .collect();
+        self.grouped_logits(encoded)?
             .iter()
             .zip(records)
             .enumerate()
@@ -123,8 +122,8 @@ impl DecisionModel {
 
     /// Probabilities for `records`, where `prefixes[i]`, if given, is a prefix of record i's
     /// state (same token ids) and its state does not run again. The other records' states run
-    /// as one batch (each distinct state once), then every record's branches run as one batch
-    /// continuing their prefixes. Each result carries the record's prefix for reuse. Equal to
+    /// in passes grouped by length (each distinct state once; [`state_pass_tokens`] counts them),
+    /// then every record's branches run as one batch continuing their prefixes. Each result carries the record's prefix for reuse. Equal to
     /// scoring the records one by one.
     ///
     /// Errors: [`Error::InvalidArgument`] when the two slices differ in length,
@@ -189,28 +188,43 @@ impl DecisionModel {
             }
         }
 
-        let cold_cache = if cold.is_empty() {
-            None
-        } else {
-            let pieces = self.pieces(&cold);
-            Some(self.state_cache(cold.len(), &pieces, &self.upload_all(&pieces)?)?)
-        };
-        // The prefixes' rows: the cold pass's rows first, then each given prefix's row.
+        // The cold states grouped by length, each group one state pass (as `probs_batch` groups
+        // them): a batch pads every state to its longest.
+        let lengths: Vec<usize> = cold.iter().map(|s| s.len()).collect();
+        let mut cold_caches = Vec::new();
+        // Cold state j is row `cold_row[j].1` of group `cold_row[j].0`.
+        let mut cold_row = vec![(0, 0); cold.len()];
+        let mut group_start = Vec::new();
+        let mut rows_before = 0;
+        for (g, members) in length_buckets(&lengths).into_iter().enumerate() {
+            let states: Vec<&[u32]> = members.iter().map(|&j| cold[j]).collect();
+            let pieces = self.pieces(&states);
+            cold_caches.push(self.state_cache(
+                states.len(),
+                &pieces,
+                &self.upload_all(&pieces)?,
+            )?);
+            for (r, &j) in members.iter().enumerate() {
+                cold_row[j] = (g, r);
+            }
+            group_start.push(rows_before);
+            rows_before += members.len();
+        }
+        // The prefixes' rows: the cold groups' rows in order, then each given prefix's row.
+        let parts: Vec<&Cache> = cold_caches
+            .iter()
+            .chain(given.iter().map(|p| &p.cache))
+            .collect();
         let joined;
-        let prefix_rows: &Cache = match (&cold_cache, given.as_slice()) {
-            (Some(c), []) => c,
-            (None, [p]) => &p.cache,
+        let prefix_rows: &Cache = match parts.as_slice() {
+            [one] => one,
             _ => {
-                let parts: Vec<&Cache> = cold_cache
-                    .iter()
-                    .chain(given.iter().map(|p| &p.cache))
-                    .collect();
                 joined = self.join_caches(&parts)?;
                 &joined
             }
         };
         let row_of = |s: &Source| match *s {
-            Source::Cold(j) => j,
+            Source::Cold(j) => group_start[cold_row[j].0] + cold_row[j].1,
             Source::Given(g) => cold.len() + g,
         };
         let owners: Vec<usize> = records
@@ -241,11 +255,11 @@ impl DecisionModel {
                     let prefix = match &computed[j] {
                         Some(p) => Arc::clone(p),
                         None => {
-                            let cache = cold_cache.as_ref().expect("cold states ran");
+                            let (g, row) = cold_row[j];
                             let p = Arc::new(Prefix {
                                 state: rec.state.clone(),
                                 state_ids: rec.state_ids.clone(),
-                                cache: self.cache_row(cache, j)?,
+                                cache: self.cache_row(&cold_caches[g], row)?,
                             });
                             computed[j] = Some(Arc::clone(&p));
                             p

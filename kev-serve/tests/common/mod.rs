@@ -121,6 +121,18 @@ pub async fn cut_off(addr: SocketAddr, body: &[u8]) {
     }
 }
 
+/// The server's `/metrics` text.
+pub async fn metrics_text(client: &reqwest::Client, addr: SocketAddr) -> String {
+    client
+        .get(url(addr, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// A metric's value from the `/metrics` text (summed over its label sets).
 pub fn metric(text: &str, name: &str) -> f64 {
     text.lines()
