@@ -357,7 +357,7 @@ fn main() -> Result<()> {
         .with_context(|| format!("loading `{}`", args.checkpoint.display()))?;
     let load_s = started.elapsed().as_secs_f64();
     let device = format!("{:?}", model.device().location());
-    let dtype = format!("{:?}", model.dtype()).to_lowercase();
+    let dtype = format!("{:?}", model.weights_dtype()).to_lowercase();
     let activations = format!("{:?}", model.activation_dtype()).to_lowercase();
     eprintln!(
         "kev: loaded `{}` on {device} ({dtype}) in {load_s:.2} s",

@@ -107,7 +107,7 @@ fn run(args: &Args, partial: &mut Option<PathBuf>) -> Result<()> {
         "loaded `{}` on {:?} ({:?}) in {:.2} s",
         checkpoint.display(),
         model.device().location(),
-        model.dtype(),
+        model.weights_dtype(),
         started.elapsed().as_secs_f64()
     );
 

@@ -115,3 +115,8 @@ pub fn release_freed_memory() {
         libc::malloc_trim(0);
     }
 }
+
+/// A candle error as [`Error::Backend`], naming what was being done (`context`).
+pub(crate) fn backend_err(context: &str) -> impl Fn(candle_core::Error) -> Error + '_ {
+    move |e| Error::backend(context.to_string(), e)
+}

@@ -1,9 +1,9 @@
-//! CUDA graphs over prefix-form scoring ([`DecisionModel::forward`], and
-//! [`DecisionModel::probs_batch`] for a batch of records).
+//! CUDA graphs over the executor's runs of prefix-form plans (a record's forward, or a batch of
+//! records).
 //!
 //! One request is about a thousand small launches, and on the GPU its time is the host's: each
 //! candle op costs several microseconds to issue. A graph issues them all at once. The host
-//! code of a forward is fixed by the record's token *shapes* ([`PlanShape`]: piece widths, row
+//! code of a forward is fixed by the plan's token *shapes* (`PlanShape`: piece widths, row
 //! lengths, head positions), not by its token ids, so the second record of a shape is run
 //! eagerly once more to record its uploads ([`kev_kernels::uploads`]), then captured; later
 //! records of that shape only copy their ids into the graph's input tensors and launch it. The
@@ -12,10 +12,6 @@
 //! Long rows (over `MAX_ROW_POSITIONS`) and large batches (over `MAX_TOKENS` positions) stay
 //! eager: their host time is small beside their GPU time, and a graph would hold a second copy
 //! of their working memory.
-//!
-//! [`DecisionModel::forward`]: crate::DecisionModel::forward
-//! [`DecisionModel::probs_batch`]: crate::DecisionModel::probs_batch
-//! [`PlanShape`]: crate::decision::PlanShape
 
 /// How the CUDA graphs of a model have fared: for benchmarks, tests and logs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -47,8 +43,8 @@ mod cuda {
     use kev_kernels::uploads::{self, UploadMemo};
 
     use super::GraphStats;
-    use crate::decision::{Plan, PlanShape};
-    use crate::DecisionModel;
+    use crate::executor::Executor;
+    use crate::plan::Plan;
 
     /// Graphs kept (the most recently used shapes). Each holds its inputs and its output; the
     /// driver shares the rest of the graphs' memory between them.
@@ -65,6 +61,46 @@ mod cuda {
     /// reason. 8 records of a 512-token state and 4 questions compute 5632; eagerly, their host
     /// time was 5 of 29 ms at 0.8B and 10 of 101 ms at 4B on the H200 (tenth session).
     const MAX_TOKENS: usize = 8192;
+
+    /// A [`Plan`] without its token ids: plans of equal shape run the same kernels on the same
+    /// shapes with the same host-built inputs, so one CUDA graph serves them all.
+    #[derive(Clone, PartialEq, Eq, Hash)]
+    struct PlanShape {
+        state_pieces: usize,
+        records: usize,
+        pieces: Vec<(usize, Vec<usize>)>,
+        owners: Vec<usize>,
+        heads: Vec<(usize, Vec<usize>)>,
+    }
+
+    impl PlanShape {
+        fn of(plan: &Plan) -> Self {
+            Self {
+                state_pieces: plan.state.len(),
+                records: plan.records,
+                owners: plan.owners.clone(),
+                pieces: plan
+                    .pieces()
+                    .map(|p| (p.width, p.lengths.clone()))
+                    .collect(),
+                heads: plan
+                    .rows
+                    .iter()
+                    .map(|r| (r.decide, r.opts.clone()))
+                    .collect(),
+            }
+        }
+    }
+
+    /// Token positions `plan` computes (padding included).
+    fn tokens(plan: &Plan) -> usize {
+        plan.pieces().map(|p| p.width * p.lengths.len()).sum()
+    }
+
+    /// Token positions of `plan`'s longest row: a state (padded) and a branch (padded).
+    fn row_positions(plan: &Plan) -> usize {
+        plan.pieces().map(|p| p.width).sum()
+    }
 
     /// The graphs of one model.
     #[derive(Default)]
@@ -116,17 +152,17 @@ mod cuda {
         /// or one that failed to capture).
         pub(crate) fn logits(
             &self,
-            model: &DecisionModel,
+            exec: &Executor,
             plan: &Plan,
             dev: &CudaDevice,
         ) -> Result<Vec<f32>> {
-            let shape = plan.shape();
+            let shape = PlanShape::of(plan);
             // The lock is not held while the GPU works: other threads' forwards (on their own
             // streams) go on; a graph in use is out of the list until it is done.
             let action = {
                 let mut state = self.lock();
-                if plan.tokens() > MAX_TOKENS
-                    || plan.row_positions() > MAX_ROW_POSITIONS
+                if tokens(plan) > MAX_TOKENS
+                    || row_positions(plan) > MAX_ROW_POSITIONS
                     || state.failed.contains(&shape)
                     || state.busy.contains(&shape)
                 {
@@ -146,8 +182,8 @@ mod cuda {
                 }
             };
             match action {
-                Action::Eager => model.plan_logits_eager(plan),
-                Action::Replay(graph) => match graph.replay(model, plan) {
+                Action::Eager => exec.plan_logits_eager(plan),
+                Action::Replay(graph) => match graph.replay(exec, plan) {
                     Ok(out) => {
                         self.settle(shape, Some(graph), |stats| stats.replayed += 1);
                         Ok(out)
@@ -159,7 +195,7 @@ mod cuda {
                         Err(e)
                     }
                 },
-                Action::Capture => match capture(model, plan, dev) {
+                Action::Capture => match capture(exec, plan, dev) {
                     Ok((graph, logits)) => {
                         self.settle(shape, Some(graph), |stats| stats.captured += 1);
                         Ok(logits)
@@ -170,7 +206,7 @@ mod cuda {
                             stats.last_failure = Some(why);
                         });
                         self.lock().failed.insert(shape);
-                        model.plan_logits_eager(plan)
+                        exec.plan_logits_eager(plan)
                     }
                 },
             }
@@ -203,9 +239,9 @@ mod cuda {
     }
 
     impl Captured {
-        fn replay(&self, model: &DecisionModel, plan: &Plan) -> Result<Vec<f32>> {
+        fn replay(&self, exec: &Executor, plan: &Plan) -> Result<Vec<f32>> {
             for (slot, piece) in self.ids.iter().zip(plan.pieces()) {
-                let ids = model.upload_ids(piece)?;
+                let ids = exec.upload_ids(piece)?;
                 slot.slice_set(&ids, 0, 0)
                     .map_err(|e| backend("writing the token ids", e))?;
             }
@@ -220,20 +256,20 @@ mod cuda {
     /// returns the graph and its logits; on failure, why, with the stream out of capture and the
     /// errors the abandoned capture left on the context taken.
     fn capture(
-        model: &DecisionModel,
+        exec: &Executor,
         plan: &Plan,
         dev: &CudaDevice,
     ) -> std::result::Result<(Captured, Vec<f32>), String> {
-        let ids = model.upload_all(plan.pieces()).map_err(|e| e.to_string())?;
+        let ids = exec.upload_all(plan.pieces()).map_err(|e| e.to_string())?;
         let stream = dev.cuda_stream();
         let (captured, memo, ended) = {
             // candle's own small uploads (strides of non-contiguous operands) come from its
             // cache while this guard lives; the recording run fills it.
             let _candle_cache = dev.enable_cuda_graph_htod_cache();
-            let (warm, memo) = uploads::recording(|| model.plan_logits(plan, &ids));
+            let (warm, memo) = uploads::recording(|| exec.plan_logits(plan, &ids));
             drop(warm.map_err(|e| format!("recording run: {e}"))?);
             let capturing = Capturing::begin(&stream)?;
-            let (captured, memo) = uploads::replaying(memo, || model.plan_logits(plan, &ids));
+            let (captured, memo) = uploads::replaying(memo, || exec.plan_logits(plan, &ids));
             let ended = capturing.end();
             (captured, memo, ended)
         };

@@ -7,9 +7,11 @@
 
 pub mod decision;
 pub mod device;
+mod executor;
 pub mod graphs;
 pub mod head;
 pub mod lora;
+mod plan;
 pub mod prefix_cache;
 pub mod qwen35;
 pub mod weights;

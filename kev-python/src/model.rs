@@ -199,10 +199,10 @@ impl PyDecisionModel {
         self.inner.head().temperature()
     }
 
-    /// The backbone dtype: "f32", "bf16" or "f16".
+    /// The weights' dtype: "f32", "bf16" or "f16".
     #[getter]
     fn dtype(&self) -> &'static str {
-        self.inner.dtype().as_str()
+        self.inner.weights_dtype().as_str()
     }
 
     /// The activations' dtype: `dtype`, but "f32" for the CPU's bf16 mode (bf16 weights, f32

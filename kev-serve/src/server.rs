@@ -236,7 +236,7 @@ fn load(app: &App) -> Result<Duration, StartError> {
         "adapter": ck.config.adapter,
         "backend": loaded.iter().map(|(_, d)| format!("{:?}", d.model.device().location())).collect::<Vec<_>>(),
         "devices": c.devices.iter().map(ToString::to_string).collect::<Vec<_>>(),
-        "dtype": format!("{:?}", first.dtype()).to_lowercase(),
+        "dtype": format!("{:?}", first.weights_dtype()).to_lowercase(),
         "max_tokens": ck.config.max_tokens,
         "head": {"dim": ck.config.head.dim, "temperature": ck.config.head.temperature},
         "lora_scale": c.lora_scale,

@@ -1,4 +1,5 @@
-//! Scoring records of which some continue cached prefixes ([`DecisionModel::probs_prefixed`]).
+//! Scoring records of which some continue cached prefixes
+//! ([`DecisionModel::probs_prefixed`](super::DecisionModel::probs_prefixed)).
 //!
 //! A server keeps the prefixes of the states it has seen; a batch then mixes records whose state
 //! is cached with records whose state is new. The new (cold) states run first, distinct states
@@ -12,21 +13,23 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use kev_core::{Error, Record, Result, Row};
+use kev_core::{Error, Result, Row};
 
-use super::{backend_err, length_buckets, read_per_row, DecisionModel, Prefix};
-use crate::device::recovered;
+use super::prefix::Prefix;
+use crate::device::backend_err;
+use crate::executor::{read_per_row, Executor};
 use crate::head::softmax;
+use crate::plan::length_buckets;
 use crate::qwen35::{Cache, LayerCache};
 
 /// A record encoded for scoring: its state's token ids (the key of its prefix) and one branch
 /// row per question.
 #[derive(Debug, Clone)]
 pub struct EncodedRecord {
-    id: Option<String>,
-    state: String,
-    state_ids: Vec<u32>,
-    rows: Vec<Row>,
+    pub(super) id: Option<String>,
+    pub(super) state: String,
+    pub(super) state_ids: Vec<u32>,
+    pub(super) rows: Vec<Row>,
 }
 
 impl EncodedRecord {
@@ -56,7 +59,8 @@ impl EncodedRecord {
     }
 }
 
-/// One record's result from [`DecisionModel::probs_prefixed`].
+/// One record's result from
+/// [`DecisionModel::probs_prefixed`](super::DecisionModel::probs_prefixed).
 pub struct Prefixed {
     /// Probabilities per question.
     pub probs: Vec<Vec<f32>>,
@@ -67,320 +71,242 @@ pub struct Prefixed {
     pub reused: bool,
 }
 
-impl Prefix {
-    /// Bytes of the prefix's tensors on its device: the attention layers' keys and values, the
-    /// DeltaNet layers' conv windows and recurrent states.
-    pub fn bytes(&self) -> usize {
-        let size = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        self.cache
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerCache::Attention { k, v } => k.iter().chain(v).map(size).sum(),
-                LayerCache::DeltaNet { conv, state } => size(conv) + size(state),
-            })
-            .sum()
+/// Probabilities for `records`, where `prefixes[i]`, if given, is a prefix of record i's state
+/// and its state does not run again (as
+/// [`DecisionModel::probs_prefixed`](super::DecisionModel::probs_prefixed), past its argument
+/// checks).
+pub(super) fn run_prefixed(
+    exec: &Executor,
+    records: &[EncodedRecord],
+    prefixes: &[Option<Arc<Prefix>>],
+) -> Result<Vec<Prefixed>> {
+    // Where each record's prefix comes from: a row of the cold states' pass, or a given one.
+    let mut cold: Vec<&[u32]> = Vec::new();
+    let mut cold_at: HashMap<&[u32], usize> = HashMap::new();
+    let mut given: Vec<&Arc<Prefix>> = Vec::new();
+    let mut source = Vec::with_capacity(records.len());
+    for (i, (rec, prefix)) in records.iter().zip(prefixes).enumerate() {
+        match prefix {
+            Some(p) => {
+                if p.state_ids != rec.state_ids {
+                    return Err(Error::Prefix {
+                        message: format!(
+                            "the prefix given for record {i} was computed for another state ({} tokens) than the record's ({} tokens)",
+                            p.state_ids.len(),
+                            rec.state_ids.len()
+                        ),
+                    });
+                }
+                let at = match given.iter().position(|g| Arc::ptr_eq(g, p)) {
+                    Some(at) => at,
+                    None => {
+                        given.push(p);
+                        given.len() - 1
+                    }
+                };
+                source.push(Source::Given(at));
+            }
+            None => {
+                let next = cold.len();
+                let at = *cold_at.entry(rec.state_ids.as_slice()).or_insert(next);
+                if at == next {
+                    cold.push(&rec.state_ids);
+                }
+                source.push(Source::Cold(at));
+            }
+        }
     }
 
-    /// The state's token ids.
-    pub fn state_ids(&self) -> &[u32] {
-        &self.state_ids
+    // The cold states grouped by length, each group one state pass (as `probs_batch` groups
+    // them): a batch pads every state to its longest.
+    let lengths: Vec<usize> = cold.iter().map(|s| s.len()).collect();
+    let mut cold_caches = Vec::new();
+    // Cold state j is row `cold_row[j].1` of group `cold_row[j].0`.
+    let mut cold_row = vec![(0, 0); cold.len()];
+    let mut group_start = Vec::new();
+    let mut rows_before = 0;
+    for (g, members) in length_buckets(&lengths).into_iter().enumerate() {
+        let states: Vec<&[u32]> = members.iter().map(|&j| cold[j]).collect();
+        let pieces = exec.pieces(&states);
+        cold_caches.push(exec.state_cache(states.len(), &pieces, &exec.upload_all(&pieces)?)?);
+        for (r, &j) in members.iter().enumerate() {
+            cold_row[j] = (g, r);
+        }
+        group_start.push(rows_before);
+        rows_before += members.len();
     }
+    // The prefixes' rows: the cold groups' rows in order, then each given prefix's row.
+    let parts: Vec<&Cache> = cold_caches
+        .iter()
+        .chain(given.iter().map(|p| &p.cache))
+        .collect();
+    let joined;
+    let prefix_rows: &Cache = match parts.as_slice() {
+        [one] => one,
+        _ => {
+            joined = join_caches(exec, &parts)?;
+            &joined
+        }
+    };
+    let row_of = |s: &Source| match *s {
+        Source::Cold(j) => group_start[cold_row[j].0] + cold_row[j].1,
+        Source::Given(g) => cold.len() + g,
+    };
+    let owners: Vec<usize> = records
+        .iter()
+        .zip(&source)
+        .flat_map(|(r, s)| std::iter::repeat_n(row_of(s), r.rows.len()))
+        .collect();
+    let rows: Vec<Row> = records.iter().flat_map(|r| r.rows.clone()).collect();
+    let branch_ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
+    let pieces = exec.pieces(&branch_ids);
+    let logits = exec.branch_logits(
+        prefix_rows,
+        &owners,
+        &pieces,
+        &exec.upload_all(&pieces)?,
+        &rows,
+    )?;
+    let mut logits = read_per_row(&logits, &rows)?.into_iter();
+
+    let mut computed: Vec<Option<Arc<Prefix>>> = vec![None; cold.len()];
+    let mut out = Vec::with_capacity(records.len());
+    for (i, (rec, s)) in records.iter().zip(&source).enumerate() {
+        let mine: Vec<Vec<f32>> = logits.by_ref().take(rec.rows.len()).collect();
+        let probs = finite_probs(rec, i, &mine)?;
+        let (prefix, reused) = match *s {
+            Source::Given(g) => (Arc::clone(given[g]), true),
+            Source::Cold(j) => {
+                let prefix = match &computed[j] {
+                    Some(p) => Arc::clone(p),
+                    None => {
+                        let (g, row) = cold_row[j];
+                        let p = Arc::new(Prefix {
+                            state: rec.state.clone(),
+                            state_ids: rec.state_ids.clone(),
+                            cache: cache_row(&cold_caches[g], row)?,
+                        });
+                        computed[j] = Some(Arc::clone(&p));
+                        p
+                    }
+                };
+                (prefix, false)
+            }
+        };
+        out.push(Prefixed {
+            probs,
+            prefix,
+            reused,
+        });
+    }
+    Ok(out)
 }
 
-impl DecisionModel {
-    /// Encodes `record` for [`DecisionModel::probs_prefixed`] (validating it as
-    /// [`DecisionModel::encode`] does).
-    pub fn encode_record(&self, record: &Record) -> Result<EncodedRecord> {
-        let (state_ids, rows) = self.encode(record)?.rows();
-        Ok(EncodedRecord {
-            id: record.id.clone(),
-            state: record.state.clone(),
-            state_ids,
-            rows,
-        })
-    }
-
-    /// Probabilities for encoded records as [`DecisionModel::probs_batch`] computes them (grouped
-    /// by state length, each group in one pass where its states fit, replayed as a CUDA graph
-    /// where one serves), keeping no prefix.
-    pub fn probs_encoded(&self, records: &[EncodedRecord]) -> Result<Vec<Vec<Vec<f32>>>> {
-        if records.is_empty() {
-            return Ok(Vec::new());
-        }
-        let encoded = records
-            .iter()
-            .map(|r| (r.state_ids.clone(), r.rows.clone()))
-            .collect();
-        self.grouped_logits(encoded)?
-            .iter()
-            .zip(records)
-            .enumerate()
-            .map(|(i, (logits, rec))| finite_probs(rec, i, logits))
-            .collect()
-    }
-
-    /// Probabilities for `records`, where `prefixes[i]`, if given, is a prefix of record i's
-    /// state (same token ids) and its state does not run again. The other records' states run
-    /// in passes grouped by length (each distinct state once; [`state_pass_tokens`] counts them),
-    /// then every record's branches run as one batch continuing their prefixes. Each result carries the record's prefix for reuse. Equal to
-    /// scoring the records one by one.
-    ///
-    /// Errors: [`Error::InvalidArgument`] when the two slices differ in length,
-    /// [`Error::Prefix`] when a prefix's token ids are not its record's state's.
-    pub fn probs_prefixed(
-        &self,
-        records: &[EncodedRecord],
-        prefixes: &[Option<Arc<Prefix>>],
-    ) -> Result<Vec<Prefixed>> {
-        if records.len() != prefixes.len() {
-            return Err(Error::invalid_argument(
-                "prefixes",
-                format!("{} prefixes for {} records", prefixes.len(), records.len()),
-            ));
-        }
-        if records.is_empty() {
-            return Ok(Vec::new());
-        }
-        recovered(self.device(), self.run_prefixed(records, prefixes))
-    }
-
-    /// [`DecisionModel::probs_prefixed`] past its argument checks.
-    fn run_prefixed(
-        &self,
-        records: &[EncodedRecord],
-        prefixes: &[Option<Arc<Prefix>>],
-    ) -> Result<Vec<Prefixed>> {
-        // Where each record's prefix comes from: a row of the cold states' pass, or a given one.
-        let mut cold: Vec<&[u32]> = Vec::new();
-        let mut cold_at: HashMap<&[u32], usize> = HashMap::new();
-        let mut given: Vec<&Arc<Prefix>> = Vec::new();
-        let mut source = Vec::with_capacity(records.len());
-        for (i, (rec, prefix)) in records.iter().zip(prefixes).enumerate() {
-            match prefix {
-                Some(p) => {
-                    if p.state_ids != rec.state_ids {
-                        return Err(Error::Prefix {
-                            message: format!(
-                                "the prefix given for record {i} was computed for another state ({} tokens) than the record's ({} tokens)",
-                                p.state_ids.len(),
-                                rec.state_ids.len()
-                            ),
-                        });
+/// Row `row` of `cache` as a one-row cache of its own storage, cut to the row's real keys
+/// (the states are right-padded, so those are its first `seen` positions).
+fn cache_row(cache: &Cache, row: usize) -> Result<Cache> {
+    let err = backend_err("cutting a prefix out of the state pass");
+    let mut one = cache.select_rows(&[row]).map_err(&err)?;
+    let len = one.seen[0];
+    debug_assert!(one.key_valid[0].iter().take(len).all(|&v| v));
+    for layer in &mut one.layers {
+        if let LayerCache::Attention { k, v } = layer {
+            for t in [k, v] {
+                *t = match t.take() {
+                    Some(_) if len == 0 => None,
+                    Some(x) if x.dim(2).map_err(&err)? > len => {
+                        // Narrowed keys are strided: `contiguous` copies them compactly.
+                        Some(
+                            x.narrow(2, 0, len)
+                                .and_then(|x| x.contiguous())
+                                .map_err(&err)?,
+                        )
                     }
-                    let at = match given.iter().position(|g| Arc::ptr_eq(g, p)) {
-                        Some(at) => at,
-                        None => {
-                            given.push(p);
-                            given.len() - 1
+                    kept => kept,
+                };
+            }
+        }
+    }
+    one.key_valid = vec![vec![true; len]];
+    Ok(one)
+}
+
+/// The rows of `parts` one after the other as one cache, the attention layers' keys padded
+/// (masked) to the longest part's.
+fn join_caches(exec: &Executor, parts: &[&Cache]) -> Result<Cache> {
+    let err = backend_err("joining prefixes");
+    let kv_len = parts.iter().map(|c| c.kv_len()).max().unwrap_or(0);
+    // An empty cache on the model's device; its fields are replaced below.
+    let mut out = exec.model().new_cache(0).map_err(&err)?;
+    let layers = (0..parts[0].layers.len())
+        .map(|l| -> candle_core::Result<LayerCache> {
+            match &parts[0].layers[l] {
+                LayerCache::DeltaNet { .. } => {
+                    let (mut convs, mut states) = (Vec::new(), Vec::new());
+                    for p in parts {
+                        if let LayerCache::DeltaNet { conv, state } = &p.layers[l] {
+                            convs.push(conv.clone());
+                            states.push(state.clone());
                         }
-                    };
-                    source.push(Source::Given(at));
-                }
-                None => {
-                    let next = cold.len();
-                    let at = *cold_at.entry(rec.state_ids.as_slice()).or_insert(next);
-                    if at == next {
-                        cold.push(&rec.state_ids);
                     }
-                    source.push(Source::Cold(at));
+                    Ok(LayerCache::DeltaNet {
+                        conv: Tensor::cat(&convs, 0)?,
+                        state: Tensor::cat(&states, 0)?,
+                    })
                 }
-            }
-        }
-
-        // The cold states grouped by length, each group one state pass (as `probs_batch` groups
-        // them): a batch pads every state to its longest.
-        let lengths: Vec<usize> = cold.iter().map(|s| s.len()).collect();
-        let mut cold_caches = Vec::new();
-        // Cold state j is row `cold_row[j].1` of group `cold_row[j].0`.
-        let mut cold_row = vec![(0, 0); cold.len()];
-        let mut group_start = Vec::new();
-        let mut rows_before = 0;
-        for (g, members) in length_buckets(&lengths).into_iter().enumerate() {
-            let states: Vec<&[u32]> = members.iter().map(|&j| cold[j]).collect();
-            let pieces = self.pieces(&states);
-            cold_caches.push(self.state_cache(
-                states.len(),
-                &pieces,
-                &self.upload_all(&pieces)?,
-            )?);
-            for (r, &j) in members.iter().enumerate() {
-                cold_row[j] = (g, r);
-            }
-            group_start.push(rows_before);
-            rows_before += members.len();
-        }
-        // The prefixes' rows: the cold groups' rows in order, then each given prefix's row.
-        let parts: Vec<&Cache> = cold_caches
-            .iter()
-            .chain(given.iter().map(|p| &p.cache))
-            .collect();
-        let joined;
-        let prefix_rows: &Cache = match parts.as_slice() {
-            [one] => one,
-            _ => {
-                joined = self.join_caches(&parts)?;
-                &joined
-            }
-        };
-        let row_of = |s: &Source| match *s {
-            Source::Cold(j) => group_start[cold_row[j].0] + cold_row[j].1,
-            Source::Given(g) => cold.len() + g,
-        };
-        let owners: Vec<usize> = records
-            .iter()
-            .zip(&source)
-            .flat_map(|(r, s)| std::iter::repeat_n(row_of(s), r.rows.len()))
-            .collect();
-        let rows: Vec<Row> = records.iter().flat_map(|r| r.rows.clone()).collect();
-        let branch_ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
-        let pieces = self.pieces(&branch_ids);
-        let logits = self.branch_logits(
-            prefix_rows,
-            &owners,
-            &pieces,
-            &self.upload_all(&pieces)?,
-            &rows,
-        )?;
-        let mut logits = read_per_row(&logits, &rows)?.into_iter();
-
-        let mut computed: Vec<Option<Arc<Prefix>>> = vec![None; cold.len()];
-        let mut out = Vec::with_capacity(records.len());
-        for (i, (rec, s)) in records.iter().zip(&source).enumerate() {
-            let mine: Vec<Vec<f32>> = logits.by_ref().take(rec.rows.len()).collect();
-            let probs = finite_probs(rec, i, &mine)?;
-            let (prefix, reused) = match *s {
-                Source::Given(g) => (Arc::clone(given[g]), true),
-                Source::Cold(j) => {
-                    let prefix = match &computed[j] {
-                        Some(p) => Arc::clone(p),
-                        None => {
-                            let (g, row) = cold_row[j];
-                            let p = Arc::new(Prefix {
-                                state: rec.state.clone(),
-                                state_ids: rec.state_ids.clone(),
-                                cache: self.cache_row(&cold_caches[g], row)?,
-                            });
-                            computed[j] = Some(Arc::clone(&p));
-                            p
-                        }
+                LayerCache::Attention { .. } => {
+                    let shape = parts.iter().find_map(|p| match &p.layers[l] {
+                        LayerCache::Attention { k: Some(k), .. } => Some(k.clone()),
+                        _ => None,
+                    });
+                    let Some(like) = shape.filter(|_| kv_len > 0) else {
+                        return Ok(LayerCache::Attention { k: None, v: None });
                     };
-                    (prefix, false)
-                }
-            };
-            out.push(Prefixed {
-                probs,
-                prefix,
-                reused,
-            });
-        }
-        Ok(out)
-    }
-
-    /// Row `row` of `cache` as a one-row cache of its own storage, cut to the row's real keys
-    /// (the states are right-padded, so those are its first `seen` positions).
-    fn cache_row(&self, cache: &Cache, row: usize) -> Result<Cache> {
-        let err = backend_err("cutting a prefix out of the state pass");
-        let mut one = cache.select_rows(&[row]).map_err(&err)?;
-        let len = one.seen[0];
-        debug_assert!(one.key_valid[0].iter().take(len).all(|&v| v));
-        for layer in &mut one.layers {
-            if let LayerCache::Attention { k, v } = layer {
-                for t in [k, v] {
-                    *t = match t.take() {
-                        Some(_) if len == 0 => None,
-                        Some(x) if x.dim(2).map_err(&err)? > len => {
-                            // Narrowed keys are strided: `contiguous` copies them compactly.
-                            Some(
-                                x.narrow(2, 0, len)
-                                    .and_then(|x| x.contiguous())
-                                    .map_err(&err)?,
-                            )
-                        }
-                        kept => kept,
-                    };
-                }
-            }
-        }
-        one.key_valid = vec![vec![true; len]];
-        Ok(one)
-    }
-
-    /// The rows of `parts` one after the other as one cache, the attention layers' keys padded
-    /// (masked) to the longest part's.
-    fn join_caches(&self, parts: &[&Cache]) -> Result<Cache> {
-        let err = backend_err("joining prefixes");
-        let kv_len = parts.iter().map(|c| c.kv_len()).max().unwrap_or(0);
-        // An empty cache on the model's device; its fields are replaced below.
-        let mut out = self.model.new_cache(0).map_err(&err)?;
-        let layers = (0..parts[0].layers.len())
-            .map(|l| -> candle_core::Result<LayerCache> {
-                match &parts[0].layers[l] {
-                    LayerCache::DeltaNet { .. } => {
-                        let (mut convs, mut states) = (Vec::new(), Vec::new());
-                        for p in parts {
-                            if let LayerCache::DeltaNet { conv, state } = &p.layers[l] {
-                                convs.push(conv.clone());
-                                states.push(state.clone());
+                    let (_, hkv, _, d) = like.dims4()?;
+                    let (mut ks, mut vs) = (Vec::new(), Vec::new());
+                    for p in parts {
+                        let rows = p.batch_size();
+                        let pad = |t: &Option<Tensor>| match t {
+                            Some(t) => t.pad_with_zeros(2, 0, kv_len - t.dim(2)?),
+                            None => {
+                                Tensor::zeros((rows, hkv, kv_len, d), like.dtype(), like.device())
                             }
-                        }
-                        Ok(LayerCache::DeltaNet {
-                            conv: Tensor::cat(&convs, 0)?,
-                            state: Tensor::cat(&states, 0)?,
-                        })
-                    }
-                    LayerCache::Attention { .. } => {
-                        let shape = parts.iter().find_map(|p| match &p.layers[l] {
-                            LayerCache::Attention { k: Some(k), .. } => Some(k.clone()),
-                            _ => None,
-                        });
-                        let Some(like) = shape.filter(|_| kv_len > 0) else {
-                            return Ok(LayerCache::Attention { k: None, v: None });
                         };
-                        let (_, hkv, _, d) = like.dims4()?;
-                        let (mut ks, mut vs) = (Vec::new(), Vec::new());
-                        for p in parts {
-                            let rows = p.batch_size();
-                            let pad = |t: &Option<Tensor>| match t {
-                                Some(t) => t.pad_with_zeros(2, 0, kv_len - t.dim(2)?),
-                                None => Tensor::zeros(
-                                    (rows, hkv, kv_len, d),
-                                    like.dtype(),
-                                    like.device(),
-                                ),
-                            };
-                            if let LayerCache::Attention { k, v } = &p.layers[l] {
-                                ks.push(pad(k)?);
-                                vs.push(pad(v)?);
-                            }
+                        if let LayerCache::Attention { k, v } = &p.layers[l] {
+                            ks.push(pad(k)?);
+                            vs.push(pad(v)?);
                         }
-                        Ok(LayerCache::Attention {
-                            k: Some(Tensor::cat(&ks, 0)?),
-                            v: Some(Tensor::cat(&vs, 0)?),
-                        })
                     }
+                    Ok(LayerCache::Attention {
+                        k: Some(Tensor::cat(&ks, 0)?),
+                        v: Some(Tensor::cat(&vs, 0)?),
+                    })
                 }
-            })
-            .collect::<candle_core::Result<Vec<_>>>()
-            .map_err(&err)?;
-        out.layers = layers;
-        out.key_valid = parts
-            .iter()
-            .flat_map(|p| p.key_valid.iter())
-            .map(|v| {
-                let mut v = v.clone();
-                v.resize(kv_len, false);
-                v
-            })
-            .collect();
-        out.seen = parts.iter().flat_map(|p| p.seen.iter().copied()).collect();
-        Ok(out)
-    }
+            }
+        })
+        .collect::<candle_core::Result<Vec<_>>>()
+        .map_err(&err)?;
+    out.layers = layers;
+    out.key_valid = parts
+        .iter()
+        .flat_map(|p| p.key_valid.iter())
+        .map(|v| {
+            let mut v = v.clone();
+            v.resize(kv_len, false);
+            v
+        })
+        .collect();
+    out.seen = parts.iter().flat_map(|p| p.seen.iter().copied()).collect();
+    Ok(out)
 }
 
 /// Each question's softmax, refusing logits or probabilities that are not finite as
-/// [`DecisionModel::probs`] does ([`Error::NonFinite`]).
-fn finite_probs(rec: &EncodedRecord, index: usize, logits: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+/// [`DecisionModel::probs`](super::DecisionModel::probs) does ([`Error::NonFinite`]).
+pub(super) fn finite_probs(
+    rec: &EncodedRecord,
+    index: usize,
+    logits: &[Vec<f32>],
+) -> Result<Vec<Vec<f32>>> {
     let probs: Vec<Vec<f32>> = logits.iter().map(|l| softmax(l)).collect();
     let bad = |x: &[Vec<f32>]| x.iter().position(|l| !l.iter().all(|v| v.is_finite()));
     match bad(logits).or_else(|| bad(&probs)) {
@@ -393,7 +319,7 @@ fn finite_probs(rec: &EncodedRecord, index: usize, logits: &[Vec<f32>]) -> Resul
     }
 }
 
-/// Where a record's prefix comes from in [`DecisionModel::probs_prefixed`].
+/// Where a record's prefix comes from in [`run_prefixed`].
 enum Source {
     /// Row j of the cold states' pass.
     Cold(usize),

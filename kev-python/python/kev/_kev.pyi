@@ -91,7 +91,7 @@ class DecisionModel:
     def temperature(self) -> float: ...
     @property
     def dtype(self) -> str:
-        """The backbone dtype: "f32", "bf16" or "f16"."""
+        """The weights' dtype: "f32", "bf16" or "f16"."""
     @property
     def activation_dtype(self) -> str: ...
     @property

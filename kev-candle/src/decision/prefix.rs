@@ -1,0 +1,48 @@
+//! [`Prefix`]: a state run once, kept to score later records with the same state.
+
+use candle_core::Tensor;
+
+use crate::qwen35::{Cache, LayerCache};
+
+/// A state run once through the backbone, reusable for any record with the same state.
+pub struct Prefix {
+    pub(super) state: String,
+    pub(super) state_ids: Vec<u32>,
+    pub(super) cache: Cache,
+}
+
+impl Prefix {
+    /// The state text this prefix was computed from.
+    pub fn state(&self) -> &str {
+        &self.state
+    }
+
+    /// Number of state tokens.
+    pub fn len(&self) -> usize {
+        self.state_ids.len()
+    }
+
+    /// Whether the state encoded to no tokens at all.
+    pub fn is_empty(&self) -> bool {
+        self.state_ids.is_empty()
+    }
+
+    /// Bytes of the prefix's tensors on its device: the attention layers' keys and values, the
+    /// DeltaNet layers' conv windows and recurrent states.
+    pub fn bytes(&self) -> usize {
+        let size = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        self.cache
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Attention { k, v } => k.iter().chain(v).map(size).sum(),
+                LayerCache::DeltaNet { conv, state } => size(conv) + size(state),
+            })
+            .sum()
+    }
+
+    /// The state's token ids.
+    pub fn state_ids(&self) -> &[u32] {
+        &self.state_ids
+    }
+}

@@ -1,0 +1,226 @@
+//! [`Executor`]: runs plans eagerly on the device — the backbone over a plan's pieces into caches,
+//! then the pointer head at the plan's positions.
+//!
+//! It holds only what running needs (no tokenizer, no checkpoint), so the CUDA graphs
+//! ([`crate::graphs`]) capture and replay its runs without knowing the model they serve.
+
+use candle_core::{Device, Tensor};
+use kev_core::{Result, Row};
+use kev_kernels::{RowIndex, SplitRows};
+
+use crate::device::backend_err;
+use crate::head::PointerHead;
+use crate::plan::{head_positions, pieces, split_logits, Piece, Plan};
+use crate::qwen35::{Cache, Model, Split};
+
+/// The backbone and the head, and the longest piece one forward pass runs.
+pub(crate) struct Executor {
+    model: Model,
+    head: PointerHead,
+    /// Longest piece one forward pass runs ([`kev_core::LoadOptions::prefill_chunk`]).
+    prefill_chunk: usize,
+}
+
+impl Executor {
+    pub(crate) fn new(model: Model, head: PointerHead, prefill_chunk: usize) -> Self {
+        Self {
+            model,
+            head,
+            prefill_chunk,
+        }
+    }
+
+    /// The backbone.
+    pub(crate) fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The pointer head.
+    pub(crate) fn head(&self) -> &PointerHead {
+        &self.head
+    }
+
+    /// The device everything runs on (the backbone's; the head was loaded onto it).
+    pub(crate) fn device(&self) -> &Device {
+        self.model.device()
+    }
+
+    /// The plan scoring `records` (each a state and its rows), cut to this executor's pieces.
+    pub(crate) fn plan(&self, records: Vec<(Vec<u32>, Vec<Row>)>) -> Plan {
+        Plan::new(records, self.prefill_chunk)
+    }
+
+    /// `seqs` right-padded into `[B, T]` and cut into pieces of at most `prefill_chunk` steps.
+    pub(crate) fn pieces<S: AsRef<[u32]>>(&self, seqs: &[S]) -> Vec<Piece> {
+        pieces(seqs, self.prefill_chunk)
+    }
+
+    /// The token ids of `piece` on the device (always a copy: they are a graph's inputs).
+    pub(crate) fn upload_ids(&self, piece: &Piece) -> Result<Tensor> {
+        Tensor::from_vec(
+            piece.ids.clone(),
+            (piece.lengths.len(), piece.width),
+            self.device(),
+        )
+        .map_err(backend_err("token ids"))
+    }
+
+    /// Every piece's token ids on the device.
+    pub(crate) fn upload_all<'a>(
+        &self,
+        pieces: impl IntoIterator<Item = &'a Piece>,
+    ) -> Result<Vec<Tensor>> {
+        pieces.into_iter().map(|p| self.upload_ids(p)).collect()
+    }
+
+    /// [`Executor::plan_logits`] with fresh uploads, read back.
+    pub(crate) fn plan_logits_eager(&self, plan: &Plan) -> Result<Vec<f32>> {
+        self.plan_logits(plan, &self.upload_all(plan.pieces())?)?
+            .to_vec1::<f32>()
+            .map_err(backend_err("pointer head"))
+    }
+
+    /// Runs `plan` with `ids` (one tensor per piece, [`Plan::pieces`] order) and returns all
+    /// options' logits `[M]` on the device, waiting for nothing.
+    pub(crate) fn plan_logits(&self, plan: &Plan, ids: &[Tensor]) -> Result<Tensor> {
+        if let ([state], [branches]) = (&plan.state[..], &plan.branches[..]) {
+            // One piece each (every state within `prefill_chunk`): one pass over the layers, the
+            // last layer's MLP only on the rows the head reads.
+            let (decide, opts, owner) = head_positions(&plan.rows, branches.width);
+            let picked: Vec<usize> = decide.iter().chain(&opts).map(|&i| i as usize).collect();
+            let hidden = SplitRows::new(
+                state.width,
+                state.lengths.clone(),
+                branches.width,
+                branches.lengths.clone(),
+                plan.owners.clone(),
+            )
+            .and_then(|rows| Split::new(rows, self.device()))
+            .and_then(|split| {
+                let picked = RowIndex::new(&picked, self.device())?;
+                self.model
+                    .forward_split(&ids[0], &ids[1], &split, Some(&picked))
+            })
+            .map_err(backend_err("backbone forward"))?;
+            let err = backend_err("pointer head");
+            let n = decide.len();
+            let decide = hidden.narrow(0, 0, n).map_err(&err)?;
+            let opts = hidden.narrow(0, n, opts.len()).map_err(&err)?;
+            return self
+                .head
+                .logits_on_device(&decide, &opts, &owner)
+                .map_err(&err);
+        }
+        let (state_ids, branch_ids) = ids.split_at(plan.state.len());
+        let cache = self.state_cache(plan.records, &plan.state, state_ids)?;
+        self.branch_logits(&cache, &plan.owners, &plan.branches, branch_ids, &plan.rows)
+    }
+
+    /// A fresh cache of `rows` rows after `pieces` (the states; none: an empty state).
+    pub(crate) fn state_cache(
+        &self,
+        rows: usize,
+        pieces: &[Piece],
+        ids: &[Tensor],
+    ) -> Result<Cache> {
+        let mut cache = self
+            .model
+            .new_cache(rows)
+            .map_err(backend_err("state cache"))?;
+        if !pieces.is_empty() {
+            self.run_pieces(pieces, ids, &mut cache)?;
+        }
+        Ok(cache)
+    }
+
+    /// `pieces` (the branches), row i continuing row `owners[i]` of `cache` (on a copy), then
+    /// the head: all options' logits `[M]` on the device.
+    pub(crate) fn branch_logits(
+        &self,
+        cache: &Cache,
+        owners: &[usize],
+        pieces: &[Piece],
+        ids: &[Tensor],
+        rows: &[Row],
+    ) -> Result<Tensor> {
+        let mut branch_cache = cache
+            .select_rows(owners)
+            .map_err(backend_err("copying the prefix cache"))?;
+        let hidden = self.run_pieces(pieces, ids, &mut branch_cache)?;
+        self.head_logits(&hidden, rows)
+    }
+
+    /// Each of `rows` run in row form: `state ++ branch` on its own from an empty cache, the
+    /// head read at its positions shifted past the state. The reference the prefix form is
+    /// checked against.
+    pub(crate) fn row_logits(&self, state: &[u32], rows: &[Row]) -> Result<Vec<Vec<f32>>> {
+        rows.iter()
+            .map(|row| {
+                let ids: Vec<u32> = state.iter().chain(&row.ids).copied().collect();
+                let mut cache = self.model.new_cache(1).map_err(backend_err("row form"))?;
+                let hidden = self.run(&[ids], &mut cache)?;
+                let shifted = Row {
+                    ids: row.ids.clone(),
+                    decide: row.decide + state.len(),
+                    opts: row.opts.iter().map(|o| o + state.len()).collect(),
+                };
+                Ok(self.read_head(&hidden, &[shifted])?.remove(0))
+            })
+            .collect()
+    }
+
+    /// Runs `seqs` after `cache` ([`Executor::pieces`]); returns the hidden states `[B, T, H]`.
+    fn run(&self, seqs: &[Vec<u32>], cache: &mut Cache) -> Result<Tensor> {
+        let pieces = self.pieces(seqs);
+        self.run_pieces(&pieces, &self.upload_all(&pieces)?, cache)
+    }
+
+    /// Runs `pieces` (their ids on the device in `ids`) one after the other through `cache`.
+    fn run_pieces(&self, pieces: &[Piece], ids: &[Tensor], cache: &mut Cache) -> Result<Tensor> {
+        let mut hidden = Vec::with_capacity(pieces.len());
+        for (piece, ids) in pieces.iter().zip(ids) {
+            let padded = piece.lengths.iter().any(|&l| l != piece.width);
+            let h = self
+                .model
+                .forward(ids, cache, padded.then_some(piece.lengths.as_slice()))
+                .map_err(backend_err("backbone forward"))?;
+            hidden.push(h);
+        }
+        if hidden.len() == 1 {
+            return Ok(hidden.remove(0));
+        }
+        Tensor::cat(&hidden, 1).map_err(backend_err("joining prefill pieces"))
+    }
+
+    /// Reads the head at each row's `decide` and `opts` positions of `hidden: [B, T, H]`.
+    fn read_head(&self, hidden: &Tensor, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
+        read_per_row(&self.head_logits(hidden, rows)?, rows)
+    }
+
+    /// All rows' option logits `[M]` (f32, on the device) from `hidden: [B, T, H]`.
+    fn head_logits(&self, hidden: &Tensor, rows: &[Row]) -> Result<Tensor> {
+        let err = backend_err("pointer head");
+        let (_, width, h) = hidden.dims3().map_err(&err)?;
+        let flat = hidden.reshape(((), h)).map_err(&err)?;
+        let (decide, opts, owner) = head_positions(rows, width);
+        let pick = |idx: Vec<u32>| -> candle_core::Result<Tensor> {
+            let n = idx.len();
+            flat.index_select(&kev_kernels::uploads::upload(idx, n, self.device())?, 0)
+        };
+        self.head
+            .logits_on_device(
+                &pick(decide).map_err(&err)?,
+                &pick(opts).map_err(&err)?,
+                &owner,
+            )
+            .map_err(&err)
+    }
+}
+
+/// All options' logits `[M]` (on the device, in row order) read back and cut per row.
+pub(crate) fn read_per_row(logits: &Tensor, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
+    let flat = logits
+        .to_vec1::<f32>()
+        .map_err(backend_err("pointer head"))?;
+    Ok(split_logits(&flat, rows))
+}
