@@ -1,8 +1,8 @@
 //! [`Executor`]: runs plans eagerly on the device — the backbone over a plan's pieces into caches,
 //! then the pointer head at the plan's positions.
 //!
-//! It holds only what running needs (no tokenizer, no checkpoint), so the CUDA graphs
-//! ([`crate::graphs`]) capture and replay its runs without knowing the model they serve.
+//! It holds only what running needs (no tokenizer, no checkpoint), so the CUDA graphs capture
+//! and replay its runs without knowing the model they serve.
 
 use candle_core::{Device, Tensor};
 use kev_core::{Result, Row};

@@ -25,7 +25,7 @@ impl PointerHead {
         temperature: f64,
         device: &Device,
     ) -> Result<Self> {
-        crate::weights::check_header(path)?;
+        crate::safetensors_header::check_header(path)?;
         let tensors = candle_core::safetensors::load(path, &Device::Cpu)
             .map_err(|e| Error::backend(format!("reading head `{}`", path.display()), e))?;
         let get = |name: &str, shape: &[usize]| -> Result<Tensor> {

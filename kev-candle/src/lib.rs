@@ -14,6 +14,7 @@ pub mod lora;
 mod plan;
 pub mod prefix_cache;
 pub mod qwen35;
+mod safetensors_header;
 pub mod weights;
 
 pub use decision::{state_pass_tokens, DecisionModel, EncodedRecord, Prefix, Prefixed};

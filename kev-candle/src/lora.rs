@@ -54,7 +54,7 @@ impl Adapter {
     /// tensors, and an adapter with no tensors at all.
     pub fn load(config_path: &Path, weights_path: &Path) -> Result<Self> {
         let config = AdapterConfig::load(config_path)?;
-        crate::weights::check_header(weights_path)?;
+        crate::safetensors_header::check_header(weights_path)?;
         let tensors = candle_core::safetensors::load(weights_path, &Device::Cpu)
             .map_err(|e| Error::backend(format!("reading `{}`", weights_path.display()), e))?;
         let tensors: BTreeMap<String, Tensor> = tensors.into_iter().collect();

@@ -1,6 +1,6 @@
 //! Planning prefix-form scoring: which token ids each forward runs, in which rows, and where the
-//! head reads. Plans are host data only, so the eager executor ([`crate::executor`]) and the CUDA
-//! graphs ([`crate::graphs`]) run the same plan the same way.
+//! head reads. Plans are host data only, so the eager executor and the CUDA graphs run the same
+//! plan the same way.
 
 use kev_core::Row;
 
