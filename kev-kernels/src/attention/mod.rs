@@ -5,14 +5,18 @@
 //! Rounding follows HF's PyTorch code (eager attention): the norm output, the rotation's
 //! products and sum, the scaled scores and the gate are held in the activation dtype.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
 };
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32};
-use crate::rows::{rounder, strided4, whole_f32};
+use crate::backend::cpu::{as_f32, from_f32};
+use crate::backend::cuda::sources::ROPE_MAX_HEAD_DIM;
+use crate::layout::rows::{rounder, strided4, whole_f32};
 
 /// Zero-centred q/k norm, then RoPE on the first `rot` dims; `[B, T, H, hd]` → `[B, H, T, hd]`.
 pub(crate) struct QkNormRope {
@@ -79,7 +83,7 @@ impl CustomOp3 for QkNormRope {
         cl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (b_sz, t_len, heads, hd) = xl.shape().dims4()?;
-        let out = crate::cuda::qk_norm_rope(self, xs, xl, ws, wl, cs, cl)?;
+        let out = cuda::qk_norm_rope(self.eps, xs, xl, ws, wl, cs, cl)?;
         Ok((out, Shape::from((b_sz, heads, t_len, hd))))
     }
 }
@@ -138,7 +142,7 @@ impl CustomOp2 for CausalSoftmax {
         ms: &candle_core::CudaStorage,
         ml: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::causal_softmax(self, ss, sl, ms, ml)?;
+        let out = cuda::causal_softmax(self.scale, ss, sl, ms, ml)?;
         Ok((out, sl.shape().clone()))
     }
 }
@@ -185,7 +189,7 @@ impl CustomOp2 for AttentionGate {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
-        let out = crate::cuda::attention_gate(os, ol, gs, gl)?;
+        let out = cuda::attention_gate(os, ol, gs, gl)?;
         Ok((out, Shape::from((b_sz, t_len, heads * hd))))
     }
 }
@@ -221,7 +225,7 @@ pub fn qk_norm_rope(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Resu
             x.dtype()
         )
     }
-    if x.device().is_metal() || hd > 512 {
+    if x.device().is_metal() || hd > ROPE_MAX_HEAD_DIM {
         return qk_norm_rope_ref(x, w1, cos_sin, eps);
     }
     last_dim_contiguous(x)?.apply_op3_no_bwd(
@@ -302,7 +306,7 @@ impl CustomOp3 for AttentionGateJoin {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (n, heads, hd) = gl.shape().dims3()?;
-        let out = crate::cuda::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
+        let out = cuda::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
         Ok((out, Shape::from((n, heads * hd))))
     }
 }

@@ -1,12 +1,15 @@
 //! SwiGLU on a packed `[gate | up]` tensor: the MLP's gate and up projections run as one
 //! matmul, and this op reads both halves in place.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32, silu_in_place};
-use crate::rows::rounder;
+use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
+use crate::layout::rows::rounder;
 
 /// The op on a contiguous `[.., 2·I]` input.
 pub(crate) struct SwiGlu;
@@ -48,7 +51,7 @@ impl CustomOp1 for SwiGlu {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::swiglu(s, l)?, out_shape(l)))
+        Ok((cuda::swiglu(s, l)?, out_shape(l)))
     }
 }
 

@@ -1,12 +1,15 @@
 //! The per-step gates of a Gated DeltaNet layer in one op: from the `b` and `a` projections to
 //! the `(g, β)` pairs the delta rule reads (docs/BACKBONE.md §3 step 4), instead of ~13 tensor ops.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::as_f32;
-use crate::rows::{as_rows, rounder, rows};
+use crate::backend::cpu::as_f32;
+use crate::layout::rows::{as_rows, rounder, rows};
 
 /// The op: inputs `ba` (`[.., 2·Hv]` rows, `b` then `a`), `dt_bias` and `neg_a` (f32 `[Hv]`).
 pub(crate) struct Gates;
@@ -68,7 +71,7 @@ impl CustomOp3 for Gates {
         ns: &candle_core::CudaStorage,
         nl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::gates(bas, bal, ds, dl, ns, nl)?;
+        let out = cuda::gates(bas, bal, ds, dl, ns, nl)?;
         Ok((out, out_shape(bal)?))
     }
 }

@@ -5,14 +5,17 @@
 //! Rounding follows HF's PyTorch code: statistics and products in f32, results rounded to the
 //! activation dtype where PyTorch holds a tensor in it.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
 };
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32, silu_in_place};
-use crate::rows::{as_rows, rounder, rows};
+use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
+use crate::layout::rows::{as_rows, rounder, rows};
 
 /// Zero-centred RMSNorm, `x̂·w1` with `w1 = 1 + w` (f32), optionally after a residual add.
 pub(crate) struct RmsNorm {
@@ -80,7 +83,7 @@ impl CustomOp2 for RmsNorm {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::rms_norm(self, xs, xl, None, ws, wl)?;
+        let out = cuda::rms_norm(self.eps, xs, xl, None, ws, wl)?;
         Ok((out, xl.shape().clone()))
     }
 }
@@ -119,7 +122,7 @@ impl CustomOp3 for AddRmsNorm {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::rms_norm(&self.0, xs, xl, Some((hs, hl)), ws, wl)?;
+        let out = cuda::rms_norm(self.0.eps, xs, xl, Some((hs, hl)), ws, wl)?;
         Ok((out, stacked(xl)))
     }
 }
@@ -178,7 +181,7 @@ impl CustomOp3 for GatedRmsNorm {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::gated_rms_norm(self, xs, xl, zs, zl, ws, wl)?;
+        let out = cuda::gated_rms_norm(self.eps, xs, xl, zs, zl, ws, wl)?;
         Ok((out, xl.shape().clone()))
     }
 }
