@@ -17,7 +17,13 @@ pub(crate) fn qk_norm_rope(
     cs: &CudaStorage,
     cl: &Layout,
 ) -> Result<CudaStorage> {
-    let k = Kernel::for_dtype(&ATTENTION, xs.device(), "qknorm_rope", xs.dtype(), "qk-norm-rope")?;
+    let k = Kernel::for_dtype(
+        &ATTENTION,
+        xs.device(),
+        "qknorm_rope",
+        xs.dtype(),
+        "qk-norm-rope",
+    )?;
     let (b_sz, t_len, heads, hd) = xl.shape().dims4()?;
     let (off, [sb, st, sh]) = strided4(xl, "qk-norm-rope input")?;
     let (w0, w1) = contiguous(wl, "qk-norm-rope weight")?;
@@ -59,7 +65,13 @@ pub(crate) fn causal_softmax(
     ms: &CudaStorage,
     ml: &Layout,
 ) -> Result<CudaStorage> {
-    let k = Kernel::for_dtype(&ATTENTION, ss.device(), "causal_softmax", ss.dtype(), "causal-softmax")?;
+    let k = Kernel::for_dtype(
+        &ATTENTION,
+        ss.device(),
+        "causal_softmax",
+        ss.dtype(),
+        "causal-softmax",
+    )?;
     let (b_sz, groups, t_len, s_len) = sl.shape().dims4()?;
     let (s0, s1) = contiguous(sl, "causal-softmax scores")?;
     let (m0, m1) = contiguous(ml, "causal-softmax key bias")?;
@@ -164,7 +176,13 @@ fn gate_launches(
     hd: usize,
 ) -> Result<CudaStorage> {
     let dtype = gs.dtype();
-    let k = Kernel::for_dtype(&ATTENTION, gs.device(), "attn_gate", dtype, "attention-gate")?;
+    let k = Kernel::for_dtype(
+        &ATTENTION,
+        gs.device(),
+        "attn_gate",
+        dtype,
+        "attention-gate",
+    )?;
     let row = heads * hd;
     let total: usize = parts.iter().map(|p| p.rows.0 * p.rows.1 * row).sum();
     by_dtype!(dtype, "attention-gate", |T| {

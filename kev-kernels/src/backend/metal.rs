@@ -30,7 +30,11 @@ type LibraryCache = HashMap<(DeviceId, &'static str), Library>;
 type PipelineCache = HashMap<(DeviceId, String), ComputePipeline>;
 
 /// The pipeline of entry point `function` of `source` on `dev`, compiled on first use.
-pub(crate) fn pipeline(dev: &MetalDevice, source: &Source, function: &str) -> Result<ComputePipeline> {
+pub(crate) fn pipeline(
+    dev: &MetalDevice,
+    source: &Source,
+    function: &str,
+) -> Result<ComputePipeline> {
     static LIBRARIES: OnceLock<Mutex<LibraryCache>> = OnceLock::new();
     static PIPELINES: OnceLock<Mutex<PipelineCache>> = OnceLock::new();
     let key = (dev.id(), function.to_string());

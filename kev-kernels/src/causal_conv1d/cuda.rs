@@ -27,7 +27,13 @@ pub(crate) fn causal_conv1d(
             ws.dtype()
         )
     }
-    let k = Kernel::for_dtype(&CAUSAL_CONV1D, xs.device(), "conv", xs.dtype(), "causal-conv1d")?;
+    let k = Kernel::for_dtype(
+        &CAUSAL_CONV1D,
+        xs.device(),
+        "conv",
+        xs.dtype(),
+        "causal-conv1d",
+    )?;
     let (b_sz, padded, channels) = xl.shape().dims3()?;
     let seq_len = padded + 1 - kernel_size;
     let (x0, x1) = contiguous(xl, "causal-conv1d input")?;
@@ -83,7 +89,13 @@ pub(crate) fn causal_conv1d_split(
     ws: &CudaStorage,
     wl: &Layout,
 ) -> Result<CudaStorage> {
-    let k = Kernel::for_dtype(&CAUSAL_CONV1D, ss.device(), "conv_split", ss.dtype(), "causal-conv1d")?;
+    let k = Kernel::for_dtype(
+        &CAUSAL_CONV1D,
+        ss.device(),
+        "conv_split",
+        ss.dtype(),
+        "causal-conv1d",
+    )?;
     let (states, s_len, channels) = sl.shape().dims3()?;
     let (b_sz, t_len, _) = bl.shape().dims3()?;
     let kernel = wl.dims()[1];
@@ -135,7 +147,13 @@ pub(crate) fn causal_conv1d_cached(
     ws: &CudaStorage,
     wl: &Layout,
 ) -> Result<CudaStorage> {
-    let k = Kernel::for_dtype(&CAUSAL_CONV1D, xs.device(), "conv_cached", xs.dtype(), "causal-conv1d")?;
+    let k = Kernel::for_dtype(
+        &CAUSAL_CONV1D,
+        xs.device(),
+        "conv_cached",
+        xs.dtype(),
+        "causal-conv1d",
+    )?;
     let (b_sz, seq_len, channels) = xl.shape().dims3()?;
     let kernel = wl.dims()[1];
     let xv = rows(xl, "causal-conv1d input")?;

@@ -54,14 +54,8 @@ impl CustomOp3 for FlashAttention {
         vl: &candle_core::Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         let past = self.past.as_ref().map(|(k, v, i)| [k, v, i]);
-        let out = cuda::flash_attention(
-            (qs, ql),
-            (ks, kl),
-            (vs, vl),
-            past,
-            &self.bias,
-            self.scale,
-        )?;
+        let out =
+            cuda::flash_attention((qs, ql), (ks, kl), (vs, vl), past, &self.bias, self.scale)?;
         Ok((out, ql.shape().clone()))
     }
 }

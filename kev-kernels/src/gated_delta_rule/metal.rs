@@ -98,11 +98,7 @@ pub(crate) fn gated_delta_rule(
     }
 
     let dev = state.device().clone();
-    let pipeline = pipeline(
-        &dev,
-        &SOURCE,
-        &format!("gated_delta_rule_{suffix}_nk{nk}"),
-    )?;
+    let pipeline = pipeline(&dev, &SOURCE, &format!("gated_delta_rule_{suffix}_nk{nk}"))?;
     let width = pipeline.as_ref().threadExecutionWidth();
     if width != SIMD_WIDTH {
         bail!("gated-delta-rule: the kernel needs {SIMD_WIDTH}-wide simdgroups, this GPU runs {width}")

@@ -338,4 +338,3 @@ pub fn gated_delta_rule_as(
     let shape = Shape::from((b_sz, seq_len, dims.num_v_heads, dims.head_v_dim));
     Ok(Tensor::from((out, shape)))
 }
-

@@ -63,7 +63,6 @@ pub(crate) struct GdrSplit {
     pub(crate) conv: Option<Tensor>,
 }
 
-
 /// The op: one in-place destination (the state), `o` handed back through `out`.
 /// Fields are what every backend's kernel needs.
 pub(crate) struct GatedDeltaRule {
@@ -100,7 +99,6 @@ impl GatedDeltaRule {
             .expect("gated-delta-rule output slot poisoned") = Some(storage);
     }
 }
-
 
 /// The shapes and dtypes of [`super::gated_delta_rule`]'s inputs; returns `(B, T)`.
 pub(crate) fn check(
@@ -151,4 +149,3 @@ pub(crate) fn check(
     }
     Ok((b_sz, seq_len))
 }
-

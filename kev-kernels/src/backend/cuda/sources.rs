@@ -298,7 +298,9 @@ mod tests {
             }
             let options = source.define_options();
             assert_eq!(options.len(), given.len());
-            assert!(options.iter().all(|o| o.starts_with("-D") && o.contains('=')));
+            assert!(options
+                .iter()
+                .all(|o| o.starts_with("-D") && o.contains('=')));
             assert!(text.starts_with(COMMON));
             assert_eq!(text.contains(MMA), source.tensor_cores, "{}", source.file);
             assert!(text.ends_with(source.body));
