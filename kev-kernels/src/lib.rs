@@ -33,9 +33,9 @@
 //!
 //! Each op is a folder: its API, checks and the fallback it composes in `mod.rs`, its plain
 //! tensor reference, its backends side by side (`cpu.rs`, `cuda.rs`, `metal.rs`, where it has
-//! them) and their kernel sources (`*.cu`, `*.metal`). Below them, [`backend`] holds what the
+//! them) and their kernel sources (`*.cu`, `*.metal`). Below them, `backend` holds what the
 //! backends share (the CUDA source registry and compiler, launch helpers, GPU capabilities, the
-//! device memory pool, the Metal pipelines) and imports no op; [`layout`] the row and split
+//! device memory pool, the Metal pipelines) and imports no op; `layout` the row and split
 //! layouts several ops read.
 
 /// The `cpu_fwd` of a custom op that only CUDA runs (its wrapper composes other ops on the
