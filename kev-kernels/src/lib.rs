@@ -30,6 +30,13 @@
 //!   picked rows each followed by rows of their own, for a branch's attention keys and values.
 //!
 //! No op knows anything about Qwen: shapes and head counts are explicit arguments.
+//!
+//! Each op is a folder: its API, checks and the fallback it composes in `mod.rs`, its plain
+//! tensor reference, its backends side by side (`cpu.rs`, `cuda.rs`, `metal.rs`, where it has
+//! them) and their kernel sources (`*.cu`, `*.metal`). Below them, `backend` holds what the
+//! backends share (the CUDA source registry and compiler, launch helpers, GPU capabilities, the
+//! device memory pool, the Metal pipelines) and imports no op; `layout` the row and split
+//! layouts several ops read.
 
 /// The `cpu_fwd` of a custom op that only CUDA runs (its wrapper composes other ops on the
 /// other backends, so the CPU never reaches it): an error with `$msg`. One `storage layout` pair
@@ -45,23 +52,38 @@ macro_rules! cuda_only_cpu_fwd {
     };
 }
 
+/// Launches on `dtype` storages: `$body` runs with `$t` bound to the element type.
+#[cfg(feature = "cuda")]
+macro_rules! by_dtype {
+    ($dtype:expr, $op:expr, |$t:ident| $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            candle_core::DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            candle_core::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            other => candle_core::bail!("{}: unsupported dtype {other:?} on CUDA", $op),
+        }
+    };
+}
+
 mod attention;
+mod backend;
 mod bf16_gemm;
 mod causal_conv1d;
-mod chunked;
-mod cpu;
-#[cfg(feature = "cuda")]
-mod cuda;
-mod flash_attn;
+mod flash_attention;
 mod gated_delta_rule;
 mod gates;
 mod gather;
-mod gdr_cpu;
-#[cfg(feature = "metal")]
-mod metal;
+mod layout;
 mod norm;
-mod rows;
-mod split;
 mod swiglu;
 #[doc(hidden)]
 pub mod testing;
@@ -71,21 +93,23 @@ pub use attention::{
     attention_gate, attention_gate_join, attention_gate_ref, causal_softmax, causal_softmax_ref,
     qk_norm_rope, qk_norm_rope_ref,
 };
+#[cfg(feature = "cuda")]
+pub use backend::cuda::{
+    keep_device_memory, pool_peak_bytes, profiler_range, release_device_memory,
+};
 pub use bf16_gemm::{bf16_gemm_available, PackedBf16};
 pub use causal_conv1d::{
     causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_cached_view,
     causal_conv1d_ref, causal_conv1d_split,
 };
-pub use chunked::{gated_delta_rule_chunked, CHUNK};
-#[cfg(feature = "cuda")]
-pub use cuda::{keep_device_memory, pool_peak_bytes, profiler_range, release_device_memory};
-pub use flash_attn::{flash_attention, flash_attention_fills_gpu, FlashPast, FLASH_HEAD_DIM};
+pub use flash_attention::{flash_attention, flash_attention_fills_gpu, FlashPast, FLASH_HEAD_DIM};
 pub use gated_delta_rule::{
-    conv_gated_delta_rule_split, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_recurrent,
-    gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,
+    conv_gated_delta_rule_split, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_chunked,
+    gated_delta_rule_recurrent, gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm,
+    CHUNK, CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{gather_cat, gather_rows, RowIndex};
+pub use layout::split::SplitRows;
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
-pub use split::SplitRows;
 pub use swiglu::{swiglu, swiglu_ref};

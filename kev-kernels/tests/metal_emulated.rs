@@ -1,5 +1,5 @@
 //! The Metal kernels' logic, run on the CPU: compiles `tests/metal_emu/run_kernels.cpp` (which
-//! includes the unchanged `src/kernels/*.metal` against our stand-in `<metal_stdlib>`) with clang
+//! includes the unchanged `src/<op>/*.metal` against our stand-in `<metal_stdlib>`) with clang
 //! and runs it. The driver compares each kernel with a double-precision loop and exits non-zero
 //! beyond tolerance. See `tests/metal_emu/README.md` for what this does and does not check.
 //!

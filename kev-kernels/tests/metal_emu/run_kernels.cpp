@@ -5,7 +5,7 @@
 //   clang++ -std=c++20 -O1 -Wno-unknown-attributes -I tests/metal_emu/include \
 //       tests/metal_emu/run_kernels.cpp -o run_kernels && ./run_kernels [--seed N]
 //
-// The launches mirror src/metal.rs: entry point names, variant choice (NK), grid and threadgroup
+// The launches mirror src/<op>/metal.rs: entry point names, variant choice (NK), grid and threadgroup
 // sizes, and the parameter structs.
 
 #include "metal_stdlib_emu.h"
@@ -17,14 +17,14 @@
 
 // Each source in its own namespace: both define the same small dtype helpers.
 namespace gdr {
-#include "../../src/kernels/gated_delta_rule.metal"
+#include "../../src/gated_delta_rule/gated_delta_rule.metal"
 }
 namespace conv {
-#include "../../src/kernels/causal_conv1d.metal"
+#include "../../src/causal_conv1d/causal_conv1d.metal"
 }
 
 // ---------------------------------------------------------------- the host's launch constants
-// (src/metal.rs: GDR_COLUMNS_PER_GROUP, SIMD_WIDTH, CONV_THREADS_PER_GROUP, GDR_MAX_DK)
+// (src/gated_delta_rule/metal.rs: GDR_COLUMNS_PER_GROUP, SIMD_WIDTH, GDR_MAX_DK; src/causal_conv1d/metal.rs: CONV_THREADS_PER_GROUP)
 constexpr uint GDR_COLS = 4;
 constexpr uint SIMD_W = 32;
 constexpr uint CONV_THREADS = 256;
@@ -236,7 +236,7 @@ struct GdrOut {
     std::vector<double> state;
 };
 
-/// One launch as src/metal.rs makes it. `state` is read and updated in place.
+/// One launch as src/<op>/metal.rs makes it. `state` is read and updated in place.
 template <class T>
 static GdrOut gdr_emu(const GdrShape& s, const std::vector<float>& qkv_f, const std::vector<float>& gb_f,
                       std::vector<float>& state, const std::vector<uint>& lengths_in) {

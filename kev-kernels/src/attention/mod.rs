@@ -5,14 +5,19 @@
 //! Rounding follows HF's PyTorch code (eager attention): the norm output, the rotation's
 //! products and sum, the scaled scores and the gate are held in the activation dtype.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+mod reference;
+
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
-};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32};
-use crate::rows::{rounder, strided4, whole_f32};
+use crate::backend::cpu::{as_f32, from_f32};
+use crate::backend::cuda::sources::ROPE_MAX_HEAD_DIM;
+use crate::layout::rows::{rounder, strided4, whole_f32};
+
+pub use reference::{attention_gate_ref, causal_softmax_ref, qk_norm_rope_ref};
 
 /// Zero-centred q/k norm, then RoPE on the first `rot` dims; `[B, T, H, hd]` → `[B, H, T, hd]`.
 pub(crate) struct QkNormRope {
@@ -79,7 +84,7 @@ impl CustomOp3 for QkNormRope {
         cl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (b_sz, t_len, heads, hd) = xl.shape().dims4()?;
-        let out = crate::cuda::qk_norm_rope(self, xs, xl, ws, wl, cs, cl)?;
+        let out = cuda::qk_norm_rope(self.eps, xs, xl, ws, wl, cs, cl)?;
         Ok((out, Shape::from((b_sz, heads, t_len, hd))))
     }
 }
@@ -138,7 +143,7 @@ impl CustomOp2 for CausalSoftmax {
         ms: &candle_core::CudaStorage,
         ml: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::causal_softmax(self, ss, sl, ms, ml)?;
+        let out = cuda::causal_softmax(self.scale, ss, sl, ms, ml)?;
         Ok((out, sl.shape().clone()))
     }
 }
@@ -185,7 +190,7 @@ impl CustomOp2 for AttentionGate {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
-        let out = crate::cuda::attention_gate(os, ol, gs, gl)?;
+        let out = cuda::attention_gate(os, ol, gs, gl)?;
         Ok((out, Shape::from((b_sz, t_len, heads * hd))))
     }
 }
@@ -221,7 +226,7 @@ pub fn qk_norm_rope(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Resu
             x.dtype()
         )
     }
-    if x.device().is_metal() || hd > 512 {
+    if x.device().is_metal() || hd > ROPE_MAX_HEAD_DIM {
         return qk_norm_rope_ref(x, w1, cos_sin, eps);
     }
     last_dim_contiguous(x)?.apply_op3_no_bwd(
@@ -302,7 +307,7 @@ impl CustomOp3 for AttentionGateJoin {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (n, heads, hd) = gl.shape().dims3()?;
-        let out = crate::cuda::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
+        let out = cuda::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
         Ok((out, Shape::from((n, heads * hd))))
     }
 }
@@ -356,53 +361,4 @@ pub fn attention_gate_join(o_s: &Tensor, o_b: &Tensor, gate: &Tensor) -> Result<
             0,
         ),
     }
-}
-
-/// [`qk_norm_rope`] with plain tensor ops (the test reference, and the Metal path).
-pub fn qk_norm_rope_ref(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Result<Tensor> {
-    let n = crate::norm::rms_norm_ref(x, w1, eps)?.transpose(1, 2)?; // [B, H, T, hd]
-    let (hd, rot) = (n.dim(D::Minus1)?, cos_sin.dim(D::Minus1)?);
-    let (cos, sin) = (cos_sin.get(0)?.unsqueeze(1)?, cos_sin.get(1)?.unsqueeze(1)?);
-    let part = n.narrow(D::Minus1, 0, rot)?;
-    let (x1, x2) = (
-        part.narrow(D::Minus1, 0, rot / 2)?,
-        part.narrow(D::Minus1, rot / 2, rot / 2)?,
-    );
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    let out = (part.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?;
-    let out = if rot == hd {
-        out
-    } else {
-        Tensor::cat(&[&out, &n.narrow(D::Minus1, rot, hd - rot)?], D::Minus1)?
-    };
-    out.contiguous()
-}
-
-/// [`causal_softmax`] with plain tensor ops (the test reference, and the Metal path). The causal
-/// part is built on the device from two index ranges (no `[T, S]` host loop per layer); hidden
-/// keys get `f32::MIN`, whose exponential is exactly 0 as −∞'s is.
-pub fn causal_softmax_ref(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<Tensor> {
-    let (_, _, t_len, s_len) = scores.dims4()?;
-    let dev = scores.device();
-    let keys = Tensor::arange(0u32, s_len as u32, dev)?.reshape((1, s_len))?;
-    let last_seen =
-        Tensor::arange((s_len - t_len) as u32, s_len as u32, dev)?.reshape((t_len, 1))?;
-    let causal = (keys.broadcast_gt(&last_seen)?.to_dtype(DType::F32)? * f64::from(f32::MIN))?;
-    let s = (scores * scale)?.to_dtype(DType::F32)?;
-    let s = s
-        .broadcast_add(&key_bias.unsqueeze(1)?.unsqueeze(1)?)?
-        .broadcast_add(&causal)?;
-    let max = s.max_keepdim(D::Minus1)?;
-    let e = s.broadcast_sub(&max)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?
-        .to_dtype(scores.dtype())
-}
-
-/// [`attention_gate`] with plain tensor ops (the test reference, and the Metal path).
-pub fn attention_gate_ref(o: &Tensor, gate: &Tensor) -> Result<Tensor> {
-    let (b_sz, heads, t_len, hd) = o.dims4()?;
-    let g = gate.to_dtype(DType::F32)?;
-    let sig = (g.neg()?.exp()? + 1.0)?.recip()?.to_dtype(o.dtype())?;
-    let o = o.transpose(1, 2)?;
-    (o * sig)?.reshape((b_sz, t_len, heads * hd))
 }

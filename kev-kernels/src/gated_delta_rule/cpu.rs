@@ -8,7 +8,77 @@
 //! 128 × 128) does not fit there, and walking it twice per step made this loop ~10 % of a CPU
 //! request.
 
-use crate::gated_delta_rule::L2NORM_EPS;
+use candle_core::{bail, CpuStorage, Layout, Result, Storage};
+use rayon::prelude::*;
+
+use super::op::{GatedDeltaRule, GdrDims};
+use crate::backend::cpu::{as_f32, from_f32};
+use crate::backend::cuda::sources::L2NORM_EPS;
+
+/// The op's CPU forward: every (row, value head) in parallel, `o` handed back through the op.
+pub(crate) fn gated_delta_rule(
+    op: &GatedDeltaRule,
+    state: &mut CpuStorage,
+    sl: &Layout,
+    qkv: &CpuStorage,
+    ql: &Layout,
+    gb: &CpuStorage,
+    gl: &Layout,
+) -> Result<()> {
+    let GdrDims {
+        num_k_heads: hk,
+        num_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+    } = op.dims;
+    let (b_sz, seq_len) = (op.b_sz, op.seq_len);
+    let channels = op.dims.channels();
+    let qkv = as_f32(qkv, ql, "gated-delta-rule qkv")?;
+    let gb = as_f32(gb, gl, "gated-delta-rule gates")?;
+    let Some((s_start, s_end)) = sl.contiguous_offsets() else {
+        bail!("gated-delta-rule: state must be contiguous")
+    };
+    let CpuStorage::F32(state) = state else {
+        bail!("gated-delta-rule: state must be f32")
+    };
+    let state = &mut state[s_start..s_end];
+    let group = hv / hk;
+    let scale = 1.0 / (dk as f32).sqrt();
+
+    let outs: Vec<Vec<f32>> = state
+        .par_chunks_mut(dk * dv)
+        .enumerate()
+        .map(|(bh, s)| {
+            let (b, h) = (bh / hv, bh % hv);
+            let head = Head {
+                qkv: &qkv[b * seq_len * channels..][..seq_len * channels],
+                gb: &gb[b * seq_len * hv * 2..][..seq_len * hv * 2],
+                len: (op.lengths[b] as usize).min(seq_len),
+                seq_len,
+                channels,
+                h,
+                q_at: (h / group) * dk,
+                k_at: (hk + h / group) * dk,
+                v_at: 2 * hk * dk + h * dv,
+                hv,
+                dk,
+                dv,
+                scale,
+            };
+            head.run(s)
+        })
+        .collect();
+
+    let mut out = vec![0f32; b_sz * seq_len * hv * dv];
+    for (bh, o) in outs.iter().enumerate() {
+        let (b, h) = (bh / hv, bh % hv);
+        for t in 0..seq_len {
+            out[((b * seq_len + t) * hv + h) * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
+        }
+    }
+    op.set_output(Storage::Cpu(from_f32(out, op.out_dtype)?));
+    Ok(())
+}
 
 /// One (batch row, value head) of the CPU recurrence: its inputs and where its parts start.
 pub(crate) struct Head<'a> {

@@ -17,7 +17,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
-use crate::gated_delta_rule::{GdrDims, L2NORM_EPS};
+use super::op::GdrDims;
+use crate::backend::cuda::sources::L2NORM_EPS;
 
 /// Chunk length (HF, FLA and llama.cpp use 64).
 pub const CHUNK: usize = 64;

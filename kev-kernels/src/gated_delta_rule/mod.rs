@@ -13,76 +13,26 @@
 //! row's length (right padding of a batch) are skipped: the state is left untouched and the
 //! output is zero.
 
+mod chunked;
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "metal")]
+mod metal;
+mod op;
+mod reference;
+
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor, D};
-use rayon::prelude::*;
+use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Tensor};
 
-use crate::cpu::{as_f32, from_f32};
-use crate::gdr_cpu::Head;
-use crate::rows::{as_rows, Rows};
-use crate::split::SplitRows;
+use crate::layout::rows::{as_rows, Rows};
+use crate::layout::split::SplitRows;
+use op::{check, GatedDeltaRule, GdrSplit};
 
-/// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
-/// preparation kernel per chunk of 32 steps, then a scan over the chunks) instead of the
-/// step-by-step one, for bf16 and f16 models (f32 always runs step by step). One chunk: measured
-/// with `gdr_bench` on the H200, the chunked form is faster from a single chunk on for every
-/// Qwen3.5 shape, and within a CUDA graph its extra launch costs nothing (BENCHMARKS.md).
-pub const CHUNKED_MIN_LEN: usize = 32;
-
-/// Whether [`GdrForm::Auto`] takes the chunked kernels for `seq_len` steps.
-fn auto_prefers_chunked(seq_len: usize) -> bool {
-    seq_len >= CHUNKED_MIN_LEN
-}
-
-/// Which algorithm runs the recurrence, for backends that have both (CUDA, Dk ≤ 128); the others
-/// always run step by step. Both give the same results up to f32 rounding.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GdrForm {
-    /// Chunked from [`CHUNKED_MIN_LEN`] steps on, step by step below.
-    #[default]
-    Auto,
-    /// Step by step: T dependent steps, each one small.
-    Recurrent,
-    /// Chunked: T/32 dependent rounds of small dense products.
-    Chunked,
-}
-
-/// The l2norm epsilon, added to Σx² (HF `l2norm`, FLA); the CUDA kernels' `L2NORM_EPS` in
-/// `kernels/common.cuh` must equal it.
-pub(crate) const L2NORM_EPS: f32 = 1e-6;
-
-/// Head counts and sizes of one Gated DeltaNet layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GdrDims {
-    /// Number of query/key heads (Hk).
-    pub num_k_heads: usize,
-    /// Number of value heads (Hv), a multiple of Hk: one recurrent state per value head.
-    pub num_v_heads: usize,
-    /// Query/key head size (Dk).
-    pub head_k_dim: usize,
-    /// Value head size (Dv).
-    pub head_v_dim: usize,
-}
-
-impl GdrDims {
-    /// Channels of the packed `[q | k | v]` input: 2·Hk·Dk + Hv·Dv.
-    pub fn channels(&self) -> usize {
-        2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
-    }
-}
-
-/// The op of [`gated_delta_rule_split`] and [`conv_gated_delta_rule_split`]: inputs the states'
-/// `[q | k | v]` rows, the branches' and the packed gates; output the packed `o`. CUDA only:
-/// elsewhere the wrappers return `None` and their callers compose.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct GdrSplit {
-    pub(crate) dims: GdrDims,
-    pub(crate) rows: SplitRows,
-    /// The conv weight `[C, 4]` (contiguous) when the inputs are the raw `in_proj` rows, run
-    /// through the causal conv + SiLU inside the preparation.
-    pub(crate) conv: Option<Tensor>,
-}
+pub use chunked::{gated_delta_rule_chunked, CHUNK};
+pub use op::{GdrDims, GdrForm, CHUNKED_MIN_LEN};
+pub use reference::gated_delta_rule_ref;
 
 impl candle_core::CustomOp3 for GdrSplit {
     fn name(&self) -> &'static str {
@@ -101,7 +51,7 @@ impl candle_core::CustomOp3 for GdrSplit {
         gb: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::cuda::gated_delta_rule_split(self, qa, la, qb, lb, gb, lg)
+        cuda::gated_delta_rule_split(self, qa, la, qb, lb, gb, lg)
     }
 }
 
@@ -268,52 +218,15 @@ fn split_applies(
 fn fused_split_applies(x: &Tensor, dims: GdrDims, s_len: usize, width: usize) -> bool {
     x.device().is_cuda()
         && x.dtype() != DType::F32
-        && crate::cuda::has_tensor_cores(x.device())
+        && crate::backend::cuda::gpu::has_tensor_cores(x.device())
         && dims.head_k_dim.max(dims.head_v_dim) <= 128
-        && auto_prefers_chunked(s_len)
-        && auto_prefers_chunked(width)
+        && op::auto_prefers_chunked(s_len)
+        && op::auto_prefers_chunked(width)
 }
 
 #[cfg(not(feature = "cuda"))]
 fn fused_split_applies(_: &Tensor, _: GdrDims, _: usize, _: usize) -> bool {
     false
-}
-
-/// The op: one in-place destination (the state), `o` handed back through `out`.
-/// Fields are what every backend's kernel needs.
-pub(crate) struct GatedDeltaRule {
-    pub(crate) dims: GdrDims,
-    pub(crate) b_sz: usize,
-    pub(crate) seq_len: usize,
-    /// Real steps per row (`seq_len` where the row is not padded).
-    pub(crate) lengths: Vec<u32>,
-    /// dtype of `o` (the dtype of `qkv`).
-    pub(crate) out_dtype: DType,
-    pub(crate) form: GdrForm,
-    pub(crate) out: Mutex<Option<Storage>>,
-}
-
-impl GatedDeltaRule {
-    /// Whether a backend with a chunked kernel should run it.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn chunked(&self) -> bool {
-        match self.form {
-            // f32 is the exact path: the chunked form rounds differently (cumulative decays, the
-            // triangular inverse), measured 1.4e-5 on a probability of the test model at its
-            // largest LoRA scale against transformers, over the 1e-5 parity bound.
-            GdrForm::Auto => self.out_dtype != DType::F32 && auto_prefers_chunked(self.seq_len),
-            GdrForm::Recurrent => false,
-            GdrForm::Chunked => true,
-        }
-    }
-
-    /// Hands `o` back to the wrapper.
-    pub(crate) fn set_output(&self, storage: Storage) {
-        *self
-            .out
-            .lock()
-            .expect("gated-delta-rule output slot poisoned") = Some(storage);
-    }
 }
 
 impl InplaceOp3 for GatedDeltaRule {
@@ -330,59 +243,7 @@ impl InplaceOp3 for GatedDeltaRule {
         gb: &CpuStorage,
         gl: &Layout,
     ) -> Result<()> {
-        let GdrDims {
-            num_k_heads: hk,
-            num_v_heads: hv,
-            head_k_dim: dk,
-            head_v_dim: dv,
-        } = self.dims;
-        let (b_sz, seq_len) = (self.b_sz, self.seq_len);
-        let channels = self.dims.channels();
-        let qkv = as_f32(qkv, ql, "gated-delta-rule qkv")?;
-        let gb = as_f32(gb, gl, "gated-delta-rule gates")?;
-        let Some((s_start, s_end)) = sl.contiguous_offsets() else {
-            bail!("gated-delta-rule: state must be contiguous")
-        };
-        let CpuStorage::F32(state) = state else {
-            bail!("gated-delta-rule: state must be f32")
-        };
-        let state = &mut state[s_start..s_end];
-        let group = hv / hk;
-        let scale = 1.0 / (dk as f32).sqrt();
-
-        let outs: Vec<Vec<f32>> = state
-            .par_chunks_mut(dk * dv)
-            .enumerate()
-            .map(|(bh, s)| {
-                let (b, h) = (bh / hv, bh % hv);
-                let head = Head {
-                    qkv: &qkv[b * seq_len * channels..][..seq_len * channels],
-                    gb: &gb[b * seq_len * hv * 2..][..seq_len * hv * 2],
-                    len: (self.lengths[b] as usize).min(seq_len),
-                    seq_len,
-                    channels,
-                    h,
-                    q_at: (h / group) * dk,
-                    k_at: (hk + h / group) * dk,
-                    v_at: 2 * hk * dk + h * dv,
-                    hv,
-                    dk,
-                    dv,
-                    scale,
-                };
-                head.run(s)
-            })
-            .collect();
-
-        let mut out = vec![0f32; b_sz * seq_len * hv * dv];
-        for (bh, o) in outs.iter().enumerate() {
-            let (b, h) = (bh / hv, bh % hv);
-            for t in 0..seq_len {
-                out[((b * seq_len + t) * hv + h) * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
-            }
-        }
-        self.set_output(Storage::Cpu(from_f32(out, self.out_dtype)?));
-        Ok(())
+        cpu::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
     }
 
     #[cfg(feature = "cuda")]
@@ -395,7 +256,7 @@ impl InplaceOp3 for GatedDeltaRule {
         gb: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        crate::cuda::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
+        cuda::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
     }
 
     #[cfg(feature = "metal")]
@@ -408,57 +269,8 @@ impl InplaceOp3 for GatedDeltaRule {
         gb: &candle_core::MetalStorage,
         gl: &Layout,
     ) -> Result<()> {
-        crate::metal::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
+        metal::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
     }
-}
-
-fn check(
-    qkv: &Tensor,
-    gb: &Tensor,
-    state: &Tensor,
-    dims: GdrDims,
-    lengths: Option<&[usize]>,
-) -> Result<(usize, usize)> {
-    let (b_sz, seq_len, channels) = qkv.dims3()?;
-    if let Some(l) = lengths.filter(|l| l.len() != b_sz) {
-        bail!(
-            "gated-delta-rule: {} lengths for a batch of {b_sz}",
-            l.len()
-        )
-    }
-    let GdrDims {
-        num_k_heads: hk,
-        num_v_heads: hv,
-        head_k_dim: dk,
-        head_v_dim: dv,
-    } = dims;
-    if hk == 0 || hv % hk != 0 || channels != dims.channels() {
-        bail!(
-            "gated-delta-rule: qkv {:?} does not match {dims:?}",
-            qkv.dims()
-        )
-    }
-    if dk == 0 || dv == 0 {
-        bail!("gated-delta-rule: empty heads in {dims:?}")
-    }
-    if gb.dims() != [b_sz, seq_len, hv, 2] || gb.dtype() != DType::F32 {
-        bail!(
-            "gated-delta-rule: gates must be f32 [{b_sz}, {seq_len}, {hv}, 2], got {:?} {:?}",
-            gb.dtype(),
-            gb.dims()
-        )
-    }
-    if state.dims() != [b_sz, hv, dk, dv] || state.dtype() != DType::F32 {
-        bail!(
-            "gated-delta-rule: state must be f32 [{b_sz}, {hv}, {dk}, {dv}], got {:?} {:?}",
-            state.dtype(),
-            state.dims()
-        )
-    }
-    if !state.is_contiguous() {
-        bail!("gated-delta-rule: state must be contiguous (it is updated in place)")
-    }
-    Ok((b_sz, seq_len))
 }
 
 /// Runs the gated delta rule over `T` steps and returns `o` ([`GdrForm::Auto`]).
@@ -525,60 +337,4 @@ pub fn gated_delta_rule_as(
     };
     let shape = Shape::from((b_sz, seq_len, dims.num_v_heads, dims.head_v_dim));
     Ok(Tensor::from((out, shape)))
-}
-
-/// The same recurrence with plain tensor ops, one step at a time (the test reference).
-/// Returns `(o, new_state)` and leaves `state` untouched; `lengths` is not supported.
-pub fn gated_delta_rule_ref(
-    qkv: &Tensor,
-    gb: &Tensor,
-    state: &Tensor,
-    dims: GdrDims,
-) -> Result<(Tensor, Tensor)> {
-    let (b_sz, seq_len) = check(qkv, gb, state, dims, None)?;
-    let GdrDims {
-        num_k_heads: hk,
-        num_v_heads: hv,
-        head_k_dim: dk,
-        head_v_dim: dv,
-    } = dims;
-    let x = qkv.to_dtype(DType::F32)?;
-    let l2 = |t: Tensor| -> Result<Tensor> {
-        let n = (t.sqr()?.sum_keepdim(D::Minus1)? + L2NORM_EPS as f64)?.sqrt()?;
-        t.broadcast_div(&n)
-    };
-    let group = hv / hk;
-    let expand = |t: Tensor| -> Result<Tensor> {
-        // [B, T, Hk, Dk] -> [B, T, Hv, Dk], value head h reading key head h / group.
-        t.unsqueeze(3)?
-            .repeat((1, 1, 1, group, 1))?
-            .reshape((b_sz, seq_len, hv, dk))
-    };
-    let q = expand(
-        (l2(x.narrow(2, 0, hk * dk)?.reshape((b_sz, seq_len, hk, dk))?)? / (dk as f64).sqrt())?,
-    )?;
-    let k = expand(l2(x
-        .narrow(2, hk * dk, hk * dk)?
-        .reshape((b_sz, seq_len, hk, dk))?)?)?;
-    let v = x
-        .narrow(2, 2 * hk * dk, hv * dv)?
-        .reshape((b_sz, seq_len, hv, dv))?;
-    let mut s = state.clone();
-    let mut outs = Vec::with_capacity(seq_len);
-    for t in 0..seq_len {
-        let step = |x: &Tensor| x.narrow(1, t, 1).and_then(|x| x.squeeze(1));
-        let (q_t, k_t, v_t) = (step(&q)?, step(&k)?, step(&v)?);
-        let gb_t = step(gb)?;
-        let decay = gb_t.narrow(D::Minus1, 0, 1)?.exp()?.unsqueeze(D::Minus1)?; // [B,Hv,1,1]
-        let beta = gb_t.narrow(D::Minus1, 1, 1)?; // [B,Hv,1]
-        s = s.broadcast_mul(&decay)?;
-        let kv = s.broadcast_mul(&k_t.unsqueeze(D::Minus1)?)?.sum(2)?; // [B,Hv,Dv]
-        let delta = (v_t - kv)?.broadcast_mul(&beta)?;
-        s = (s + k_t
-            .unsqueeze(D::Minus1)?
-            .broadcast_mul(&delta.unsqueeze(2)?)?)?;
-        outs.push(s.broadcast_mul(&q_t.unsqueeze(D::Minus1)?)?.sum(2)?);
-    }
-    let o = Tensor::stack(&outs, 1)?.to_dtype(qkv.dtype())?;
-    Ok((o, s))
 }

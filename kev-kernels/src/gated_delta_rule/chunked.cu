@@ -1,5 +1,5 @@
 // The gated delta rule, chunked (docs/BACKBONE.md §8.2), two kernels. The step-by-step kernel
-// (ops.cu) is bound by one step's latency; this form does the same work as small dense products
+// (recurrent.cu) is bound by one step's latency; this form does the same work as small dense products
 // per chunk of CH steps, so a row of T steps is T/CH sequential rounds instead of T.
 //
 // Per (batch row, value head) and chunk, with G_t = Σ_{s≤t} g_s inside the chunk and S the state
@@ -30,12 +30,12 @@
 //   columns per block (grid.x = ceil(Dv/NCOL)), W, Q' and Aqk by rows and K' transposed in
 //   scratch (for ldmatrix), in bf16. See the tensor-core section below.
 
-#define CH 32            // steps per chunk
-#define CH_THREADS 128   // threads of the FMA kernels
-#define TC_THREADS 256   // of the tensor-core kernels: 8 warps share a chunk's work, so one block
-                         // (what a short call has per multiprocessor) issues from every scheduler
+// From the launcher (-D defines, backend/cuda/sources.rs): CH steps per chunk, CH_THREADS
+// threads of the FMA kernels, TC_THREADS of the tensor-core kernels (8 warps share a chunk's
+// work, so one block, what a short call has per multiprocessor, issues from every scheduler), DM
+// the padded Dk and Dv; the shared memory of each kernel (checked against the layouts below);
+// the SCAN_* mode bits and L2NORM_EPS.
 #define A_P 36           // row pitch of A [CH][CH]: rows float4-aligned for the solve's loads
-#define DM 128           // Dk and Dv, padded
 #define TP (CH + 4)      // row pitch of [DM][CH] tiles: float4-aligned, rows in different banks
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -379,7 +379,7 @@ struct ChunkOperands {
 #define P_K (P_KT + DM * TP)            // k̂ [CH][DM]
 #define P_V (P_K + CH * DM)             // v [CH][DM]
 #define P_G (P_V + CH * DM)             // G, β, β·e^G [CH] each
-#define PREP_SMEM ((P_G + 3 * CH) * 4)  // 70016 bytes: GDRC_PREP_SMEM in cuda.rs
+// PREP_SMEM = (P_G + 3 * CH) * 4 = 70016 bytes.
 
 template <typename D>
 __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
@@ -496,7 +496,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
 #define S_AT (S_K + CH * DM)     // Aqkᵀ [CH][CH]
 #define S_U (S_AT + CH * CH)     // U [CH][32]
 #define S_D (S_U + CH * 32)      // Δ [CH][32]
-#define SCAN_SMEM ((S_D + CH * 32) * 4)  // 77824 bytes: GDRC_SCAN_SMEM in cuda.rs
+// SCAN_SMEM = (S_D + CH * 32) * 4 = 77824 bytes.
 
 template <typename D>
 __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict__ u,
@@ -699,7 +699,7 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const unsigned sho
 #define PT_WS 132                        // pitch of W [CH][..] on its way out in v's tile
 #define PT_QS 129                        // pitch of Q' [CH][..] on its way out from kᵀ's tile
                                          // on (odd, so a lane per step stores to distinct banks)
-#define PREP_TC_SMEM ((PT_G + 7 * CH) * 4)  // 48512 bytes: GDRC_PREP_TC_SMEM in cuda.rs
+// PREP_TC_SMEM = (PT_G + 7 * CH) * 4 = 48512 bytes.
 
 // TC_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
 // tiles per warp. The block prepares chunk `chunk` of (row · head) `bh` into scratch block `cb`.
@@ -1033,10 +1033,8 @@ __device__ __forceinline__ void scan_tc_out(const float* o_s, typename D::T* __r
 // Aqk more often. S and Δ are rounded to bf16 as they are stored to shared memory.
 // `mode` (SCAN_*): whether the state is read first (else it starts at zero), written at the end,
 // and shared between rows (head h of row b reads row owners[b]'s, row 0's if owners is null:
-// branches continuing their records' states, none of them writing it back).
-#define SCAN_READ 1
-#define SCAN_WRITE 2
-#define SCAN_SHARED 4
+// branches continuing their records' states, none of them writing it back): SCAN_READ,
+// SCAN_WRITE, SCAN_SHARED.
 template <typename D, int NCOL = 32>
 __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restrict__ u_,
                              const float* __restrict__ qt_, const float* __restrict__ kd_,
@@ -1205,16 +1203,16 @@ GDRC(f16, F16)
     GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)
 GDRC_TC(bf16, BF16)
 GDRC_TC(f16, F16)
-static_assert(PREP_TC_SMEM == 48512, "PREP_TC_SMEM");
+static_assert(PREP_TC_SMEM == (PT_G + 7 * CH) * 4, "PREP_TC_SMEM");
 static_assert(CH * PT_WS <= CH * PT_VP && PT_KT + CH * PT_QS <= PT_V, "W and Q' fit where they leave");
 static_assert(PT_A % 4 == 0 && PT_TT % 4 == 0 && PT_V % 4 == 0, "float4-aligned tiles");
-static_assert(ScanTc<64>::BYTES == 101376 && ScanTc<32>::BYTES == 82944 &&
-                  ScanTc<16>::BYTES == 73728,
-              "ScanTc<NCOL>::BYTES: GDRC_SCAN_TC in cuda.rs");
+static_assert(ScanTc<64>::BYTES == SCAN_TC64_SMEM && ScanTc<32>::BYTES == SCAN_TC32_SMEM &&
+                  ScanTc<16>::BYTES == SCAN_TC16_SMEM,
+              "ScanTc<NCOL>::BYTES");
 #endif
 
-// The host's copies of the shared-memory sizes must match.
-static_assert(PREP_SMEM == 70016, "PREP_SMEM");
+// The launcher's shared-memory sizes must match the layouts.
+static_assert(PREP_SMEM == (P_G + 3 * CH) * 4, "PREP_SMEM");
 static_assert(P_TT + CH * TP <= P_K, "A and Tm^T fit in the k^T tile");
 static_assert(P_TT % 4 == 0, "Tm^T is float4-aligned");
-static_assert(SCAN_SMEM == 77824, "SCAN_SMEM");
+static_assert(SCAN_SMEM == (S_D + CH * 32) * 4, "SCAN_SMEM");

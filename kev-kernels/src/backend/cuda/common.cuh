@@ -1,8 +1,6 @@
 // Shared by Kev's CUDA sources (prepended to each before NVRTC compiles it): the activation
 // dtypes, read and written as 16-bit integers (no CUDA headers), and warp reductions.
 
-#define L2NORM_EPS 1e-6f
-
 // `FAST`: whether SiLU, sigmoid and the softmax's exp may use the fast intrinsics (see `silu`
 // below).
 struct F32 {
@@ -93,6 +91,19 @@ struct Vec16 {
         for (int i = 0; i < N; ++i) D::store(&r.e[i], v[i]);
         *reinterpret_cast<uint4*>(p) = r.word;
     }
+};
+
+// S values at a time: one 16-byte vector (S = N), or one scalar (S = 1); the gated norm's and
+// the causal softmax's rows.
+template <typename D, int S>
+struct Run {  // S values at a time: one 16-byte vector (S = N)
+    static __device__ __forceinline__ void load(const typename D::T* p, float* v) { Vec16<D>::load(p, v); }
+    static __device__ __forceinline__ void store(typename D::T* p, const float* v) { Vec16<D>::store(p, v); }
+};
+template <typename D>
+struct Run<D, 1> {  // or one scalar
+    static __device__ __forceinline__ void load(const typename D::T* p, float* v) { v[0] = D::load(p); }
+    static __device__ __forceinline__ void store(typename D::T* p, const float* v) { D::store(p, v[0]); }
 };
 
 // Value i of the 8 16-bit values packed in v, as f32.

@@ -5,14 +5,20 @@
 //! Rounding follows HF's PyTorch code: statistics and products in f32, results rounded to the
 //! activation dtype where PyTorch holds a tensor in it.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+mod reference;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
 };
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32, silu_in_place};
-use crate::rows::{as_rows, rounder, rows};
+use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
+use crate::layout::rows::{as_rows, rounder, rows};
+
+pub use reference::{gated_rms_norm_ref, rms_norm_ref};
 
 /// Zero-centred RMSNorm, `x̂·w1` with `w1 = 1 + w` (f32), optionally after a residual add.
 pub(crate) struct RmsNorm {
@@ -80,7 +86,7 @@ impl CustomOp2 for RmsNorm {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::rms_norm(self, xs, xl, None, ws, wl)?;
+        let out = cuda::rms_norm(self.eps, xs, xl, None, ws, wl)?;
         Ok((out, xl.shape().clone()))
     }
 }
@@ -119,7 +125,7 @@ impl CustomOp3 for AddRmsNorm {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::rms_norm(&self.0, xs, xl, Some((hs, hl)), ws, wl)?;
+        let out = cuda::rms_norm(self.0.eps, xs, xl, Some((hs, hl)), ws, wl)?;
         Ok((out, stacked(xl)))
     }
 }
@@ -178,7 +184,7 @@ impl CustomOp3 for GatedRmsNorm {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::gated_rms_norm(self, xs, xl, zs, zl, ws, wl)?;
+        let out = cuda::gated_rms_norm(self.eps, xs, xl, zs, zl, ws, wl)?;
         Ok((out, xl.shape().clone()))
     }
 }
@@ -257,27 +263,4 @@ pub fn gated_rms_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Te
         &w.contiguous()?,
         &GatedRmsNorm { eps: eps as f32 },
     )
-}
-
-/// `x / sqrt(mean(x²) + eps)` over the last dim (f32 in, f32 out).
-fn normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + eps)?.sqrt()?)
-}
-
-/// [`rms_norm`] with plain tensor ops (the test reference, and the Metal path).
-pub fn rms_norm_ref(x: &Tensor, w1: &Tensor, eps: f64) -> Result<Tensor> {
-    let n = normalize(&x.to_dtype(DType::F32)?, eps)?;
-    n.broadcast_mul(&w1.to_dtype(DType::F32)?)?
-        .to_dtype(x.dtype())
-}
-
-/// [`gated_rms_norm`] with plain tensor ops (the test reference, and the Metal path).
-pub fn gated_rms_norm_ref(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let n = normalize(&x.to_dtype(DType::F32)?, eps)?.to_dtype(dtype)?;
-    let n = n.broadcast_mul(w)?.to_dtype(DType::F32)?;
-    let z = z.reshape(x.shape())?.to_dtype(DType::F32)?;
-    let silu = (&z / (z.neg()?.exp()? + 1.0)?)?;
-    (n * silu)?.to_dtype(dtype)
 }

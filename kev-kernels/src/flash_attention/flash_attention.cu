@@ -18,12 +18,11 @@
 // causal compare.
 #if __CUDA_ARCH__ >= 800
 
-#define FA_HD 256                 // head dim
-#define FA_BM 64                  // query rows per block
+// From the launcher (-D defines, backend/cuda/sources.rs): FA_HD the head dim, FA_BM query rows
+// per block, FA_THREADS, FA_SMEM the dynamic shared memory (101632 bytes, checked below).
 #define FA_BN 64                  // keys per tile
 #define FA_P (FA_HD + 8)          // tile pitch (elements): 528 bytes ≡ 16 (mod 128), see ldsm4
-#define FA_THREADS 128
-#define FA_SMEM (3 * FA_BM * FA_P * 2 + FA_BN * 4)  // 101632 bytes: FLASH_SMEM in cuda.rs
+static_assert(FA_SMEM == 3 * FA_BM * FA_P * 2 + FA_BN * 4, "FA_SMEM: the Q, K and V tiles and the key bias");
 #define FA_NEG_INF __int_as_float(0xff800000)
 
 struct FaSource {

@@ -4,13 +4,18 @@
 //! of times slower (docs/DESIGN.md §4.3). The caller prepends the K−1 cached inputs (zeros at the start
 //! of a sequence), so the op itself is stateless and continuation is exact.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "metal")]
+mod metal;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32, silu_in_place};
-use crate::rows::{as_rows, rows};
-use crate::split::SplitRows;
+use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
+use crate::layout::rows::{as_rows, rows};
+use crate::layout::split::SplitRows;
 
 /// The op; `kernel` is K (the weight's second dim).
 pub(crate) struct CausalConv1d {
@@ -61,7 +66,7 @@ impl CustomOp2 for CausalConv1d {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::cuda::causal_conv1d(self, xs, xl, ws, wl)
+        cuda::causal_conv1d(self.kernel, xs, xl, ws, wl)
     }
 
     #[cfg(feature = "metal")]
@@ -72,7 +77,7 @@ impl CustomOp2 for CausalConv1d {
         ws: &candle_core::MetalStorage,
         wl: &Layout,
     ) -> Result<(candle_core::MetalStorage, Shape)> {
-        crate::metal::causal_conv1d(self, xs, xl, ws, wl)
+        metal::causal_conv1d(self.kernel, xs, xl, ws, wl)
     }
 }
 
@@ -207,7 +212,7 @@ impl CustomOp3 for CausalConv1dCached {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::causal_conv1d_cached(self, xs, xl, cs, cl, ws, wl)?;
+        let out = cuda::causal_conv1d_cached(self.lengths.as_deref(), xs, xl, cs, cl, ws, wl)?;
         Ok((out, Self::out_shape(xl, wl.dims()[1])?))
     }
 }
@@ -303,7 +308,7 @@ impl CustomOp3 for CausalConv1dSplit {
         ws: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::causal_conv1d_split(&self.0, ss, sl, bs, bl, ws, wl)?;
+        let out = cuda::causal_conv1d_split(&self.0, ss, sl, bs, bl, ws, wl)?;
         Ok((out, Shape::from((self.0.tokens(), sl.dims()[2]))))
     }
 }

@@ -1,12 +1,18 @@
 //! SwiGLU on a packed `[gate | up]` tensor: the MLP's gate and up projections run as one
 //! matmul, and this op reads both halves in place.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+mod reference;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::{as_f32, from_f32, silu_in_place};
-use crate::rows::rounder;
+use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
+use crate::layout::rows::rounder;
+
+pub use reference::swiglu_ref;
 
 /// The op on a contiguous `[.., 2·I]` input.
 pub(crate) struct SwiGlu;
@@ -48,7 +54,7 @@ impl CustomOp1 for SwiGlu {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::swiglu(s, l)?, out_shape(l)))
+        Ok((cuda::swiglu(s, l)?, out_shape(l)))
     }
 }
 
@@ -64,14 +70,4 @@ pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
         return swiglu_ref(gate_up);
     }
     gate_up.contiguous()?.apply_op1_no_bwd(&SwiGlu)
-}
-
-/// [`swiglu`] with plain tensor ops (the test reference, and the Metal path).
-pub fn swiglu_ref(gate_up: &Tensor) -> Result<Tensor> {
-    let inter = gate_up.dim(D::Minus1)? / 2;
-    let gate = gate_up.narrow(D::Minus1, 0, inter)?;
-    let up = gate_up.narrow(D::Minus1, inter, inter)?;
-    let g = gate.to_dtype(candle_core::DType::F32)?;
-    let silu = (&g / (g.neg()?.exp()? + 1.0)?)?.to_dtype(gate.dtype())?;
-    silu * up
 }

@@ -1,12 +1,18 @@
 //! The per-step gates of a Gated DeltaNet layer in one op: from the `b` and `a` projections to
 //! the `(g, β)` pairs the delta rule reads (docs/BACKBONE.md §3 step 4), instead of ~13 tensor ops.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+mod reference;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::cpu::as_f32;
-use crate::rows::{as_rows, rounder, rows};
+use crate::backend::cpu::as_f32;
+use crate::layout::rows::{as_rows, rounder, rows};
+
+pub use reference::deltanet_gates_ref;
 
 /// The op: inputs `ba` (`[.., 2·Hv]` rows, `b` then `a`), `dt_bias` and `neg_a` (f32 `[Hv]`).
 pub(crate) struct Gates;
@@ -68,7 +74,7 @@ impl CustomOp3 for Gates {
         ns: &candle_core::CudaStorage,
         nl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::gates(bas, bal, ds, dl, ns, nl)?;
+        let out = cuda::gates(bas, bal, ds, dl, ns, nl)?;
         Ok((out, out_shape(bal)?))
     }
 }
@@ -96,24 +102,4 @@ pub fn deltanet_gates(ba: &Tensor, dt_bias: &Tensor, neg_a: &Tensor) -> Result<T
         return deltanet_gates_ref(ba, dt_bias, neg_a);
     }
     as_rows(ba)?.apply_op3_no_bwd(&dt_bias.contiguous()?, &neg_a.contiguous()?, &Gates)
-}
-
-/// [`deltanet_gates`] with plain tensor ops (the test reference, and the Metal path).
-pub fn deltanet_gates_ref(ba: &Tensor, dt_bias: &Tensor, neg_a: &Tensor) -> Result<Tensor> {
-    let hv = dt_bias.elem_count();
-    let b = ba.narrow(D::Minus1, 0, hv)?;
-    let a = ba.narrow(D::Minus1, hv, hv)?.to_dtype(DType::F32)?;
-    let beta = b
-        .to_dtype(DType::F32)?
-        .neg()?
-        .exp()?
-        .affine(1.0, 1.0)?
-        .recip()?
-        .to_dtype(ba.dtype())?
-        .to_dtype(DType::F32)?;
-    let x = a.broadcast_add(dt_bias)?;
-    // softplus(x) = max(x, 0) + log(1 + exp(−|x|)), equal to torch's form within f32 rounding.
-    let softplus = (x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
-    let g = softplus.broadcast_mul(neg_a)?;
-    Tensor::stack(&[&g, &beta], D::Minus1)
 }

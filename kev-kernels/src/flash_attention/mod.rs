@@ -1,5 +1,5 @@
 //! The full-attention layers' `softmax(q·kᵀ·scale + bias)·v` as one CUDA kernel (flash
-//! attention, `kernels/flash_attn.cu`): the scores stay on the multiprocessor instead of making
+//! attention, `flash_attention.cu`): the scores stay on the multiprocessor instead of making
 //! four passes through memory, a branch row reads its state row's keys and values where they lie
 //! (no gathered copy), and the values are read as a view of the projection (no transposing copy).
 //!
@@ -8,12 +8,15 @@
 //! the scores to bf16 first, as HF's eager attention. Both are within bf16's noise of the f32
 //! reference (the CUDA parity suite).
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 use candle_core::{bail, CustomOp3, DType, Result, Tensor};
 
 use crate::gather::RowIndex;
 
 /// The one head dim the kernel is built for (Qwen3.5's full attention).
-pub const FLASH_HEAD_DIM: usize = 256;
+pub use crate::backend::cuda::sources::FLASH_HEAD_DIM;
 
 /// The keys and values a step's queries see before their own: `[R, Hkv, S, hd]` each (any
 /// strides with contiguous head dims, rows starting at 16-byte boundaries, else the op
@@ -51,14 +54,8 @@ impl CustomOp3 for FlashAttention {
         vl: &candle_core::Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         let past = self.past.as_ref().map(|(k, v, i)| [k, v, i]);
-        let out = crate::cuda::flash_attention(
-            (qs, ql),
-            (ks, kl),
-            (vs, vl),
-            past,
-            &self.bias,
-            self.scale,
-        )?;
+        let out =
+            cuda::flash_attention((qs, ql), (ks, kl), (vs, vl), past, &self.bias, self.scale)?;
         Ok((out, ql.shape().clone()))
     }
 }
@@ -174,7 +171,7 @@ pub fn flash_attention(
 /// cores and the kernel's shared memory (101 KB a block; sm_86/89 allow 99 KB).
 fn flash_multiprocessors(t: &Tensor) -> Option<usize> {
     #[cfg(feature = "cuda")]
-    return crate::cuda::flash_multiprocessors(t.device());
+    return cuda::flash_multiprocessors(t.device());
     #[cfg(not(feature = "cuda"))]
     {
         let _ = t;

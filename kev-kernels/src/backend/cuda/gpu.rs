@@ -1,0 +1,48 @@
+//! What the launch choices need to know of the GPU.
+
+use std::sync::OnceLock;
+
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, Device, Result};
+
+/// What the launch choices need to know of the GPU. Asked once per process, by the first device,
+/// like the PTX target of each source (`Source`'s PTX): a process mixing GPU kinds is not
+/// supported.
+#[derive(Clone, Copy)]
+pub(crate) struct Gpu {
+    /// mma.sync on TF32 and bf16 operands (compute capability 8.0 and later).
+    pub(crate) tensor_cores: bool,
+    pub(crate) multiprocessors: usize,
+    /// The most shared memory a block may ask for (227 KB on Hopper, 99 KB on sm_86/89).
+    pub(crate) shared_memory_per_block: usize,
+}
+
+/// Whether `device` is a CUDA GPU with the tensor cores the chunked kernels use.
+pub(crate) fn has_tensor_cores(device: &Device) -> bool {
+    match device {
+        Device::Cuda(dev) => gpu(dev).is_ok_and(|g| g.tensor_cores),
+        _ => false,
+    }
+}
+
+/// The GPU of `dev` (the first device asked, for the whole process).
+pub(crate) fn gpu(dev: &CudaDevice) -> Result<Gpu> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    if let Some(&known) = GPU.get() {
+        return Ok(known);
+    }
+    let ctx = dev.cuda_stream().context().clone();
+    let (major, _) = ctx.compute_capability().w()?;
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    let smem = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
+    Ok(*GPU.get_or_init(|| Gpu {
+        tensor_cores: major >= 8,
+        multiprocessors: sms.max(1) as usize,
+        shared_memory_per_block: smem.max(0) as usize,
+    }))
+}

@@ -1,0 +1,19 @@
+//! The CUDA layer under the ops' launchers: the kernel sources and their constants
+//! ([`sources`]), NVRTC compilation and loading ([`kernel`]), the GPU's capabilities, the
+//! device memory pool and the profiler. It knows no op.
+
+pub(crate) mod sources;
+
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod kernel;
+#[cfg(feature = "cuda")]
+mod memory;
+#[cfg(feature = "cuda")]
+mod profiler;
+
+#[cfg(feature = "cuda")]
+pub use memory::{keep_device_memory, pool_peak_bytes, release_device_memory};
+#[cfg(feature = "cuda")]
+pub use profiler::profiler_range;

@@ -1,0 +1,326 @@
+//! Kev's CUDA sources: which file each NVRTC module compiles, the headers prepended to it, and the
+//! constants it shares with its launcher. Each constant has its one definition here and reaches
+//! the kernel as a `-D` define, so the two sides cannot drift apart. Compiled without the `cuda`
+//! feature too: the CPU tests check the sources, and the CPU code reads some constants.
+// Without CUDA only the tests and a few constants are used.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+use std::sync::OnceLock;
+
+/// Prepended to every source: the dtypes, vector loads and warp reductions.
+const COMMON: &str = include_str!("common.cuh");
+/// Prepended after [`COMMON`] to the sources with tensor-core kernels.
+const MMA: &str = include_str!("mma.cuh");
+
+/// The l2norm epsilon of the gated delta rule, added to Σx² (HF `l2norm`, FLA); `L2NORM_EPS` in
+/// the kernels.
+pub(crate) const L2NORM_EPS: f32 = 1e-6;
+
+/// Warps per block of the recurrent delta rule (`WARPS`).
+pub(crate) const GDR_WARPS: usize = 8;
+
+/// Steps per chunk of the chunked delta rule (`CH`).
+pub(crate) const GDRC_CHUNK: usize = 32;
+/// Threads per block of its FMA kernels (`CH_THREADS`).
+pub(crate) const GDRC_THREADS: u32 = 128;
+/// Threads per block of its tensor-core kernels (`TC_THREADS`).
+pub(crate) const GDRC_TC_THREADS: u32 = 256;
+/// The largest Dk and Dv it takes, the size its tiles are padded to (`DM`).
+pub(crate) const GDRC_MAX_DIM: usize = 128;
+/// Dynamic shared memory of its preparation, scan and tensor-core preparation kernels
+/// (`PREP_SMEM`, `SCAN_SMEM`, `PREP_TC_SMEM`; the kernels check them against their layouts).
+pub(crate) const GDRC_PREP_SMEM: u32 = 70016;
+pub(crate) const GDRC_SCAN_SMEM: u32 = 77824;
+pub(crate) const GDRC_PREP_TC_SMEM: u32 = 48512;
+/// The tensor-core scans' columns per block (`NCOL`), widest first, with their entry points and
+/// shared memory (`ScanTc<NCOL>::BYTES`, checked against `SCAN_TC64_SMEM`, `SCAN_TC32_SMEM`,
+/// `SCAN_TC16_SMEM`).
+pub(crate) const GDRC_SCAN_TC: [(usize, &str, u32); 3] = [
+    (64, "gdrc_scan_tc64_", 101376),
+    (32, "gdrc_scan_tc_", 82944),
+    (16, "gdrc_scan_tc16_", 73728),
+];
+/// `mode` bits of the tensor-core scans (`SCAN_*`): read the state first (else start at zero),
+/// write it at the end, read each row's state from its owner's (row 0's without an owner list).
+pub(crate) const SCAN_READ: i32 = 1;
+pub(crate) const SCAN_WRITE: i32 = 2;
+pub(crate) const SCAN_SHARED: i32 = 4;
+
+/// Steps per thread of the cached conv (`CONV_RUN`).
+pub(crate) const CONV_RUN: usize = 4;
+/// Channels per thread of the cached conv (`CONV_VEC`).
+pub(crate) const CONV_VEC: u32 = 8;
+/// Threads per block of the cached and split convs (`CONV_CACHED_BLOCK`, their launch bounds).
+pub(crate) const CONV_CACHED_BLOCK: u32 = 128;
+
+/// Warps per block of `qknorm_rope_*`, one per row (`ROPE_WARPS`).
+pub(crate) const ROPE_WARPS: usize = 4;
+/// The largest head size `qknorm_rope_*` takes (`ROPE_MAX_HD`, its shared row buffer).
+pub(crate) const ROPE_MAX_HEAD_DIM: usize = 512;
+
+/// The head size flash attention's kernel is written for (`FA_HD`).
+pub const FLASH_HEAD_DIM: usize = 256;
+/// Query rows per block, threads and dynamic shared memory of `flash_attn_bf16` (`FA_BM`,
+/// `FA_THREADS`, `FA_SMEM`; the kernel checks the last against its tiles).
+pub(crate) const FLASH_ROWS: usize = 64;
+pub(crate) const FLASH_THREADS: u32 = 128;
+pub(crate) const FLASH_SMEM: u32 = 101632;
+
+/// A constant's value as a define.
+#[derive(Clone, Copy)]
+pub(crate) enum Value {
+    Int(i64),
+    /// A float, written as a C float literal (`1e-6f`).
+    Float(f32),
+}
+
+/// A CUDA source file, compiled to PTX with NVRTC on first use and loaded as its own module, so a
+/// process pays only for the sources it runs.
+pub(crate) struct Source {
+    pub(crate) file: &'static str,
+    pub(crate) module: &'static str,
+    pub(crate) body: &'static str,
+    /// Whether it holds tensor-core kernels: `mma.cuh` is prepended, and it compiles for
+    /// compute_80 where the GPU has tensor cores.
+    pub(crate) tensor_cores: bool,
+    pub(crate) defines: &'static [(&'static str, Value)],
+    pub(crate) ptx: OnceLock<std::result::Result<String, String>>,
+}
+
+impl Source {
+    /// The text NVRTC compiles: the headers, then the file.
+    pub(crate) fn text(&self) -> String {
+        let headers: &[&str] = if self.tensor_cores {
+            &[COMMON, MMA]
+        } else {
+            &[COMMON]
+        };
+        let mut text = headers.concat();
+        text.push_str(self.body);
+        text
+    }
+
+    /// The `-D` options NVRTC compiles it with.
+    pub(crate) fn define_options(&self) -> Vec<String> {
+        self.defines
+            .iter()
+            .map(|(name, value)| match value {
+                Value::Int(v) => format!("-D{name}={v}"),
+                Value::Float(v) => format!("-D{name}={v:e}f"),
+            })
+            .collect()
+    }
+}
+
+const fn source(
+    file: &'static str,
+    module: &'static str,
+    body: &'static str,
+    tensor_cores: bool,
+    defines: &'static [(&'static str, Value)],
+) -> Source {
+    Source {
+        file,
+        module,
+        body,
+        tensor_cores,
+        defines,
+        ptx: OnceLock::new(),
+    }
+}
+
+pub(crate) static NORM: Source = source(
+    "norm.cu",
+    "kev_norm",
+    include_str!("../../norm/norm.cu"),
+    false,
+    &[],
+);
+
+pub(crate) static GATES: Source = source(
+    "gates.cu",
+    "kev_gates",
+    include_str!("../../gates/gates.cu"),
+    false,
+    &[],
+);
+
+pub(crate) static SWIGLU: Source = source(
+    "swiglu.cu",
+    "kev_swiglu",
+    include_str!("../../swiglu/swiglu.cu"),
+    false,
+    &[],
+);
+
+pub(crate) static ATTENTION: Source = source(
+    "attention.cu",
+    "kev_attention",
+    include_str!("../../attention/attention.cu"),
+    false,
+    &[
+        ("ROPE_WARPS", Value::Int(ROPE_WARPS as i64)),
+        ("ROPE_MAX_HD", Value::Int(ROPE_MAX_HEAD_DIM as i64)),
+    ],
+);
+
+pub(crate) static FLASH_ATTENTION: Source = source(
+    "flash_attention.cu",
+    "kev_flash_attention",
+    include_str!("../../flash_attention/flash_attention.cu"),
+    true,
+    &[
+        ("FA_HD", Value::Int(FLASH_HEAD_DIM as i64)),
+        ("FA_BM", Value::Int(FLASH_ROWS as i64)),
+        ("FA_THREADS", Value::Int(FLASH_THREADS as i64)),
+        ("FA_SMEM", Value::Int(FLASH_SMEM as i64)),
+    ],
+);
+
+pub(crate) static CAUSAL_CONV1D: Source = source(
+    "causal_conv1d.cu",
+    "kev_causal_conv1d",
+    include_str!("../../causal_conv1d/causal_conv1d.cu"),
+    false,
+    &[
+        ("CONV_RUN", Value::Int(CONV_RUN as i64)),
+        ("CONV_VEC", Value::Int(CONV_VEC as i64)),
+        ("CONV_CACHED_BLOCK", Value::Int(CONV_CACHED_BLOCK as i64)),
+    ],
+);
+
+pub(crate) static GDR_RECURRENT: Source = source(
+    "recurrent.cu",
+    "kev_gdr_recurrent",
+    include_str!("../../gated_delta_rule/recurrent.cu"),
+    false,
+    &[
+        ("WARPS", Value::Int(GDR_WARPS as i64)),
+        ("L2NORM_EPS", Value::Float(L2NORM_EPS)),
+    ],
+);
+
+pub(crate) static GDR_CHUNKED: Source = source(
+    "chunked.cu",
+    "kev_gdr_chunked",
+    include_str!("../../gated_delta_rule/chunked.cu"),
+    true,
+    &[
+        ("CH", Value::Int(GDRC_CHUNK as i64)),
+        ("CH_THREADS", Value::Int(GDRC_THREADS as i64)),
+        ("TC_THREADS", Value::Int(GDRC_TC_THREADS as i64)),
+        ("DM", Value::Int(GDRC_MAX_DIM as i64)),
+        ("PREP_SMEM", Value::Int(GDRC_PREP_SMEM as i64)),
+        ("SCAN_SMEM", Value::Int(GDRC_SCAN_SMEM as i64)),
+        ("PREP_TC_SMEM", Value::Int(GDRC_PREP_TC_SMEM as i64)),
+        ("SCAN_TC64_SMEM", Value::Int(GDRC_SCAN_TC[0].2 as i64)),
+        ("SCAN_TC32_SMEM", Value::Int(GDRC_SCAN_TC[1].2 as i64)),
+        ("SCAN_TC16_SMEM", Value::Int(GDRC_SCAN_TC[2].2 as i64)),
+        ("SCAN_READ", Value::Int(SCAN_READ as i64)),
+        ("SCAN_WRITE", Value::Int(SCAN_WRITE as i64)),
+        ("SCAN_SHARED", Value::Int(SCAN_SHARED as i64)),
+        ("L2NORM_EPS", Value::Float(L2NORM_EPS)),
+    ],
+);
+
+pub(crate) static GATHER: Source = source(
+    "gather.cu",
+    "kev_gather",
+    include_str!("../../gather/gather.cu"),
+    false,
+    &[],
+);
+
+/// Every source, for the checks below.
+#[cfg(test)]
+const ALL: [&Source; 9] = [
+    &NORM,
+    &GATES,
+    &SWIGLU,
+    &ATTENTION,
+    &FLASH_ATTENTION,
+    &CAUSAL_CONV1D,
+    &GDR_RECURRENT,
+    &GDR_CHUNKED,
+    &GATHER,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether `name` is an identifier in `text` outside `//` comments.
+    fn mentions(text: &str, name: &str) -> bool {
+        text.lines()
+            .map(|l| l.split("//").next().unwrap_or(""))
+            .flat_map(|l| l.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')))
+            .any(|word| word == name)
+    }
+
+    fn defines_in(text: &str) -> Vec<&str> {
+        text.lines()
+            .filter_map(|l| l.trim_start().strip_prefix("#define "))
+            .filter_map(|l| l.split(|c: char| c == '(' || c.is_whitespace()).next())
+            .collect()
+    }
+
+    /// What NVRTC sees: every shared constant comes once, as a `-D` define, and no header or
+    /// source defines it again; every constant any source takes is given to each source that
+    /// uses it; the L2 norm epsilon keeps its C spelling.
+    #[test]
+    fn each_constant_is_defined_once() {
+        let every: Vec<&str> = ALL
+            .iter()
+            .flat_map(|s| s.defines.iter().map(|(n, _)| *n))
+            .collect();
+        for source in ALL {
+            let text = source.text();
+            let in_text = defines_in(&text);
+            let given: Vec<&str> = source.defines.iter().map(|(n, _)| *n).collect();
+            for name in &given {
+                assert!(
+                    !in_text.contains(name),
+                    "{}: {name} is defined in the text and by -D",
+                    source.file
+                );
+                assert!(
+                    mentions(&text, name),
+                    "{}: -D{name} is never used",
+                    source.file
+                );
+            }
+            for name in &every {
+                assert!(
+                    given.contains(name) || !mentions(&text, name) || in_text.contains(name),
+                    "{}: uses {name} without its -D define",
+                    source.file
+                );
+            }
+            let options = source.define_options();
+            assert_eq!(options.len(), given.len());
+            assert!(options
+                .iter()
+                .all(|o| o.starts_with("-D") && o.contains('=')));
+            assert!(text.starts_with(COMMON));
+            assert_eq!(text.contains(MMA), source.tensor_cores, "{}", source.file);
+            assert!(text.ends_with(source.body));
+        }
+        assert!(GDR_RECURRENT
+            .define_options()
+            .contains(&"-DL2NORM_EPS=1e-6f".to_string()));
+        assert!(FLASH_ATTENTION
+            .define_options()
+            .contains(&"-DFA_SMEM=101632".to_string()));
+    }
+
+    /// Each NVRTC module has its own name (candle caches functions by module name).
+    #[test]
+    fn module_names_differ() {
+        for (i, a) in ALL.iter().enumerate() {
+            for b in &ALL[i + 1..] {
+                assert_ne!(a.module, b.module);
+                assert_ne!(a.file, b.file);
+            }
+        }
+    }
+}

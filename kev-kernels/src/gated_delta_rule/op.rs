@@ -1,0 +1,151 @@
+//! The gated delta rule's parameters, the op structs every backend reads, and the input checks.
+
+use std::sync::Mutex;
+
+use candle_core::{bail, DType, Result, Storage, Tensor};
+
+use crate::layout::split::SplitRows;
+
+/// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
+/// preparation kernel per chunk of 32 steps, then a scan over the chunks) instead of the
+/// step-by-step one, for bf16 and f16 models (f32 always runs step by step). One chunk: measured
+/// with `gdr_bench` on the H200, the chunked form is faster from a single chunk on for every
+/// Qwen3.5 shape, and within a CUDA graph its extra launch costs nothing (BENCHMARKS.md).
+pub const CHUNKED_MIN_LEN: usize = 32;
+
+/// Whether [`GdrForm::Auto`] takes the chunked kernels for `seq_len` steps.
+pub(crate) fn auto_prefers_chunked(seq_len: usize) -> bool {
+    seq_len >= CHUNKED_MIN_LEN
+}
+
+/// Which algorithm runs the recurrence, for backends that have both (CUDA, Dk ≤ 128); the others
+/// always run step by step. Both give the same results up to f32 rounding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GdrForm {
+    /// Chunked from [`CHUNKED_MIN_LEN`] steps on, step by step below.
+    #[default]
+    Auto,
+    /// Step by step: T dependent steps, each one small.
+    Recurrent,
+    /// Chunked: T/32 dependent rounds of small dense products.
+    Chunked,
+}
+
+/// Head counts and sizes of one Gated DeltaNet layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdrDims {
+    /// Number of query/key heads (Hk).
+    pub num_k_heads: usize,
+    /// Number of value heads (Hv), a multiple of Hk: one recurrent state per value head.
+    pub num_v_heads: usize,
+    /// Query/key head size (Dk).
+    pub head_k_dim: usize,
+    /// Value head size (Dv).
+    pub head_v_dim: usize,
+}
+
+impl GdrDims {
+    /// Channels of the packed `[q | k | v]` input: 2·Hk·Dk + Hv·Dv.
+    pub fn channels(&self) -> usize {
+        2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+    }
+}
+
+/// The op of [`gated_delta_rule_split`] and [`conv_gated_delta_rule_split`]: inputs the states'
+/// `[q | k | v]` rows, the branches' and the packed gates; output the packed `o`. CUDA only:
+/// elsewhere the wrappers return `None` and their callers compose.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct GdrSplit {
+    pub(crate) dims: GdrDims,
+    pub(crate) rows: SplitRows,
+    /// The conv weight `[C, 4]` (contiguous) when the inputs are the raw `in_proj` rows, run
+    /// through the causal conv + SiLU inside the preparation.
+    pub(crate) conv: Option<Tensor>,
+}
+
+/// The op: one in-place destination (the state), `o` handed back through `out`.
+/// Fields are what every backend's kernel needs.
+pub(crate) struct GatedDeltaRule {
+    pub(crate) dims: GdrDims,
+    pub(crate) b_sz: usize,
+    pub(crate) seq_len: usize,
+    /// Real steps per row (`seq_len` where the row is not padded).
+    pub(crate) lengths: Vec<u32>,
+    /// dtype of `o` (the dtype of `qkv`).
+    pub(crate) out_dtype: DType,
+    pub(crate) form: GdrForm,
+    pub(crate) out: Mutex<Option<Storage>>,
+}
+
+impl GatedDeltaRule {
+    /// Whether a backend with a chunked kernel should run it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn chunked(&self) -> bool {
+        match self.form {
+            // f32 is the exact path: the chunked form rounds differently (cumulative decays, the
+            // triangular inverse), measured 1.4e-5 on a probability of the test model at its
+            // largest LoRA scale against transformers, over the 1e-5 parity bound.
+            GdrForm::Auto => self.out_dtype != DType::F32 && auto_prefers_chunked(self.seq_len),
+            GdrForm::Recurrent => false,
+            GdrForm::Chunked => true,
+        }
+    }
+
+    /// Hands `o` back to the wrapper.
+    pub(crate) fn set_output(&self, storage: Storage) {
+        *self
+            .out
+            .lock()
+            .expect("gated-delta-rule output slot poisoned") = Some(storage);
+    }
+}
+
+/// The shapes and dtypes of [`super::gated_delta_rule`]'s inputs; returns `(B, T)`.
+pub(crate) fn check(
+    qkv: &Tensor,
+    gb: &Tensor,
+    state: &Tensor,
+    dims: GdrDims,
+    lengths: Option<&[usize]>,
+) -> Result<(usize, usize)> {
+    let (b_sz, seq_len, channels) = qkv.dims3()?;
+    if let Some(l) = lengths.filter(|l| l.len() != b_sz) {
+        bail!(
+            "gated-delta-rule: {} lengths for a batch of {b_sz}",
+            l.len()
+        )
+    }
+    let GdrDims {
+        num_k_heads: hk,
+        num_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+    } = dims;
+    if hk == 0 || hv % hk != 0 || channels != dims.channels() {
+        bail!(
+            "gated-delta-rule: qkv {:?} does not match {dims:?}",
+            qkv.dims()
+        )
+    }
+    if dk == 0 || dv == 0 {
+        bail!("gated-delta-rule: empty heads in {dims:?}")
+    }
+    if gb.dims() != [b_sz, seq_len, hv, 2] || gb.dtype() != DType::F32 {
+        bail!(
+            "gated-delta-rule: gates must be f32 [{b_sz}, {seq_len}, {hv}, 2], got {:?} {:?}",
+            gb.dtype(),
+            gb.dims()
+        )
+    }
+    if state.dims() != [b_sz, hv, dk, dv] || state.dtype() != DType::F32 {
+        bail!(
+            "gated-delta-rule: state must be f32 [{b_sz}, {hv}, {dk}, {dv}], got {:?} {:?}",
+            state.dtype(),
+            state.dims()
+        )
+    }
+    if !state.is_contiguous() {
+        bail!("gated-delta-rule: state must be contiguous (it is updated in place)")
+    }
+    Ok((b_sz, seq_len))
+}

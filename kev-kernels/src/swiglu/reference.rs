@@ -1,0 +1,13 @@
+//! SwiGLU with plain tensor ops: the test reference, and the Metal path.
+
+use candle_core::{Result, Tensor, D};
+
+/// [`swiglu`](super::swiglu) with plain tensor ops (the test reference, and the Metal path).
+pub fn swiglu_ref(gate_up: &Tensor) -> Result<Tensor> {
+    let inter = gate_up.dim(D::Minus1)? / 2;
+    let gate = gate_up.narrow(D::Minus1, 0, inter)?;
+    let up = gate_up.narrow(D::Minus1, inter, inter)?;
+    let g = gate.to_dtype(candle_core::DType::F32)?;
+    let silu = (&g / (g.neg()?.exp()? + 1.0)?)?.to_dtype(gate.dtype())?;
+    silu * up
+}
