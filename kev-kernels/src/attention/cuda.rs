@@ -1,8 +1,9 @@
 //! The full-attention steps on CUDA (`attention.cu`).
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, CudaStorage, DType, Layout, Result};
+use candle_core::{bail, CudaStorage, Layout, Result};
 
 use crate::backend::cuda::kernel::{contiguous, grid_for, Kernel};
 use crate::backend::cuda::sources::{ATTENTION, ROPE_WARPS};

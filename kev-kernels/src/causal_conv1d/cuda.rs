@@ -1,6 +1,7 @@
 //! The causal conv1d on CUDA (`causal_conv1d.cu`): the plain conv, the cached one that also
 //! returns the next cache, and the split form over records' states and their branches.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};

@@ -1,5 +1,6 @@
 //! Flash attention on CUDA (`flash_attention.cu`, tensor cores).
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Device, Layout, Result, Tensor};

@@ -2,6 +2,7 @@
 //! column group), the chunked ones (`chunked.cu`, a preparation and a scan per chunk) and the
 //! split form's three launches over both. See the sources for grids, ownership and layouts.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};

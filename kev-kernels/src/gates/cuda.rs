@@ -1,8 +1,9 @@
 //! The DeltaNet gates on CUDA (`gates.cu`).
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, CudaStorage, DType, Layout, Result};
+use candle_core::{CudaStorage, Layout, Result};
 
 use crate::backend::cuda::kernel::{contiguous, grid_for, Kernel};
 use crate::backend::cuda::sources::GATES;

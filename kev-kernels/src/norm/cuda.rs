@@ -1,8 +1,9 @@
 //! The norms on CUDA (`norm.cu`).
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, CudaStorage, DType, Layout, Result};
+use candle_core::{CudaStorage, Layout, Result};
 
 use crate::backend::cuda::kernel::{contiguous, Kernel};
 use crate::backend::cuda::sources::NORM;
