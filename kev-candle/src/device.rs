@@ -16,7 +16,7 @@ pub fn select_device(backend: Backend) -> Result<Device> {
             if !cfg!(feature = "cuda") {
                 return Err(Error::Device { message: "`cuda` requested but this build has no CUDA support: rebuild with `--features cuda`".into() });
             }
-            let dev = Device::new_cuda(i).map_err(|e| dev_err(&format!("cuda:{i}"), e))?;
+            let dev = new_cuda(i).map_err(|e| dev_err(&format!("cuda:{i}"), e))?;
             single_stream(&dev);
             Ok(dev)
         }
@@ -33,7 +33,7 @@ pub fn select_device(backend: Backend) -> Result<Device> {
                 }
             }
             if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
-                if let Ok(d) = Device::new_cuda(0) {
+                if let Ok(d) = new_cuda(0) {
                     single_stream(&d);
                     return Ok(d);
                 }
@@ -41,6 +41,15 @@ pub fn select_device(backend: Backend) -> Result<Device> {
             Ok(Device::Cpu)
         }
     }
+}
+
+/// A CUDA device on GPU `ordinal`, after the GPU's pool has handed its free memory back
+/// ([`kev_kernels::release_device_memory_of`]): the device's cuBLAS workspace comes from the
+/// driver, not the pool.
+fn new_cuda(ordinal: usize) -> candle_core::Result<Device> {
+    #[cfg(feature = "cuda")]
+    kev_kernels::release_device_memory_of(ordinal)?;
+    Device::new_cuda(ordinal)
 }
 
 /// Kev runs everything on the device's one stream, so cudarc's per-buffer event tracking

@@ -37,9 +37,23 @@ pub fn keep_device_memory(dev: &CudaDevice) -> Result<()> {
 /// starve everything that allocates from the driver directly (cuBLAS's workspaces, module loads,
 /// another library in the process), so a failed forward ends with this.
 pub fn release_device_memory(dev: &CudaDevice) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
     dev.cuda_stream().synchronize().w()?;
-    let cu_dev = dev.cuda_stream().context().cu_device();
+    trim_pool(dev.cuda_stream().context().cu_device())
+}
+
+/// [`release_device_memory`] for the GPU `ordinal` before a device is made on it: creating one
+/// allocates cuBLAS's workspace from the driver, which fails while the pool holds the memory
+/// that an earlier failure (or other tensors since freed) left there.
+pub fn release_device_memory_of(ordinal: usize) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let ctx = CudaContext::new(ordinal).w()?;
+    ctx.synchronize().w()?;
+    trim_pool(ctx.cu_device())
+}
+
+/// Trims the default pool of `cu_dev` to nothing kept.
+fn trim_pool(cu_dev: candle_core::cuda_backend::cudarc::driver::sys::CUdevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: plain driver calls on a valid device handle, with a pointer to a local that
     // outlives them; trimming only returns memory no allocation holds.
