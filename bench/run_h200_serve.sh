@@ -17,6 +17,9 @@ LOADGEN=${LOADGEN:-.gpu/loadgen}
 SIZES=${SIZES:-"0.8b 4b"}
 DURATION=${DURATION:-4}
 TOKENS=${TOKENS:-16384}
+# A 0.8B prefix of ~250 tokens holds ~20 MiB (the DeltaNet states are f32): 50 states need more
+# than the server's default 1 GiB, and an LRU cycled over more states than it holds never hits.
+PREFIX_MIB=${PREFIX_MIB:-8192}
 CACHE=bench/.cache
 RESULTS_DIR=${RESULTS_DIR:-${OUT:-$CACHE}}
 mkdir -p "$CACHE" "$RESULTS_DIR"
@@ -26,10 +29,10 @@ for s in $SIZES; do
     echo "== generating kev-$s" >&2
     python3 bench/make_checkpoint.py --size "$s" --out "$CACHE/kev-$s" --device cuda >&2 || exit 1
   fi
-  echo "== kev-serve $s (bf16, --max-batch-tokens $TOKENS)" >&2
+  echo "== kev-serve $s (bf16, --max-batch-tokens $TOKENS, --prefix-cache-mib $PREFIX_MIB)" >&2
   "$LOADGEN" --checkpoint "$CACHE/kev-$s" --devices cuda:0 --dtype bf16 \
     --synthetic 64 --shared-words 200 --lib-batch 8 --concurrency 1,8,64 --rates 100,400 \
-    --duration-s "$DURATION" --max-batch-tokens "$TOKENS" --max-wait-ms 0 \
+    --duration-s "$DURATION" --max-batch-tokens "$TOKENS" --max-wait-ms 0 --prefix-cache-mib "$PREFIX_MIB" \
     --shared-requests 2000 --shared-states 50 --shared-concurrency 16 \
     --label "h200 $s bf16" | tee -a "$RESULTS_DIR/serve-h200.jsonl"
 done
