@@ -12,9 +12,10 @@ use kev_kernels::{
     flash_attention_fills_gpu, gather_cat, qk_norm_rope, FlashPast,
 };
 
-use super::linear::Projection;
+use super::config::Config;
+use super::linear::{linear, linear_cat, Projection};
 use super::norm::ZeroCenteredRmsNorm;
-use super::{linear, linear_cat, Config, Rows, Split};
+use super::split::{Rows, Split};
 use crate::weights::Weights;
 
 /// The keys and values a step's queries see before its own.

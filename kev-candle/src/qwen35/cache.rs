@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::{gather_rows, RowIndex};
 
-use super::{Config, LayerType};
+use super::config::{Config, LayerType};
 
 /// One layer's cached state.
 pub enum LayerCache {

@@ -7,9 +7,10 @@ use kev_kernels::{
     conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, gated_delta_rule_split, GdrDims,
 };
 
-use super::linear::Projection;
+use super::config::Config;
+use super::linear::{linear, linear_cat, Projection};
 use super::norm::GatedRmsNorm;
-use super::{linear, linear_cat, Config, Rows, Split};
+use super::split::{Rows, Split};
 use crate::weights::Weights;
 
 /// One Gated DeltaNet layer.

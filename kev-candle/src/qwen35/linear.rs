@@ -4,6 +4,8 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Linear;
 use kev_kernels::{bf16_gemm_available, PackedBf16};
 
+use crate::weights::Weights;
+
 /// `x · Wᵀ` for a weight `W: [out, in]`.
 ///
 /// - On GPUs, candle's `Linear` on the checkpoint's layout, which their BLAS takes as it is.
@@ -54,4 +56,39 @@ impl Module for Projection {
             Self::Bf16(p) => p.forward(&xs.contiguous()?),
         }
     }
+}
+
+/// Several bias-free linear layers reading the same input, as one `[Σ out, in]` matmul (one
+/// launch instead of several); the caller slices the output. `parts`: `(prefix, out)` pairs.
+pub(super) fn linear_cat(
+    w: &Weights,
+    parts: &[(&str, usize)],
+    in_dim: usize,
+) -> kev_core::Result<Projection> {
+    let weights = parts
+        .iter()
+        .map(|&(prefix, out)| {
+            w.get_as(
+                &format!("{prefix}.weight"),
+                &[out, in_dim],
+                w.projection_dtype(),
+            )
+        })
+        .collect::<kev_core::Result<Vec<_>>>()?;
+    let names = || parts.iter().map(|p| p.0).collect::<Vec<_>>();
+    candle_core::Tensor::cat(&weights, 0)
+        .and_then(Projection::new)
+        .map_err(|e| kev_core::Error::backend(format!("merging {:?}", names()), e))
+}
+
+/// A bias-free linear layer `{prefix}.weight: [out, in]`.
+pub(super) fn linear(
+    w: &Weights,
+    prefix: &str,
+    in_dim: usize,
+    out_dim: usize,
+) -> kev_core::Result<Projection> {
+    let key = format!("{prefix}.weight");
+    let weight = w.get_as(&key, &[out_dim, in_dim], w.projection_dtype())?;
+    Projection::new(weight).map_err(|e| kev_core::Error::backend(key, e))
 }

@@ -2,8 +2,8 @@
 
 use candle_core::{Module, Result, Tensor};
 
-use super::linear::Projection;
-use super::{linear, linear_cat, Config};
+use super::config::Config;
+use super::linear::{linear, linear_cat, Projection};
 use crate::weights::Weights;
 
 /// One layer's MLP.

@@ -8,12 +8,12 @@ use rayon::prelude::*;
 
 use super::attention::Attention;
 use super::cache::{Cache, LayerCache};
+use super::config::{Config, LayerType};
 use super::deltanet::GatedDeltaNet;
 use super::mlp::Mlp;
 use super::norm::ZeroCenteredRmsNorm;
 use super::rope::Rope;
-use super::split::Split;
-use super::{Config, LayerType, Rows};
+use super::split::{Rows, Split};
 use crate::weights::Weights;
 
 enum Mixer {
