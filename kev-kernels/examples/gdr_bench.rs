@@ -94,7 +94,7 @@ fn main() -> Result<()> {
     };
     for (name, d) in shapes {
         for &(b, t) in cases {
-            let (qkv, gb, state) = gdr_inputs(b, t, d, 0.3)?;
+            let (qkv, gates, state) = gdr_inputs(b, t, d, 0.3)?;
             // bf16 on a GPU; f32 on the CPU, as Kev's CPU models run.
             let dtype = if dev.is_cpu() {
                 DType::F32
@@ -102,23 +102,23 @@ fn main() -> Result<()> {
                 DType::BF16
             };
             let qkv = qkv.to_dtype(dtype)?.to_device(&dev)?;
-            let (gb, state) = (gb.to_device(&dev)?, state.to_device(&dev)?);
+            let (gates, state) = (gates.to_device(&dev)?, state.to_device(&dev)?);
             let rec = median_ms(&dev, || {
-                gated_delta_rule_recurrent(&qkv, &gb, &state, d, None).map(|_| ())
+                gated_delta_rule_recurrent(&qkv, &gates, &state, d, None).map(|_| ())
             })?;
             if dev.is_cpu() {
                 println!("{name} b={b:<2} t={t:<4} recurrent {rec:8.3} ms");
                 continue;
             }
             let fused = median_ms(&dev, || {
-                gated_delta_rule_as(&qkv, &gb, &state, d, None, GdrForm::Chunked).map(|_| ())
+                gated_delta_rule_as(&qkv, &gates, &state, d, None, GdrForm::Chunked).map(|_| ())
             })?;
             let ops = median_ms(&dev, || {
-                gated_delta_rule_chunked(&qkv, &gb, &state, d, None).map(|_| ())
+                gated_delta_rule_chunked(&qkv, &gates, &state, d, None).map(|_| ())
             })?;
             let (s_rec, s_fused) = (state.copy()?, state.copy()?);
-            let a = gated_delta_rule_recurrent(&qkv, &gb, &s_rec, d, None)?;
-            let c = gated_delta_rule_as(&qkv, &gb, &s_fused, d, None, GdrForm::Chunked)?;
+            let a = gated_delta_rule_recurrent(&qkv, &gates, &s_rec, d, None)?;
+            let c = gated_delta_rule_as(&qkv, &gates, &s_fused, d, None, GdrForm::Chunked)?;
             println!(
                 "{name} b={b:<2} t={t:<4} recurrent {rec:8.3} ms  chunked kernels {fused:8.3} ms  \
                  chunked tensor ops {ops:8.3} ms  max|Δ| out {:.1e} state {:.1e}",

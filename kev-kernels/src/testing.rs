@@ -14,7 +14,7 @@ pub fn patterned(shape: &[usize], salt: f32, scale: f32) -> Result<Tensor> {
     Tensor::from_vec(v, shape, &Device::Cpu)
 }
 
-/// `(qkv, gb, state)` for the gated delta rule on the CPU: unit-scale qkv, log decays in
+/// `(qkv, gates, state)` for the gated delta rule on the CPU: unit-scale qkv, log decays in
 /// [−2, 0], β in (0, 1), a non-zero initial state.
 pub fn gdr_inputs(
     b: usize,
@@ -26,9 +26,9 @@ pub fn gdr_inputs(
     let qkv = patterned(&[b, t, dims.channels()], salt, 1.0)?;
     let g = (patterned(&[b, t, hv, 1], salt + 1.0, 1.0)?.abs()? * -2.0)?;
     let beta = ((patterned(&[b, t, hv, 1], salt + 2.0, 3.0)?.neg()?.exp()? + 1.0)?.recip())?;
-    let gb = Tensor::cat(&[g, beta], D::Minus1)?;
+    let gates = Tensor::cat(&[g, beta], D::Minus1)?;
     let state = patterned(&[b, hv, dims.head_k_dim, dims.head_v_dim], salt + 3.0, 0.5)?;
-    Ok((qkv, gb, state))
+    Ok((qkv, gates, state))
 }
 
 /// Max |a − b| (any devices, any float dtypes) with its flat index; a NaN counts as infinite.

@@ -24,18 +24,18 @@ fn metal() -> Result<Device> {
 /// Runs the op on the CPU and on Metal from the same inputs; returns (o, state) of both.
 fn gdr_both(
     qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     state: &Tensor,
     d: GdrDims,
     lengths: Option<&[usize]>,
 ) -> Result<[(Tensor, Tensor); 2]> {
     let dev = metal()?;
     let s_cpu = state.copy()?;
-    let o_cpu = gated_delta_rule(qkv, gb, &s_cpu, d, lengths)?;
+    let o_cpu = gated_delta_rule(qkv, gates, &s_cpu, d, lengths)?;
     let s_gpu = state.to_device(&dev)?;
     let o_gpu = gated_delta_rule(
         &qkv.to_device(&dev)?,
-        &gb.to_device(&dev)?,
+        &gates.to_device(&dev)?,
         &s_gpu,
         d,
         lengths,
@@ -54,8 +54,9 @@ fn metal_gated_delta_rule_matches_cpu() -> Result<()> {
         (1, 3, dims(1, 1, 48, 6), None), // Dk no multiple of 32, Dv of 4
         (1, 2, dims(1, 1, 256, 8), None), // the largest Dk
     ] {
-        let (qkv, gb, state) = gdr_inputs(b, t, d, 0.3)?;
-        let [(o_cpu, s_cpu), (o_gpu, s_gpu)] = gdr_both(&qkv, &gb, &state, d, lengths.as_deref())?;
+        let (qkv, gates, state) = gdr_inputs(b, t, d, 0.3)?;
+        let [(o_cpu, s_cpu), (o_gpu, s_gpu)] =
+            gdr_both(&qkv, &gates, &state, d, lengths.as_deref())?;
         let tag = format!("metal gdr b={b} t={t} {d:?}");
         assert_close(&format!("{tag} output"), &o_gpu, &o_cpu, TOL_F32)?;
         assert_close(&format!("{tag} state"), &s_gpu, &s_cpu, TOL_F32)?;
@@ -67,9 +68,9 @@ fn metal_gated_delta_rule_matches_cpu() -> Result<()> {
 fn metal_gated_delta_rule_half_inputs() -> Result<()> {
     let d = dims(1, 2, 32, 16);
     for (dtype, tol) in [(DType::BF16, TOL_BF16), (DType::F16, TOL_F16)] {
-        let (qkv, gb, state) = gdr_inputs(2, 13, d, 0.9)?;
+        let (qkv, gates, state) = gdr_inputs(2, 13, d, 0.9)?;
         let qkv = qkv.to_dtype(dtype)?;
-        let [(o_cpu, s_cpu), (o_gpu, s_gpu)] = gdr_both(&qkv, &gb, &state, d, Some(&[13, 8]))?;
+        let [(o_cpu, s_cpu), (o_gpu, s_gpu)] = gdr_both(&qkv, &gates, &state, d, Some(&[13, 8]))?;
         assert_eq!(o_gpu.dtype(), dtype);
         assert_close(&format!("metal gdr {dtype:?} output"), &o_gpu, &o_cpu, tol)?;
         assert_close(
@@ -86,21 +87,21 @@ fn metal_gated_delta_rule_half_inputs() -> Result<()> {
 fn metal_gated_delta_rule_two_chunks_equal_whole() -> Result<()> {
     let dev = metal()?;
     let d = dims(1, 2, 32, 16);
-    let (qkv, gb, state) = gdr_inputs(2, 37, d, 1.1)?;
-    let (qkv, gb) = (qkv.to_device(&dev)?, gb.to_device(&dev)?);
+    let (qkv, gates, state) = gdr_inputs(2, 37, d, 1.1)?;
+    let (qkv, gates) = (qkv.to_device(&dev)?, gates.to_device(&dev)?);
     let whole_state = state.to_device(&dev)?;
-    let whole = gated_delta_rule(&qkv, &gb, &whole_state, d, None)?;
+    let whole = gated_delta_rule(&qkv, &gates, &whole_state, d, None)?;
     let split_state = state.to_device(&dev)?;
     let first = gated_delta_rule(
         &qkv.narrow(1, 0, 20)?,
-        &gb.narrow(1, 0, 20)?,
+        &gates.narrow(1, 0, 20)?,
         &split_state,
         d,
         None,
     )?;
     let second = gated_delta_rule(
         &qkv.narrow(1, 20, 17)?,
-        &gb.narrow(1, 20, 17)?,
+        &gates.narrow(1, 20, 17)?,
         &split_state,
         d,
         None,
@@ -117,8 +118,8 @@ fn metal_gated_delta_rule_reads_start_offsets() -> Result<()> {
     // Row 1 of a batch: contiguous views that start past the beginning of their buffers.
     let dev = metal()?;
     let d = dims(1, 2, 32, 16);
-    let (qkv, gb, state) = gdr_inputs(2, 5, d, 2.0)?;
-    let (qkv_g, gb_g) = (qkv.to_device(&dev)?, gb.to_device(&dev)?);
+    let (qkv, gates, state) = gdr_inputs(2, 5, d, 2.0)?;
+    let (qkv_g, gb_g) = (qkv.to_device(&dev)?, gates.to_device(&dev)?);
     let s_gpu = state.to_device(&dev)?;
     let o_gpu = gated_delta_rule(
         &qkv_g.narrow(0, 1, 1)?,
@@ -128,7 +129,13 @@ fn metal_gated_delta_rule_reads_start_offsets() -> Result<()> {
         None,
     )?;
     let s_cpu = state.narrow(0, 1, 1)?.copy()?;
-    let o_cpu = gated_delta_rule(&qkv.narrow(0, 1, 1)?, &gb.narrow(0, 1, 1)?, &s_cpu, d, None)?;
+    let o_cpu = gated_delta_rule(
+        &qkv.narrow(0, 1, 1)?,
+        &gates.narrow(0, 1, 1)?,
+        &s_cpu,
+        d,
+        None,
+    )?;
     assert_close("metal gdr offset output", &o_gpu, &o_cpu, TOL_F32)?;
     assert_close(
         "metal gdr offset state",

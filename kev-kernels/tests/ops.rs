@@ -67,10 +67,10 @@ fn cases() -> Vec<Case> {
 #[test]
 fn gated_delta_rule_matches_reference() -> Result<()> {
     for c in cases() {
-        let (qkv, gb, state) = gdr_inputs(&c, 0.3)?;
-        let (o_ref, s_ref) = gated_delta_rule_ref(&qkv, &gb, &state, c.dims)?;
+        let (qkv, gates, state) = gdr_inputs(&c, 0.3)?;
+        let (o_ref, s_ref) = gated_delta_rule_ref(&qkv, &gates, &state, c.dims)?;
         let s = state.copy()?;
-        let o = gated_delta_rule(&qkv, &gb, &s, c.dims, None)?;
+        let o = gated_delta_rule(&qkv, &gates, &s, c.dims, None)?;
         let tag = format!("gdr b={} t={} {:?}", c.b, c.t, c.dims);
         assert_close(&format!("{tag} output"), &o, &o_ref, TOL_F32)?;
         assert_close(&format!("{tag} state"), &s, &s_ref, TOL_F32)?;
@@ -81,20 +81,20 @@ fn gated_delta_rule_matches_reference() -> Result<()> {
 #[test]
 fn gated_delta_rule_two_chunks_equal_whole() -> Result<()> {
     let c = &cases()[2];
-    let (qkv, gb, state) = gdr_inputs(c, 1.1)?;
+    let (qkv, gates, state) = gdr_inputs(c, 1.1)?;
     let whole_state = state.copy()?;
-    let whole = gated_delta_rule(&qkv, &gb, &whole_state, c.dims, None)?;
+    let whole = gated_delta_rule(&qkv, &gates, &whole_state, c.dims, None)?;
     let split_state = state.copy()?;
     let first = gated_delta_rule(
         &qkv.narrow(1, 0, 40)?,
-        &gb.narrow(1, 0, 40)?,
+        &gates.narrow(1, 0, 40)?,
         &split_state,
         c.dims,
         None,
     )?;
     let second = gated_delta_rule(
         &qkv.narrow(1, 40, 25)?,
-        &gb.narrow(1, 40, 25)?,
+        &gates.narrow(1, 40, 25)?,
         &split_state,
         c.dims,
         None,
@@ -121,14 +121,14 @@ fn gated_delta_rule_lengths_across_step_blocks() -> Result<()> {
         },
     };
     let lengths = [66, 64, 0];
-    let (qkv, gb, state) = gdr_inputs(&c, 0.7)?;
+    let (qkv, gates, state) = gdr_inputs(&c, 0.7)?;
     let padded = state.copy()?;
-    let o = gated_delta_rule(&qkv, &gb, &padded, c.dims, Some(&lengths))?;
+    let o = gated_delta_rule(&qkv, &gates, &padded, c.dims, Some(&lengths))?;
     for (row, &len) in lengths.iter().enumerate() {
         let alone = state.narrow(0, row, 1)?.copy()?;
         let o_alone = gated_delta_rule(
             &qkv.narrow(0, row, 1)?.narrow(1, 0, len)?,
-            &gb.narrow(0, row, 1)?.narrow(1, 0, len)?,
+            &gates.narrow(0, row, 1)?.narrow(1, 0, len)?,
             &alone,
             c.dims,
             None,
@@ -156,14 +156,14 @@ fn gated_delta_rule_lengths_across_step_blocks() -> Result<()> {
 #[test]
 fn gated_delta_rule_lengths_freeze_padded_rows() -> Result<()> {
     let c = &cases()[1];
-    let (qkv, gb, state) = gdr_inputs(c, 2.0)?;
+    let (qkv, gates, state) = gdr_inputs(c, 2.0)?;
     let padded = state.copy()?;
-    let o = gated_delta_rule(&qkv, &gb, &padded, c.dims, Some(&[7, 3]))?;
+    let o = gated_delta_rule(&qkv, &gates, &padded, c.dims, Some(&[7, 3]))?;
     // Row 1 with only its 3 real steps.
     let short = state.narrow(0, 1, 1)?.copy()?;
     let o_short = gated_delta_rule(
         &qkv.narrow(0, 1, 1)?.narrow(1, 0, 3)?,
-        &gb.narrow(0, 1, 1)?.narrow(1, 0, 3)?,
+        &gates.narrow(0, 1, 1)?.narrow(1, 0, 3)?,
         &short,
         c.dims,
         None,
@@ -193,13 +193,13 @@ fn gated_delta_rule_lengths_freeze_padded_rows() -> Result<()> {
 #[test]
 fn gated_delta_rule_bf16_input_reads_as_f32() -> Result<()> {
     let c = &cases()[1];
-    let (qkv, gb, state) = gdr_inputs(c, 0.9)?;
+    let (qkv, gates, state) = gdr_inputs(c, 0.9)?;
     let qkv16 = qkv.to_dtype(DType::BF16)?;
     let s_a = state.copy()?;
-    let o = gated_delta_rule(&qkv16, &gb, &s_a, c.dims, None)?;
+    let o = gated_delta_rule(&qkv16, &gates, &s_a, c.dims, None)?;
     assert_eq!(o.dtype(), DType::BF16);
     let s_b = state.copy()?;
-    let o32 = gated_delta_rule(&qkv16.to_dtype(DType::F32)?, &gb, &s_b, c.dims, None)?;
+    let o32 = gated_delta_rule(&qkv16.to_dtype(DType::F32)?, &gates, &s_b, c.dims, None)?;
     assert_close("gdr bf16 in: state", &s_a, &s_b, 0.0)?;
     // Output rounded once to bf16: within half an ulp of bf16 (2^-8 relative) of unit-scale values.
     assert_close("gdr bf16 in: output", &o, &o32, 2e-2)?;
@@ -209,17 +209,18 @@ fn gated_delta_rule_bf16_input_reads_as_f32() -> Result<()> {
 #[test]
 fn gated_delta_rule_rejects_bad_shapes() -> Result<()> {
     let c = &cases()[1];
-    let (qkv, gb, state) = gdr_inputs(c, 0.1)?;
+    let (qkv, gates, state) = gdr_inputs(c, 0.1)?;
     let err = gated_delta_rule(
         &qkv.narrow(2, 1, c.dims.channels() - 1)?,
-        &gb,
+        &gates,
         &state,
         c.dims,
         None,
     )
     .unwrap_err();
     assert!(err.to_string().contains("gated-delta-rule"), "{err}");
-    let err = gated_delta_rule(&qkv, &gb, &state.to_dtype(DType::F16)?, c.dims, None).unwrap_err();
+    let err =
+        gated_delta_rule(&qkv, &gates, &state.to_dtype(DType::F16)?, c.dims, None).unwrap_err();
     assert!(err.to_string().contains("state must be f32"), "{err}");
     // Value heads of size 0: an error, not a panic.
     let empty_v = GdrDims {
@@ -232,7 +233,7 @@ fn gated_delta_rule_rejects_bad_shapes() -> Result<()> {
         DType::F32,
         qkv.device(),
     )?;
-    let err = gated_delta_rule(&qkv0, &gb, &state0, empty_v, None).unwrap_err();
+    let err = gated_delta_rule(&qkv0, &gates, &state0, empty_v, None).unwrap_err();
     assert!(err.to_string().contains("empty heads"), "{err}");
     Ok(())
 }
@@ -369,11 +370,11 @@ fn chunked_form_equals_recurrent() -> Result<()> {
         (1, 200, dims(2, 2, 32, 32), None),
     ] {
         let c = Case { b, t, dims: d };
-        let (qkv, gb, state) = gdr_inputs(&c, 0.7)?;
+        let (qkv, gates, state) = gdr_inputs(&c, 0.7)?;
         let s_rec = state.copy()?;
-        let o_rec = gated_delta_rule(&qkv, &gb, &s_rec, d, lengths.as_deref())?;
+        let o_rec = gated_delta_rule(&qkv, &gates, &s_rec, d, lengths.as_deref())?;
         let s_chunk = state.copy()?;
-        let o_chunk = gated_delta_rule_chunked(&qkv, &gb, &s_chunk, d, lengths.as_deref())?;
+        let o_chunk = gated_delta_rule_chunked(&qkv, &gates, &s_chunk, d, lengths.as_deref())?;
         let tag = format!("chunked vs recurrent b={b} t={t}");
         // Different algorithms in f32 (cumulative log-decays, the doubling inverse): ~1e-6
         // relative on unit data; 1e-4 absolute bounds it.

@@ -88,11 +88,11 @@ impl GatedDeltaNet {
         lengths: &[usize],
     ) -> Result<Tensor> {
         let proj = self.in_proj.forward(xs)?; // [B, T, C + Hv·Dv + 2·Hv]
-        let gb = self.gates(&proj)?;
+        let gates = self.gates(&proj)?;
         let (mixed, next) =
             causal_conv1d_cached(&self.qkv(&proj)?, conv, &self.conv1d, Some(lengths))?;
         *conv = next;
-        let o = gated_delta_rule(&mixed, &gb, state, self.dims, Some(lengths))?;
+        let o = gated_delta_rule(&mixed, &gates, state, self.dims, Some(lengths))?;
         self.out(&o, &self.z(&proj)?)
     }
 
@@ -101,14 +101,14 @@ impl GatedDeltaNet {
     /// Returns all rows' outputs, or with `Rows::Branches` the branch rows' only (`[B·T, H]`).
     pub fn forward_split(&self, xs: &Tensor, split: &Split, out_rows: Rows) -> Result<Tensor> {
         let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
-        let gb = self.gates(&proj)?; // [N, Hv, 2]
+        let gates = self.gates(&proj)?; // [N, Hv, 2]
         let (proj_s, proj_b) = split.parts(&proj)?;
         let (qkv_s, qkv_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
         // CUDA: the conv inside the delta rule's preparation, on the projection in place.
         let (w, dims) = (&self.conv1d, self.dims);
-        let o = match conv_gated_delta_rule_split(&qkv_s, &qkv_b, w, &gb, dims, split.rows())? {
+        let o = match conv_gated_delta_rule_split(&qkv_s, &qkv_b, w, &gates, dims, split.rows())? {
             Some(o) => o,
-            None => self.conv_then_delta_rule(&qkv_s, &qkv_b, &gb, split)?,
+            None => self.conv_then_delta_rule(&qkv_s, &qkv_b, &gates, split)?,
         };
         let z = self.z(&proj)?;
         self.out(&split.kept(&o, out_rows)?, &split.kept(&z, out_rows)?)
@@ -121,7 +121,7 @@ impl GatedDeltaNet {
         &self,
         qkv_s: &Tensor,
         qkv_b: &Tensor,
-        gb: &Tensor,
+        gates: &Tensor,
         split: &Split,
     ) -> Result<Tensor> {
         let GdrDims {
@@ -151,20 +151,26 @@ impl GatedDeltaNet {
                 (mixed_s, mixed_b)
             }
         };
-        if let Some(o) = gated_delta_rule_split(&mixed_s, &mixed_b, gb, self.dims, rows)? {
+        if let Some(o) = gated_delta_rule_split(&mixed_s, &mixed_b, gates, self.dims, rows)? {
             return Ok(o); // [N, Hv, Dv]
         }
-        let (gb_s, gb_b) = split.parts(gb)?;
+        let (gates_s, gates_b) = split.parts(gates)?;
         let state = Tensor::zeros((rows.states(), hv, dk, dv), DType::F32, qkv_s.device())?;
         let o_s = gated_delta_rule(
             &mixed_s,
-            &gb_s,
+            &gates_s,
             &state,
             self.dims,
             Some(rows.state_lengths()),
         )?;
         let state_b = split.to_branches(&state)?;
-        let o_b = gated_delta_rule(&mixed_b, &gb_b, &state_b, self.dims, Some(rows.lengths()))?;
+        let o_b = gated_delta_rule(
+            &mixed_b,
+            &gates_b,
+            &state_b,
+            self.dims,
+            Some(rows.lengths()),
+        )?;
         split.join(&o_s, &o_b)
     }
 

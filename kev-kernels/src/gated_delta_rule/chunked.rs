@@ -27,7 +27,7 @@ pub const CHUNK: usize = 64;
 /// overwritten with the final state; returns `o: [B, T, Hv, Dv]` in the dtype of `qkv`.
 pub fn gated_delta_rule_chunked(
     qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     state: &Tensor,
     dims: GdrDims,
     lengths: Option<&[usize]>,
@@ -53,7 +53,7 @@ pub fn gated_delta_rule_chunked(
     let real = Tensor::from_vec(real, (b_sz, padded), dev)?;
 
     let x = pad_time(&qkv.to_dtype(DType::F32)?, padded)?; // [B, P, C]
-    let gb = pad_time(gb, padded)?; // [B, P, Hv, 2]
+    let gates = pad_time(gates, padded)?; // [B, P, Hv, 2]
     let l2 = |t: Tensor| -> Result<Tensor> {
         let norm = (t.sqr()?.sum_keepdim(D::Minus1)? + f64::from(L2NORM_EPS))?.sqrt()?;
         t.broadcast_div(&norm)
@@ -87,7 +87,8 @@ pub fn gated_delta_rule_chunked(
     )?;
     let step_gate = |i: usize| -> Result<Tensor> {
         // [B, P, Hv] -> [B·Hv, N, C], zero on padding.
-        gb.narrow(3, i, 1)?
+        gates
+            .narrow(3, i, 1)?
             .squeeze(3)?
             .broadcast_mul(&real.unsqueeze(2)?)?
             .transpose(1, 2)?

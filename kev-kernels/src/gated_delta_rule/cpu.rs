@@ -22,7 +22,7 @@ pub(crate) fn gated_delta_rule(
     sl: &Layout,
     qkv: &CpuStorage,
     ql: &Layout,
-    gb: &CpuStorage,
+    gates: &CpuStorage,
     gl: &Layout,
 ) -> Result<()> {
     let GdrDims {
@@ -34,7 +34,7 @@ pub(crate) fn gated_delta_rule(
     let (b_sz, seq_len) = (op.b_sz, op.seq_len);
     let channels = op.dims.channels();
     let qkv = as_f32(qkv, ql, "gated-delta-rule qkv")?;
-    let gb = as_f32(gb, gl, "gated-delta-rule gates")?;
+    let gates = as_f32(gates, gl, "gated-delta-rule gates")?;
     let Some((s_start, s_end)) = sl.contiguous_offsets() else {
         bail!("gated-delta-rule: state must be contiguous")
     };
@@ -52,7 +52,7 @@ pub(crate) fn gated_delta_rule(
             let (b, h) = (bh / hv, bh % hv);
             let head = Head {
                 qkv: &qkv[b * seq_len * channels..][..seq_len * channels],
-                gb: &gb[b * seq_len * hv * 2..][..seq_len * hv * 2],
+                gates: &gates[b * seq_len * hv * 2..][..seq_len * hv * 2],
                 len: (op.lengths[b] as usize).min(seq_len),
                 seq_len,
                 channels,
@@ -85,7 +85,7 @@ pub(crate) struct Head<'a> {
     /// The row's `[T, C]` conv outputs, `[q | k | v]` per step.
     pub(crate) qkv: &'a [f32],
     /// The row's `[T, Hv, 2]` gates, `(g, β)` per step and value head.
-    pub(crate) gb: &'a [f32],
+    pub(crate) gates: &'a [f32],
     /// Real steps (the rest is padding: state untouched, output zero).
     pub(crate) len: usize,
     pub(crate) seq_len: usize,
@@ -136,7 +136,7 @@ impl Head<'_> {
         let row = &self.qkv[t * self.channels..][..self.channels];
         normalize(&row[self.q_at..][..self.dk], self.scale, q);
         normalize(&row[self.k_at..][..self.dk], 1.0, k);
-        let gate = &self.gb[(t * self.hv + self.h) * 2..];
+        let gate = &self.gates[(t * self.hv + self.h) * 2..];
         (gate[0].exp(), gate[1])
     }
 

@@ -47,13 +47,13 @@ pub(crate) fn gated_delta_rule(
     sl: &Layout,
     qkv: &CudaStorage,
     ql: &Layout,
-    gb: &CudaStorage,
+    gates: &CudaStorage,
     gl: &Layout,
 ) -> Result<()> {
     let dims = op.dims;
     // (An empty sequence has no chunk to launch a grid over.)
     if op.chunked() && op.seq_len > 0 && dims.head_k_dim.max(dims.head_v_dim) <= GDRC_MAX_DIM {
-        return gated_delta_rule_chunked(op, state, sl, qkv, ql, gb, gl);
+        return gated_delta_rule_chunked(op, state, sl, qkv, ql, gates, gl);
     }
     let nk = dims.head_k_dim.div_ceil(32).next_power_of_two();
     if nk > 8 {
@@ -75,7 +75,7 @@ pub(crate) fn gated_delta_rule(
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
     let lengths = gdr_lengths(&k.dev, &op.lengths, op.seq_len)?;
-    let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
+    let gates = gates.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let n_out = op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim;
     let cfg = LaunchConfig {
@@ -99,7 +99,7 @@ pub(crate) fn gated_delta_rule(
         let x = qkv.as_cuda_slice::<T>()?.slice(q0..q1);
         let out = k.output::<T>(n_out)?;
         let mut b = k.stream.launch_builder(&k.func);
-        b.arg(&x).arg(&gb).arg(&mut st).arg(&out);
+        b.arg(&x).arg(&gates).arg(&mut st).arg(&out);
         b.arg(&lengths.ptr);
         for v in &ints {
             b.arg(v);
@@ -123,7 +123,7 @@ fn gated_delta_rule_chunked(
     sl: &Layout,
     qkv: &CudaStorage,
     ql: &Layout,
-    gb: &CudaStorage,
+    gates: &CudaStorage,
     gl: &Layout,
 ) -> Result<()> {
     let dims = op.dims;
@@ -152,7 +152,7 @@ fn gated_delta_rule_chunked(
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
     let (s0, s1) = contiguous(sl, "gated-delta-rule state")?;
     let lengths = gdr_lengths(&prep.dev, &op.lengths, op.seq_len)?;
-    let gb = gb.as_cuda_slice::<f32>()?.slice(g0..g1);
+    let gates = gates.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
     let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
     let layout = ScratchLayout::new(heads * chunks, dims.head_v_dim, tc);
@@ -171,7 +171,7 @@ fn gated_delta_rule_chunked(
     by_dtype!(qkv.dtype(), "gated-delta-rule", |T| {
         let x = qkv.as_cuda_slice::<T>()?.slice(q0..q1);
         let mut b = prep.stream.launch_builder(&prep.func);
-        b.arg(&x).arg(&gb);
+        b.arg(&x).arg(&gates);
         b.arg(&lengths.ptr);
         b.arg(&wt).arg(&u).arg(&qt).arg(&kd).arg(&at).arg(&gtot);
         b.arg(&t).arg(&hk).arg(&hv).arg(&dk).arg(&dv);
@@ -283,7 +283,7 @@ pub(crate) fn gated_delta_rule_split(
     la: &Layout,
     qb: &CudaStorage,
     lb: &Layout,
-    gb: &CudaStorage,
+    gates: &CudaStorage,
     lg: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
     let dims = op.dims;
@@ -315,10 +315,10 @@ pub(crate) fn gated_delta_rule_split(
     }
     let conv_w = op.conv.as_ref().map(|w| w.storage_and_layout());
     let (g0, g1) = contiguous(lg, "gated-delta-rule-split gates")?;
-    let gates = gb.as_cuda_slice::<f32>()?;
+    let gates = gates.as_cuda_slice::<f32>()?;
     let s_tokens = states * s_len;
     let g_split = g0 + s_tokens * hv * 2;
-    let (gb_a, gb_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
+    let (gb_a, gates_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
     let lengths = device_lengths(&prep.dev, split.padded_lengths().as_deref())?;
     let state_lengths = device_lengths(&prep.dev, split.padded_state_lengths().as_deref())?;
     let owners = device_lengths(&prep.dev, split.kernel_owners().as_deref())?;
@@ -352,7 +352,7 @@ pub(crate) fn gated_delta_rule_split(
             .arg(&nc_a_i)
             .arg(&bh_a_i);
         b.arg(&xb)
-            .arg(&gb_b)
+            .arg(&gates_b)
             .arg(&lengths.ptr)
             .arg(&w_i)
             .arg(&nc_b_i);

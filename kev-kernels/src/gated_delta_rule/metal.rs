@@ -54,7 +54,7 @@ pub(crate) fn gated_delta_rule(
     sl: &Layout,
     qkv: &MetalStorage,
     ql: &Layout,
-    gb: &MetalStorage,
+    gates: &MetalStorage,
     gl: &Layout,
 ) -> Result<()> {
     let GdrDims {
@@ -64,7 +64,7 @@ pub(crate) fn gated_delta_rule(
         head_v_dim: dv,
     } = op.dims;
     let (b_sz, seq_len) = (op.b_sz, op.seq_len);
-    if state.dtype() != DType::F32 || gb.dtype() != DType::F32 {
+    if state.dtype() != DType::F32 || gates.dtype() != DType::F32 {
         bail!("gated-delta-rule: state and gates must be f32")
     }
     if qkv.dtype() != op.out_dtype {
@@ -116,7 +116,7 @@ pub(crate) fn gated_delta_rule(
         let enc: &candle_metal_kernels::metal::ComputeCommandEncoder = guard.as_ref();
         enc.set_compute_pipeline_state(&pipeline);
         enc.set_input_buffer(0, Some(qkv.buffer()), q_off);
-        enc.set_input_buffer(1, Some(gb.buffer()), g_off);
+        enc.set_input_buffer(1, Some(gates.buffer()), g_off);
         // Read and written: declared as an output, so candle orders this dispatch after earlier
         // readers and writers of the state.
         enc.set_output_buffer(2, Some(state.buffer()), s_off);

@@ -48,10 +48,10 @@ impl candle_core::CustomOp3 for GdrSplit {
         la: &Layout,
         qb: &candle_core::CudaStorage,
         lb: &Layout,
-        gb: &candle_core::CudaStorage,
+        gates: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::gated_delta_rule_split(self, qa, la, qb, lb, gb, lg)
+        cuda::gated_delta_rule_split(self, qa, la, qb, lb, gates, lg)
     }
 }
 
@@ -62,7 +62,7 @@ impl candle_core::CustomOp3 for GdrSplit {
 /// the branches' scan reading its state row's final state in place; both write one packed
 /// output.
 ///
-/// `state_qkv: [R, S, C]` and `branch_qkv: [B, T, C]` are the conv outputs, `gb: [R·S + B·T, Hv,
+/// `state_qkv: [R, S, C]` and `branch_qkv: [B, T, C]` are the conv outputs, `gates: [R·S + B·T, Hv,
 /// 2]` the gates packed as the rows, `rows` their real lengths and owners. Returns
 /// `o: [R·S + B·T, Hv, Dv]`: the numbers of [`gated_delta_rule`] run on the states from zero
 /// states, then on the branch rows from copies of their states' final states (the same kernels,
@@ -75,12 +75,12 @@ impl candle_core::CustomOp3 for GdrSplit {
 pub fn gated_delta_rule_split(
     state_qkv: &Tensor,
     branch_qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     dims: GdrDims,
     rows: &SplitRows,
 ) -> Result<Option<Tensor>> {
     let name = "gated-delta-rule-split";
-    if !split_applies(name, state_qkv, branch_qkv, gb, dims, rows)? {
+    if !split_applies(name, state_qkv, branch_qkv, gates, dims, rows)? {
         return Ok(None);
     }
     let op = GdrSplit {
@@ -90,7 +90,7 @@ pub fn gated_delta_rule_split(
     };
     Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
         &branch_qkv.contiguous()?,
-        &gb.contiguous()?,
+        &gates.contiguous()?,
         &op,
     )?))
 }
@@ -101,7 +101,7 @@ pub fn gated_delta_rule_split(
 /// The same arithmetic per output and the same sums as those two calls, so the same numbers.
 ///
 /// `state_raw: [R, S, C]` and `branch_raw: [B, T, C]` are the raw `in_proj` `[q | k | v]` rows
-/// (row views of the wider projection are read in place), `weight: [C, 4]` the conv's; `gb`,
+/// (row views of the wider projection are read in place), `weight: [C, 4]` the conv's; `gates`,
 /// `dims`, `rows` as in [`gated_delta_rule_split`]. `None` where that form does not apply, for
 /// a conv kernel other than 4 steps, for more value heads than key heads (each value head's
 /// block would run its key head's conv again: slower than the two calls, A/B on the H200), or
@@ -115,7 +115,7 @@ pub fn conv_gated_delta_rule_split(
     state_raw: &Tensor,
     branch_raw: &Tensor,
     weight: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     dims: GdrDims,
     rows: &SplitRows,
 ) -> Result<Option<Tensor>> {
@@ -140,7 +140,7 @@ pub fn conv_gated_delta_rule_split(
     let heads_fit = dims.num_v_heads == dims.num_k_heads
         && dims.head_k_dim.is_multiple_of(4)
         && dims.head_v_dim.is_multiple_of(4);
-    if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gb, dims, rows)? {
+    if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gates, dims, rows)? {
         return Ok(None);
     }
     let (state_raw, branch_raw, weight) = (
@@ -167,7 +167,7 @@ pub fn conv_gated_delta_rule_split(
     };
     Ok(Some(state_raw.apply_op3_no_bwd(
         &branch_raw,
-        &gb.contiguous()?,
+        &gates.contiguous()?,
         &op,
     )?))
 }
@@ -178,31 +178,31 @@ fn split_applies(
     name: &str,
     state_qkv: &Tensor,
     branch_qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     dims: GdrDims,
     rows: &SplitRows,
 ) -> Result<bool> {
     let (states, s_len, c) = state_qkv.dims3()?;
     let (b_rows, width, cb) = branch_qkv.dims3()?;
     rows.check_parts(name, state_qkv, branch_qkv)?;
-    if c != dims.channels() || cb != c || gb.dims() != [rows.tokens(), dims.num_v_heads, 2] {
+    if c != dims.channels() || cb != c || gates.dims() != [rows.tokens(), dims.num_v_heads, 2] {
         bail!(
             "{name}: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
             state_qkv.dims(),
             branch_qkv.dims(),
-            gb.dims()
+            gates.dims()
         )
     }
     let (hk, hv) = (dims.num_k_heads, dims.num_v_heads);
     if hk == 0 || hv % hk != 0 {
         bail!("{name}: {hv} value heads are not a multiple of {hk} key heads")
     }
-    if state_qkv.dtype() != branch_qkv.dtype() || gb.dtype() != DType::F32 {
+    if state_qkv.dtype() != branch_qkv.dtype() || gates.dtype() != DType::F32 {
         bail!(
             "{name}: state {:?} and branches {:?} must share a dtype, gates must be f32 (got {:?})",
             state_qkv.dtype(),
             branch_qkv.dtype(),
-            gb.dtype()
+            gates.dtype()
         )
     }
     Ok(states > 0
@@ -240,10 +240,10 @@ impl InplaceOp3 for GatedDeltaRule {
         sl: &Layout,
         qkv: &CpuStorage,
         ql: &Layout,
-        gb: &CpuStorage,
+        gates: &CpuStorage,
         gl: &Layout,
     ) -> Result<()> {
-        cpu::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
+        cpu::gated_delta_rule(self, state, sl, qkv, ql, gates, gl)
     }
 
     #[cfg(feature = "cuda")]
@@ -253,10 +253,10 @@ impl InplaceOp3 for GatedDeltaRule {
         sl: &Layout,
         qkv: &candle_core::CudaStorage,
         ql: &Layout,
-        gb: &candle_core::CudaStorage,
+        gates: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        cuda::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
+        cuda::gated_delta_rule(self, state, sl, qkv, ql, gates, gl)
     }
 
     #[cfg(feature = "metal")]
@@ -266,10 +266,10 @@ impl InplaceOp3 for GatedDeltaRule {
         sl: &Layout,
         qkv: &candle_core::MetalStorage,
         ql: &Layout,
-        gb: &candle_core::MetalStorage,
+        gates: &candle_core::MetalStorage,
         gl: &Layout,
     ) -> Result<()> {
-        metal::gated_delta_rule(self, state, sl, qkv, ql, gb, gl)
+        metal::gated_delta_rule(self, state, sl, qkv, ql, gates, gl)
     }
 }
 
@@ -277,7 +277,7 @@ impl InplaceOp3 for GatedDeltaRule {
 ///
 /// - `qkv`: `[B, T, 2·Hk·Dk + Hv·Dv]`, the conv output packed as `[q | k | v]`, heads contiguous
 ///   inside each part (any float dtype; read as f32);
-/// - `gb`: `[B, T, Hv, 2]` f32, `(g, β)` per step and value head, g the log decay;
+/// - `gates`: `[B, T, Hv, 2]` f32, `(g, β)` per step and value head, g the log decay;
 /// - `state`: `[B, Hv, Dk, Dv]` f32, contiguous, **updated in place** (own its storage: a tensor
 ///   clone shares it);
 /// - `lengths`: per-row number of real steps (right padding beyond it is ignored), or `None`.
@@ -285,36 +285,36 @@ impl InplaceOp3 for GatedDeltaRule {
 /// Returns `o: [B, T, Hv, Dv]` in the dtype of `qkv`.
 pub fn gated_delta_rule(
     qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     state: &Tensor,
     dims: GdrDims,
     lengths: Option<&[usize]>,
 ) -> Result<Tensor> {
-    gated_delta_rule_as(qkv, gb, state, dims, lengths, GdrForm::Auto)
+    gated_delta_rule_as(qkv, gates, state, dims, lengths, GdrForm::Auto)
 }
 
 /// [`gated_delta_rule`] always in the step-by-step form (on every backend), for benchmarks and
 /// tests of the recurrent kernels themselves.
 pub fn gated_delta_rule_recurrent(
     qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     state: &Tensor,
     dims: GdrDims,
     lengths: Option<&[usize]>,
 ) -> Result<Tensor> {
-    gated_delta_rule_as(qkv, gb, state, dims, lengths, GdrForm::Recurrent)
+    gated_delta_rule_as(qkv, gates, state, dims, lengths, GdrForm::Recurrent)
 }
 
 /// [`gated_delta_rule`] with the algorithm chosen by the caller.
 pub fn gated_delta_rule_as(
     qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     state: &Tensor,
     dims: GdrDims,
     lengths: Option<&[usize]>,
     form: GdrForm,
 ) -> Result<Tensor> {
-    let (b_sz, seq_len) = check(qkv, gb, state, dims, lengths)?;
+    let (b_sz, seq_len) = check(qkv, gates, state, dims, lengths)?;
     let op = GatedDeltaRule {
         dims,
         b_sz,
@@ -327,7 +327,7 @@ pub fn gated_delta_rule_as(
         form,
         out: Mutex::new(None),
     };
-    state.inplace_op3(&qkv.contiguous()?, &gb.contiguous()?, &op)?;
+    state.inplace_op3(&qkv.contiguous()?, &gates.contiguous()?, &op)?;
     let out = op
         .out
         .into_inner()

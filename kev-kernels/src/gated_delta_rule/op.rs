@@ -103,7 +103,7 @@ impl GatedDeltaRule {
 /// The shapes and dtypes of [`super::gated_delta_rule`]'s inputs; returns `(B, T)`.
 pub(crate) fn check(
     qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     state: &Tensor,
     dims: GdrDims,
     lengths: Option<&[usize]>,
@@ -130,11 +130,11 @@ pub(crate) fn check(
     if dk == 0 || dv == 0 {
         bail!("gated-delta-rule: empty heads in {dims:?}")
     }
-    if gb.dims() != [b_sz, seq_len, hv, 2] || gb.dtype() != DType::F32 {
+    if gates.dims() != [b_sz, seq_len, hv, 2] || gates.dtype() != DType::F32 {
         bail!(
             "gated-delta-rule: gates must be f32 [{b_sz}, {seq_len}, {hv}, 2], got {:?} {:?}",
-            gb.dtype(),
-            gb.dims()
+            gates.dtype(),
+            gates.dims()
         )
     }
     if state.dims() != [b_sz, hv, dk, dv] || state.dtype() != DType::F32 {

@@ -9,11 +9,11 @@ use crate::backend::cuda::sources::L2NORM_EPS;
 /// Returns `(o, new_state)` and leaves `state` untouched; `lengths` is not supported.
 pub fn gated_delta_rule_ref(
     qkv: &Tensor,
-    gb: &Tensor,
+    gates: &Tensor,
     state: &Tensor,
     dims: GdrDims,
 ) -> Result<(Tensor, Tensor)> {
-    let (b_sz, seq_len) = check(qkv, gb, state, dims, None)?;
+    let (b_sz, seq_len) = check(qkv, gates, state, dims, None)?;
     let GdrDims {
         num_k_heads: hk,
         num_v_heads: hv,
@@ -46,7 +46,7 @@ pub fn gated_delta_rule_ref(
     for t in 0..seq_len {
         let step = |x: &Tensor| x.narrow(1, t, 1).and_then(|x| x.squeeze(1));
         let (q_t, k_t, v_t) = (step(&q)?, step(&k)?, step(&v)?);
-        let gb_t = step(gb)?;
+        let gb_t = step(gates)?;
         let decay = gb_t.narrow(D::Minus1, 0, 1)?.exp()?.unsqueeze(D::Minus1)?; // [B,Hv,1,1]
         let beta = gb_t.narrow(D::Minus1, 1, 1)?; // [B,Hv,1]
         s = s.broadcast_mul(&decay)?;

@@ -52,8 +52,9 @@ impl CustomOp3 for Gates {
         let dt_bias = as_f32(ds, dl, "deltanet-gates dt_bias")?;
         let neg_a = as_f32(ns, nl, "deltanet-gates neg_a")?;
         let (hv, round) = (dt_bias.len(), rounder(bas.dtype()));
-        let mut gb = vec![0f32; view.rows * hv * 2];
-        gb.par_chunks_mut(2 * hv)
+        let mut gates = vec![0f32; view.rows * hv * 2];
+        gates
+            .par_chunks_mut(2 * hv)
             .zip(ba.par_chunks(2 * hv))
             .for_each(|(out, row)| {
                 for h in 0..hv {
@@ -61,7 +62,7 @@ impl CustomOp3 for Gates {
                     out[2 * h + 1] = round(1.0 / (1.0 + (-row[h]).exp()));
                 }
             });
-        Ok((CpuStorage::F32(gb), out_shape(bal)?))
+        Ok((CpuStorage::F32(gates), out_shape(bal)?))
     }
 
     #[cfg(feature = "cuda")]
