@@ -97,7 +97,7 @@ def python_rates(checkpoint: str, records: Path, repeat: int, batch: int) -> dic
 
 
 def ray_run(checkpoint: str, records: Path, actors: int, cpus_per_actor: float, batch: int,
-            gpu: bool = False) -> float:
+            gpu: bool = False, batches_per_block: int = 0) -> float:
     device = (["--gpus-per-actor", "1", "--backend", "cuda", "--dtype", "bf16", "--num-cpus", "8"]
               if gpu else ["--backend", "cpu", "--dtype", "f32", "--num-cpus", "2"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +106,8 @@ def ray_run(checkpoint: str, records: Path, actors: int, cpus_per_actor: float, 
             [sys.executable, str(ROOT / "examples/ray_score.py"), "--checkpoint", checkpoint,
              "--records", str(records), "--out", str(Path(tmp) / "out.jsonl"),
              "--actors", str(actors), "--cpus-per-actor", str(cpus_per_actor), *device,
-             "--batch-size", str(batch), "--batches-per-block", str(max(1, 16 // batch))],
+             "--batch-size", str(batch),
+             "--batches-per-block", str(batches_per_block or max(1, 16 // batch))],
             capture_output=True, text=True,
         )
         if proc.returncode != 0:
@@ -138,8 +139,10 @@ def gpu_main(args) -> None:
             times.append(time.perf_counter() - t)
         figures = {"records": n_big, "batch_size": b, "python_probs_batch": n_big / min(times)}
         del model
-        t_big = min(ray_run(args.checkpoint, big, 1, 1, b, gpu=True) for _ in range(args.repeat))
-        t_small = min(ray_run(args.checkpoint, small, 1, 1, b, gpu=True) for _ in range(args.repeat))
+        run = lambda path: ray_run(args.checkpoint, path, 1, 1, b, gpu=True,
+                                   batches_per_block=args.batches_per_block)
+        t_big = min(run(big) for _ in range(args.repeat))
+        t_small = min(run(small) for _ in range(args.repeat))
         figures["ray_1_gpu_actor"] = (n_big - n_small) / (t_big - t_small)
         figures["ray_1_gpu_actor_whole_run"] = n_big / t_big
     base = figures["python_probs_batch"]
@@ -158,6 +161,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8, help="records per probs_batch call")
     p.add_argument("--no-ray", action="store_true")
     p.add_argument("--gpu", action="store_true", help="the GPU form (see above)")
+    p.add_argument("--batches-per-block", type=int, default=0,
+                   help="Ray Data blocks of this many batches (default: 16 records a block)")
     p.add_argument("--records", default=str(RECORDS), help="records repeated --copies times (--gpu)")
     args = p.parse_args()
     if args.gpu:
