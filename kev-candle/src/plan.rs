@@ -131,7 +131,7 @@ pub(crate) fn length_buckets(lengths: &[usize]) -> Vec<Vec<usize>> {
 }
 
 /// The tokens the state passes of states of these `lengths` run, padding included: each group
-/// of [`length_buckets`] padded to its longest. What a batch costs, for callers that budget
+/// of `length_buckets` padded to its longest. What a batch costs, for callers that budget
 /// batches (a server's batcher).
 pub fn state_pass_tokens(lengths: &[usize]) -> usize {
     length_buckets(lengths)

@@ -24,7 +24,7 @@ pub struct Config {
     /// Address to listen on (port 0: any free port).
     #[arg(long, env = "KEV_ADDR", default_value = "127.0.0.1:8080")]
     pub addr: SocketAddr,
-    /// One model worker per entry, all over the one queue: auto, cpu, cuda[:i], metal[:i],
+    /// One model worker per entry, all over the one queue: `auto`, `cpu`, `cuda[:i]`, `metal[:i]`,
     /// comma-separated (`cuda:0,cuda:1`; `cpu,cpu` runs two CPU workers on one model).
     #[arg(
         long,

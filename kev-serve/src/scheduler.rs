@@ -4,10 +4,10 @@
 //! A worker takes the oldest request, then every request already queued (and, for up to
 //! `max_wait`, those that arrive) while the batch stays within `max_batch_tokens`. A batch's
 //! tokens are what the model will run, padding included: its distinct uncached states in passes
-//! grouped by length (`kev::state_pass_tokens`), plus all its branch rows padded to the longest. The batch then runs as one call of
-//! [`DecisionModel::probs_prefixed`] (cold states once, then every branch continuing its prefix)
-//! and the new prefixes go to the device's [`PrefixCache`]. Requests whose client has gone are
-//! dropped before they run.
+//! grouped by length (`kev::state_pass_tokens`), plus all its branch rows padded to the longest.
+//! The batch then runs as one call of [`DecisionModel::probs_prefixed`] (cold states once, then
+//! every branch continuing its prefix) and the new prefixes go to the device's [`PrefixCache`].
+//! Requests whose client has gone are dropped before they run.
 
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;

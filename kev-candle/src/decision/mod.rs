@@ -10,8 +10,8 @@
 //! every layer.
 //!
 //! This module is the public face: encoding, grouping records and checking results. Loading is
-//! in `load`, what each forward runs in [`crate::plan`], running it in [`crate::executor`] (or
-//! as a CUDA graph, [`crate::graphs`]), and batches over cached prefixes in `prefixed`.
+//! in `load`, what each forward runs in `plan`, running it in `executor` (or as a CUDA graph,
+//! `graphs`), and batches over cached prefixes in `prefixed`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -185,9 +185,10 @@ impl DecisionModel {
     }
 
     /// Probabilities for many records at once: states of similar length as one padded batch
-    /// ([`length_buckets`]), then their branches as one padded batch (in one pass over the layers
-    /// where every state fits in one `prefill_chunk`). Equal to scoring them one by one. On CUDA, a batch whose token shapes
-    /// were seen before replays a CUDA graph, as [`DecisionModel::forward`] does.
+    /// (`length_buckets`), then their branches as one padded batch (in one pass over the layers
+    /// where every state fits in one `prefill_chunk`). Equal to scoring them one by one. On CUDA,
+    /// a batch whose token shapes were seen before replays a CUDA graph, as
+    /// [`DecisionModel::forward`] does.
     pub fn probs_batch(&self, records: &[Record]) -> Result<Vec<Vec<Vec<f32>>>> {
         if records.is_empty() {
             return Ok(Vec::new());
@@ -211,7 +212,7 @@ impl DecisionModel {
     }
 
     /// Logits per record and question of `records` (each a state and its rows), records of
-    /// similar state length run as one plan ([`length_buckets`]).
+    /// similar state length run as one plan (`length_buckets`).
     fn grouped_logits(&self, records: Vec<(Vec<u32>, Vec<Row>)>) -> Result<Vec<Vec<Vec<f32>>>> {
         let lengths: Vec<usize> = records.iter().map(|(state, _)| state.len()).collect();
         let mut records: Vec<Option<(Vec<u32>, Vec<Row>)>> =
@@ -266,8 +267,8 @@ impl DecisionModel {
     /// Probabilities for `records`, where `prefixes[i]`, if given, is a prefix of record i's
     /// state (same token ids) and its state does not run again. The other records' states run
     /// in passes grouped by length (each distinct state once; [`state_pass_tokens`] counts them),
-    /// then every record's branches run as one batch continuing their prefixes. Each result carries the record's prefix for reuse. Equal to
-    /// scoring the records one by one.
+    /// then every record's branches run as one batch continuing their prefixes. Each result
+    /// carries the record's prefix for reuse. Equal to scoring the records one by one.
     ///
     /// Errors: [`Error::InvalidArgument`] when the two slices differ in length,
     /// [`Error::Prefix`] when a prefix's token ids are not its record's state's.

@@ -4,10 +4,11 @@
 //! A server keeps the prefixes of the states it has seen; a batch then mixes records whose state
 //! is cached with records whose state is new. The new (cold) states run first, distinct states
 //! once, as right-padded state passes grouped by length (as `probs_batch` groups them), then the
-//! branches of *every* record run as one batch, each branch row continuing its record's prefix: a cold state's row of that pass or
-//! a cached prefix. Cached prefixes are only read (their rows are copied into the branch batch),
-//! so one prefix can serve concurrent batches. The cold states' prefixes are cut out of the state
-//! pass (their own storage, no padding) and returned for the caller to keep.
+//! branches of *every* record run as one batch, each branch row continuing its record's prefix:
+//! a cold state's row of that pass or a cached prefix. Cached prefixes are only read (their rows
+//! are copied into the branch batch), so one prefix can serve concurrent batches. The cold
+//! states' prefixes are cut out of the state pass (their own storage, no padding) and returned
+//! for the caller to keep.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -22,9 +22,9 @@ pub fn qk_norm_rope_ref(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> 
     out.contiguous()
 }
 
-/// [`causal_softmax`](super::causal_softmax) with plain tensor ops (the test reference, and the Metal path). The causal
-/// part is built on the device from two index ranges (no `[T, S]` host loop per layer); hidden
-/// keys get `f32::MIN`, whose exponential is exactly 0 as −∞'s is.
+/// [`causal_softmax`](super::causal_softmax) with plain tensor ops (the test reference, and the
+/// Metal path). The causal part is built on the device from two index ranges (no `[T, S]` host
+/// loop per layer); hidden keys get `f32::MIN`, whose exponential is exactly 0 as −∞'s is.
 pub fn causal_softmax_ref(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<Tensor> {
     let (_, _, t_len, s_len) = scores.dims4()?;
     let dev = scores.device();
