@@ -21,7 +21,7 @@
 //!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`],
 //!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`]
 //!   ([`attention_gate_join`] for a packed batch's two parts).
-//!   CPU and CUDA run them as one op; Metal runs their `*_ref` composition.
+//!   CPU, CUDA and Metal each run them as one op (Metal: `<op>/<op>.metal`).
 //! - [`flash_attention`]: on CUDA, the attention's scores, softmax and weighted sum in one
 //!   kernel, in place of the matmuls around [`causal_softmax`] (which the caller composes
 //!   where it declines; [`flash_attention_fills_gpu`] says where it pays).

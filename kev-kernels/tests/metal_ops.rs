@@ -193,3 +193,18 @@ fn metal_causal_conv1d_matches_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn metal_fused_ops_match_references() -> Result<()> {
+    // The norms, gates, SwiGLU and attention steps run their own Metal kernels; each against its
+    // tensor-op reference on the CPU (slices of a wider projection and contiguous inputs, f32 and
+    // bf16). Exact checks stay exact; f32 ones get Metal's fast-math allowance.
+    kev_kernels::testing::check_fused_ops(&metal()?, |what, got, want, tol| {
+        assert!(
+            got.device().is_metal(),
+            "{what}: the result left the Metal device"
+        );
+        let tol = if tol == 0.0 { 0.0 } else { tol.max(TOL_F32) };
+        assert_close(what, &got.to_device(&Device::Cpu)?, want, tol)
+    })
+}

@@ -7,6 +7,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "metal")]
+mod metal;
 mod reference;
 
 use candle_core::backend::BackendStorage;
@@ -87,6 +89,21 @@ impl CustomOp3 for QkNormRope {
         let out = cuda::qk_norm_rope(self.eps, xs, xl, ws, wl, cs, cl)?;
         Ok((out, Shape::from((b_sz, heads, t_len, hd))))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        xs: &candle_core::MetalStorage,
+        xl: &Layout,
+        ws: &candle_core::MetalStorage,
+        wl: &Layout,
+        cs: &candle_core::MetalStorage,
+        cl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let (b_sz, t_len, heads, hd) = xl.shape().dims4()?;
+        let out = metal::qk_norm_rope(self.eps, xs, xl, ws, wl, cs, cl)?;
+        Ok((out, Shape::from((b_sz, heads, t_len, hd))))
+    }
 }
 
 /// `softmax(round(s·scale) + key_bias)` in f32 over the keys up to the query's own, rounded to
@@ -146,6 +163,18 @@ impl CustomOp2 for CausalSoftmax {
         let out = cuda::causal_softmax(self.scale, ss, sl, ms, ml)?;
         Ok((out, sl.shape().clone()))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        ss: &candle_core::MetalStorage,
+        sl: &Layout,
+        ms: &candle_core::MetalStorage,
+        ml: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let out = metal::causal_softmax(self.scale, ss, sl, ms, ml)?;
+        Ok((out, sl.shape().clone()))
+    }
 }
 
 /// `o · round(sigmoid(gate))`, `o: [B, H, T, hd]`, gate `[B, T, H, hd]` → `[B, T, H·hd]`.
@@ -193,6 +222,19 @@ impl CustomOp2 for AttentionGate {
         let out = cuda::attention_gate(os, ol, gs, gl)?;
         Ok((out, Shape::from((b_sz, t_len, heads * hd))))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        os: &candle_core::MetalStorage,
+        ol: &Layout,
+        gs: &candle_core::MetalStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
+        let out = metal::attention_gate(os, ol, gs, gl)?;
+        Ok((out, Shape::from((b_sz, t_len, heads * hd))))
+    }
 }
 
 /// A `[B, T, H, hd]` tensor whose last dim is contiguous, as is or copied.
@@ -226,7 +268,7 @@ pub fn qk_norm_rope(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Resu
             x.dtype()
         )
     }
-    if x.device().is_metal() || hd > ROPE_MAX_HEAD_DIM {
+    if !x.device().is_metal() && hd > ROPE_MAX_HEAD_DIM {
         return qk_norm_rope_ref(x, w1, cos_sin, eps);
     }
     last_dim_contiguous(x)?.apply_op3_no_bwd(
@@ -251,9 +293,6 @@ pub fn causal_softmax(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<
             scores.dims()
         )
     }
-    if scores.device().is_metal() {
-        return causal_softmax_ref(scores, key_bias, scale);
-    }
     scores.contiguous()?.apply_op2_no_bwd(
         &key_bias.contiguous()?,
         &CausalSoftmax {
@@ -276,14 +315,11 @@ pub fn attention_gate(o: &Tensor, gate: &Tensor) -> Result<Tensor> {
             o.dims()
         )
     }
-    if o.device().is_metal() {
-        return attention_gate_ref(o, gate);
-    }
     o.contiguous()?
         .apply_op2_no_bwd(&last_dim_contiguous(gate)?, &AttentionGate)
 }
 
-/// The CUDA op of [`attention_gate_join`]; other backends compose it.
+/// The CUDA and Metal op of [`attention_gate_join`]; the CPU composes it.
 struct AttentionGateJoin;
 
 impl CustomOp3 for AttentionGateJoin {
@@ -310,12 +346,27 @@ impl CustomOp3 for AttentionGateJoin {
         let out = cuda::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
         Ok((out, Shape::from((n, heads * hd))))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        ss: &candle_core::MetalStorage,
+        sl: &Layout,
+        bs: &candle_core::MetalStorage,
+        bl: &Layout,
+        gs: &candle_core::MetalStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let (n, heads, hd) = gl.shape().dims3()?;
+        let out = metal::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
+        Ok((out, Shape::from((n, heads * hd))))
+    }
 }
 
 /// [`attention_gate`] of a packed batch's two parts, records' states `o_s: [R, H, S, hd]` and
 /// branches `o_b: [B, H, T, hd]`, with their gates packed as the rows are, `gate: [R·S + B·T, H,
 /// hd]` (may be a slice of a wider projection). Returns the packed `[R·S + B·T, H·hd]`: equal to
-/// joining the two parts' [`attention_gate`] outputs, but on CUDA written in place by two
+/// joining the two parts' [`attention_gate`] outputs, but on CUDA and Metal written in place by two
 /// launches instead of copied after.
 pub fn attention_gate_join(o_s: &Tensor, o_b: &Tensor, gate: &Tensor) -> Result<Tensor> {
     let (r, heads, s_len, hd) = o_s.dims4()?;
@@ -341,7 +392,7 @@ pub fn attention_gate_join(o_s: &Tensor, o_b: &Tensor, gate: &Tensor) -> Result<
     } else {
         gate.contiguous()?
     };
-    if o_s.device().is_cuda() && r * s_len > 0 && b * t_len > 0 {
+    if (o_s.device().is_cuda() || o_s.device().is_metal()) && r * s_len > 0 && b * t_len > 0 {
         return o_s
             .contiguous()?
             .apply_op3_no_bwd(&o_b.contiguous()?, &gate, &AttentionGateJoin);

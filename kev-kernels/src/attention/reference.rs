@@ -1,8 +1,8 @@
-//! The attention steps with plain tensor ops: the test reference, and the Metal path.
+//! The attention steps with plain tensor ops: the test reference.
 
 use candle_core::{DType, Result, Tensor, D};
 
-/// [`qk_norm_rope`](super::qk_norm_rope) with plain tensor ops (the test reference, and the Metal path).
+/// [`qk_norm_rope`](super::qk_norm_rope) with plain tensor ops (the test reference).
 pub fn qk_norm_rope_ref(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Result<Tensor> {
     let n = crate::norm::rms_norm_ref(x, w1, eps)?.transpose(1, 2)?; // [B, H, T, hd]
     let (hd, rot) = (n.dim(D::Minus1)?, cos_sin.dim(D::Minus1)?);
@@ -22,8 +22,8 @@ pub fn qk_norm_rope_ref(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> 
     out.contiguous()
 }
 
-/// [`causal_softmax`](super::causal_softmax) with plain tensor ops (the test reference, and the
-/// Metal path). The causal part is built on the device from two index ranges (no `[T, S]` host
+/// [`causal_softmax`](super::causal_softmax) with plain tensor ops (the test reference). The
+/// causal part is built on the device from two index ranges (no `[T, S]` host
 /// loop per layer); hidden keys get `f32::MIN`, whose exponential is exactly 0 as −∞'s is.
 pub fn causal_softmax_ref(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<Tensor> {
     let (_, _, t_len, s_len) = scores.dims4()?;
@@ -42,7 +42,7 @@ pub fn causal_softmax_ref(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Res
         .to_dtype(scores.dtype())
 }
 
-/// [`attention_gate`](super::attention_gate) with plain tensor ops (the test reference, and the Metal path).
+/// [`attention_gate`](super::attention_gate) with plain tensor ops (the test reference).
 pub fn attention_gate_ref(o: &Tensor, gate: &Tensor) -> Result<Tensor> {
     let (b_sz, heads, t_len, hd) = o.dims4()?;
     let g = gate.to_dtype(DType::F32)?;

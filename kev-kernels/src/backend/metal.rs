@@ -15,7 +15,8 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 
 use candle_core::metal_backend::DeviceId;
 use candle_core::{bail, DType, Layout, MetalDevice, MetalError, Result};
-use candle_metal_kernels::metal::{ComputePipeline, Library};
+use candle_metal_kernels::metal::{Buffer, ComputePipeline, Library};
+use objc2_metal::{MTLComputePipelineState, MTLSize};
 
 /// One MSL source file, compiled into one library per device.
 pub(crate) struct Source {
@@ -98,4 +99,82 @@ pub(crate) fn as_u32(x: usize, what: &str) -> Result<u32> {
         Ok(v) => Ok(v),
         Err(_) => bail!("{what} = {x} does not fit the kernel's 32-bit indices"),
     }
+}
+
+/// One buffer of a dispatch: the buffer, the byte offset of its first element, and whether the
+/// kernel writes it (declared so, candle orders later readers after the dispatch).
+pub(crate) struct Binding<'a> {
+    pub(crate) buffer: &'a Buffer,
+    pub(crate) offset: usize,
+    pub(crate) written: bool,
+}
+
+/// A buffer the kernel only reads.
+pub(crate) fn input(buffer: &Buffer, offset: usize) -> Binding<'_> {
+    Binding {
+        buffer,
+        offset,
+        written: false,
+    }
+}
+
+/// A buffer the kernel writes.
+pub(crate) fn output(buffer: &Buffer, offset: usize) -> Binding<'_> {
+    Binding {
+        buffer,
+        offset,
+        written: true,
+    }
+}
+
+/// Simdgroup width the row kernels (one simdgroup per row) are written for.
+pub(crate) const SIMD_WIDTH: usize = 32;
+
+/// Encodes one dispatch of `pipeline` over `groups` threadgroups of `threads` threads (1-d):
+/// `bindings` at buffer indices 0.., then `params` (set_bytes) at the next index. Allocate every
+/// buffer before calling: the encoder holds candle's command mutex.
+pub(crate) fn dispatch<P>(
+    dev: &MetalDevice,
+    pipeline: &ComputePipeline,
+    bindings: &[Binding<'_>],
+    params: &P,
+    groups: usize,
+    threads: usize,
+) -> Result<()> {
+    if groups == 0 {
+        return Ok(());
+    }
+    let guard = dev.command_encoder()?;
+    let enc: &candle_metal_kernels::metal::ComputeCommandEncoder = guard.as_ref();
+    enc.set_compute_pipeline_state(pipeline);
+    for (index, b) in bindings.iter().enumerate() {
+        if b.written {
+            enc.set_output_buffer(index, Some(b.buffer), b.offset);
+        } else {
+            enc.set_input_buffer(index, Some(b.buffer), b.offset);
+        }
+    }
+    enc.set_bytes(bindings.len(), params);
+    enc.dispatch_thread_groups(
+        MTLSize {
+            width: groups,
+            height: 1,
+            depth: 1,
+        },
+        MTLSize {
+            width: threads,
+            height: 1,
+            depth: 1,
+        },
+    );
+    Ok(())
+}
+
+/// Fails unless `pipeline` runs `SIMD_WIDTH`-wide simdgroups (the row kernels assume it).
+pub(crate) fn check_simd_width(pipeline: &ComputePipeline, what: &str) -> Result<()> {
+    let width = pipeline.as_ref().threadExecutionWidth();
+    if width != SIMD_WIDTH {
+        bail!("{what}: the kernel needs {SIMD_WIDTH}-wide simdgroups, this GPU runs {width}")
+    }
+    Ok(())
 }

@@ -10,13 +10,18 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "metal")]
+mod metal;
 
 use candle_core::{bail, CustomOp3, DType, Result, Tensor};
 
 use crate::gather::RowIndex;
 
-/// The one head dim the kernel is built for (Qwen3.5's full attention).
+/// The one head dim the CUDA kernel is built for (Qwen3.5's full attention).
 pub use crate::backend::cuda::sources::FLASH_HEAD_DIM;
+
+/// The largest head dim of the Metal kernel (8 values in each of a simdgroup's 32 lanes).
+const FLASH_METAL_MAX_HEAD_DIM: usize = 256;
 
 /// The keys and values a step's queries see before their own: `[R, Hkv, S, hd]` each (any
 /// strides with contiguous head dims, rows starting at 16-byte boundaries, else the op
@@ -28,8 +33,8 @@ pub struct FlashPast<'a> {
     pub owners: &'a RowIndex,
 }
 
-/// The CUDA op: inputs q, this step's k and v; the rest travels in the op.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// The CUDA and Metal op: inputs q, this step's k and v; the rest travels in the op.
+#[cfg_attr(not(any(feature = "cuda", feature = "metal")), allow(dead_code))]
 struct FlashAttention {
     past: Option<(Tensor, Tensor, Tensor)>,
     bias: Tensor,
@@ -41,7 +46,7 @@ impl CustomOp3 for FlashAttention {
         "flash-attention"
     }
 
-    cuda_only_cpu_fwd!("flash-attention: CUDA only (the wrapper declines elsewhere)", _a _la, _b _lb, _c _lc);
+    cuda_only_cpu_fwd!("flash-attention: CUDA and Metal only (the wrapper declines on the CPU)", _a _la, _b _lb, _c _lc);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -56,6 +61,22 @@ impl CustomOp3 for FlashAttention {
         let past = self.past.as_ref().map(|(k, v, i)| [k, v, i]);
         let out =
             cuda::flash_attention((qs, ql), (ks, kl), (vs, vl), past, &self.bias, self.scale)?;
+        Ok((out, ql.shape().clone()))
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        qs: &candle_core::MetalStorage,
+        ql: &candle_core::Layout,
+        ks: &candle_core::MetalStorage,
+        kl: &candle_core::Layout,
+        vs: &candle_core::MetalStorage,
+        vl: &candle_core::Layout,
+    ) -> Result<(candle_core::MetalStorage, candle_core::Shape)> {
+        let past = self.past.as_ref().map(|(k, v, i)| [k, v, i]);
+        let out =
+            metal::flash_attention((qs, ql), (ks, kl), (vs, vl), past, &self.bias, self.scale)?;
         Ok((out, ql.shape().clone()))
     }
 }
@@ -74,10 +95,12 @@ fn readable(t: &Tensor) -> bool {
 /// `softmax(q·kᵀ·scale + key_bias)·v` with causality, for `q: [B, Hq, T, hd]` (contiguous) and
 /// this step's `k`, `v: [B, Hkv, L, hd]` (any strides with contiguous head dims): query t sees
 /// the past's S keys and its own first L − T + t + 1; `key_bias: [B, S + L]` f32 is added to the
-/// scaled scores. Returns `[B, Hq, T, hd]`, or `None` where the kernel does not run (not a CUDA
-/// GPU with tensor cores and 101 KB of shared memory a block, not bf16, hd ≠ 256, q not
-/// contiguous, views not at 16-byte boundaries, no rows or queries, a grid over CUDA's limits):
-/// the caller then composes matmuls and [`crate::causal_softmax`]. A query row that sees no key
+/// scaled scores. Returns `[B, Hq, T, hd]`, or `None` where no kernel runs: the caller then
+/// composes matmuls and [`crate::causal_softmax`]. CUDA declines without tensor cores and 101 KB
+/// of shared memory a block, for another dtype than bf16, hd ≠ 256, q not contiguous, views not
+/// at 16-byte boundaries, no rows or queries, a grid over CUDA's limits; Metal (`metal.rs`, every
+/// step in f32) for hd > 256, q not contiguous, head dims not contiguous, no rows or queries;
+/// the CPU always. A query row that sees no key
 /// (all masked) gets zeros, where the softmax would give NaN; Kev's rows always hold a real
 /// token. Errors name shapes or devices that do not fit.
 pub fn flash_attention(
@@ -146,7 +169,7 @@ pub fn flash_attention(
             q.device().location()
         )
     }
-    let runs = flash_multiprocessors(q).is_some()
+    let cuda_runs = flash_multiprocessors(q).is_some()
         && hd == FLASH_HEAD_DIM
         && q.is_contiguous()
         && operands.iter().all(|t| readable(t))
@@ -156,6 +179,19 @@ pub fn flash_attention(
         && hkv <= 65535
         && i32::try_from(hq / hkv * t_len).is_ok()
         && i32::try_from(s_len + l_len).is_ok();
+    let runs = if q.device().is_metal() {
+        // Metal: any float dtype shared by the operands, head dims contiguous, hd ≤ 256.
+        matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            && hd <= FLASH_METAL_MAX_HEAD_DIM
+            && q.is_contiguous()
+            && operands
+                .iter()
+                .all(|t| t.dtype() == q.dtype() && t.stride()[3] == 1)
+            && b_sz > 0
+            && t_len > 0
+    } else {
+        cuda_runs
+    };
     if !runs {
         return Ok(None);
     }
@@ -185,7 +221,13 @@ fn flash_multiprocessors(t: &Tensor) -> Option<usize> {
 /// small grid leaves multiprocessors idle where the matmuls spread the same work: one 0.8B
 /// request (64 and 24 blocks) measured 4.01–4.05 ms with the matmuls and 4.10–4.14 with the
 /// kernel, eight records (512 and 768 blocks) 19.3–19.6 and 18.7–19.0.
+///
+/// On Metal: always (where [`flash_attention`] runs), one dispatch in place of the two matmuls,
+/// the softmax and the copies between them; not measured against them on Apple hardware.
 pub fn flash_attention_fills_gpu(q: &Tensor, num_kv_heads: usize) -> Result<bool> {
+    if q.device().is_metal() {
+        return Ok(true);
+    }
     let (b_sz, hq, t_len, _) = q.dims4()?;
     let blocks = (hq / num_kv_heads.max(1) * t_len).div_ceil(64) * num_kv_heads * b_sz;
     Ok(flash_multiprocessors(q).is_some_and(|sms| blocks >= sms))

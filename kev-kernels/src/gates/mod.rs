@@ -3,6 +3,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "metal")]
+mod metal;
 mod reference;
 
 use candle_core::backend::BackendStorage;
@@ -78,6 +80,20 @@ impl CustomOp3 for Gates {
         let out = cuda::gates(bas, bal, ds, dl, ns, nl)?;
         Ok((out, out_shape(bal)?))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        bas: &candle_core::MetalStorage,
+        bal: &Layout,
+        ds: &candle_core::MetalStorage,
+        dl: &Layout,
+        ns: &candle_core::MetalStorage,
+        nl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let out = metal::gates(bas, bal, ds, dl, ns, nl)?;
+        Ok((out, out_shape(bal)?))
+    }
 }
 
 /// `(g, β)` per step and value head, f32 `[.., Hv, 2]`, from `ba: [.., 2·Hv]` (`b` then `a`, in
@@ -98,9 +114,6 @@ pub fn deltanet_gates(ba: &Tensor, dt_bias: &Tensor, neg_a: &Tensor) -> Result<T
             dt_bias.dims(),
             neg_a.dims()
         )
-    }
-    if ba.device().is_metal() {
-        return deltanet_gates_ref(ba, dt_bias, neg_a);
     }
     as_rows(ba)?.apply_op3_no_bwd(&dt_bias.contiguous()?, &neg_a.contiguous()?, &Gates)
 }

@@ -1,8 +1,8 @@
-//! The DeltaNet gates with plain tensor ops: the test reference, and the Metal path.
+//! The DeltaNet gates with plain tensor ops: the test reference.
 
 use candle_core::{DType, Result, Tensor, D};
 
-/// [`deltanet_gates`](super::deltanet_gates) with plain tensor ops (the test reference, and the Metal path).
+/// [`deltanet_gates`](super::deltanet_gates) with plain tensor ops (the test reference).
 pub fn deltanet_gates_ref(ba: &Tensor, dt_bias: &Tensor, neg_a: &Tensor) -> Result<Tensor> {
     let hv = dt_bias.elem_count();
     let b = ba.narrow(D::Minus1, 0, hv)?;

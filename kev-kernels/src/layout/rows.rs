@@ -44,7 +44,7 @@ impl Rows {
     }
 
     /// The storage range the view touches.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "metal")), allow(dead_code))]
     pub(crate) fn span(&self) -> std::ops::Range<usize> {
         let len = if self.rows == 0 {
             0

@@ -7,6 +7,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "metal")]
+mod metal;
 mod reference;
 
 use candle_core::backend::BackendStorage;
@@ -89,6 +91,18 @@ impl CustomOp2 for RmsNorm {
         let out = cuda::rms_norm(self.eps, xs, xl, None, ws, wl)?;
         Ok((out, xl.shape().clone()))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        xs: &candle_core::MetalStorage,
+        xl: &Layout,
+        ws: &candle_core::MetalStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let out = metal::rms_norm(self.eps, xs, xl, None, ws, wl)?;
+        Ok((out, xl.shape().clone()))
+    }
 }
 
 /// The residual form: inputs `x`, `h`, `w1`; output `[2, ..]` = (x + h, its norm).
@@ -126,6 +140,20 @@ impl CustomOp3 for AddRmsNorm {
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let out = cuda::rms_norm(self.0.eps, xs, xl, Some((hs, hl)), ws, wl)?;
+        Ok((out, stacked(xl)))
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        xs: &candle_core::MetalStorage,
+        xl: &Layout,
+        hs: &candle_core::MetalStorage,
+        hl: &Layout,
+        ws: &candle_core::MetalStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let out = metal::rms_norm(self.0.eps, xs, xl, Some((hs, hl)), ws, wl)?;
         Ok((out, stacked(xl)))
     }
 }
@@ -187,6 +215,20 @@ impl CustomOp3 for GatedRmsNorm {
         let out = cuda::gated_rms_norm(self.eps, xs, xl, zs, zl, ws, wl)?;
         Ok((out, xl.shape().clone()))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        xs: &candle_core::MetalStorage,
+        xl: &Layout,
+        zs: &candle_core::MetalStorage,
+        zl: &Layout,
+        ws: &candle_core::MetalStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let out = metal::gated_rms_norm(self.eps, xs, xl, zs, zl, ws, wl)?;
+        Ok((out, xl.shape().clone()))
+    }
 }
 
 fn check_weight(x: &Tensor, w: &Tensor, what: &str) -> Result<()> {
@@ -205,9 +247,6 @@ fn check_weight(x: &Tensor, w: &Tensor, what: &str) -> Result<()> {
 /// `x` may be a slice of a wider tensor (evenly spaced rows); anything else is copied first.
 pub fn rms_norm(x: &Tensor, w1: &Tensor, eps: f64) -> Result<Tensor> {
     check_weight(x, w1, "rms-norm")?;
-    if x.device().is_metal() {
-        return rms_norm_ref(x, w1, eps);
-    }
     as_rows(x)?.apply_op2_no_bwd(
         &w1.to_dtype(DType::F32)?.contiguous()?,
         &RmsNorm { eps: eps as f32 },
@@ -226,11 +265,6 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, w1: &Tensor, eps: f64) -> Result<(Te
             x.dtype(),
             x.dims()
         )
-    }
-    if x.device().is_metal() {
-        let sum = (x + h)?;
-        let normed = rms_norm_ref(&sum, w1, eps)?;
-        return Ok((sum, normed));
     }
     let both = as_rows(x)?.apply_op3_no_bwd(
         &as_rows(h)?,
@@ -254,9 +288,6 @@ pub fn gated_rms_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Te
             x.dtype(),
             x.dims()
         )
-    }
-    if x.device().is_metal() {
-        return gated_rms_norm_ref(x, z, w, eps);
     }
     x.contiguous()?.apply_op3_no_bwd(
         &as_rows(z)?,

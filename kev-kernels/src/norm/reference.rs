@@ -1,4 +1,4 @@
-//! The norms with plain tensor ops: the test reference, and the Metal path.
+//! The norms with plain tensor ops: the test reference.
 
 use candle_core::{DType, Result, Tensor, D};
 
@@ -8,14 +8,14 @@ fn normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
     x.broadcast_div(&(ms + eps)?.sqrt()?)
 }
 
-/// [`rms_norm`](super::rms_norm) with plain tensor ops (the test reference, and the Metal path).
+/// [`rms_norm`](super::rms_norm) with plain tensor ops (the test reference).
 pub fn rms_norm_ref(x: &Tensor, w1: &Tensor, eps: f64) -> Result<Tensor> {
     let n = normalize(&x.to_dtype(DType::F32)?, eps)?;
     n.broadcast_mul(&w1.to_dtype(DType::F32)?)?
         .to_dtype(x.dtype())
 }
 
-/// [`gated_rms_norm`](super::gated_rms_norm) with plain tensor ops (the test reference, and the Metal path).
+/// [`gated_rms_norm`](super::gated_rms_norm) with plain tensor ops (the test reference).
 pub fn gated_rms_norm_ref(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let n = normalize(&x.to_dtype(DType::F32)?, eps)?.to_dtype(dtype)?;

@@ -3,6 +3,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "metal")]
+mod metal;
 mod reference;
 
 use candle_core::backend::BackendStorage;
@@ -56,6 +58,15 @@ impl CustomOp1 for SwiGlu {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         Ok((cuda::swiglu(s, l)?, out_shape(l)))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        s: &candle_core::MetalStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        Ok((metal::swiglu(s, l)?, out_shape(l)))
+    }
 }
 
 /// `silu(gate) · up` for `gate_up: [.., 2·I]` holding the gate projection in its first half
@@ -65,9 +76,6 @@ pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
     let width = gate_up.dim(D::Minus1)?;
     if width % 2 != 0 {
         bail!("swiglu: last dim {width} is not [gate | up]")
-    }
-    if gate_up.device().is_metal() {
-        return swiglu_ref(gate_up);
     }
     gate_up.contiguous()?.apply_op1_no_bwd(&SwiGlu)
 }

@@ -1,8 +1,8 @@
-//! SwiGLU with plain tensor ops: the test reference, and the Metal path.
+//! SwiGLU with plain tensor ops: the test reference.
 
 use candle_core::{Result, Tensor, D};
 
-/// [`swiglu`](super::swiglu) with plain tensor ops (the test reference, and the Metal path).
+/// [`swiglu`](super::swiglu) with plain tensor ops (the test reference).
 pub fn swiglu_ref(gate_up: &Tensor) -> Result<Tensor> {
     let inter = gate_up.dim(D::Minus1)? / 2;
     let gate = gate_up.narrow(D::Minus1, 0, inter)?;

@@ -22,6 +22,21 @@ namespace gdr {
 namespace conv {
 #include "../../src/causal_conv1d/causal_conv1d.metal"
 }
+namespace norm {
+#include "../../src/norm/norm.metal"
+}
+namespace gates {
+#include "../../src/gates/gates.metal"
+}
+namespace swiglu {
+#include "../../src/swiglu/swiglu.metal"
+}
+namespace attn {
+#include "../../src/attention/attention.metal"
+}
+namespace flash {
+#include "../../src/flash_attention/flash_attention.metal"
+}
 
 // ---------------------------------------------------------------- the host's launch constants
 // (src/gated_delta_rule/metal.rs: GDR_COLUMNS_PER_GROUP, SIMD_WIDTH, GDR_MAX_DK; src/causal_conv1d/metal.rs: CONV_THREADS_PER_GROUP)
@@ -471,6 +486,501 @@ static void conv_tests(uint64_t seed) {
     }
 }
 
+// ---------------------------------------------------------------- fused elementwise ops
+// Launch constants of src/{norm,attention}/metal.rs (ROWS_PER_GROUP simdgroups of 32 lanes, one
+// row each) and src/{gates,swiglu,attention}/metal.rs (THREADS_PER_GROUP, one element each).
+constexpr uint ROWS_PER_GROUP = 8;
+constexpr uint THREADS_PER_GROUP = 256;
+
+static_assert(sizeof(norm::RmsNormParams) == 24, "RmsNormParams layout");
+static_assert(sizeof(norm::GatedNormParams) == 20, "GatedNormParams layout");
+static_assert(sizeof(gates::GatesParams) == 12, "GatesParams layout");
+static_assert(sizeof(swiglu::SwigluParams) == 8, "SwigluParams layout");
+static_assert(sizeof(attn::QkNormRopeParams) == 36, "QkNormRopeParams layout");
+static_assert(sizeof(attn::SoftmaxParams) == 20, "SoftmaxParams layout");
+static_assert(sizeof(attn::GateParams) == 28, "GateParams layout");
+
+
+// Entry points by element type, as the hosts pick them (`<stem>_<dtype suffix>`).
+#define ENTRY_TABLE(NAME, NS, STEM)                                                            \
+    template <class T> struct NAME;                                                            \
+    template <> struct NAME<float> { static constexpr auto fn = NS::STEM##_f32; };             \
+    template <> struct NAME<ushort> { static constexpr auto fn = NS::STEM##_bf16; };           \
+    template <> struct NAME<half> { static constexpr auto fn = NS::STEM##_f16; };
+ENTRY_TABLE(RmsNormEntry, norm, rms_norm)
+ENTRY_TABLE(GatedNormEntry, norm, gated_rms_norm)
+ENTRY_TABLE(GatesEntry, gates, deltanet_gates)
+ENTRY_TABLE(SwigluEntry, swiglu, swiglu)
+ENTRY_TABLE(RopeEntry, attn, qk_norm_rope)
+ENTRY_TABLE(SoftmaxEntry, attn, causal_softmax)
+ENTRY_TABLE(GateEntry, attn, attention_gate)
+#undef ENTRY_TABLE
+
+/// A guarded device buffer of T holding `v` rounded to T; `seen` gets the values as the kernel
+/// reads them.
+template <class T> static Buf<T> upload(const std::vector<float>& v, std::vector<double>* seen) {
+    Buf<T> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+        b[i] = Dt<T>::from(v[i]);
+        if (seen) seen->push_back(Dt<T>::to(b[i]));
+    }
+    return b;
+}
+template <class T> static std::vector<double> download(Buf<T>& b, const std::string& what) {
+    b.check(what);
+    std::vector<double> out;
+    for (size_t i = 0; i < b.n; ++i) out.push_back(Dt<T>::to(b[i]));
+    return out;
+}
+/// `x` rounded to T, as the kernels' round_to<T>.
+template <class T> static double rnd(double x) { return Dt<T>::to(Dt<T>::from(float(x))); }
+
+static void rows_dispatch(uint rows, const std::function<void(uint, uint)>& body) {
+    emu::dispatch_thread_groups(uint3{(rows + ROWS_PER_GROUP - 1) / ROWS_PER_GROUP, 1, 1},
+                                uint3{32 * ROWS_PER_GROUP, 1, 1}, [&](const emu::Ids& id) {
+                                    body(id.threadgroup_position_in_grid.x, id.thread_index_in_threadgroup);
+                                });
+}
+static void flat_dispatch(uint n, const std::function<void(uint)>& body) {
+    emu::dispatch_thread_groups(uint3{(n + THREADS_PER_GROUP - 1) / THREADS_PER_GROUP, 1, 1},
+                                uint3{THREADS_PER_GROUP, 1, 1},
+                                [&](const emu::Ids& id) { body(id.thread_position_in_grid.x); });
+}
+
+/// A tolerance for results that pass through `roundings` roundings to T: where the exact value
+/// sits at a rounding boundary, each may land one ulp (2·Dt::rel) away from the reference's.
+template <class T> static double rounding_tol(int roundings) {
+    return roundings == 1 ? Dt<T>::rel : 2.0 * Dt<T>::rel * roundings;
+}
+constexpr double F32_ABS = 1e-6, F32_REL = 1e-6;
+
+// rms_norm: rows of x at `x_stride` (a slice of a wider tensor), optionally with a residual.
+template <class T> static void rms_norm_case(uint rows, uint cols, uint x_stride, bool residual) {
+    const std::string tag = std::string("rms_norm_") + Dt<T>::name;
+    std::vector<double> xs, hs, ws;
+    auto x = upload<T>(patterned(size_t(rows) * x_stride, 0.5f, 2.0f), &xs);
+    const uint h_stride = cols;
+    auto h = upload<T>(patterned(size_t(rows) * h_stride, 1.1f, 1.0f), &hs);
+    auto w = upload<float>(patterned(cols, 2.3f, 0.5f), &ws);
+    for (uint c = 0; c < cols; ++c) w[c] += 1.0f, ws[c] += 1.0;
+    Buf<T> out(size_t(rows) * cols * (residual ? 2 : 1));
+    const norm::RmsNormParams p{rows, cols, x_stride, h_stride, residual ? 1u : 0u, 1e-6f};
+    rows_dispatch(rows, [&](uint tg, uint tid) {
+        RmsNormEntry<T>::fn(x.data(), residual ? h.data() : x.data(), w.data(), out.data(), p,
+                                    tg, tid / 32, tid % 32);
+    });
+    x.check(tag + " x");
+    h.check(tag + " h");
+    const auto got = download(out, tag + " out");
+    std::vector<double> ref(out.n), sum_got, sum_ref;
+    for (uint r = 0; r < rows; ++r) {
+        std::vector<double> v(cols);
+        double ss = 0;
+        for (uint c = 0; c < cols; ++c) {
+            v[c] = xs[size_t(r) * x_stride + c];
+            if (residual) {
+                v[c] = rnd<T>(float(v[c]) + float(hs[size_t(r) * h_stride + c])); // the dtype add
+                ref[size_t(r) * cols + c] = v[c];
+            }
+            ss += v[c] * v[c];
+        }
+        const double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
+        for (uint c = 0; c < cols; ++c)
+            ref[(residual ? size_t(rows) * cols : 0) + size_t(r) * cols + c] = v[c] * inv * ws[c];
+    }
+    char name[128];
+    std::snprintf(name, sizeof name, "%s rows=%u cols=%u stride=%u%s", tag.c_str(), rows, cols,
+                  x_stride, residual ? " +residual" : "");
+    compare(name, got, ref, F32_ABS, F32_REL + rounding_tol<T>(1));
+}
+
+// gated_rms_norm: groups of dv, z rows of heads·dv at z_stride.
+template <class T> static void gated_norm_case(uint rows, uint heads, uint dv, uint z_stride) {
+    const std::string tag = std::string("gated_rms_norm_") + Dt<T>::name;
+    const uint groups = rows * heads;
+    std::vector<double> xs, zs, ws;
+    auto x = upload<T>(patterned(size_t(groups) * dv, 0.3f, 2.0f), &xs);
+    auto z = upload<T>(patterned(size_t(rows) * z_stride, 1.9f, 3.0f), &zs);
+    auto w = upload<T>(patterned(dv, 2.7f, 1.0f), &ws);
+    Buf<T> out(size_t(groups) * dv);
+    const norm::GatedNormParams p{groups, heads, dv, z_stride, 1e-6f};
+    rows_dispatch(groups, [&](uint tg, uint tid) {
+        GatedNormEntry<T>::fn(x.data(), z.data(), w.data(), out.data(), p, tg, tid / 32,
+                                      tid % 32);
+    });
+    x.check(tag + " x");
+    z.check(tag + " z");
+    const auto got = download(out, tag + " out");
+    std::vector<double> ref(out.n);
+    for (uint g = 0; g < groups; ++g) {
+        double ss = 0;
+        for (uint c = 0; c < dv; ++c) ss += xs[size_t(g) * dv + c] * xs[size_t(g) * dv + c];
+        const double inv = 1.0 / std::sqrt(ss / dv + 1e-6);
+        for (uint c = 0; c < dv; ++c) {
+            const double zv = zs[size_t(g / heads) * z_stride + size_t(g % heads) * dv + c];
+            const double n = rnd<T>(rnd<T>(xs[size_t(g) * dv + c] * inv) * ws[c]);
+            ref[size_t(g) * dv + c] = n * zv / (1.0 + std::exp(-zv));
+        }
+    }
+    char name[128];
+    std::snprintf(name, sizeof name, "%s groups=%u (heads %u) dv=%u z_stride=%u", tag.c_str(),
+                  groups, heads, dv, z_stride);
+    compare(name, got, ref, F32_ABS, F32_REL + rounding_tol<T>(3));
+}
+
+template <class T> static void gates_case(uint rows, uint hv, uint stride) {
+    const std::string tag = std::string("deltanet_gates_") + Dt<T>::name;
+    std::vector<double> bas, dts, nas;
+    // b and a spread over [−30, 30]: both sides of softplus' threshold, and exp(a) far below 1.
+    auto ba = upload<T>(patterned(size_t(rows) * stride, 0.2f, 30.0f), &bas);
+    auto dt = upload<float>(patterned(hv, 1.3f, 1.0f), &dts);
+    auto na = upload<float>(patterned(hv, 2.1f, 1.0f), &nas);
+    for (uint h = 0; h < hv; ++h) na[h] = -std::fabs(na[h]) - 0.1f, nas[h] = na[h];
+    Buf<float> gb(size_t(rows) * hv * 2);
+    const gates::GatesParams p{rows, hv, stride};
+    flat_dispatch(rows * hv, [&](uint gid) {
+        GatesEntry<T>::fn(ba.data(), dt.data(), na.data(), gb.data(), p, gid);
+    });
+    ba.check(tag + " ba");
+    const auto got = download(gb, tag + " gb");
+    std::vector<double> g_got, g_ref, b_got, b_ref;
+    for (uint r = 0; r < rows; ++r)
+        for (uint h = 0; h < hv; ++h) {
+            const double b = bas[size_t(r) * stride + h];
+            const double a = bas[size_t(r) * stride + hv + h] + dts[h];
+            const double sp = a > 20 ? a : std::log1p(std::exp(a));
+            const size_t i = size_t(r) * hv + h;
+            g_got.push_back(got[2 * i]);
+            g_ref.push_back(nas[h] * sp);
+            b_got.push_back(got[2 * i + 1]);
+            b_ref.push_back(rnd<T>(1.0 / (1.0 + std::exp(-b))));
+        }
+    char name[128];
+    std::snprintf(name, sizeof name, "%s rows=%u hv=%u stride=%u: g", tag.c_str(), rows, hv, stride);
+    compare(name, g_got, g_ref, F32_ABS, F32_REL);
+    std::snprintf(name, sizeof name, "%s rows=%u hv=%u stride=%u: beta", tag.c_str(), rows, hv,
+                  stride);
+    compare(name, b_got, b_ref, F32_ABS, F32_REL + rounding_tol<T>(1));
+}
+
+template <class T> static void swiglu_case(uint rows, uint inter) {
+    const std::string tag = std::string("swiglu_") + Dt<T>::name;
+    std::vector<double> gus;
+    auto gu = upload<T>(patterned(size_t(rows) * 2 * inter, 0.9f, 4.0f), &gus);
+    Buf<T> out(size_t(rows) * inter);
+    const swiglu::SwigluParams p{rows, inter};
+    flat_dispatch(rows * inter, [&](uint gid) {
+        SwigluEntry<T>::fn(gu.data(), out.data(), p, gid);
+    });
+    gu.check(tag + " gu");
+    const auto got = download(out, tag + " out");
+    std::vector<double> ref(out.n);
+    for (uint r = 0; r < rows; ++r)
+        for (uint c = 0; c < inter; ++c) {
+            const double g = gus[size_t(r) * 2 * inter + c], u = gus[size_t(r) * 2 * inter + inter + c];
+            ref[size_t(r) * inter + c] = rnd<T>(g / (1.0 + std::exp(-g))) * u;
+        }
+    char name[128];
+    std::snprintf(name, sizeof name, "%s rows=%u inter=%u", tag.c_str(), rows, inter);
+    compare(name, got, ref, F32_ABS, F32_REL + rounding_tol<T>(2));
+}
+
+// qk_norm_rope: x a slice of a wider [B, T, H, 2·hd] projection (sh = 2·hd), or contiguous.
+template <class T> static void qk_norm_rope_case(uint b, uint t, uint heads, uint hd, uint rot,
+                                                 bool sliced) {
+    const std::string tag = std::string("qk_norm_rope_") + Dt<T>::name;
+    const uint sh = sliced ? 2 * hd : hd, st = heads * sh, sb = t * st;
+    std::vector<double> xs, ws, css;
+    auto x = upload<T>(patterned(size_t(b) * sb, 0.6f, 2.0f), &xs);
+    auto w = upload<float>(patterned(hd, 1.4f, 0.5f), &ws);
+    for (uint c = 0; c < hd; ++c) w[c] += 1.0f, ws[c] += 1.0;
+    auto cs = upload<T>(patterned(size_t(2) * b * t * rot, 2.2f, 1.0f), &css);
+    Buf<T> out(size_t(b) * heads * t * hd);
+    const attn::QkNormRopeParams p{b, t, heads, hd, rot, sb, st, sh, 1e-6f};
+    rows_dispatch(b * heads * t, [&](uint tg, uint tid) {
+        RopeEntry<T>::fn(x.data(), w.data(), cs.data(), out.data(), p, tg, tid / 32,
+                                     tid % 32);
+    });
+    x.check(tag + " x");
+    const auto got = download(out, tag + " out");
+    std::vector<double> ref(out.n), n(hd);
+    for (uint bi = 0; bi < b; ++bi)
+        for (uint h = 0; h < heads; ++h)
+            for (uint ti = 0; ti < t; ++ti) {
+                const double* xr = &xs[size_t(bi) * sb + size_t(ti) * st + size_t(h) * sh];
+                double ss = 0;
+                for (uint c = 0; c < hd; ++c) ss += xr[c] * xr[c];
+                const double inv = 1.0 / std::sqrt(ss / hd + 1e-6);
+                for (uint c = 0; c < hd; ++c) n[c] = rnd<T>(xr[c] * inv * ws[c]);
+                const size_t rs = (size_t(bi) * t + ti) * rot, sin_at = size_t(b) * t * rot;
+                double* o = &ref[((size_t(bi) * heads + h) * t + ti) * hd];
+                for (uint c = 0; c < hd; ++c) {
+                    if (c < rot) {
+                        const double rotated = c < rot / 2 ? -n[c + rot / 2] : n[c - rot / 2];
+                        o[c] = rnd<T>(n[c] * css[rs + c]) + rnd<T>(rotated * css[sin_at + rs + c]);
+                    } else {
+                        o[c] = n[c];
+                    }
+                }
+            }
+    char name[128];
+    std::snprintf(name, sizeof name, "%s B=%u T=%u H=%u hd=%u rot=%u%s", tag.c_str(), b, t, heads,
+                  hd, rot, sliced ? " sliced" : "");
+    compare(name, got, ref, F32_ABS, F32_REL + rounding_tol<T>(3));
+}
+
+// causal_softmax: T queries, the last T of S keys; row b's keys `pad[b]..` hidden by −∞ bias
+// (a padded cache) as well as its first key when `hide_first`.
+template <class T> static void softmax_case(uint b, uint groups, uint t, uint s,
+                                            const std::vector<uint>& visible_from) {
+    const std::string tag = std::string("causal_softmax_") + Dt<T>::name;
+    std::vector<double> ss;
+    auto sc = upload<T>(patterned(size_t(b) * groups * t * s, 0.8f, 6.0f), &ss);
+    Buf<float> bias(size_t(b) * s);
+    for (uint bi = 0; bi < b; ++bi)
+        for (uint k = 0; k < s; ++k) bias[size_t(bi) * s + k] = k < visible_from[bi] ? -INFINITY : 0.0f;
+    Buf<T> p(size_t(b) * groups * t * s);
+    const float scale = 0.125f * 1.37f;
+    const uint rows = b * groups * t;
+    const attn::SoftmaxParams prm{rows, groups, t, s, scale};
+    rows_dispatch(rows, [&](uint tg, uint tid) {
+        SoftmaxEntry<T>::fn(sc.data(), bias.data(), p.data(), prm, tg, tid / 32, tid % 32);
+    });
+    sc.check(tag + " s");
+    bias.check(tag + " bias");
+    const auto got = download(p, tag + " p");
+    std::vector<double> ref(p.n, 0.0);
+    for (uint r = 0; r < rows; ++r) {
+        const uint ti = r % t, bi = r / (groups * t), seen = s - t + ti + 1;
+        double mx = -INFINITY, sum = 0;
+        std::vector<double> v(seen);
+        for (uint k = 0; k < seen; ++k) {
+            v[k] = rnd<T>(ss[size_t(r) * s + k] * scale) + bias[size_t(bi) * s + k];
+            mx = std::max(mx, v[k]);
+        }
+        for (uint k = 0; k < seen; ++k) sum += std::exp(v[k] - mx);
+        for (uint k = 0; k < seen; ++k) ref[size_t(r) * s + k] = std::exp(v[k] - mx) / sum;
+    }
+    bool later_zero = true;
+    for (uint r = 0; r < rows; ++r)
+        for (uint k = s - t + r % t + 1; k < s; ++k) later_zero &= got[size_t(r) * s + k] == 0.0;
+    char name[128];
+    std::snprintf(name, sizeof name, "%s B=%u G=%u T=%u S=%u", tag.c_str(), b, groups, t, s);
+    compare(name, got, ref, F32_ABS, F32_REL + rounding_tol<T>(2));
+    std::printf("%-58s %s\n", (std::string(name) + ": later keys exactly 0").c_str(),
+                later_zero ? "ok" : "FAIL");
+    g_failures += !later_zero;
+}
+
+// attention_gate: gate a slice of a wider [B, T, H, 2·hd] projection (sh = 2·hd); `out_at`
+// elements of `out` before this part (the join writes a packed batch's two parts in place).
+template <class T> static std::vector<double> gate_launch(uint b, uint t, uint heads, uint hd,
+                                                          const std::vector<float>& o_f,
+                                                          const std::vector<float>& g_f, uint sb,
+                                                          uint st, uint sh, std::vector<double>& ref) {
+    const std::string tag = std::string("attention_gate_") + Dt<T>::name;
+    std::vector<double> os, gs;
+    auto o = upload<T>(o_f, &os);
+    auto g = upload<T>(g_f, &gs);
+    Buf<T> out(size_t(b) * t * heads * hd);
+    const attn::GateParams p{b, t, heads, hd, sb, st, sh};
+    flat_dispatch(b * t * heads * hd, [&](uint gid) {
+        GateEntry<T>::fn(o.data(), g.data(), out.data(), p, gid);
+    });
+    o.check(tag + " o");
+    g.check(tag + " gate");
+    ref.assign(out.n, 0.0);
+    for (uint bi = 0; bi < b; ++bi)
+        for (uint ti = 0; ti < t; ++ti)
+            for (uint h = 0; h < heads; ++h)
+                for (uint c = 0; c < hd; ++c) {
+                    const double gv = gs[size_t(bi) * sb + size_t(ti) * st + size_t(h) * sh + c];
+                    const double ov = os[((size_t(bi) * heads + h) * t + ti) * hd + c];
+                    ref[((size_t(bi) * t + ti) * heads + h) * hd + c] =
+                        ov * rnd<T>(1.0 / (1.0 + std::exp(-gv)));
+                }
+    return download(out, tag + " out");
+}
+template <class T> static void gate_case(uint b, uint t, uint heads, uint hd, bool sliced) {
+    const uint sh = sliced ? 2 * hd : hd, st = heads * sh, sb = t * st;
+    std::vector<double> ref;
+    const auto got = gate_launch<T>(b, t, heads, hd, patterned(size_t(b) * heads * t * hd, 0.4f, 2.0f),
+                                    patterned(size_t(b) * sb, 1.6f, 4.0f), sb, st, sh, ref);
+    char name[128];
+    std::snprintf(name, sizeof name, "attention_gate_%s B=%u T=%u H=%u hd=%u%s", Dt<T>::name, b, t,
+                  heads, hd, sliced ? " sliced" : "");
+    compare(name, got, ref, F32_ABS, F32_REL + rounding_tol<T>(2));
+}
+
+static void fused_op_tests(uint64_t seed) {
+    // Norms: rows not a multiple of the 8 per threadgroup, cols not a multiple of 32, rows that
+    // are a slice of a wider tensor, the residual form; every dtype.
+    rms_norm_case<float>(5, 40, 40, false);
+    rms_norm_case<float>(11, 72, 96, false);
+    rms_norm_case<float>(9, 1024, 1024, true);
+    rms_norm_case<ushort>(11, 72, 96, true);
+    rms_norm_case<half>(3, 33, 50, true);
+    rms_norm_case<ushort>(7, 1, 1, false);
+    gated_norm_case<float>(3, 2, 16, 32);
+    gated_norm_case<float>(5, 3, 128, 3 * 128 + 40);
+    gated_norm_case<ushort>(5, 3, 128, 3 * 128 + 40);
+    gated_norm_case<half>(4, 2, 20, 41);
+    gates_case<float>(9, 3, 6);
+    gates_case<float>(37, 16, 32 + 5);
+    gates_case<ushort>(9, 3, 10);
+    gates_case<half>(4, 5, 10);
+    swiglu_case<float>(3, 37);
+    swiglu_case<float>(5, 300);
+    swiglu_case<ushort>(5, 300);
+    swiglu_case<half>(2, 33);
+    qk_norm_rope_case<float>(2, 5, 3, 64, 16, true);
+    qk_norm_rope_case<float>(1, 7, 2, 40, 40, false);
+    qk_norm_rope_case<float>(1, 3, 1, 256, 64, false);
+    qk_norm_rope_case<ushort>(2, 5, 3, 64, 16, true);
+    qk_norm_rope_case<half>(2, 3, 2, 48, 24, true);
+    // Softmax: T = S, a prefix of past keys (T < S), padded keys at a row's start, S past 32.
+    softmax_case<float>(1, 2, 5, 5, {0});
+    softmax_case<float>(2, 3, 4, 37, {0, 6});
+    softmax_case<float>(2, 1, 1, 70, {3, 0});
+    softmax_case<ushort>(2, 3, 4, 37, {0, 6});
+    softmax_case<half>(2, 2, 3, 19, {2, 0});
+    gate_case<float>(2, 5, 3, 16, true);
+    gate_case<float>(1, 37, 2, 24, false);
+    gate_case<ushort>(2, 5, 3, 16, true);
+    gate_case<half>(1, 3, 4, 8, false);
+    // The split layout of attention_gate_join: states [R, H, S, hd] and branches [B, H, T, hd]
+    // with their gates packed as [R·S + B·T, H, hd] rows (sb = S·H·hd, st = H·hd, sh = hd for
+    // the first part; the second part starts R·S rows in). Each part's launch against the double
+    // loop; the host writes them to one buffer at offsets 0 and R·S·H·hd.
+    {
+        const uint r = 2, s = 5, b = 3, t = 2, heads = 2, hd = 8;
+        const auto gate = patterned(size_t(r * s + b * t) * heads * hd, 0.7f, 3.0f);
+        const std::vector<float> g_states(gate.begin(), gate.begin() + size_t(r) * s * heads * hd);
+        const std::vector<float> g_branches(gate.begin() + size_t(r) * s * heads * hd, gate.end());
+        std::vector<double> ref;
+        auto got = gate_launch<float>(r, s, heads, hd, patterned(size_t(r) * heads * s * hd, 0.1f, 2.0f),
+                                      g_states, s * heads * hd, heads * hd, hd, ref);
+        compare("attention_gate_f32 join: states R=2 S=5", got, ref, F32_ABS, F32_REL);
+        got = gate_launch<float>(b, t, heads, hd, patterned(size_t(b) * heads * t * hd, 0.2f, 2.0f),
+                                 g_branches, t * heads * hd, heads * hd, hd, ref);
+        compare("attention_gate_f32 join: branches B=3 T=2", got, ref, F32_ABS, F32_REL);
+    }
+    // Shuffled schedule (threadgroup and fiber order): the same comparisons still pass.
+    {
+        emu::options() = {true, seed};
+        rms_norm_case<float>(11, 72, 96, true);
+        softmax_case<float>(2, 3, 4, 37, {0, 6});
+        emu::options() = {};
+    }
+}
+
+// ---------------------------------------------------------------- flash attention
+static_assert(sizeof(flash::FlashParams) == 80, "FlashParams layout");
+template <class T> struct FlashEntry;
+template <> struct FlashEntry<float> { static constexpr auto fn = flash::flash_attention_f32; };
+template <> struct FlashEntry<ushort> { static constexpr auto fn = flash::flash_attention_bf16; };
+template <> struct FlashEntry<half> { static constexpr auto fn = flash::flash_attention_f16; };
+
+struct FlashShape {
+    uint b, hq, hkv, t, l, s, rows_past, hd;
+};
+
+/// This step's k and v are views of a per-step projection [B, L, 2·Hkv, hd] (k heads, then v
+/// heads: strides b = L·2·Hkv·hd, h = hd, l = 2·Hkv·hd), the past [R, Hkv, S, hd] contiguous.
+/// `hidden[b]`: the keys (of S + L) of row b that the bias hides.
+template <class T> static void flash_case(const FlashShape& s, const std::vector<uint>& owners_in,
+                                          const std::vector<std::vector<uint>>& hidden, float salt) {
+    const std::string tag = std::string("flash_attention_") + Dt<T>::name;
+    std::vector<double> qs, projs, kps, vps;
+    auto q = upload<T>(patterned(size_t(s.b) * s.hq * s.t * s.hd, salt, 1.5f), &qs);
+    const uint kv_l = 2 * s.hkv * s.hd, kv_b = s.l * kv_l;
+    auto proj = upload<T>(patterned(size_t(s.b) * kv_b, salt + 0.5f, 1.5f), &projs);
+    const size_t past_n = std::max<size_t>(size_t(s.rows_past) * s.hkv * s.s * s.hd, 1);
+    auto kp = upload<T>(patterned(past_n, salt + 1.0f, 1.5f), &kps);
+    auto vp = upload<T>(patterned(past_n, salt + 1.5f, 1.5f), &vps);
+    Buf<uint> owners(std::max<size_t>(s.b, 1));
+    for (uint b = 0; b < s.b; ++b) owners[b] = s.s > 0 ? owners_in[b] : 0;
+    Buf<float> bias(size_t(s.b) * (s.s + s.l));
+    for (uint b = 0; b < s.b; ++b)
+        for (uint j = 0; j < s.s + s.l; ++j) {
+            const bool hide = std::find(hidden[b].begin(), hidden[b].end(), j) != hidden[b].end();
+            bias[size_t(b) * (s.s + s.l) + j] = hide ? -INFINITY : 0.05f * float(j % 7);
+        }
+    Buf<T> out(size_t(s.b) * s.hq * s.t * s.hd);
+    const float scale = 1.0f / std::sqrt(float(s.hd));
+    const uint past_h = s.s * s.hd, past_b = s.hkv * past_h;
+    const flash::FlashParams p{s.b, s.hq, s.hkv, s.t, s.l, s.s, s.hd,
+                               kv_b, s.hd, kv_l, kv_b, s.hd, kv_l,
+                               past_b, past_h, s.hd, past_b, past_h, s.hd, scale};
+    const uint rows = s.b * s.hq * s.t;
+    rows_dispatch(rows, [&](uint tg, uint tid) {
+        FlashEntry<T>::fn(q.data(), proj.data(), proj.data() + s.hkv * s.hd, kp.data(), vp.data(),
+                          owners.data(), bias.data(), out.data(), p, tg, tid / 32, tid % 32);
+    });
+    q.check(tag + " q");
+    proj.check(tag + " k/v");
+    kp.check(tag + " k_past");
+    vp.check(tag + " v_past");
+    const auto got = download(out, tag + " out");
+    std::vector<double> ref(out.n, 0.0);
+    double score_terms = 1.0; // the largest Σ|q_c·k_c|·scale: what bounds a score's f32 error
+    for (uint r = 0; r < rows; ++r) {
+        const uint t = r % s.t, hq = (r / s.t) % s.hq, b = r / (s.t * s.hq);
+        const uint h = hq / (s.hq / s.hkv);
+        std::vector<double> sc;
+        std::vector<const double*> vals;
+        auto key = [&](const double* kr, const double* vr, double bv) {
+            double d = 0, terms = 0;
+            for (uint c = 0; c < s.hd; ++c) {
+                d += qs[size_t(r) * s.hd + c] * kr[c];
+                terms += std::fabs(qs[size_t(r) * s.hd + c] * kr[c]);
+            }
+            score_terms = std::max(score_terms, terms * scale);
+            sc.push_back(d * scale + bv);
+            vals.push_back(vr);
+        };
+        const float* br = &bias[size_t(b) * (s.s + s.l)];
+        for (uint j = 0; j < s.s; ++j) {
+            const size_t at = size_t(owners[b]) * past_b + size_t(h) * past_h + size_t(j) * s.hd;
+            key(&kps[at], &vps[at], br[j]);
+        }
+        for (uint j = 0; j < s.l - s.t + t + 1; ++j) {
+            const size_t at = size_t(b) * kv_b + size_t(j) * kv_l + size_t(h) * s.hd;
+            key(&projs[at], &projs[at + size_t(s.hkv) * s.hd], br[s.s + j]);
+        }
+        double mx = -INFINITY, sum = 0;
+        for (double v : sc) mx = std::max(mx, v);
+        if (mx == -INFINITY) continue; // no visible key: zeros
+        for (double v : sc) sum += std::exp(v - mx);
+        for (size_t j = 0; j < sc.size(); ++j) {
+            const double w = std::exp(sc[j] - mx) / sum;
+            for (uint c = 0; c < s.hd; ++c) ref[size_t(r) * s.hd + c] += w * vals[j][c];
+        }
+    }
+    char name[128];
+    std::snprintf(name, sizeof name, "%s B=%u Hq=%u Hkv=%u T=%u L=%u S=%u hd=%u", tag.c_str(), s.b,
+                  s.hq, s.hkv, s.t, s.l, s.s, s.hd);
+    // Every step in f32 against double, the scores' error relative to their terms' magnitude
+    // (values are unit-scale); the output rounded to T once.
+    compare(name, got, ref, F32_ABS * score_terms, F32_REL + Dt<T>::rel);
+}
+
+static void flash_tests(uint64_t seed) {
+    // No past, T = L, GQA 2:1, hd no multiple of 32.
+    flash_case<float>({2, 4, 2, 5, 5, 0, 0, 40}, {}, {{}, {}}, 0.3f);
+    // This step's queries the last 3 of 7 keys; padded keys at row 1's start.
+    flash_case<float>({2, 2, 1, 3, 7, 0, 0, 32}, {}, {{}, {0, 1}}, 0.9f);
+    // Branches over a past: 3 rows reading past rows [1, 0, 1] of 2, padded past keys, hd 256.
+    flash_case<float>({3, 4, 2, 2, 2, 6, 2, 256}, {1, 0, 1}, {{0}, {}, {0, 1, 2}}, 1.7f);
+    flash_case<float>({3, 2, 2, 4, 4, 37, 2, 24}, {1, 0, 1}, {{}, {5}, {}}, 2.1f);
+    // A row whose every key is hidden: zeros.
+    flash_case<float>({2, 1, 1, 1, 1, 3, 1, 16}, {0, 0}, {{0, 1, 2, 3}, {}}, 2.5f);
+    flash_case<ushort>({3, 4, 2, 2, 3, 6, 2, 64}, {1, 0, 1}, {{0}, {}, {0, 1}}, 1.1f);
+    flash_case<half>({2, 2, 1, 3, 5, 4, 1, 48}, {0, 0}, {{}, {1}}, 1.3f);
+    emu::options() = {true, seed};
+    flash_case<float>({3, 4, 2, 2, 2, 6, 2, 40}, {1, 0, 1}, {{0}, {}, {0, 1, 2}}, 1.9f);
+    emu::options() = {};
+}
 
 // ---------------------------------------------------------------- the harness itself
 // Broken kernels the harness must reject: each runs in a forked child that must exit with the
@@ -565,6 +1075,8 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     gdr_tests(seed);
     conv_tests(seed);
+    fused_op_tests(seed);
+    flash_tests(seed);
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::printf("emulated %llu Metal threads, %llu fiber switches, %.2f s (shuffle seed %llu)\n",
