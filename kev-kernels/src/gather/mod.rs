@@ -5,9 +5,11 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "metal")]
+mod metal;
 
 use candle_core::{bail, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "metal"))]
 use candle_core::{Layout, Shape};
 
 /// Row indices, checked and uploaded once for any number of [`gather_rows`] calls.
@@ -71,7 +73,16 @@ fn in_words(t: &Tensor, row_bytes: usize) -> bool {
         && row_bytes.is_multiple_of(16)
 }
 
-/// The CUDA op; other backends take `index_select`.
+/// Whether the Metal kernels copy `t`'s rows of `row_bytes` bytes: a Metal float tensor,
+/// contiguous, rows of whole 2-byte units.
+fn on_metal(t: &Tensor, row_bytes: usize) -> bool {
+    t.device().is_metal()
+        && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && t.is_contiguous()
+        && row_bytes.is_multiple_of(2)
+}
+
+/// The CUDA and Metal op; the CPU takes `index_select`.
 struct GatherRows;
 
 impl CustomOp2 for GatherRows {
@@ -93,12 +104,25 @@ impl CustomOp2 for GatherRows {
         dims[0] = il.dims()[0];
         Ok((cuda::gather_rows(ts, tl, is, il)?, Shape::from(dims)))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        ts: &candle_core::MetalStorage,
+        tl: &Layout,
+        is: &candle_core::MetalStorage,
+        il: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let mut dims = tl.dims().to_vec();
+        dims[0] = il.dims()[0];
+        Ok((metal::gather_rows(ts, tl, is, il)?, Shape::from(dims)))
+    }
 }
 
 /// Rows `rows` of `t: [R, ..]` (repeats allowed) as a new `[N, ..]` tensor with storage of its
 /// own, like `t.index_select(idx, 0)`. On CUDA a row moves as 16-byte words when its size and
-/// start allow it (the cache tensors' always do); otherwise, and on other backends, this is
-/// `index_select`.
+/// start allow it (the cache tensors' always do); on Metal as 4- or 2-byte units (a float
+/// tensor, contiguous); otherwise, and on the CPU, this is `index_select`.
 pub fn gather_rows(t: &Tensor, rows: &RowIndex) -> Result<Tensor> {
     let src_rows = t.dims().first().copied().unwrap_or(0);
     rows.check_within("gather-rows", t, src_rows)?;
@@ -106,14 +130,16 @@ pub fn gather_rows(t: &Tensor, rows: &RowIndex) -> Result<Tensor> {
         .elem_count()
         .checked_div(src_rows)
         .map_or(0, |elems| elems * t.dtype().size_in_bytes());
-    if row_bytes > 0 && in_words(t, row_bytes) && (1..=65535).contains(&rows.len()) {
+    let fused = (in_words(t, row_bytes) && (1..=65535).contains(&rows.len()))
+        || (on_metal(t, row_bytes) && !rows.is_empty());
+    if row_bytes > 0 && fused {
         t.apply_op2_no_bwd(&rows.idx, &GatherRows)
     } else {
         t.index_select(&rows.idx, 0)
     }
 }
 
-/// The CUDA op of [`gather_cat`]; other backends compose it.
+/// The CUDA and Metal op of [`gather_cat`]; the CPU composes it.
 struct GatherCat;
 
 impl CustomOp3 for GatherCat {
@@ -138,12 +164,28 @@ impl CustomOp3 for GatherCat {
         let out = cuda::gather_cat(ss, sl, is, il, ts, tl)?;
         Ok((out, Shape::from((n, heads, s_len + t_len, d))))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        ss: &candle_core::MetalStorage,
+        sl: &Layout,
+        is: &candle_core::MetalStorage,
+        il: &Layout,
+        ts: &candle_core::MetalStorage,
+        tl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let (_, heads, s_len, d) = sl.shape().dims4()?;
+        let (n, _, t_len, _) = tl.shape().dims4()?;
+        let out = metal::gather_cat(ss, sl, is, il, ts, tl)?;
+        Ok((out, Shape::from((n, heads, s_len + t_len, d))))
+    }
 }
 
 /// Rows `rows` of `src: [R, H, S, d]`, row i followed by row i of `tail: [B, H, T, d]` along the
 /// steps: `[B, H, S + T, d]`, equal to `cat([gather_rows(src, rows), tail], 2)`. Attention's
-/// keys and values of a branch row: its state row's, then its own. On CUDA one copy instead of
-/// two (16-byte words, where both parts' rows allow them).
+/// keys and values of a branch row: its state row's, then its own. On CUDA (16-byte words, where
+/// both parts' rows allow them) and Metal (contiguous float tensors) one copy instead of two.
 pub fn gather_cat(src: &Tensor, rows: &RowIndex, tail: &Tensor) -> Result<Tensor> {
     let (src_rows, heads, s_len, d) = src.dims4()?;
     let (n, t_heads, t_len, t_d) = tail.dims4()?;
@@ -159,11 +201,11 @@ pub fn gather_cat(src: &Tensor, rows: &RowIndex, tail: &Tensor) -> Result<Tensor
     }
     rows.check_within("gather-cat", src, src_rows)?;
     let row_bytes = |steps: usize| steps * d * src.dtype().size_in_bytes();
-    if (s_len + t_len) * d > 0
-        && in_words(src, row_bytes(s_len))
+    let cuda = in_words(src, row_bytes(s_len))
         && in_words(tail, row_bytes(t_len))
-        && (1..=65535).contains(&(n * heads))
-    {
+        && (1..=65535).contains(&(n * heads));
+    let metal = on_metal(src, row_bytes(s_len)) && on_metal(tail, row_bytes(t_len)) && n > 0;
+    if (s_len + t_len) * d > 0 && (cuda || metal) {
         src.apply_op3_no_bwd(&rows.idx, tail, &GatherCat)
     } else {
         Tensor::cat(&[&gather_rows(src, rows)?, tail], 2)

@@ -37,6 +37,9 @@ namespace attn {
 namespace flash {
 #include "../../src/flash_attention/flash_attention.metal"
 }
+namespace gather {
+#include "../../src/gather/gather.metal"
+}
 
 // ---------------------------------------------------------------- the host's launch constants
 // (src/gated_delta_rule/metal.rs: GDR_COLUMNS_PER_GROUP, SIMD_WIDTH, GDR_MAX_DK; src/causal_conv1d/metal.rs: CONV_THREADS_PER_GROUP)
@@ -982,6 +985,81 @@ static void flash_tests(uint64_t seed) {
     emu::options() = {};
 }
 
+// ---------------------------------------------------------------- row gathers
+static_assert(sizeof(gather::GatherRowsParams) == 12, "GatherRowsParams layout");
+static_assert(sizeof(gather::GatherCatParams) == 20, "GatherCatParams layout");
+
+/// Exact copies: every unit of the output against the element it must hold, bit for bit.
+template <class U> static void gather_case(uint src_rows, uint heads, uint s_units, uint t_units,
+                                           const std::vector<uint>& idx_in) {
+    const char* unit = sizeof(U) == 2 ? "u16" : "u32";
+    const uint n = uint(idx_in.size()), row = heads * s_units;
+    Buf<U> src(size_t(src_rows) * row), tail(std::max<size_t>(size_t(n) * heads * t_units, 1));
+    for (size_t i = 0; i < src.n; ++i) src[i] = U(i * 7 + 1);
+    for (size_t i = 0; i < tail.n; ++i) tail[i] = U(i * 5 + 3);
+    Buf<uint> idx(n);
+    bool past_end = false;
+    for (uint r = 0; r < n; ++r) idx[r] = idx_in[r], past_end |= idx_in[r] >= src_rows;
+    // gather_rows: whole rows of heads·s_units.
+    {
+        Buf<U> out(size_t(n) * row);
+        const gather::GatherRowsParams p{n, row, src_rows};
+        flat_dispatch(n * row, [&](uint gid) {
+            if constexpr (sizeof(U) == 2) {
+                gather::gather_rows_u16(src.data(), idx.data(), out.data(), p, gid);
+            } else {
+                gather::gather_rows_u32(src.data(), idx.data(), out.data(), p, gid);
+            }
+        });
+        out.check("gather_rows out");
+        bool ok = true;
+        for (uint r = 0; r < n; ++r)
+            for (uint i = 0; i < row; ++i) {
+                const U want = idx[r] < src_rows ? src[size_t(idx[r]) * row + i] : U(0);
+                ok &= out[size_t(r) * row + i] == want;
+            }
+        char name[128];
+        std::snprintf(name, sizeof name, "gather_rows_%s n=%u row=%u%s", unit, n, row,
+                      past_end ? " (an index past the end: 0)" : "");
+        std::printf("%-58s %s\n", name, ok ? "exact ok" : "FAIL");
+        g_failures += !ok;
+    }
+    // gather_cat: per (row, head), the picked src part then the row's own tail.
+    {
+        const uint width = s_units + t_units;
+        Buf<U> out(size_t(n) * heads * width);
+        const gather::GatherCatParams p{n, heads, s_units, t_units, src_rows};
+        flat_dispatch(n * heads * width, [&](uint gid) {
+            if constexpr (sizeof(U) == 2) {
+                gather::gather_cat_u16(src.data(), idx.data(), tail.data(), out.data(), p, gid);
+            } else {
+                gather::gather_cat_u32(src.data(), idx.data(), tail.data(), out.data(), p, gid);
+            }
+        });
+        out.check("gather_cat out");
+        bool ok = true;
+        for (uint b = 0; b < n; ++b)
+            for (uint h = 0; h < heads; ++h)
+                for (uint i = 0; i < width; ++i) {
+                    const U want = i >= s_units ? tail[(size_t(b) * heads + h) * t_units + i - s_units]
+                                   : idx[b] < src_rows ? src[(size_t(idx[b]) * heads + h) * s_units + i]
+                                                       : U(0);
+                    ok &= out[(size_t(b) * heads + h) * width + i] == want;
+                }
+        char name[128];
+        std::snprintf(name, sizeof name, "gather_cat_%s n=%u heads=%u S=%u T=%u units", unit, n, heads,
+                      s_units, t_units);
+        std::printf("%-58s %s\n", name, ok ? "exact ok" : "FAIL");
+        g_failures += !ok;
+    }
+}
+
+static void gather_tests() {
+    gather_case<ushort>(3, 2, 37, 5, {2, 0, 2, 7});
+    gather_case<uint>(2, 3, 64, 1, {1, 1, 0});
+    gather_case<uint>(4, 1, 300, 0, {3});
+}
+
 // ---------------------------------------------------------------- the harness itself
 // Broken kernels the harness must reject: each runs in a forked child that must exit with the
 // harness's failure status (3), or, for a race, must give schedule-dependent results.
@@ -1077,6 +1155,7 @@ int main(int argc, char** argv) {
     conv_tests(seed);
     fused_op_tests(seed);
     flash_tests(seed);
+    gather_tests();
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::printf("emulated %llu Metal threads, %llu fiber switches, %.2f s (shuffle seed %llu)\n",
