@@ -14,6 +14,17 @@
 //   3 params  ConvParams                                                                          input (set_bytes)
 //
 // Entry points: causal_conv1d_{x}_{w} for x, w ∈ {f32, bf16, f16}.
+//
+// causal_conv1d_cached_{x}_{w}: the conv continuing from a cache, reading the window [cache; x]
+// in place, and the next cache, in one dispatch (the CPU op's and causal_conv1d.cu's contract).
+// One thread per output element of y, then of the next cache (grid as above over
+// B·T·C + B·(K−1)·C); window row p of batch row b is cache[b, p] for p < K−1, else x[b, p − K + 1].
+//   0 x        [B·T, C] rows X, row r at r·x_stride (a slice of a wider projection)   input
+//   1 cache    [B, K−1, C] X contiguous                                             input
+//   2 w        [C, K] W                                                             input
+//   3 lengths  [B] u32: real steps per row; the next cache is window rows len .. len+K−2   input
+//   4 out      [y: B·T·C | next cache: B·(K−1)·C] X                                 output
+//   5 params   ConvCachedParams                                                     input (set_bytes)
 
 #include <metal_stdlib>
 using namespace metal;
@@ -23,6 +34,14 @@ struct ConvParams {
     uint t; // output steps
     uint c; // channels
     uint k; // kernel size
+};
+
+struct ConvCachedParams {
+    uint b;        // batch
+    uint t;        // steps of x
+    uint c;        // channels
+    uint k;        // kernel size
+    uint x_stride; // elements between rows of x
 };
 
 // bf16 travels as ushort: widen by shifting into the high half of an f32.
@@ -67,6 +86,48 @@ inline void conv_impl(
     y[gid] = from_f32<X>(acc / (1.0f + exp(-acc)));
 }
 
+template <typename X>
+inline float conv_window(const device X* x, const device X* cache, constant ConvCachedParams& p,
+                         uint b, uint row, uint c) {
+    return row < p.k - 1 ? to_f32(cache[(ulong(b) * (p.k - 1) + row) * p.c + c])
+                         : to_f32(x[(ulong(b) * p.t + row - (p.k - 1)) * p.x_stride + c]);
+}
+
+template <typename X, typename W>
+inline void conv_cached_impl(
+    const device X* x,
+    const device X* cache,
+    const device W* w,
+    const device uint* lengths,
+    device X* out,
+    constant ConvCachedParams& p,
+    uint gid
+) {
+    const uint ny = p.b * p.t * p.c;
+    if (gid < ny) {
+        const uint c = gid % p.c;
+        const uint bt = gid / p.c;
+        const uint t = bt % p.t;
+        const uint b = bt / p.t;
+        const device W* ws = w + ulong(c) * p.k;
+        float acc = 0.0f;
+        for (uint j = 0; j < p.k; ++j) {
+            acc += to_f32(ws[j]) * conv_window(x, cache, p, b, t + j, c);
+        }
+        out[gid] = from_f32<X>(acc / (1.0f + exp(-acc)));
+        return;
+    }
+    const uint i = gid - ny;
+    if (i >= p.b * (p.k - 1) * p.c) {
+        return;
+    }
+    const uint c = i % p.c;
+    const uint br = i / p.c;
+    const uint r = br % (p.k - 1);
+    const uint b = br / (p.k - 1);
+    out[gid] = from_f32<X>(conv_window(x, cache, p, b, lengths[b] + r, c));
+}
+
 #define CONV_ENTRY(XNAME, X, WNAME, W)                                                          \
     kernel void causal_conv1d_##XNAME##_##WNAME(                                                \
         const device X* x [[buffer(0)]],                                                        \
@@ -76,6 +137,17 @@ inline void conv_impl(
         uint gid [[thread_position_in_grid]]                                                    \
     ) {                                                                                         \
         conv_impl<X, W>(x, w, y, p, gid);                                                       \
+    }                                                                                           \
+    kernel void causal_conv1d_cached_##XNAME##_##WNAME(                                         \
+        const device X* x [[buffer(0)]],                                                        \
+        const device X* cache [[buffer(1)]],                                                    \
+        const device W* w [[buffer(2)]],                                                        \
+        const device uint* lengths [[buffer(3)]],                                               \
+        device X* out [[buffer(4)]],                                                            \
+        constant ConvCachedParams& p [[buffer(5)]],                                             \
+        uint gid [[thread_position_in_grid]]                                                    \
+    ) {                                                                                         \
+        conv_cached_impl<X, W>(x, cache, w, lengths, out, p, gid);                              \
     }
 
 #define CONV_ENTRIES(XNAME, X)                                                                  \

@@ -1,10 +1,15 @@
-//! The causal conv1d on Metal (`causal_conv1d.metal`): one thread per output element.
+//! The causal conv1d on Metal (`causal_conv1d.metal`): one thread per output element, the plain
+//! conv over a window and the cached form (window read from the cache and the input in place,
+//! the next cache written beside the output).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, Layout, MetalStorage, Result, Shape};
 use objc2_metal::MTLSize;
 
-use crate::backend::metal::{as_u32, byte_offset, dtype_suffix, pipeline, Source};
+use crate::backend::metal::{
+    as_u32, byte_offset, dispatch, dtype_suffix, input, output, pipeline, Source,
+};
+use crate::layout::rows::rows;
 
 const SOURCE: Source = Source {
     name: "causal_conv1d",
@@ -86,4 +91,80 @@ pub(crate) fn causal_conv1d(
     }
     let storage = MetalStorage::new(y, dev, n, xs.dtype());
     Ok((storage, Shape::from((b_sz, seq_len, channels))))
+}
+
+/// `ConvCachedParams` of causal_conv1d.metal.
+#[repr(C)]
+struct ConvCachedParams {
+    b: u32,
+    t: u32,
+    c: u32,
+    k: u32,
+    x_stride: u32,
+}
+
+// The MSL struct has the same fields; the emulation harness asserts the same size.
+const _: () = assert!(std::mem::size_of::<ConvCachedParams>() == 20);
+
+/// The conv over `[cache; x]` and the next cache, packed `[y: B·T·C | next: B·(K−1)·C]` in the
+/// dtype of `x`; `lengths` the real steps per row (`None`: all T).
+pub(crate) fn causal_conv1d_cached(
+    lengths: Option<&[u32]>,
+    xs: &MetalStorage,
+    xl: &Layout,
+    cs: &MetalStorage,
+    cl: &Layout,
+    ws: &MetalStorage,
+    wl: &Layout,
+) -> Result<MetalStorage> {
+    let (b_sz, seq_len, channels) = xl.shape().dims3()?;
+    let k = wl.dims()[1];
+    if cs.dtype() != xs.dtype() {
+        bail!(
+            "causal-conv1d: cache {:?} is not the input's {:?} on Metal",
+            cs.dtype(),
+            xs.dtype()
+        )
+    }
+    let x_suffix = dtype_suffix(xs.dtype(), "causal-conv1d x")?;
+    let w_suffix = dtype_suffix(ws.dtype(), "causal-conv1d weight")?;
+    let xv = rows(xl, "causal-conv1d x")?;
+    let c_off = byte_offset(cl, cs.dtype(), "causal-conv1d: cache")?;
+    let w_off = byte_offset(wl, ws.dtype(), "causal-conv1d: weight")?;
+    let n = b_sz * (seq_len + k - 1) * channels;
+    as_u32(n, "causal-conv1d: output elements")?;
+    as_u32(xv.span().end, "causal-conv1d: x elements")?;
+    let params = ConvCachedParams {
+        b: b_sz as u32,
+        t: seq_len as u32,
+        c: channels as u32,
+        k: as_u32(k, "causal-conv1d: K")?,
+        x_stride: as_u32(xv.stride, "causal-conv1d: x row stride")?,
+    };
+    let all = vec![seq_len as u32; b_sz];
+    let lengths = lengths.unwrap_or(&all);
+    let dev = xs.device().clone();
+    let pipeline = pipeline(
+        &dev,
+        &SOURCE,
+        &format!("causal_conv1d_cached_{x_suffix}_{w_suffix}"),
+    )?;
+    // Metal has no empty buffers: an empty batch still gets one (unread) length.
+    let lengths_buf = dev.new_buffer_with_data(if lengths.is_empty() { &[0] } else { lengths })?;
+    let out = dev.new_buffer(n.max(1), xs.dtype(), "causal-conv1d cached out")?;
+    dispatch(
+        &dev,
+        &pipeline,
+        &[
+            input(xs.buffer(), xv.offset * xs.dtype().size_in_bytes()),
+            input(cs.buffer(), c_off),
+            input(ws.buffer(), w_off),
+            input(&lengths_buf, 0),
+            output(&out, 0),
+        ],
+        &params,
+        n.div_ceil(CONV_THREADS_PER_GROUP),
+        CONV_THREADS_PER_GROUP,
+    )?;
+    Ok(MetalStorage::new(out, dev, n, xs.dtype()))
 }

@@ -215,13 +215,27 @@ impl CustomOp3 for CausalConv1dCached {
         let out = cuda::causal_conv1d_cached(self.lengths.as_deref(), xs, xl, cs, cl, ws, wl)?;
         Ok((out, Self::out_shape(xl, wl.dims()[1])?))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        xs: &candle_core::MetalStorage,
+        xl: &Layout,
+        cs: &candle_core::MetalStorage,
+        cl: &Layout,
+        ws: &candle_core::MetalStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let out = metal::causal_conv1d_cached(self.lengths.as_deref(), xs, xl, cs, cl, ws, wl)?;
+        Ok((out, Self::out_shape(xl, wl.dims()[1])?))
+    }
 }
 
 /// [`causal_conv1d`] continuing from a cache: `x: [B, T, C]` (may be a slice of a wider
 /// projection), `cache: [B, K−1, C]` (the raw inputs before `x`; zeros at the start), `weight:
 /// [C, K]`, `lengths`: the real steps per row (right padding after them), `None` for all T.
 /// Returns `y: [B, T, C]` and the next cache, `[B, K−1, C]`: the K−1 raw inputs before each row's
-/// end. One op on the CPU and CUDA; Metal composes it ([`causal_conv1d_cached_ref`]).
+/// end. One op on every backend.
 pub fn causal_conv1d_cached(
     x: &Tensor,
     cache: &Tensor,
@@ -229,9 +243,6 @@ pub fn causal_conv1d_cached(
     lengths: Option<&[usize]>,
 ) -> Result<(Tensor, Tensor)> {
     let (y, next) = causal_conv1d_cached_view(x, cache, weight, lengths)?;
-    if x.device().is_metal() {
-        return Ok((y, next)); // composed: the next cache is already a tensor of its own
-    }
     // The cache outlives this step (a prefix keeps it): give it storage of its own, or it would
     // keep the whole output, y included, alive. (`Tensor::copy` would not do: it clones the
     // whole storage under the same view.)
@@ -264,9 +275,6 @@ pub fn causal_conv1d_cached_view(
                 x.dims()
             )
         }
-    }
-    if x.device().is_metal() {
-        return causal_conv1d_cached_ref(x, cache, weight, lengths);
     }
     let op = CausalConv1dCached {
         lengths: lengths
@@ -357,8 +365,7 @@ pub fn causal_conv1d_split(
     Ok(Some(out))
 }
 
-/// [`causal_conv1d_cached`] from the window op and tensor ops (the test reference, and the
-/// Metal path).
+/// [`causal_conv1d_cached`] from the window op and tensor ops (the test reference).
 pub fn causal_conv1d_cached_ref(
     x: &Tensor,
     cache: &Tensor,

@@ -1060,6 +1060,71 @@ static void gather_tests() {
     gather_case<uint>(4, 1, 300, 0, {3});
 }
 
+// ---------------------------------------------------------------- causal conv1d, cached
+static_assert(sizeof(conv::ConvCachedParams) == 20, "ConvCachedParams layout");
+#define CONV_CACHED_TABLE(XN, X, WN, W)                                                        \
+    template <> struct ConvCachedEntry<X, W> {                                                 \
+        static constexpr auto fn = conv::causal_conv1d_cached_##XN##_##WN;                     \
+    };
+template <class X, class W> struct ConvCachedEntry;
+CONV_CACHED_TABLE(f32, float, f32, float)
+CONV_CACHED_TABLE(bf16, ushort, f32, float)
+CONV_CACHED_TABLE(bf16, ushort, bf16, ushort)
+CONV_CACHED_TABLE(f16, half, f16, half)
+
+/// x rows of a wider [B·T, x_stride] projection, lengths per row: y against the double loop over
+/// the window [cache; x], the next cache (window rows len .. len + K − 2) bit for bit.
+template <class X, class W> static void conv_cached_case(uint b, uint t, uint c, uint k, uint x_stride,
+                                                         const std::vector<uint>& len) {
+    const std::string tag = std::string("causal_conv1d_cached_") + Dt<X>::name + "_" + Dt<W>::name;
+    std::vector<double> xs, cs, ws;
+    auto x = upload<X>(patterned(size_t(b) * t * x_stride, 0.3f, 2.0f), &xs);
+    auto cache = upload<X>(patterned(size_t(b) * (k - 1) * c, 1.2f, 2.0f), &cs);
+    auto w = upload<W>(patterned(size_t(c) * k, 2.4f, 0.5f), &ws);
+    Buf<uint> lengths(b);
+    for (uint i = 0; i < b; ++i) lengths[i] = len[i];
+    const size_t ny = size_t(b) * t * c, nn = size_t(b) * (k - 1) * c;
+    Buf<X> out(ny + nn);
+    const conv::ConvCachedParams p{b, t, c, k, x_stride};
+    flat_dispatch(uint(ny + nn), [&](uint gid) {
+        ConvCachedEntry<X, W>::fn(x.data(), cache.data(), w.data(), lengths.data(), out.data(), p, gid);
+    });
+    x.check(tag + " x");
+    cache.check(tag + " cache");
+    const auto got = download(out, tag + " out");
+    auto window = [&](uint bi, uint row, uint ci) {
+        return row < k - 1 ? cs[(size_t(bi) * (k - 1) + row) * c + ci]
+                           : xs[(size_t(bi) * t + row - (k - 1)) * x_stride + ci];
+    };
+    std::vector<double> y_ref(ny), y_got(got.begin(), got.begin() + ny);
+    for (uint bi = 0; bi < b; ++bi)
+        for (uint ti = 0; ti < t; ++ti)
+            for (uint ci = 0; ci < c; ++ci) {
+                double acc = 0;
+                for (uint j = 0; j < k; ++j) acc += ws[size_t(ci) * k + j] * window(bi, ti + j, ci);
+                y_ref[(size_t(bi) * t + ti) * c + ci] = acc / (1.0 + std::exp(-acc));
+            }
+    std::vector<double> next_ref(nn), next_got(got.begin() + ny, got.end());
+    for (uint bi = 0; bi < b; ++bi)
+        for (uint r = 0; r + 1 < k; ++r)
+            for (uint ci = 0; ci < c; ++ci)
+                next_ref[(size_t(bi) * (k - 1) + r) * c + ci] = window(bi, len[bi] + r, ci);
+    char name[128];
+    std::snprintf(name, sizeof name, "%s B=%u T=%u C=%u K=%u stride=%u", tag.c_str(), b, t, c, k,
+                  x_stride);
+    compare(std::string(name) + " y", y_got, y_ref, 1e-5, Dt<X>::rel);
+    expect_identical(std::string(name) + " next cache", next_got, next_ref);
+}
+
+static void conv_cached_tests() {
+    conv_cached_case<float, float>(2, 9, 24, 4, 40, {9, 6});
+    conv_cached_case<float, float>(3, 1, 16, 4, 16, {1, 0, 1});
+    conv_cached_case<float, float>(1, 37, 40, 3, 50, {37});
+    conv_cached_case<ushort, float>(2, 9, 24, 4, 30, {9, 2});
+    conv_cached_case<ushort, ushort>(2, 5, 24, 4, 24, {5, 5});
+    conv_cached_case<half, half>(2, 5, 20, 4, 33, {3, 5});
+}
+
 // ---------------------------------------------------------------- the harness itself
 // Broken kernels the harness must reject: each runs in a forked child that must exit with the
 // harness's failure status (3), or, for a race, must give schedule-dependent results.
@@ -1156,6 +1221,7 @@ int main(int argc, char** argv) {
     fused_op_tests(seed);
     flash_tests(seed);
     gather_tests();
+    conv_cached_tests();
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::printf("emulated %llu Metal threads, %llu fiber switches, %.2f s (shuffle seed %llu)\n",
