@@ -9,7 +9,7 @@
 //   1 w1       [hd] f32 (1 + w)                                                    input
 //   2 cos_sin  [2, B, T, rot] T: cos, then sin                                     input
 //   3 out      [B, H, T, hd] T                                                     output
-//   4 params   QkNormRopeParams                                                    input (set_bytes)
+//   4 params   QkNormRopeParams                                                    set_bytes
 //   n = round(x̂·w1);  out[c] = round(round(n[c]·cos[c]) + round(rot(n)[c]·sin[c])) for c < rot
 //   (NeoX rotate_half: rot(n)[c] = −n[c + rot/2] below rot/2, n[c − rot/2] above), n[c] beyond.
 //
@@ -18,7 +18,7 @@
 //   0 s         [B, G, T, S] T contiguous; the T queries are the last T of the S keys   input
 //   1 key_bias  [B, S] f32, 0 or −∞ per key                                          input
 //   2 p         [B, G, T, S] T                                                       output
-//   3 params    SoftmaxParams                                                        input (set_bytes)
+//   3 params    SoftmaxParams                                                        set_bytes
 //   p = round(softmax_f32(round(s·scale) + key_bias)) over keys ..= S − T + t; later keys 0.
 //
 // attention_gate_{f32,bf16,f16}: one thread per output element (threadgroups of 256; threads past
@@ -26,7 +26,7 @@
 //   0 o       [B, H, T, hd] T contiguous                                         input
 //   1 gate    [B, T, H, hd] T at b·sb + t·st + h·sh (the last dim contiguous)    input
 //   2 out     [B, T, H·hd] T                                                     output
-//   3 params  GateParams                                                         input (set_bytes)
+//   3 params  GateParams                                                         set_bytes
 //   out = round(o · round(sigmoid(gate)))
 
 #include <metal_stdlib>
@@ -138,7 +138,10 @@ inline void causal_softmax_impl(const device T* s, const device float* key_bias,
     }
     const float inv = 1.0f / simd_sum(sum);
     for (uint c = lane; c < sp.s; c += ATTN_SIMD) {
-        const float v = c < seen ? exp(round_to<T>(to_f32(sr[c]) * sp.scale) + mr[c] - mx) * inv : 0.0f;
+        float v = 0.0f;
+        if (c < seen) {
+            v = exp(round_to<T>(to_f32(sr[c]) * sp.scale) + mr[c] - mx) * inv;
+        }
         pr[c] = from_f32<T>(v);
     }
 }
@@ -165,10 +168,10 @@ inline void attention_gate_impl(const device T* o, const device T* gate, device 
         device T* out [[buffer(3)]],                                                            \
         constant QkNormRopeParams& p [[buffer(4)]],                                             \
         uint tg [[threadgroup_position_in_grid]],                                               \
-        uint simd [[simdgroup_index_in_threadgroup]],                                           \
+        uint sg_index [[simdgroup_index_in_threadgroup]],                                       \
         uint lane [[thread_index_in_simdgroup]]                                                 \
     ) {                                                                                         \
-        qk_norm_rope_impl<T>(x, w1, cos_sin, out, p, tg * ATTN_ROWS_PER_GROUP + simd, lane);    \
+        qk_norm_rope_impl<T>(x, w1, cos_sin, out, p, tg * ATTN_ROWS_PER_GROUP + sg_index, lane); \
     }                                                                                           \
     kernel void causal_softmax_##NAME(                                                          \
         const device T* s [[buffer(0)]],                                                        \
@@ -176,10 +179,10 @@ inline void attention_gate_impl(const device T* o, const device T* gate, device 
         device T* p [[buffer(2)]],                                                              \
         constant SoftmaxParams& sp [[buffer(3)]],                                               \
         uint tg [[threadgroup_position_in_grid]],                                               \
-        uint simd [[simdgroup_index_in_threadgroup]],                                           \
+        uint sg_index [[simdgroup_index_in_threadgroup]],                                       \
         uint lane [[thread_index_in_simdgroup]]                                                 \
     ) {                                                                                         \
-        causal_softmax_impl<T>(s, key_bias, p, sp, tg * ATTN_ROWS_PER_GROUP + simd, lane);      \
+        causal_softmax_impl<T>(s, key_bias, p, sp, tg * ATTN_ROWS_PER_GROUP + sg_index, lane);  \
     }                                                                                           \
     kernel void attention_gate_##NAME(                                                          \
         const device T* o [[buffer(0)]],                                                        \

@@ -19,12 +19,12 @@
 // in place, and the next cache, in one dispatch (the CPU op's and causal_conv1d.cu's contract).
 // One thread per output element of y, then of the next cache (grid as above over
 // B·T·C + B·(K−1)·C); window row p of batch row b is cache[b, p] for p < K−1, else x[b, p − K + 1].
-//   0 x        [B·T, C] rows X, row r at r·x_stride (a slice of a wider projection)   input
-//   1 cache    [B, K−1, C] X contiguous                                             input
-//   2 w        [C, K] W                                                             input
-//   3 lengths  [B] u32: real steps per row; the next cache is window rows len .. len+K−2   input
-//   4 out      [y: B·T·C | next cache: B·(K−1)·C] X                                 output
-//   5 params   ConvCachedParams                                                     input (set_bytes)
+//   0 x        [B·T, C] rows X, row r at r·x_stride (a slice of a wider projection)    input
+//   1 cache    [B, K−1, C] X contiguous                                              input
+//   2 w        [C, K] W                                                              input
+//   3 lengths  [B] u32, real steps per row: the next cache is window rows len .. len+K−2
+//   4 out      [y: B·T·C | next cache: B·(K−1)·C] X                                  output
+//   5 params   ConvCachedParams                                                      set_bytes
 
 #include <metal_stdlib>
 using namespace metal;

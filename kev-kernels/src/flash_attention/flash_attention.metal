@@ -6,8 +6,9 @@
 // Grid: threadgroups (ceil(B·Hq·T / 8), 1, 1), threadgroup (256, 1, 1): one simdgroup (32 lanes)
 // per query row r = (b, hq, t), r = threadgroup·8 + simdgroup index; a simdgroup past the last
 // row returns at once (uniformly). Lane l holds q and the output's running sum for head dims
-// l, l + 32, ... (hd ≤ 32·FLASH_PER_LANE). Per key, one simd_sum gives q·k; the running max and
-// sum are then the same in every lane. No threadgroup memory, no barriers.
+// l, l + 32, ... (hd ≤ 32·PER_LANE; the entry points take PER_LANE = 8, hd ≤ 256). Per key, one
+// simd_sum gives q·k; the running max and sum are then the same in every lane. No threadgroup
+// memory, no barriers.
 //
 // Query t (the last T of this step's L keys) of batch row b, query head hq (kv head
 // hq / (Hq/Hkv)), sees the past's S keys (row owners[b] of k_past / v_past), then this step's
@@ -46,7 +47,6 @@ struct FlashParams {
 
 constant uint FLASH_SIMD = 32;
 constant uint FLASH_ROWS_PER_GROUP = 8;
-constant uint FLASH_PER_LANE = 8; // head dims a lane holds: hd ≤ 256
 
 // bf16 travels as ushort: widen by shifting into the high half of an f32.
 inline float to_f32(float x) { return x; }
@@ -71,12 +71,12 @@ template <typename T> inline float round_to(float x) { return to_f32(from_f32<T>
 
 // One key: its score from q (each lane's part, summed over the simdgroup), then the online
 // softmax update of the running max `m`, sum `l` and weighted values `acc`.
-template <typename T>
+template <typename T, uint PER_LANE>
 inline void flash_key(const thread float* qv, const device T* kr, const device T* vr, float bias,
                       float scale, uint hd, uint lane, thread float& m, thread float& l,
                       thread float* acc) {
     float part = 0.0f;
-    for (uint i = 0; i < FLASH_PER_LANE; ++i) {
+    for (uint i = 0; i < PER_LANE; ++i) {
         const uint c = lane + i * FLASH_SIMD;
         if (c < hd) {
             part += qv[i] * to_f32(kr[c]);
@@ -90,7 +90,7 @@ inline void flash_key(const thread float* qv, const device T* kr, const device T
     const float correction = exp(m - m_new);
     const float p = exp(score - m_new);
     l = l * correction + p;
-    for (uint i = 0; i < FLASH_PER_LANE; ++i) {
+    for (uint i = 0; i < PER_LANE; ++i) {
         const uint c = lane + i * FLASH_SIMD;
         if (c < hd) {
             acc[i] = acc[i] * correction + p * to_f32(vr[c]);
@@ -99,7 +99,7 @@ inline void flash_key(const thread float* qv, const device T* kr, const device T
     m = m_new;
 }
 
-template <typename T>
+template <typename T, uint PER_LANE>
 inline void flash_impl(const device T* q, const device T* k, const device T* v,
                        const device T* k_past, const device T* v_past, const device uint* owners,
                        const device float* key_bias, device T* out, constant FlashParams& p,
@@ -110,8 +110,8 @@ inline void flash_impl(const device T* q, const device T* k, const device T* v,
     const uint t = r % p.t, hq = (r / p.t) % p.hq, b = r / (p.t * p.hq);
     const uint h = hq / (p.hq / p.hkv);
     const device T* qr = q + ulong(r) * p.hd;
-    float qv[FLASH_PER_LANE], acc[FLASH_PER_LANE];
-    for (uint i = 0; i < FLASH_PER_LANE; ++i) {
+    float qv[PER_LANE], acc[PER_LANE];
+    for (uint i = 0; i < PER_LANE; ++i) {
         const uint c = lane + i * FLASH_SIMD;
         qv[i] = c < p.hd ? to_f32(qr[c]) : 0.0f;
         acc[i] = 0.0f;
@@ -123,20 +123,20 @@ inline void flash_impl(const device T* q, const device T* k, const device T* v,
         const device T* kp = k_past + owner * p.kp_sb + ulong(h) * p.kp_sh;
         const device T* vp = v_past + owner * p.vp_sb + ulong(h) * p.vp_sh;
         for (uint j = 0; j < p.s; ++j) {
-            flash_key<T>(qv, kp + ulong(j) * p.kp_sl, vp + ulong(j) * p.vp_sl, bias[j], p.scale,
-                         p.hd, lane, m, l, acc);
+            flash_key<T, PER_LANE>(qv, kp + ulong(j) * p.kp_sl, vp + ulong(j) * p.vp_sl, bias[j],
+                                   p.scale, p.hd, lane, m, l, acc);
         }
     }
     const device T* kn = k + ulong(b) * p.k_sb + ulong(h) * p.k_sh;
     const device T* vn = v + ulong(b) * p.v_sb + ulong(h) * p.v_sh;
     const uint seen = p.l - p.t + t + 1;
     for (uint j = 0; j < seen; ++j) {
-        flash_key<T>(qv, kn + ulong(j) * p.k_sl, vn + ulong(j) * p.v_sl, bias[p.s + j], p.scale,
-                     p.hd, lane, m, l, acc);
+        flash_key<T, PER_LANE>(qv, kn + ulong(j) * p.k_sl, vn + ulong(j) * p.v_sl, bias[p.s + j],
+                               p.scale, p.hd, lane, m, l, acc);
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     device T* o = out + ulong(r) * p.hd;
-    for (uint i = 0; i < FLASH_PER_LANE; ++i) {
+    for (uint i = 0; i < PER_LANE; ++i) {
         const uint c = lane + i * FLASH_SIMD;
         if (c < p.hd) {
             o[c] = from_f32<T>(acc[i] * inv);
@@ -156,11 +156,11 @@ inline void flash_impl(const device T* q, const device T* k, const device T* v,
         device T* out [[buffer(7)]],                                                            \
         constant FlashParams& p [[buffer(8)]],                                                  \
         uint tg [[threadgroup_position_in_grid]],                                               \
-        uint simd [[simdgroup_index_in_threadgroup]],                                           \
+        uint sg_index [[simdgroup_index_in_threadgroup]],                                       \
         uint lane [[thread_index_in_simdgroup]]                                                 \
     ) {                                                                                         \
-        flash_impl<T>(q, k, v, k_past, v_past, owners, key_bias, out, p,                        \
-                      tg * FLASH_ROWS_PER_GROUP + simd, lane);                                  \
+        flash_impl<T, 8>(q, k, v, k_past, v_past, owners, key_bias, out, p,                     \
+                      tg * FLASH_ROWS_PER_GROUP + sg_index, lane);                              \
     }
 
 FLASH_ENTRY(f32, float)

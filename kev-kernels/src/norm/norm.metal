@@ -125,10 +125,10 @@ inline void gated_rms_norm_impl(const device T* x, const device T* z, const devi
         device T* out [[buffer(3)]],                                                            \
         constant RmsNormParams& p [[buffer(4)]],                                                \
         uint tg [[threadgroup_position_in_grid]],                                               \
-        uint simd [[simdgroup_index_in_threadgroup]],                                           \
+        uint sg_index [[simdgroup_index_in_threadgroup]],                                       \
         uint lane [[thread_index_in_simdgroup]]                                                 \
     ) {                                                                                         \
-        rms_norm_impl<T>(x, h, w1, out, p, tg * NORM_ROWS_PER_GROUP + simd, lane);              \
+        rms_norm_impl<T>(x, h, w1, out, p, tg * NORM_ROWS_PER_GROUP + sg_index, lane);          \
     }                                                                                           \
     kernel void gated_rms_norm_##NAME(                                                          \
         const device T* x [[buffer(0)]],                                                        \
@@ -137,10 +137,10 @@ inline void gated_rms_norm_impl(const device T* x, const device T* z, const devi
         device T* out [[buffer(3)]],                                                            \
         constant GatedNormParams& p [[buffer(4)]],                                              \
         uint tg [[threadgroup_position_in_grid]],                                               \
-        uint simd [[simdgroup_index_in_threadgroup]],                                           \
+        uint sg_index [[simdgroup_index_in_threadgroup]],                                       \
         uint lane [[thread_index_in_simdgroup]]                                                 \
     ) {                                                                                         \
-        gated_rms_norm_impl<T>(x, z, w, out, p, tg * NORM_ROWS_PER_GROUP + simd, lane);         \
+        gated_rms_norm_impl<T>(x, z, w, out, p, tg * NORM_ROWS_PER_GROUP + sg_index, lane);     \
     }
 
 NORM_ENTRIES(f32, float)
