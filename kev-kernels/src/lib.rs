@@ -22,8 +22,8 @@
 //!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`]
 //!   ([`attention_gate_join`] for a packed batch's two parts).
 //!   CPU, CUDA and Metal each run them as one op (Metal: `<op>/<op>.metal`).
-//! - [`flash_attention`]: on CUDA, the attention's scores, softmax and weighted sum in one
-//!   kernel, in place of the matmuls around [`causal_softmax`] (which the caller composes
+//! - [`flash_attention`]: on CUDA and Metal, the attention's scores, softmax and weighted sum in
+//!   one kernel, in place of the matmuls around [`causal_softmax`] (which the caller composes
 //!   where it declines; [`flash_attention_fills_gpu`] says where it pays).
 //!
 //! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch; [`gather_cat`]:

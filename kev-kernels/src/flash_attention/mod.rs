@@ -1,12 +1,14 @@
-//! The full-attention layers' `softmax(q·kᵀ·scale + bias)·v` as one CUDA kernel (flash
-//! attention, `flash_attention.cu`): the scores stay on the multiprocessor instead of making
-//! four passes through memory, a branch row reads its state row's keys and values where they lie
-//! (no gathered copy), and the values are read as a view of the projection (no transposing copy).
+//! The full-attention layers' `softmax(q·kᵀ·scale + bias)·v` as one kernel (flash attention;
+//! CUDA's `flash_attention.cu`, Metal's `flash_attention.metal`): the scores stay on the GPU's
+//! cores instead of making four passes through memory, a branch row reads its state row's keys
+//! and values where they lie (no gathered copy), and the values are read as a view of the
+//! projection (no transposing copy).
 //!
-//! Numerics: the scores and the softmax in f32, the probabilities rounded to bf16 as the operand
-//! of `P·V` (PyTorch's flash and memory-efficient attention do the same); the matmul form rounds
-//! the scores to bf16 first, as HF's eager attention. Both are within bf16's noise of the f32
-//! reference (the CUDA parity suite).
+//! Numerics: the scores and the softmax in f32; CUDA rounds the probabilities to bf16 as the
+//! operand of `P·V` (PyTorch's flash and memory-efficient attention do the same), Metal keeps them
+//! in f32 and rounds only the output; the matmul form rounds the scores to bf16 first, as HF's
+//! eager attention. All are within bf16's noise of the f32 reference (the CUDA parity suite; on
+//! Metal, the emulation harness and `tests/metal_ops.rs`).
 
 #[cfg(feature = "cuda")]
 mod cuda;
