@@ -220,6 +220,9 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--attn", default="sdpa", help="transformers attention implementation")
     ap.add_argument("--label", default="", help="free text copied into every line")
+    ap.add_argument("--compile", default="", choices=["", "default", "reduce-overhead", "max-autotune"],
+                    help="torch.compile the text model (reduce-overhead: with CUDA graphs); compiling and "
+                         "graph recording happen in the warm-up runs, so give --warmup 3 or more")
     args = ap.parse_args()
 
     if args.threads:
@@ -239,6 +242,8 @@ def main():
     common["transformers"] = transformers.__version__
     if args.label:
         common["label"] = args.label
+    if args.compile:
+        common["compile"] = args.compile
     print(f"transformers peer: fla: {common['fla']} (installed: {common['fla_installed']}), causal_conv1d: {common['causal_conv1d']}, "
           f"{args.device} {args.dtype}, {common['threads']} threads", file=sys.stderr)
 
@@ -252,6 +257,8 @@ def main():
     sync(device)
     load_s = time.perf_counter() - t0
     print(f"loaded {ckpt} in {load_s:.2f} s", file=sys.stderr)
+    if args.compile:
+        model = torch.compile(model, mode=args.compile)
     scorer = Scorer(model, head, kev, device)
 
     for path in args.records:

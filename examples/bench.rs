@@ -15,6 +15,7 @@
 //! workload where the kernel allows), on CUDA the GPU memory in use sampled with `nvidia-smi`
 //! (peak over the workload minus the figure before loading) and the memory pool's high-water mark
 //! (`peak_gpu_alloc_mib`: tensors only, as the peers' `max_memory_allocated`), the load time,
+//! the first (untimed) pass's time of each form (`first_run_ms`: the cold start of the first),
 //! and the first record's probabilities (a parity check against the peers). On CUDA the prefix
 //! form of a one-record workload replays a CUDA graph from its second run on (so the default
 //! two warm-ups cover the eager run and the capture); `cuda_graphs` counts what happened, and
@@ -416,6 +417,7 @@ fn main() -> Result<()> {
             let graphs_before = model.graph_stats();
             let mut times = Vec::with_capacity(args.repeats);
             let mut first = Vec::new();
+            let mut first_run_ms = None;
             for i in 0..args.warmup + args.repeats {
                 if i == args.warmup {
                     profiler(model.device(), args.profile_timed, true)?;
@@ -424,6 +426,7 @@ fn main() -> Result<()> {
                 let probs = score(&model, &records, form)
                     .with_context(|| format!("{workload} {}", form.name()))?;
                 let dt = t.elapsed().as_secs_f64();
+                first_run_ms.get_or_insert(dt * 1e3);
                 if i >= args.warmup {
                     times.push(dt);
                 }
@@ -460,6 +463,7 @@ fn main() -> Result<()> {
                 "peak_rss_mib": (peak_rss_mib() * 10.0).round() / 10.0,
                 "peak_rss_reset": rss_reset,
                 "load_s": load_s,
+                "first_run_ms": first_run_ms,
                 "encode_ms": encode_ms,
                 "first_probs": first
                     .iter()

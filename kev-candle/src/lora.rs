@@ -2,7 +2,7 @@
 //!
 //! The merge happens once, at load, on the CPU in f32: `W' = W + (B·A)·s·lora_scale`, with `s`
 //! from `adapter_config.json` (`alpha/r`, or `alpha/√r` with rsLoRA), and the result is rounded
-//! once to the backbone dtype by the caller. Trained token embeddings
+//! once to the backbone dtype, in one pass over the weight. Trained token embeddings
 //! (`trainable_token_indices`) replace rows: `row' = (1 − s)·row + s·new_row`.
 
 use std::collections::{BTreeMap, HashMap};
@@ -158,11 +158,19 @@ impl Adapter {
         self.pairs.contains_key(name) || (name == "embed_tokens.weight" && self.tokens.is_some())
     }
 
-    /// Applies the adapter to base weight `name` (f32, CPU) with interpolation `lora_scale`.
-    pub fn apply(&self, name: &str, weight: Tensor, lora_scale: f64) -> Result<Tensor> {
+    /// Folds the adapter into base weight `name` (`stored`: as stored, on the CPU) with
+    /// interpolation `lora_scale`, rounded once to `dtype` (still on the CPU). `Ok(Err(v))`
+    /// when the folded weight holds `v`, a value that is not finite or that `dtype` cannot hold.
+    pub fn fold(
+        &self,
+        name: &str,
+        stored: &Tensor,
+        lora_scale: f64,
+        dtype: DType,
+    ) -> Result<std::result::Result<Tensor, f32>> {
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
         if let Some(pair) = self.pairs.get(name) {
-            let (out_f, in_f) = weight.dims2().map_err(ctx)?;
+            let (out_f, in_f) = stored.dims2().map_err(ctx)?;
             if pair.b.dims()[0] != out_f || pair.a.dims()[1] != in_f {
                 return Err(tensor_err(
                     name,
@@ -174,14 +182,166 @@ impl Adapter {
                 ));
             }
             let delta = pair.b.matmul(&pair.a).map_err(ctx)?;
-            return (weight + (delta * (pair.scaling * lora_scale)).map_err(ctx)?).map_err(ctx);
+            return fold_update(stored, &delta, pair.scaling * lora_scale, dtype).map_err(ctx);
         }
+        let mut weight = stored.to_dtype(DType::F32).map_err(ctx)?;
         if name == "embed_tokens.weight" {
             if let Some((ids, rows)) = &self.tokens {
-                return replace_rows(name, weight, ids, rows, lora_scale);
+                weight = replace_rows(name, weight, ids, rows, lora_scale)?;
             }
         }
-        Ok(weight)
+        let values = weight
+            .flatten_all()
+            .and_then(|w| w.to_vec1::<f32>())
+            .map_err(ctx)?;
+        if let Some(&bad) = values.iter().find(|&&v| !fits(v, dtype)) {
+            return Ok(Err(bad));
+        }
+        weight.to_dtype(dtype).map(Ok).map_err(ctx)
+    }
+}
+
+/// Whether the folded value `v` can be rounded to `dtype` without becoming infinite.
+fn fits(v: f32, dtype: DType) -> bool {
+    let limit = match dtype {
+        DType::F16 => f32::from(half::f16::MAX),
+        DType::BF16 => f32::from(half::bf16::MAX),
+        _ => f32::MAX,
+    };
+    v.is_finite() && v.abs() <= limit
+}
+
+/// `W + Δ·s` rounded to `dtype`, for `base` (`W`, as stored) and `delta` (`Δ = B·A`, f32), in
+/// one pass over the weight on every core. The arithmetic is candle's
+/// `(W.to_dtype(f32) + Δ * s).to_dtype(dtype)` element for element (`Δ * s` is `Δ·(s as f32) +
+/// 0`), so the weights are the bits that chain gives; but it writes the weight once instead of
+/// five times, and folding is most of a large checkpoint's load. `Err(v)`: the first value in
+/// order that does not fit ([`fits`]).
+fn fold_update(
+    base: &Tensor,
+    delta: &Tensor,
+    scale: f64,
+    dtype: DType,
+) -> candle_core::Result<std::result::Result<Tensor, f32>> {
+    use half::{bf16, f16};
+    let delta = delta.contiguous()?;
+    let (delta_storage, delta_layout) = delta.storage_and_layout();
+    let delta = cpu_slice::<f32>(&delta_storage, delta_layout)?;
+    let base = match base.dtype() {
+        DType::BF16 | DType::F16 | DType::F32 => base.contiguous()?,
+        _ => base.to_dtype(DType::F32)?,
+    };
+    let (storage, layout) = base.storage_and_layout();
+    let fold = Fold {
+        delta,
+        scale: scale as f32,
+        dtype,
+        shape: base.dims(),
+    };
+    match base.dtype() {
+        DType::BF16 => fold.from(cpu_slice::<bf16>(&storage, layout)?),
+        DType::F16 => fold.from(cpu_slice::<f16>(&storage, layout)?),
+        _ => fold.from(cpu_slice::<f32>(&storage, layout)?),
+    }
+}
+
+/// The contiguous elements of a CPU tensor's storage.
+fn cpu_slice<'a, T: candle_core::WithDType>(
+    storage: &'a candle_core::Storage,
+    layout: &candle_core::Layout,
+) -> candle_core::Result<&'a [T]> {
+    let candle_core::Storage::Cpu(cpu) = storage else {
+        candle_core::bail!("the adapter is folded on the CPU")
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("folding needs contiguous weights")
+    };
+    Ok(&cpu.as_slice::<T>()?[start..end])
+}
+
+/// One weight's fold: [`fold_update`]'s operands other than the base.
+struct Fold<'a> {
+    delta: &'a [f32],
+    scale: f32,
+    dtype: DType,
+    shape: &'a [usize],
+}
+
+impl Fold<'_> {
+    /// The fold of `base` (bf16, f16 or f32) in `self.dtype`.
+    fn from<I: Widen>(&self, base: &[I]) -> candle_core::Result<std::result::Result<Tensor, f32>> {
+        use half::{bf16, f16};
+        match self.dtype {
+            DType::BF16 => self.into::<I, bf16>(base, bf16::from_f32),
+            DType::F16 => self.into::<I, f16>(base, f16::from_f32),
+            DType::F32 => self.into::<I, f32>(base, |v| v),
+            other => candle_core::bail!("folding into {other:?} weights"),
+        }
+    }
+
+    fn into<I: Widen, O: candle_core::WithDType>(
+        &self,
+        base: &[I],
+        round: fn(f32) -> O,
+    ) -> candle_core::Result<std::result::Result<Tensor, f32>> {
+        use rayon::prelude::*;
+        // Large enough to amortise a task, small enough to share a layer's weight among cores.
+        const BLOCK: usize = 1 << 16;
+        if base.len() != self.delta.len() {
+            candle_core::bail!("{} weights for {} updates", base.len(), self.delta.len())
+        }
+        let (s, dtype) = (self.scale, self.dtype);
+        let folded = |w: I, d: f32| w.widen() + (d * s + 0.0);
+        let mut out: Vec<O> = Vec::with_capacity(base.len());
+        let fit: Vec<bool> = out.spare_capacity_mut()[..base.len()]
+            .par_chunks_mut(BLOCK)
+            .zip(base.par_chunks(BLOCK).zip(self.delta.par_chunks(BLOCK)))
+            .map(|(out, (base, delta))| {
+                let mut all = true;
+                for ((o, &w), &d) in out.iter_mut().zip(base).zip(delta) {
+                    let v = folded(w, d);
+                    all &= fits(v, dtype);
+                    o.write(round(v));
+                }
+                all
+            })
+            .collect();
+        // SAFETY: the blocks above cover `base.len()` elements and wrote every one.
+        unsafe { out.set_len(base.len()) };
+        // The first value that does not fit, in order, for the error.
+        if let Some(block) = fit.iter().position(|&all| !all) {
+            let at = block * BLOCK;
+            let end = (at + BLOCK).min(base.len());
+            let bad = (at..end)
+                .map(|i| folded(base[i], self.delta[i]))
+                .find(|&v| !fits(v, dtype))
+                .unwrap_or(f32::NAN);
+            return Ok(Err(bad));
+        }
+        Tensor::from_vec(out, self.shape, &Device::Cpu).map(Ok)
+    }
+}
+
+/// A stored weight element, widened exactly to f32.
+trait Widen: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for half::bf16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Widen for half::f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Widen for f32 {
+    fn widen(self) -> f32 {
+        self
     }
 }
 
@@ -296,4 +456,92 @@ fn replace_rows(name: &str, weight: Tensor, ids: &[u32], rows: &Tensor, s: f64) 
         }
     }
     Tensor::new(table, &Device::Cpu).map_err(ctx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values that exercise rounding: spread magnitudes, signed zeros, ties.
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                match i % 97 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => (x as f32 / u32::MAX as f32 - 0.5) * 2f32.powi((i % 23) as i32 - 12),
+                }
+            })
+            .collect()
+    }
+
+    /// The one-pass fold gives the bits of candle's chain for every stored and target dtype, in
+    /// blocks of more than one task.
+    #[test]
+    fn fold_update_is_candle_chain_bit_for_bit() {
+        let (out_f, in_f) = (37, 4099);
+        let delta = Tensor::from_vec(values(out_f * in_f, 7), (out_f, in_f), &Device::Cpu).unwrap();
+        let base32 =
+            Tensor::from_vec(values(out_f * in_f, 3), (out_f, in_f), &Device::Cpu).unwrap();
+        for stored in [DType::BF16, DType::F16, DType::F32] {
+            let base = base32.to_dtype(stored).unwrap();
+            for target in [DType::BF16, DType::F16, DType::F32] {
+                for scale in [0.5, -1.75, 3e-3] {
+                    let want = (base.to_dtype(DType::F32).unwrap() + (&delta * scale).unwrap())
+                        .unwrap()
+                        .to_dtype(target)
+                        .unwrap();
+                    let got = fold_update(&base, &delta, scale, target).unwrap().unwrap();
+                    assert_eq!(got.dtype(), target);
+                    assert_eq!(got.dims(), want.dims());
+                    let bits = |t: &Tensor| match target {
+                        DType::F32 => t
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                        _ => t
+                            .to_dtype(DType::F32)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect(),
+                    };
+                    assert!(
+                        bits(&got) == bits(&want),
+                        "stored {stored:?} → {target:?}, scale {scale}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A value the target dtype cannot hold is reported, the first in order.
+    #[test]
+    fn fold_update_reports_the_first_unfit_value() {
+        let n = 3 * (1 << 16) + 5;
+        let base = Tensor::zeros((1, n), DType::F32, &Device::Cpu).unwrap();
+        let mut d = vec![1.0f32; n];
+        d[(1 << 16) + 9] = 1e30;
+        d[2 * (1 << 16)] = f32::NAN;
+        let delta = Tensor::from_vec(d, (1, n), &Device::Cpu).unwrap();
+        // bf16 and f32 hold 1e30 (f32's exponent range); f16 does not.
+        for dtype in [DType::BF16, DType::F32] {
+            let got = fold_update(&base, &delta, 1.0, dtype).unwrap();
+            assert!(got.unwrap_err().is_nan(), "{dtype:?}");
+        }
+        let got = fold_update(&base, &delta, 1.0, DType::F16).unwrap();
+        assert_eq!(got.unwrap_err(), 1e30);
+    }
 }

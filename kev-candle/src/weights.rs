@@ -126,14 +126,15 @@ impl Weights {
                 message: format!("expected shape {shape:?}, found {:?}", stored.dims()),
             });
         }
-        // Only tensors the adapter changes are widened to f32 for the merge; the others go
-        // straight to their dtype (the same values: bf16 → f32 is exact, f32 → bf16 rounds once).
+        // Only tensors the adapter changes are folded (in f32, rounded once to `dtype`); the
+        // others go straight to their dtype (the same values: bf16 → f32 is exact, f32 → bf16
+        // rounds once).
         let w = match &self.adapter {
             Some(adapter) if adapter.touches(name) => {
-                let w = stored.to_dtype(DType::F32).map_err(|e| self.err(name, e))?;
-                let w = adapter.apply(name, w, self.lora_scale)?;
-                self.check_folded(name, &w, dtype)?;
-                w
+                match adapter.fold(name, &stored, self.lora_scale, dtype)? {
+                    Ok(w) => w,
+                    Err(bad) => return Err(self.unfit(name, bad, dtype)),
+                }
             }
             _ => stored,
         };
@@ -142,29 +143,18 @@ impl Weights {
             .map_err(|e| self.err(name, e))
     }
 
-    /// Refuses a folded weight with a value that is not finite, or that `dtype` cannot hold:
-    /// an extreme `lora_scale` or alpha, or NaN in the base or the adapter, would otherwise give
-    /// NaN probabilities. It is checked here, in f32 on the CPU, where the fold already reads it.
-    fn check_folded(&self, name: &str, w: &Tensor, dtype: DType) -> Result<()> {
-        let limit = match dtype {
-            DType::F16 => f32::from(half::f16::MAX),
-            DType::BF16 => f32::from(half::bf16::MAX),
-            _ => f32::MAX,
-        };
-        let values = w
-            .flatten_all()
-            .and_then(|w| w.to_vec1::<f32>())
-            .map_err(|e| self.err(name, e))?;
-        if let Some(bad) = values.iter().find(|x| !x.is_finite() || x.abs() > limit) {
-            return Err(Error::Tensor {
-                name: format!("{}{name}", self.prefix),
-                message: format!(
-                    "with the adapter folded in (lora_scale {:?}) it holds {bad}, which {dtype:?} cannot hold: check the base and adapter weights, `lora_alpha` and the LoRA scale",
-                    self.lora_scale
-                ),
-            });
+    /// The error for a folded weight that holds `bad`, a value that is not finite or that
+    /// `dtype` cannot hold: an extreme `lora_scale` or alpha, or NaN in the base or the adapter,
+    /// would otherwise give NaN probabilities. It is found in f32 on the CPU, where the fold
+    /// already reads every value.
+    fn unfit(&self, name: &str, bad: f32, dtype: DType) -> Error {
+        Error::Tensor {
+            name: format!("{}{name}", self.prefix),
+            message: format!(
+                "with the adapter folded in (lora_scale {:?}) it holds {bad}, which {dtype:?} cannot hold: check the base and adapter weights, `lora_alpha` and the LoRA scale",
+                self.lora_scale
+            ),
         }
-        Ok(())
     }
 
     /// Refuses every text-model tensor of the checkpoint that the model did not read: a layer past

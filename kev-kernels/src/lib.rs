@@ -95,7 +95,7 @@ pub use attention::{
 };
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
-    keep_device_memory, pool_peak_bytes, profiler_range, release_device_memory,
+    keep_device_memory, pool_peak_bytes, prepare_kernels, profiler_range, release_device_memory,
     release_device_memory_of,
 };
 pub use bf16_gemm::{bf16_gemm_available, PackedBf16};

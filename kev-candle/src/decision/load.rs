@@ -20,11 +20,45 @@ pub(super) struct Loaded {
     pub(super) checkpoint: Checkpoint,
 }
 
+/// The GPU's kernels being compiled and loaded beside the weights (CUDA), so that the first
+/// forward finds them ready.
+struct Kernels(#[cfg(feature = "cuda")] Option<std::thread::JoinHandle<candle_core::Result<()>>>);
+
+fn prepare_kernels(device: &candle_core::Device) -> Kernels {
+    #[cfg(feature = "cuda")]
+    {
+        Kernels(device.as_cuda_device().ok().map(|dev| {
+            let dev = dev.clone();
+            std::thread::spawn(move || kev_kernels::prepare_kernels(&dev))
+        }))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        Kernels()
+    }
+}
+
+impl Kernels {
+    /// Waits for the kernels; their failure is the load's.
+    fn finish(self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(handle) = self.0 {
+            let done = handle
+                .join()
+                .unwrap_or_else(|_| Err(candle_core::Error::Msg("panicked".into())));
+            done.map_err(|e| Error::backend("compiling and loading the GPU kernels", e))?;
+        }
+        Ok(())
+    }
+}
+
 /// Loads the checkpoint in `dir` (a folder with `kev.json`) as `options` say.
 pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     options.validate()?;
     let checkpoint = Checkpoint::open(dir)?;
     let device = select_device(options.backend)?;
+    let kernels = prepare_kernels(&device);
     let dtype = select_dtype(options.dtype, &device);
     // The CPU's bf16 mode where it has AVX512-BF16: the projections and the embedding table
     // in bf16, the activations in f32 between the matmuls (as llama.cpp's bf16 models),
@@ -75,6 +109,7 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
             ),
         });
     }
+    kernels.finish()?;
     settle(&device)?;
     release_freed_memory();
     Ok(Loaded {

@@ -6,7 +6,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Device, Result};
 
 /// What the launch choices need to know of the GPU. Asked once per process, by the first device,
-/// like the PTX target of each source (`Source`'s PTX): a process mixing GPU kinds is not
+/// like the machine code of each source (`Source`'s image): a process mixing GPU kinds is not
 /// supported.
 #[derive(Clone, Copy)]
 pub(crate) struct Gpu {
@@ -15,6 +15,16 @@ pub(crate) struct Gpu {
     pub(crate) multiprocessors: usize,
     /// The most shared memory a block may ask for (227 KB on Hopper, 99 KB on sm_86/89).
     pub(crate) shared_memory_per_block: usize,
+    /// Compute capability (major, minor): the machine code NVRTC compiles for.
+    pub(crate) compute_capability: (i32, i32),
+}
+
+impl Gpu {
+    /// NVRTC's name of the GPU's machine code, `sm_XY`.
+    pub(crate) fn arch(&self) -> String {
+        let (major, minor) = self.compute_capability;
+        format!("sm_{major}{minor}")
+    }
 }
 
 /// Whether `device` is a CUDA GPU with the tensor cores the chunked kernels use.
@@ -33,7 +43,7 @@ pub(crate) fn gpu(dev: &CudaDevice) -> Result<Gpu> {
         return Ok(known);
     }
     let ctx = dev.cuda_stream().context().clone();
-    let (major, _) = ctx.compute_capability().w()?;
+    let (major, minor) = ctx.compute_capability().w()?;
     let sms = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?;
@@ -44,5 +54,6 @@ pub(crate) fn gpu(dev: &CudaDevice) -> Result<Gpu> {
         tensor_cores: major >= 8,
         multiprocessors: sms.max(1) as usize,
         shared_memory_per_block: smem.max(0) as usize,
+        compute_capability: (major, minor),
     }))
 }

@@ -1,40 +1,141 @@
-//! Loading and launching Kev's kernels: NVRTC compiles each [`Source`] once per process (so
-//! building needs no nvcc for our own code and head sizes stay runtime values), and every
-//! launcher loads its entry point through [`Kernel::load`] or [`Kernel::for_dtype`], which
-//! pick the PTX target. The helpers below are what the launchers share.
+//! Loading and launching Kev's kernels: NVRTC compiles each [`Source`] once per process to
+//! machine code for the GPU at hand (so building needs no nvcc for our own code, and the driver
+//! has no PTX to translate at first use), and every launcher loads its entry point through
+//! [`Kernel::load`] or [`Kernel::for_dtype`]. The helpers below are what the launchers share.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
 };
-use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Layout, Result, Tensor};
 
 use super::gpu::gpu;
-use super::sources::Source;
+use super::sources::{Source, ALL};
 
 impl Source {
-    /// The PTX, compiled for `arch` (NVRTC's default target where None) by the first caller.
-    fn ptx(&self, arch: Option<&'static str>) -> Result<&str> {
-        let compiled = self.ptx.get_or_init(|| {
-            let opts = CompileOptions {
-                name: Some(self.file.into()),
-                arch,
-                options: self.define_options(),
-                ..Default::default()
-            };
-            compile_ptx_with_opts(self.text(), opts)
-                .map(|p| p.to_src())
-                .map_err(|e| e.to_string())
-        });
+    /// The machine code (CUBIN) for the process's GPU, `arch` as `sm_XY`, compiled by NVRTC by
+    /// the first caller. Machine code for the exact GPU leaves the driver nothing to translate
+    /// at the first launch: PTX is compiled by the driver on first use, seconds per module on a
+    /// machine whose driver cache is empty.
+    fn image(&self, arch: &str) -> Result<&[u8]> {
+        let compiled = self
+            .image
+            .get_or_init(|| compile_cubin(&self.text(), self.file, arch, &self.define_options()));
         match compiled {
-            Ok(p) => Ok(p.as_str()),
-            Err(e) => bail!("compiling kev-kernels {} with NVRTC: {e}", self.file),
+            Ok(image) => Ok(image),
+            Err(e) => bail!(
+                "compiling kev-kernels {} with NVRTC for {arch}: {e}",
+                self.file
+            ),
         }
     }
+}
+
+/// NVRTC's CUBIN of `text` for `arch` (`sm_XY`) with `defines`, or NVRTC's error and log.
+fn compile_cubin(
+    text: &str,
+    file: &str,
+    arch: &str,
+    defines: &[String],
+) -> std::result::Result<Vec<u8>, String> {
+    use candle_core::cuda_backend::cudarc::nvrtc::{result, sys};
+    use std::ffi::{CStr, CString};
+
+    let src = CString::new(text).map_err(|e| e.to_string())?;
+    let name = CString::new(file).map_err(|e| e.to_string())?;
+    let prog = result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
+    let mut options = vec![format!("--gpu-architecture={arch}")];
+    options.extend_from_slice(defines);
+    // SAFETY: `prog` is a live program until `destroy_program` below; every buffer handed to
+    // NVRTC is as long as NVRTC said it must be.
+    let out = unsafe {
+        match result::compile_program(prog, &options) {
+            Err(e) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Err(format!("{e:?}: {log}"))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| format!("{e:?}"))?;
+                let mut image = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, image.as_mut_ptr().cast())
+                    .result()
+                    .map_err(|e| format!("{e:?}"))?;
+                Ok(image)
+            }
+        }
+    };
+    // SAFETY: `prog` came from `create_program` and is not used after this.
+    unsafe { result::destroy_program(prog) }.map_err(|e| format!("{e:?}"))?;
+    out
+}
+
+/// The loaded module of `source` on `dev`'s GPU. Modules are kept per GPU for the process
+/// (holding its context): candle's own module cache takes PTX text, not machine code.
+fn module(source: &Source, dev: &CudaDevice) -> Result<Arc<CudaModule>> {
+    static MODULES: Mutex<Vec<(usize, &'static str, Arc<CudaModule>)>> = Mutex::new(Vec::new());
+    let ctx = dev.cuda_stream().context().clone();
+    let ordinal = ctx.ordinal();
+    let find = |modules: &[(usize, &'static str, Arc<CudaModule>)]| {
+        modules
+            .iter()
+            .find(|(o, m, _)| *o == ordinal && *m == source.module)
+            .map(|(_, _, module)| module.clone())
+    };
+    if let Some(found) = find(&MODULES.lock().unwrap_or_else(|p| p.into_inner())) {
+        return Ok(found);
+    }
+    // Compiled outside the lock: sources compile in parallel in `prepare`.
+    let image = source.image(&gpu(dev)?.arch())?.to_vec();
+    let mut modules = MODULES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(found) = find(&modules) {
+        return Ok(found);
+    }
+    let loaded = ctx.load_module(Ptx::from_binary(image)).w()?;
+    modules.push((ordinal, source.module, loaded.clone()));
+    Ok(loaded)
+}
+
+/// Compiles and loads every kernel of Kev and of candle the forward uses on `dev`, so that
+/// the first forward pays for none of it: NVRTC compiles Kev's sources in parallel, and the
+/// driver translates candle's PTX modules (machine code is not shipped for them). A model load
+/// runs this beside reading its weights.
+pub fn prepare_kernels(dev: &CudaDevice) -> Result<()> {
+    use candle_kernels as ck;
+    // One entry point of each candle module the forward uses: loading it loads the module.
+    let candle_modules: [(&str, &ck::Module); 8] = [
+        ("affine_f32", &ck::AFFINE),
+        ("bsub_f32", &ck::BINARY),
+        ("cast_u32_f32", &ck::CAST),
+        ("fill_f32", &ck::FILL),
+        ("is_u32_f32", &ck::INDEXING),
+        ("fast_sum_f64", &ck::REDUCE),
+        ("where_u8_f32", &ck::TERNARY),
+        ("ucopy_f32", &ck::UNARY),
+    ];
+    std::thread::scope(|scope| {
+        let ours: Vec<_> = ALL
+            .iter()
+            .filter(|s| !s.tensor_cores || gpu(dev).is_ok_and(|g| g.tensor_cores))
+            .map(|&s| scope.spawn(move || module(s, dev).map(drop)))
+            .collect();
+        let theirs: Vec<_> = candle_modules
+            .iter()
+            .map(|&(name, m)| scope.spawn(move || dev.get_or_load_func(name, m).map(drop)))
+            .collect();
+        ours.into_iter().chain(theirs).try_for_each(|h| {
+            h.join()
+                .unwrap_or_else(|_| bail!("a kernel compile panicked"))
+        })
+    })
 }
 
 /// A loaded kernel and the stream it runs on.
@@ -47,13 +148,7 @@ pub(crate) struct Kernel {
 impl Kernel {
     /// Entry point `name` of `source` on `dev`.
     pub(crate) fn load(source: &Source, dev: &CudaDevice, name: &str) -> Result<Self> {
-        // The tensor-core sources (the chunked delta rule, flash attention) need compute_80 PTX
-        // (mma.sync, ldmatrix, cp.async); everything else compiles for NVRTC's default target
-        // and runs on any CUDA GPU.
-        let arch = (source.tensor_cores && gpu(dev)?.tensor_cores).then_some("compute_80");
-        let func = dev
-            .get_or_load_custom_func(name, source.module, source.ptx(arch)?)?
-            .into_cuda_function();
+        let func = module(source, dev)?.load_function(name).w()?;
         Ok(Self {
             dev: dev.clone(),
             func,

@@ -74,7 +74,7 @@ pub(crate) enum Value {
     Float(f32),
 }
 
-/// A CUDA source file, compiled to PTX with NVRTC on first use and loaded as its own module, so a
+/// A CUDA source file, compiled by NVRTC on first use and loaded as its own module, so a
 /// process pays only for the sources it runs.
 pub(crate) struct Source {
     pub(crate) file: &'static str,
@@ -84,7 +84,8 @@ pub(crate) struct Source {
     /// compute_80 where the GPU has tensor cores.
     pub(crate) tensor_cores: bool,
     pub(crate) defines: &'static [(&'static str, Value)],
-    pub(crate) ptx: OnceLock<std::result::Result<String, String>>,
+    /// The machine code for the process's GPU, once compiled (`Kernel::load`).
+    pub(crate) image: OnceLock<std::result::Result<Vec<u8>, String>>,
 }
 
 impl Source {
@@ -125,7 +126,7 @@ const fn source(
         body,
         tensor_cores,
         defines,
-        ptx: OnceLock::new(),
+        image: OnceLock::new(),
     }
 }
 
@@ -231,9 +232,8 @@ pub(crate) static GATHER: Source = source(
     &[],
 );
 
-/// Every source, for the checks below.
-#[cfg(test)]
-const ALL: [&Source; 9] = [
+/// Every source: the checks below, and compiling them all ahead of the first forward.
+pub(crate) const ALL: [&Source; 9] = [
     &NORM,
     &GATES,
     &SWIGLU,
