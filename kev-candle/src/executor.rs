@@ -11,7 +11,7 @@ use kev_kernels::{RowIndex, SplitRows};
 use crate::device::backend_err;
 use crate::head::PointerHead;
 use crate::plan::{head_positions, pieces, split_logits, Piece, Plan};
-use crate::qwen35::{Cache, Model, Split};
+use crate::qwen35::{Cache, Model};
 
 /// The backbone and the head, and the longest piece one forward pass runs.
 pub(crate) struct Executor {
@@ -94,8 +94,8 @@ impl Executor {
                 branches.width,
                 branches.lengths.clone(),
                 plan.owners.clone(),
+                self.device(),
             )
-            .and_then(|rows| Split::new(rows, self.device()))
             .and_then(|split| {
                 let picked = RowIndex::new(&picked, self.device())?;
                 self.model

@@ -5,7 +5,7 @@
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, dims, patterned};
 use kev_kernels::{
-    causal_conv1d, causal_conv1d_cached_view, conv_gated_delta_rule_split, gated_delta_rule,
+    causal_conv1d, causal_conv1d_cached, conv_gated_delta_rule_split, gated_delta_rule,
     gated_delta_rule_as, gated_delta_rule_split, GdrDims, GdrForm, SplitRows,
 };
 
@@ -147,14 +147,15 @@ type SplitCase = (Vec<usize>, usize, Vec<usize>, Vec<usize>, GdrDims);
 fn split_rows_and_gates(case: &SplitCase) -> Result<(SplitRows, Tensor, Tensor, Tensor)> {
     let (state_lengths, width, lengths, owners, d) = case;
     let s_len = *state_lengths.iter().max().unwrap();
+    let dev = device();
     let split = SplitRows::new(
         s_len,
         state_lengths.clone(),
         *width,
         lengths.clone(),
         owners.clone(),
+        &dev,
     )?;
-    let dev = device();
     let (_, gb_s, _) = testing::gdr_inputs(state_lengths.len(), s_len, *d, 0.3)?;
     let (_, gb_b, _) = testing::gdr_inputs(lengths.len(), *width, *d, 1.3)?;
     let (gb_s, gb_b) = (gb_s.to_device(&dev)?, gb_b.to_device(&dev)?);
@@ -182,7 +183,8 @@ fn states_then_branches(
 
 /// The one-pass form's fused delta rule (states, then branches continuing them, packed) against
 /// the composition it replaces, on the test device: the same kernels and sums, so exactly equal
-/// where the fused form runs (CUDA, bf16); elsewhere it declines (`None`) and the model composes.
+/// where the fused form runs (CUDA, bf16); elsewhere it does not run (`None`) and the op
+/// composes, with the same numbers.
 #[test]
 fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
     let dev = device();
@@ -222,12 +224,15 @@ fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
                 testing::gdr_inputs(state_lengths.len(), split.state_width(), *d, 0.3)?;
             let (branch_qkv, _, _) = testing::gdr_inputs(lengths.len(), *width, *d, 1.3)?;
             let (qa, qb) = (on(state_qkv)?, on(branch_qkv)?);
-            let fused = gated_delta_rule_split(&qa, &qb, &gb, *d, &split)?;
+            let fused = testing::fused_gated_delta_rule_split(&qa, &qb, &gb, *d, &split)?;
             let composed = states_then_branches(case, (&qa, &gb_s), (&qb, &gb_b))?;
             let tag = format!(
                 "gdr split {dtype:?} states {state_lengths:?} t={width} dk={}",
                 d.head_k_dim
             );
+            let o = gated_delta_rule_split(&qa, &qb, &gb, *d, &split)?;
+            let diff = check(&tag, &o, &composed, 0.0)?;
+            assert_eq!(diff.max_abs, 0.0, "{tag}: the op is not the composition");
             match fused {
                 Some(o) => {
                     assert!(
@@ -258,10 +263,10 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
     let qb = on(patterned(&[rows, width, d.channels()], 0.2, 1.0)?.to_dtype(DType::BF16)?)?;
     let gb = on(patterned(&[s_len + rows * width, 4, 2], 0.3, 0.5)?)?;
     let split = |lengths: Vec<usize>, owners: Vec<usize>| {
-        SplitRows::new(s_len, vec![s_len], width, lengths, owners)
+        SplitRows::new(s_len, vec![s_len], width, lengths, owners, &dev)
     };
     let fits = split(vec![33, 20], vec![0, 0])?;
-    let refused = |what: &str, r: Result<Option<Tensor>>, needle: &str| {
+    let refused = |what: &str, r: Result<()>, needle: &str| {
         let e = r.expect_err(what).to_string();
         assert!(e.contains(needle), "{what}: `{e}` does not say `{needle}`");
     };
@@ -276,22 +281,22 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
     );
     refused(
         "no key heads",
-        gated_delta_rule_split(&qa0, &qb0, &gb, zero_k, &fits),
+        gated_delta_rule_split(&qa0, &qb0, &gb, zero_k, &fits).map(|_| ()),
         "key heads",
     );
     refused(
         "3 value heads over 2 key heads",
-        gated_delta_rule_split(&qa, &qb, &gb, dims(2, 3, 32, 16), &fits),
+        gated_delta_rule_split(&qa, &qb, &gb, dims(2, 3, 32, 16), &fits).map(|_| ()),
         "do not fit",
     );
     refused(
         "a length past the width",
-        split(vec![33, 34], vec![0, 0]).map(|_| None),
+        split(vec![33, 34], vec![0, 0]).map(|_| ()),
         "longer than the width",
     );
     refused(
         "an owner past the state rows",
-        split(vec![33, 20], vec![0, 1]).map(|_| None),
+        split(vec![33, 20], vec![0, 1]).map(|_| ()),
         "continues state row 1 of 1",
     );
     refused(
@@ -301,8 +306,9 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
             &qb,
             &gb,
             d,
-            &SplitRows::new(s_len, vec![s_len], width, vec![33], vec![0])?,
-        ),
+            &SplitRows::new(s_len, vec![s_len], width, vec![33], vec![0], &dev)?,
+        )
+        .map(|_| ()),
         "do not fit 1 state rows",
     );
     refused(
@@ -313,17 +319,18 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
             &gb.narrow(0, 1, s_len + rows * width - 1)?,
             d,
             &fits,
-        ),
+        )
+        .map(|_| ()),
         "do not fit",
     );
     refused(
         "branches in another dtype",
-        gated_delta_rule_split(&qa, &qb.to_dtype(DType::F32)?, &gb, d, &fits),
+        gated_delta_rule_split(&qa, &qb.to_dtype(DType::F32)?, &gb, d, &fits).map(|_| ()),
         "share a dtype",
     );
     refused(
         "bf16 gates",
-        gated_delta_rule_split(&qa, &qb, &gb.to_dtype(DType::BF16)?, d, &fits),
+        gated_delta_rule_split(&qa, &qb, &gb.to_dtype(DType::BF16)?, d, &fits).map(|_| ()),
         "gates must be f32",
     );
     let empty = on(Tensor::zeros(
@@ -331,9 +338,12 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
         DType::BF16,
         &candle_core::Device::Cpu,
     )?)?;
-    let no_steps = SplitRows::new(s_len, vec![s_len], 0, vec![0, 0], vec![0, 0])?;
-    let declined = gated_delta_rule_split(&qa, &empty, &gb.narrow(0, 0, s_len)?, d, &no_steps)?;
+    let no_steps = SplitRows::new(s_len, vec![s_len], 0, vec![0, 0], vec![0, 0], &dev)?;
+    let states_gates = gb.narrow(0, 0, s_len)?;
+    let declined = testing::fused_gated_delta_rule_split(&qa, &empty, &states_gates, d, &no_steps)?;
     assert!(declined.is_none(), "empty branch rows take the composition");
+    let o = gated_delta_rule_split(&qa, &empty, &states_gates, d, &no_steps)?;
+    assert_eq!(o.dims(), [s_len, d.num_v_heads, d.head_v_dim]);
     Ok(())
 }
 
@@ -353,8 +363,8 @@ fn causal_conv1d_on_device_matches_cpu() -> Result<()> {
 
 /// The one-pass form's conv (states from zeros, branches continuing their state rows' last
 /// inputs, one launch) against the composition it replaces, on the test device: the same
-/// products per output, so exactly equal where it runs (CUDA); elsewhere it declines (`None`)
-/// and the model composes. Inputs are column slices of a wider projection (as in the model):
+/// products per output, so exactly equal where it runs (CUDA); elsewhere it does not run
+/// (`None`) and the op composes, with the same numbers. Inputs are column slices of a wider projection (as in the model):
 /// 16-byte aligned rows with 96 channels (the vector path), and rows shifted by one element with
 /// 37 (element by element); a 2-step state is shorter than the conv's window (the rest is
 /// zeros); padded states whose branch rows continue them out of order.
@@ -377,6 +387,7 @@ fn causal_conv1d_split_equals_its_composition() -> Result<()> {
                 width,
                 vec![width; rows],
                 owners.clone(),
+                &dev,
             )?;
             let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
             let wide = channels + 24;
@@ -389,14 +400,18 @@ fn causal_conv1d_split_equals_its_composition() -> Result<()> {
             let x_b = cols
                 .narrow(0, states * s_len, rows * width)?
                 .reshape((rows, width, channels))?;
-            let fused = kev_kernels::causal_conv1d_split(&x_s, &x_b, &w, &split)?;
+            let fused = testing::fused_causal_conv1d_split(&x_s, &x_b, &w, &split)?;
             let zeros = Tensor::zeros((states, 3, channels), dtype, &dev)?;
-            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(&state_lengths))?;
+            let (y_s, window) = causal_conv1d_cached(&x_s, &zeros, &w, Some(&state_lengths))?;
             let window = pick_rows(&window, &owners)?;
-            let (y_b, _) = causal_conv1d_cached_view(&x_b, &window, &w, None)?;
+            let (y_b, _) = causal_conv1d_cached(&x_b, &window, &w, None)?;
             let composed = Tensor::cat(&[y_s.flatten(0, 1)?, y_b.flatten(0, 1)?], 0)?;
             let tag =
                 format!("conv split {dtype:?} states {state_lengths:?} t={width} c={channels}");
+            let (op_s, op_b) = kev_kernels::causal_conv1d_split(&x_s, &x_b, &w, &split)?;
+            let op = Tensor::cat(&[op_s.flatten(0, 1)?, op_b.flatten(0, 1)?], 0)?;
+            let diff = check(&tag, &op, &composed, 0.0)?;
+            assert_eq!(diff.max_abs, 0.0, "{tag}: the op is not the composition");
             match fused {
                 Some(y) => {
                     assert!(dev.is_cuda(), "{tag}: ran off CUDA");
@@ -490,16 +505,20 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
                 .narrow(0, states * s_len, rows * width)?
                 .reshape((rows, *width, pitch))?
                 .narrow(2, shift, c)?;
-            let fused = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, *d, &split)?;
+            let fused =
+                testing::fused_conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, *d, &split)?;
 
             let zeros = Tensor::zeros((states, 3, c), dtype, &dev)?;
-            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(state_lengths))?;
-            let (y_b, _) = causal_conv1d_cached_view(&x_b, &pick_rows(&window, owners)?, &w, None)?;
+            let (y_s, window) = causal_conv1d_cached(&x_s, &zeros, &w, Some(state_lengths))?;
+            let (y_b, _) = causal_conv1d_cached(&x_b, &pick_rows(&window, owners)?, &w, None)?;
             let composed = states_then_branches(case, (&y_s, &gb_s), (&y_b, &gb_b))?;
             let tag = format!(
                 "conv+gdr split {dtype:?} states {state_lengths:?} t={width} dk={} shift {shift}",
                 d.head_k_dim
             );
+            let o = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, *d, &split)?;
+            let diff = check(&tag, &o, &composed, 0.0)?;
+            assert_eq!(diff.max_abs, 0.0, "{tag}: the op is not the composition");
             let runs = dev.is_cuda()
                 && dtype != DType::F32
                 && shift % 4 == 0
@@ -522,7 +541,7 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
 fn conv_gated_delta_rule_split_refuses_a_weight_that_does_not_fit() -> Result<()> {
     let dev = device();
     let d = dims(2, 4, 32, 16);
-    let split = SplitRows::new(40, vec![40], 33, vec![33], vec![0])?;
+    let split = SplitRows::new(40, vec![40], 33, vec![33], vec![0], &dev)?;
     let c = d.channels();
     let x_s = Tensor::zeros((1, 40, c), DType::BF16, &dev)?;
     let x_b = Tensor::zeros((1, 33, c), DType::BF16, &dev)?;
@@ -617,7 +636,8 @@ fn attention_reference(
 
 #[test]
 fn flash_attention_matches_f32_reference() -> Result<()> {
-    use kev_kernels::{flash_attention, FlashPast, RowIndex};
+    use kev_kernels::testing::flash_attention;
+    use kev_kernels::{AttentionPast, RowIndex};
     let dev = device();
     let scale = 1.0 / 16.0;
     for case in [
@@ -697,7 +717,7 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             &q_d,
             past_d
                 .as_ref()
-                .map(|(k, v, owners)| FlashPast { k, v, owners }),
+                .map(|(k, v, owners)| AttentionPast { k, v, owners }),
             &k_d,
             &v_d,
             &bias_d,

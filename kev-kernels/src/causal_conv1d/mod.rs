@@ -241,7 +241,7 @@ pub fn causal_conv1d_cached(
 /// [`causal_conv1d_cached`] with the next cache left as a view into the op's output (which it
 /// keeps alive): for a caller that reads it once, right away, and saves the copy (one launch per
 /// layer of a one-pass forward).
-pub fn causal_conv1d_cached_view(
+fn causal_conv1d_cached_view(
     x: &Tensor,
     cache: &Tensor,
     weight: &Tensor,
@@ -313,14 +313,42 @@ impl CustomOp3 for CausalConv1dSplit {
     }
 }
 
-/// Records' convs in one launch on CUDA: the states `x_state: [R, S, C]` from zeros, then the
-/// branches `x_branches: [B, T, C]`, each continuing the last K−1 real inputs of its state row
-/// (`rows`: lengths and owners; read in place, not copied to the branch rows). Returns
-/// `[R·S + B·T, C]`: the states' rows, then each branch's (padded steps included, as
-/// [`causal_conv1d_cached`] computes them). `None` off CUDA or when a part is empty: the caller
-/// composes it from [`causal_conv1d_cached_view`], which gives the same numbers (the same
-/// products per output).
+/// Records' convs: the states `x_state: [R, S, C]` from zeros, then the branches
+/// `x_branches: [B, T, C]`, each continuing the last K−1 real inputs of its state row (`rows`:
+/// lengths and owners). Returns the states' `[R, S, C]` and the branches' `[B, T, C]` (padded
+/// steps included, as [`causal_conv1d_cached`] computes them). On CUDA one launch writing both
+/// into one packed output (the parts are views of it), the state rows' windows read in place;
+/// elsewhere, and where a part is empty, [`causal_conv1d_cached`] on the states from zeros and
+/// on the branches from their state rows' windows: the same products per output, so the same
+/// numbers.
 pub fn causal_conv1d_split(
+    x_state: &Tensor,
+    x_branches: &Tensor,
+    weight: &Tensor,
+    rows: &SplitRows,
+) -> Result<(Tensor, Tensor)> {
+    if let Some(y) = fused_causal_conv1d_split(x_state, x_branches, weight, rows)? {
+        return rows.parts(&y);
+    }
+    // The windows stay views into the conv's output: the states' are read once (copied to the
+    // branch rows), the branches' never.
+    let (channels, k) = weight.dims2()?;
+    let zeros = Tensor::zeros(
+        (rows.states(), k - 1, channels),
+        x_state.dtype(),
+        x_state.device(),
+    )?;
+    let state_lengths = Some(rows.state_lengths());
+    let (y_s, window) = causal_conv1d_cached_view(x_state, &zeros, weight, state_lengths)?;
+    let window_b = rows.to_branches(&window)?;
+    let (y_b, _) = causal_conv1d_cached_view(x_branches, &window_b, weight, Some(rows.lengths()))?;
+    Ok((y_s, y_b))
+}
+
+/// [`causal_conv1d_split`]'s one-launch form alone (its checks first), packed `[R·S + B·T, C]`:
+/// `None` where it does not run (off CUDA, an empty part). Public through [`crate::testing`],
+/// for the tests that it runs where it should.
+pub fn fused_causal_conv1d_split(
     x_state: &Tensor,
     x_branches: &Tensor,
     weight: &Tensor,

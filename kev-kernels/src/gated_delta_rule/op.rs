@@ -53,7 +53,7 @@ impl GdrDims {
 
 /// The op of [`gated_delta_rule_split`] and [`conv_gated_delta_rule_split`]: inputs the states'
 /// `[q | k | v]` rows, the branches' and the packed gates; output the packed `o`. CUDA only:
-/// elsewhere the wrappers return `None` and their callers compose.
+/// elsewhere the wrappers compose the per-part calls.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct GdrSplit {
     pub(crate) dims: GdrDims,
