@@ -6,7 +6,7 @@
 
 use candle_core::{Device, Tensor};
 use kev_core::{Result, Row};
-use kev_kernels::{RowIndex, SplitRows};
+use kev_kernels::{RowIndex, SplitBatch};
 
 use crate::device::backend_err;
 use crate::head::PointerHead;
@@ -88,7 +88,7 @@ impl Executor {
             // last layer's MLP only on the rows the head reads.
             let (decide, opts, owner) = head_positions(&plan.rows, branches.width);
             let picked: Vec<usize> = decide.iter().chain(&opts).map(|&i| i as usize).collect();
-            let hidden = SplitRows::new(
+            let hidden = SplitBatch::new(
                 state.width,
                 state.lengths.clone(),
                 branches.width,

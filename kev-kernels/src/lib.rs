@@ -13,7 +13,7 @@
 //! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
 //!   with its K−1 previous inputs so that a run can continue from a cache;
 //!   [`causal_conv1d_cached`] takes that cache separately and returns the next one.
-//! - The one-pass prefix forward's forms ([`SplitRows`] says how its rows divide into records'
+//! - The one-pass prefix forward's forms ([`SplitBatch`] says how its rows divide into records'
 //!   states and the branches continuing them): [`causal_conv1d_split`] the conv,
 //!   [`gated_delta_rule_split`] the delta rule, [`conv_gated_delta_rule_split`] both (on CUDA
 //!   the conv inside the delta rule's preparation).
@@ -111,10 +111,10 @@ pub use causal_conv1d::{
 pub use flash_attention::{flash_attention_fills_gpu, AttentionPast, FLASH_HEAD_DIM};
 pub use gated_delta_rule::{
     conv_gated_delta_rule_split, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_chunked,
-    gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm, CHUNK, CHUNKED_MIN_LEN,
+    gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{gather_cat, gather_rows, RowIndex};
-pub use layout::split::SplitRows;
+pub use layout::split::SplitBatch;
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
 pub use swiglu::{swiglu, swiglu_ref};

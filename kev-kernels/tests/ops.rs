@@ -4,7 +4,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::testing::{self, assert_close, patterned};
 use kev_kernels::{
     causal_conv1d, causal_conv1d_cached, causal_conv1d_ref, causal_conv1d_split, gated_delta_rule,
-    gated_delta_rule_ref, GdrDims, SplitRows,
+    gated_delta_rule_ref, GdrDims, SplitBatch,
 };
 
 /// f32 op vs f32 reference on unit-scale data: same math, different summation order.
@@ -245,7 +245,7 @@ fn causal_conv1d_split_refuses_what_does_not_fit() -> Result<()> {
     let state = patterned(&[1, 10, 24], 0.4, 2.0)?;
     let branches = patterned(&[3, 5, 24], 0.4, 1.0)?;
     let w = patterned(&[24, 4], 1.7, 0.5)?;
-    let rows = SplitRows::new(10, vec![10], 5, vec![5, 4, 0], vec![0, 0, 0], &Device::Cpu)?;
+    let rows = SplitBatch::new(10, vec![10], 5, vec![5, 4, 0], vec![0, 0, 0], &Device::Cpu)?;
     let refused = |s: &Tensor, b: &Tensor, w: &Tensor, needle: &str| {
         let e = causal_conv1d_split(s, b, w, &rows).unwrap_err().to_string();
         assert!(e.contains(needle), "`{e}` does not say `{needle}`");
@@ -267,13 +267,13 @@ fn causal_conv1d_split_refuses_what_does_not_fit() -> Result<()> {
     Ok(())
 }
 
-/// Split rows that do not describe a pass are refused by name.
+/// Split batches that do not describe a pass are refused by name.
 #[test]
-fn split_rows_refuse_what_does_not_fit() {
+fn split_batch_refuses_what_does_not_fit() {
     let new = |state_lengths: Vec<usize>, lengths: Vec<usize>, owners: Vec<usize>| {
-        SplitRows::new(4, state_lengths, 3, lengths, owners, &Device::Cpu)
+        SplitBatch::new(4, state_lengths, 3, lengths, owners, &Device::Cpu)
     };
-    let refused = |r: Result<SplitRows>, needle: &str| {
+    let refused = |r: Result<SplitBatch>, needle: &str| {
         let e = r.unwrap_err().to_string();
         assert!(e.contains(needle), "`{e}` does not say `{needle}`");
     };
@@ -291,7 +291,7 @@ fn split_rows_refuse_what_does_not_fit() {
         "continues state row 2 of 2",
     );
     let rows = new(vec![4, 2], vec![3, 1, 0], vec![1, 0, 1]).unwrap();
-    assert_eq!((rows.states(), rows.rows(), rows.tokens()), (2, 3, 17));
+    assert_eq!((rows.states(), rows.branches(), rows.tokens()), (2, 3, 17));
 }
 
 #[test]

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use kev_candle::qwen35::{Config, Model};
 use kev_candle::weights::Weights;
 use kev_core::BaseFiles;
-use kev_kernels::SplitRows;
+use kev_kernels::SplitBatch;
 
 fn load(base: &str) -> Model {
     let files = BaseFiles::from_local(&fixture(base)).expect("fixture base resolves");
@@ -163,7 +163,7 @@ fn split_forward_equals_states_then_branches() {
         cfg.layer_types.truncate(layers);
         let last = cfg.layer_types[layers - 1];
         let model = Model::new(&cfg, &w).unwrap();
-        let split = SplitRows::new(
+        let split = SplitBatch::new(
             70,
             state_lengths.clone(),
             9,

@@ -9,13 +9,13 @@ use candle_core::{Module, Result, Tensor};
 
 use kev_kernels::{
     attention_gate, attention_gate_join, causal_attention, flash_attention_fills_gpu, qk_norm_rope,
-    AttentionPast, SplitRows,
+    AttentionPast, SplitBatch,
 };
 
 use super::config::Config;
 use super::linear::{linear, linear_cat, Projection};
 use super::norm::ZeroCenteredRmsNorm;
-use super::split::Rows;
+use super::split::Outputs;
 use crate::weights::Weights;
 
 /// The keys and values a step's queries see before its own.
@@ -26,8 +26,8 @@ enum Past<'a> {
     /// projection) are handed back for the branches that follow.
     Fresh(&'a mut Option<(Tensor, Tensor)>),
     /// The states' keys and values of this layer (`[R, Hkv, S, hd]`): branch row b sees its
-    /// state row's ([`SplitRows`]).
-    States(&'a Tensor, &'a Tensor, &'a SplitRows),
+    /// state row's ([`SplitBatch`]).
+    States(&'a Tensor, &'a Tensor, &'a SplitBatch),
 }
 
 /// One full-attention layer.
@@ -99,27 +99,27 @@ impl Attention {
         self.o_proj.forward(&attention_gate(&o, &gate)?)
     }
 
-    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitRows`]), with each
+    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitBatch`]), with each
     /// part's RoPE and key bias: every branch row attends to its state row's keys of this layer.
-    /// Returns all rows' outputs, or with `Rows::Branches` the branch rows' only (`[B·T, H]`):
+    /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only (`[B·T, H]`):
     /// then the state rows give only their keys and values.
     pub fn forward_split(
         &self,
         xs: &Tensor,
-        split: &SplitRows,
+        split: &SplitBatch,
         (cos_sin_s, key_bias_s): (&Tensor, &Tensor),
         (cos_sin_b, key_bias_b): (&Tensor, &Tensor),
-        rows: Rows,
+        outputs: Outputs,
     ) -> Result<Tensor> {
         let mut kv = None;
-        let (proj_b, out_s) = match rows {
-            Rows::All => {
+        let (proj_b, out_s) = match outputs {
+            Outputs::All => {
                 let proj = self.qkv_proj.forward(xs)?;
                 let (proj_s, proj_b) = split.parts(&proj)?;
                 let (o_s, _) = self.attend(&proj_s, cos_sin_s, key_bias_s, Past::Fresh(&mut kv))?;
                 (proj_b, Some((o_s, proj)))
             }
-            Rows::Branches => {
+            Outputs::Branches => {
                 let (xs_s, xs_b) = split.parts(xs)?;
                 let (r, s, _) = xs_s.dims3()?;
                 let kv_s = self.kv_proj.forward(&xs_s.flatten(0, 1)?)?;

@@ -4,13 +4,13 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use kev_kernels::{
     causal_conv1d_cached, conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, GdrDims,
-    SplitRows,
+    SplitBatch,
 };
 
 use super::config::Config;
 use super::linear::{linear, linear_cat, Projection};
 use super::norm::GatedRmsNorm;
-use super::split::Rows;
+use super::split::Outputs;
 use crate::weights::Weights;
 
 /// One Gated DeltaNet layer.
@@ -96,10 +96,15 @@ impl GatedDeltaNet {
         self.out(&o, &self.z(&proj)?)
     }
 
-    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitRows`]): each
+    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitBatch`]): each
     /// branch row continues from its state row's conv window and recurrent state of this layer.
-    /// Returns all rows' outputs, or with `Rows::Branches` the branch rows' only (`[B·T, H]`).
-    pub fn forward_split(&self, xs: &Tensor, split: &SplitRows, out_rows: Rows) -> Result<Tensor> {
+    /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only (`[B·T, H]`).
+    pub fn forward_split(
+        &self,
+        xs: &Tensor,
+        split: &SplitBatch,
+        outputs: Outputs,
+    ) -> Result<Tensor> {
         let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
         let gates = self.gates(&proj)?; // [N, Hv, 2]
         let (proj_s, proj_b) = split.parts(&proj)?;
@@ -107,7 +112,7 @@ impl GatedDeltaNet {
         let (w, dims) = (&self.conv1d, self.dims);
         let o = conv_gated_delta_rule_split(&qkv_s, &qkv_b, w, &gates, dims, split)?;
         let z = self.z(&proj)?;
-        self.out(&out_rows.kept(split, &o)?, &out_rows.kept(split, &z)?)
+        self.out(&outputs.kept(split, &o)?, &outputs.kept(split, &z)?)
     }
 
     /// g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as

@@ -14,8 +14,8 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape,
 use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
-use crate::layout::rows::{as_rows, rows};
-use crate::layout::split::SplitRows;
+use crate::layout::rows::{as_row_view, row_view};
+use crate::layout::split::SplitBatch;
 
 /// The op; `kernel` is K (the weight's second dim).
 pub(crate) struct CausalConv1d {
@@ -157,7 +157,7 @@ impl CustomOp3 for CausalConv1dCached {
         let (b_sz, seq_len, channels) = xl.shape().dims3()?;
         let k = wl.dims()[1];
         // x in place when it is f32 (a row view of the projection), else packed as f32.
-        let view = rows(xl, "causal-conv1d x")?;
+        let view = row_view(xl, "causal-conv1d x")?;
         let packed;
         let (x, x0, x_stride) = match xs {
             CpuStorage::F32(v) => (&v[..], view.offset, view.stride),
@@ -273,7 +273,7 @@ fn causal_conv1d_cached_view(
             .filter(|l| l.iter().any(|&n| n != seq_len))
             .map(|l| l.iter().map(|&n| n as u32).collect()),
     };
-    let out = as_rows(x)?.apply_op3_no_bwd(&cache.contiguous()?, &weight.contiguous()?, &op)?;
+    let out = as_row_view(x)?.apply_op3_no_bwd(&cache.contiguous()?, &weight.contiguous()?, &op)?;
     let ny = b_sz * seq_len * channels;
     let y = out.narrow(0, 0, ny)?.reshape((b_sz, seq_len, channels))?;
     let next = out
@@ -286,7 +286,7 @@ fn causal_conv1d_cached_view(
 /// run twice (the states from zeros, each branch from its state row's last K−1 real inputs), in
 /// one CUDA launch; inputs rows (possibly strided), `weight: [C, K]`. CUDA only.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct CausalConv1dSplit(SplitRows);
+struct CausalConv1dSplit(SplitBatch);
 
 impl CustomOp3 for CausalConv1dSplit {
     fn name(&self) -> &'static str {
@@ -314,7 +314,7 @@ impl CustomOp3 for CausalConv1dSplit {
 }
 
 /// Records' convs: the states `x_state: [R, S, C]` from zeros, then the branches
-/// `x_branches: [B, T, C]`, each continuing the last K−1 real inputs of its state row (`rows`:
+/// `x_branches: [B, T, C]`, each continuing the last K−1 real inputs of its state row (`split`:
 /// lengths and owners). Returns the states' `[R, S, C]` and the branches' `[B, T, C]` (padded
 /// steps included, as [`causal_conv1d_cached`] computes them). On CUDA one launch writing both
 /// into one packed output (the parts are views of it), the state rows' windows read in place;
@@ -325,23 +325,24 @@ pub fn causal_conv1d_split(
     x_state: &Tensor,
     x_branches: &Tensor,
     weight: &Tensor,
-    rows: &SplitRows,
+    split: &SplitBatch,
 ) -> Result<(Tensor, Tensor)> {
-    if let Some(y) = fused_causal_conv1d_split(x_state, x_branches, weight, rows)? {
-        return rows.parts(&y);
+    if let Some(y) = fused_causal_conv1d_split(x_state, x_branches, weight, split)? {
+        return split.parts(&y);
     }
     // The windows stay views into the conv's output: the states' are read once (copied to the
     // branch rows), the branches' never.
     let (channels, k) = weight.dims2()?;
     let zeros = Tensor::zeros(
-        (rows.states(), k - 1, channels),
+        (split.states(), k - 1, channels),
         x_state.dtype(),
         x_state.device(),
     )?;
-    let state_lengths = Some(rows.state_lengths());
+    let state_lengths = Some(split.state_lengths());
     let (y_s, window) = causal_conv1d_cached_view(x_state, &zeros, weight, state_lengths)?;
-    let window_b = rows.to_branches(&window)?;
-    let (y_b, _) = causal_conv1d_cached_view(x_branches, &window_b, weight, Some(rows.lengths()))?;
+    let window_b = split.to_branches(&window)?;
+    let (y_b, _) =
+        causal_conv1d_cached_view(x_branches, &window_b, weight, Some(split.branch_lengths()))?;
     Ok((y_s, y_b))
 }
 
@@ -352,12 +353,12 @@ pub fn fused_causal_conv1d_split(
     x_state: &Tensor,
     x_branches: &Tensor,
     weight: &Tensor,
-    rows: &SplitRows,
+    split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
     let (states, s_len, channels) = x_state.dims3()?;
     let (b_sz, t_len, b_channels) = x_branches.dims3()?;
     let (w_channels, k) = weight.dims2()?;
-    rows.check_parts("causal-conv1d-split", x_state, x_branches)?;
+    split.check_parts("causal-conv1d-split", x_state, x_branches)?;
     if b_channels != channels || w_channels != channels || k < 2 {
         bail!(
             "causal-conv1d-split: state {:?} / branches {:?} do not fit weight {:?}",
@@ -377,10 +378,10 @@ pub fn fused_causal_conv1d_split(
     if !x_state.device().is_cuda() || states * s_len == 0 || b_sz * t_len == 0 {
         return Ok(None);
     }
-    let out = as_rows(x_state)?.apply_op3_no_bwd(
-        &as_rows(x_branches)?,
+    let out = as_row_view(x_state)?.apply_op3_no_bwd(
+        &as_row_view(x_branches)?,
         &weight.contiguous()?,
-        &CausalConv1dSplit(rows.clone()),
+        &CausalConv1dSplit(split.clone()),
     )?;
     Ok(Some(out))
 }

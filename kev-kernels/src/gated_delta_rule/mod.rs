@@ -28,15 +28,15 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Te
 
 use crate::backend::cuda::cuda_gpu;
 use crate::causal_conv1d::causal_conv1d_split;
-use crate::layout::rows::{as_rows, Rows};
-use crate::layout::split::SplitRows;
-use op::{check, GatedDeltaRule, GdrSplit};
+use crate::layout::rows::{as_row_view, RowView};
+use crate::layout::split::SplitBatch;
+use op::{check, GatedDeltaRule, GatedDeltaRuleSplit};
 
-pub use chunked::{gated_delta_rule_chunked, CHUNK};
+pub use chunked::gated_delta_rule_chunked;
 pub use op::{GdrDims, GdrForm, CHUNKED_MIN_LEN};
 pub use reference::gated_delta_rule_ref;
 
-impl candle_core::CustomOp3 for GdrSplit {
+impl candle_core::CustomOp3 for GatedDeltaRuleSplit {
     fn name(&self) -> &'static str {
         "gated-delta-rule-split"
     }
@@ -62,7 +62,7 @@ impl candle_core::CustomOp3 for GdrSplit {
 /// states' final states, packed.
 ///
 /// `state_qkv: [R, S, C]` and `branch_qkv: [B, T, C]` are the conv outputs, `gates: [R·S + B·T, Hv,
-/// 2]` the gates packed as the rows, `rows` their real lengths and owners. Returns
+/// 2]` the gates packed as the rows, `split` their real lengths and owners. Returns
 /// `o: [R·S + B·T, Hv, Dv]`: the numbers of [`gated_delta_rule`] run on the states from zero
 /// states, then on the branch rows from copies of their states' final states.
 ///
@@ -74,31 +74,37 @@ impl candle_core::CustomOp3 for GdrSplit {
 /// output, with the same kernels, blocks and sums as the composition. Elsewhere the two
 /// [`gated_delta_rule`] calls.
 ///
-/// Errors name what does not fit: shapes against `rows`, head counts (Hv a multiple of Hk > 0),
+/// Errors name what does not fit: shapes against `split`, head counts (Hv a multiple of Hk > 0),
 /// the two parts' dtypes, gates other than f32.
 pub fn gated_delta_rule_split(
     state_qkv: &Tensor,
     branch_qkv: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
-    rows: &SplitRows,
+    split: &SplitBatch,
 ) -> Result<Tensor> {
-    if let Some(o) = fused_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, rows)? {
+    if let Some(o) = fused_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)? {
         return Ok(o);
     }
-    let (gates_s, gates_b) = rows.parts(gates)?;
+    let (gates_s, gates_b) = split.parts(gates)?;
     let shape = (
-        rows.states(),
+        split.states(),
         dims.num_v_heads,
         dims.head_k_dim,
         dims.head_v_dim,
     );
     let state = Tensor::zeros(shape, DType::F32, state_qkv.device())?;
-    let lengths_s = Some(rows.state_lengths());
+    let lengths_s = Some(split.state_lengths());
     let o_s = gated_delta_rule(state_qkv, &gates_s, &state, dims, lengths_s)?;
-    let state_b = rows.to_branches(&state)?;
-    let o_b = gated_delta_rule(branch_qkv, &gates_b, &state_b, dims, Some(rows.lengths()))?;
-    rows.join(&o_s, &o_b)
+    let state_b = split.to_branches(&state)?;
+    let o_b = gated_delta_rule(
+        branch_qkv,
+        &gates_b,
+        &state_b,
+        dims,
+        Some(split.branch_lengths()),
+    )?;
+    split.join(&o_s, &o_b)
 }
 
 /// [`gated_delta_rule_split`]'s fused form alone (its checks first): `None` where it does not
@@ -108,15 +114,15 @@ pub fn fused_gated_delta_rule_split(
     branch_qkv: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
-    rows: &SplitRows,
+    split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
     let name = "gated-delta-rule-split";
-    if !split_applies(name, state_qkv, branch_qkv, gates, dims, rows)? {
+    if !split_applies(name, state_qkv, branch_qkv, gates, dims, split)? {
         return Ok(None);
     }
-    let op = GdrSplit {
+    let op = GatedDeltaRuleSplit {
         dims,
-        rows: rows.clone(),
+        split: split.clone(),
         conv: None,
     };
     Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
@@ -131,7 +137,7 @@ pub fn fused_gated_delta_rule_split(
 ///
 /// `state_raw: [R, S, C]` and `branch_raw: [B, T, C]` are the raw `in_proj` `[q | k | v]` rows
 /// (row views of the wider projection are read in place), `weight: [C, K]` the conv's; `gates`,
-/// `dims`, `rows` as in [`gated_delta_rule_split`]. Returns `o: [R·S + B·T, Hv, Dv]`.
+/// `dims`, `split` as in [`gated_delta_rule_split`]. Returns `o: [R·S + B·T, Hv, Dv]`.
 ///
 /// On CUDA, where [`gated_delta_rule_split`] runs fused, the conv has 4 steps, there are as many
 /// value heads as key heads and the kernel's 8- and 16-byte moves fit (Dk and Dv multiples of 4,
@@ -150,15 +156,15 @@ pub fn conv_gated_delta_rule_split(
     weight: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
-    rows: &SplitRows,
+    split: &SplitBatch,
 ) -> Result<Tensor> {
     let fused =
-        fused_conv_gated_delta_rule_split(state_raw, branch_raw, weight, gates, dims, rows)?;
+        fused_conv_gated_delta_rule_split(state_raw, branch_raw, weight, gates, dims, split)?;
     if let Some(o) = fused {
         return Ok(o);
     }
-    let (state_qkv, branch_qkv) = causal_conv1d_split(state_raw, branch_raw, weight, rows)?;
-    gated_delta_rule_split(&state_qkv, &branch_qkv, gates, dims, rows)
+    let (state_qkv, branch_qkv) = causal_conv1d_split(state_raw, branch_raw, weight, split)?;
+    gated_delta_rule_split(&state_qkv, &branch_qkv, gates, dims, split)
 }
 
 /// [`conv_gated_delta_rule_split`]'s fused form alone (its checks first): `None` where it does
@@ -169,7 +175,7 @@ pub fn fused_conv_gated_delta_rule_split(
     weight: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
-    rows: &SplitRows,
+    split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
     let name = "conv-gated-delta-rule-split";
     let (channels, k) = weight.dims2()?;
@@ -192,18 +198,18 @@ pub fn fused_conv_gated_delta_rule_split(
     let heads_fit = dims.num_v_heads == dims.num_k_heads
         && dims.head_k_dim.is_multiple_of(4)
         && dims.head_v_dim.is_multiple_of(4);
-    if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gates, dims, rows)? {
+    if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gates, dims, split)? {
         return Ok(None);
     }
     let (state_raw, branch_raw, weight) = (
-        as_rows(state_raw)?,
-        as_rows(branch_raw)?,
+        as_row_view(state_raw)?,
+        as_row_view(branch_raw)?,
         weight.contiguous()?,
     );
     // Rows at multiples of 4 elements (8 bytes), the weight at a multiple of 8 (read two
     // channels' taps, 16 bytes, at a time).
     let in_fours = |t: &Tensor| {
-        Rows::of(t.layout())
+        RowView::of(t.layout())
             .is_some_and(|r| r.offset.is_multiple_of(4) && r.stride.is_multiple_of(4))
     };
     let aligned = in_fours(&state_raw)
@@ -212,9 +218,9 @@ pub fn fused_conv_gated_delta_rule_split(
     if !aligned {
         return Ok(None);
     }
-    let op = GdrSplit {
+    let op = GatedDeltaRuleSplit {
         dims,
-        rows: rows.clone(),
+        split: split.clone(),
         conv: Some(weight),
     };
     Ok(Some(state_raw.apply_op3_no_bwd(
@@ -232,12 +238,12 @@ fn split_applies(
     branch_qkv: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
-    rows: &SplitRows,
+    split: &SplitBatch,
 ) -> Result<bool> {
     let (states, s_len, c) = state_qkv.dims3()?;
     let (b_rows, width, cb) = branch_qkv.dims3()?;
-    rows.check_parts(name, state_qkv, branch_qkv)?;
-    if c != dims.channels() || cb != c || gates.dims() != [rows.tokens(), dims.num_v_heads, 2] {
+    split.check_parts(name, state_qkv, branch_qkv)?;
+    if c != dims.channels() || cb != c || gates.dims() != [split.tokens(), dims.num_v_heads, 2] {
         bail!(
             "{name}: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
             state_qkv.dims(),
