@@ -6,12 +6,12 @@
 
 use candle_core::{Device, Tensor};
 use kev_core::{Result, Row};
-use kev_kernels::{RowIndex, SplitRows};
+use kev_kernels::{RowIndex, SplitBatch};
 
 use crate::device::backend_err;
 use crate::head::PointerHead;
 use crate::plan::{head_positions, pieces, split_logits, Piece, Plan};
-use crate::qwen35::{Cache, Model, Split};
+use crate::qwen35::{Cache, Model};
 
 /// The backbone and the head, and the longest piece one forward pass runs.
 pub(crate) struct Executor {
@@ -88,14 +88,14 @@ impl Executor {
             // last layer's MLP only on the rows the head reads.
             let (decide, opts, owner) = head_positions(&plan.rows, branches.width);
             let picked: Vec<usize> = decide.iter().chain(&opts).map(|&i| i as usize).collect();
-            let hidden = SplitRows::new(
+            let hidden = SplitBatch::new(
                 state.width,
                 state.lengths.clone(),
                 branches.width,
                 branches.lengths.clone(),
                 plan.owners.clone(),
+                self.device(),
             )
-            .and_then(|rows| Split::new(rows, self.device()))
             .and_then(|split| {
                 let picked = RowIndex::new(&picked, self.device())?;
                 self.model

@@ -12,9 +12,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::testing::{dims, gdr_inputs};
-use kev_kernels::{
-    gated_delta_rule_as, gated_delta_rule_chunked, gated_delta_rule_recurrent, GdrDims, GdrForm,
-};
+use kev_kernels::{gated_delta_rule_as, gated_delta_rule_chunked, GdrDims, GdrForm};
 
 fn median_ms(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..2 {
@@ -104,7 +102,7 @@ fn main() -> Result<()> {
             let qkv = qkv.to_dtype(dtype)?.to_device(&dev)?;
             let (gates, state) = (gates.to_device(&dev)?, state.to_device(&dev)?);
             let rec = median_ms(&dev, || {
-                gated_delta_rule_recurrent(&qkv, &gates, &state, d, None).map(|_| ())
+                gated_delta_rule_as(&qkv, &gates, &state, d, None, GdrForm::Recurrent).map(|_| ())
             })?;
             if dev.is_cpu() {
                 println!("{name} b={b:<2} t={t:<4} recurrent {rec:8.3} ms");
@@ -117,7 +115,7 @@ fn main() -> Result<()> {
                 gated_delta_rule_chunked(&qkv, &gates, &state, d, None).map(|_| ())
             })?;
             let (s_rec, s_fused) = (state.copy()?, state.copy()?);
-            let a = gated_delta_rule_recurrent(&qkv, &gates, &s_rec, d, None)?;
+            let a = gated_delta_rule_as(&qkv, &gates, &s_rec, d, None, GdrForm::Recurrent)?;
             let c = gated_delta_rule_as(&qkv, &gates, &s_fused, d, None, GdrForm::Chunked)?;
             println!(
                 "{name} b={b:<2} t={t:<4} recurrent {rec:8.3} ms  chunked kernels {fused:8.3} ms  \

@@ -1,6 +1,8 @@
 //! Kev's own candle ops for the layers of Qwen3.5, each a candle custom op with a CPU
 //! implementation, CUDA and Metal ones behind the `cuda` / `metal` features, and a plain
-//! tensor-op reference (`*_ref`) for tests.
+//! tensor-op reference (`*_ref`) for tests. Every op returns its tensor on every backend: where a
+//! fused kernel does not run (another backend, a shape or dtype it does not take), the op
+//! composes the same computation from other ops itself.
 //!
 //! The recurrent-layer ops:
 //!
@@ -10,21 +12,23 @@
 //!   [`gated_delta_rule_chunked`] is the chunked form as plain tensor ops, for any backend.
 //! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
 //!   with its K−1 previous inputs so that a run can continue from a cache;
-//!   [`causal_conv1d_cached`] takes that cache separately and returns the next one;
-//!   [`causal_conv1d_split`] runs records' states and their branches in one CUDA launch
-//!   ([`SplitRows`] says how the rows divide), [`gated_delta_rule_split`] their delta rule, and
-//!   [`conv_gated_delta_rule_split`] both, the conv inside the delta rule's preparation.
+//!   [`causal_conv1d_cached`] takes that cache separately and returns the next one.
+//! - The one-pass prefix forward's forms ([`SplitBatch`] says how its rows divide into records'
+//!   states and the branches continuing them): [`causal_conv1d_split`] the conv,
+//!   [`gated_delta_rule_split`] the delta rule, [`conv_gated_delta_rule_split`] both (on CUDA
+//!   the conv inside the delta rule's preparation).
 //!
-//! And the fused elementwise ops:
+//! And the attention and the fused elementwise ops:
 //!
+//! - [`causal_attention`]: `softmax(q·kᵀ·scale + bias)·v`, on CUDA one flash kernel where it
+//!   fills the GPU ([`flash_attention_fills_gpu`]), else matmuls around [`causal_softmax`].
 //! - Ops that replace chains of candle ops (a GPU forward is launch-bound):
 //!   [`rms_norm`] / [`add_rms_norm`] / [`gated_rms_norm`], [`deltanet_gates`], [`swiglu`],
 //!   and the attention steps [`qk_norm_rope`], [`causal_softmax`], [`attention_gate`]
 //!   ([`attention_gate_join`] for a packed batch's two parts).
 //!   CPU, CUDA and Metal each run them as one op (Metal: `<op>/<op>.metal`).
-//! - [`flash_attention`]: on CUDA and Metal, the attention's scores, softmax and weighted sum in
-//!   one kernel, in place of the matmuls around [`causal_softmax`] (which the caller composes
-//!   where it declines; [`flash_attention_fills_gpu`] says where it pays).
+//! - [`causal_attention`]: on CUDA and Metal, the attention's scores, softmax and weighted sum in
+//!   one flash kernel where it pays, else the matmuls around [`causal_softmax`].
 //!
 //! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch; [`gather_cat`]:
 //!   picked rows each followed by rows of their own, for a branch's attention keys and values.
@@ -33,10 +37,13 @@
 //!
 //! Each op is a folder: its API, checks and the fallback it composes in `mod.rs`, its plain
 //! tensor reference, its backends side by side (`cpu.rs`, `cuda.rs`, `metal.rs`, where it has
-//! them) and their kernel sources (`*.cu`, `*.metal`). Below them, `backend` holds what the
-//! backends share (the CUDA source registry and compiler, launch helpers, GPU capabilities, the
-//! device memory pool, the Metal pipelines) and imports no op; `layout` the row and split
-//! layouts several ops read.
+//! them) and their kernel sources (`*.cu`, `*.metal`). Which form runs is the op's wrapper's
+//! choice, made from the device: a kernel's custom op is only reached on a backend that has it
+//! (the CPU side of a CUDA-only op is an error nothing reaches), and the wrapper asks the CUDA
+//! GPU's capabilities through one function that answers `None` off CUDA. Below the ops,
+//! `backend` holds what the backends share (the CUDA source registry and compiler, launch
+//! helpers, GPU capabilities, the device memory pool, the Metal pipelines) and imports no op;
+//! `layout` the row and split layouts several ops read.
 
 /// The `cpu_fwd` of a custom op that only CUDA runs (its wrapper composes other ops on the
 /// other backends, so the CPU never reaches it): an error with `$msg`. One `storage layout` pair
@@ -90,8 +97,8 @@ pub mod testing;
 pub mod uploads;
 
 pub use attention::{
-    attention_gate, attention_gate_join, attention_gate_ref, causal_softmax, causal_softmax_ref,
-    qk_norm_rope, qk_norm_rope_ref,
+    attention_gate, attention_gate_join, attention_gate_ref, causal_attention, causal_softmax,
+    causal_softmax_ref, qk_norm_rope, qk_norm_rope_ref,
 };
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
@@ -100,17 +107,16 @@ pub use backend::cuda::{
 };
 pub use bf16_gemm::{bf16_gemm_available, PackedBf16};
 pub use causal_conv1d::{
-    causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_cached_view,
-    causal_conv1d_ref, causal_conv1d_split,
+    causal_conv1d, causal_conv1d_cached, causal_conv1d_cached_ref, causal_conv1d_ref,
+    causal_conv1d_split,
 };
-pub use flash_attention::{flash_attention, flash_attention_fills_gpu, FlashPast, FLASH_HEAD_DIM};
+pub use flash_attention::{flash_attention_fills_gpu, AttentionPast, FLASH_HEAD_DIM};
 pub use gated_delta_rule::{
     conv_gated_delta_rule_split, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_chunked,
-    gated_delta_rule_recurrent, gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm,
-    CHUNK, CHUNKED_MIN_LEN,
+    gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{gather_cat, gather_rows, RowIndex};
-pub use layout::split::SplitRows;
+pub use layout::split::SplitBatch;
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
 pub use swiglu::{swiglu, swiglu_ref};

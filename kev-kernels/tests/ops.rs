@@ -1,10 +1,10 @@
 //! The CPU ops against their tensor-op references, and "two chunks == whole".
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::testing::{self, assert_close, patterned};
 use kev_kernels::{
     causal_conv1d, causal_conv1d_cached, causal_conv1d_ref, causal_conv1d_split, gated_delta_rule,
-    gated_delta_rule_ref, GdrDims, SplitRows,
+    gated_delta_rule_ref, GdrDims, SplitBatch,
 };
 
 /// f32 op vs f32 reference on unit-scale data: same math, different summation order.
@@ -238,14 +238,14 @@ fn gated_delta_rule_rejects_bad_shapes() -> Result<()> {
     Ok(())
 }
 
-/// The one-launch conv of states and their branches: what does not fit is an error naming it;
-/// off CUDA it declines (`None`) and the caller composes.
+/// The conv of states and their branches: what does not fit is an error naming it; off CUDA
+/// the one-launch form does not run (`None`) and the op composes.
 #[test]
 fn causal_conv1d_split_refuses_what_does_not_fit() -> Result<()> {
     let state = patterned(&[1, 10, 24], 0.4, 2.0)?;
     let branches = patterned(&[3, 5, 24], 0.4, 1.0)?;
     let w = patterned(&[24, 4], 1.7, 0.5)?;
-    let rows = SplitRows::new(10, vec![10], 5, vec![5, 4, 0], vec![0, 0, 0])?;
+    let rows = SplitBatch::new(10, vec![10], 5, vec![5, 4, 0], vec![0, 0, 0], &Device::Cpu)?;
     let refused = |s: &Tensor, b: &Tensor, w: &Tensor, needle: &str| {
         let e = causal_conv1d_split(s, b, w, &rows).unwrap_err().to_string();
         assert!(e.contains(needle), "`{e}` does not say `{needle}`");
@@ -261,37 +261,37 @@ fn causal_conv1d_split_refuses_what_does_not_fit() -> Result<()> {
     refused(&state, &branches, &w.narrow(1, 0, 1)?, "do not fit weight");
     refused(&state, &branches.to_dtype(DType::BF16)?, &w, "mixed dtypes");
     assert!(
-        causal_conv1d_split(&state, &branches, &w, &rows)?.is_none(),
+        testing::fused_causal_conv1d_split(&state, &branches, &w, &rows)?.is_none(),
         "the CPU composes"
     );
     Ok(())
 }
 
-/// Split rows that do not describe a pass are refused by name.
+/// Split batches that do not describe a pass are refused by name.
 #[test]
-fn split_rows_refuse_what_does_not_fit() {
-    let refused = |r: Result<SplitRows>, needle: &str| {
+fn split_batch_refuses_what_does_not_fit() {
+    let new = |state_lengths: Vec<usize>, lengths: Vec<usize>, owners: Vec<usize>| {
+        SplitBatch::new(4, state_lengths, 3, lengths, owners, &Device::Cpu)
+    };
+    let refused = |r: Result<SplitBatch>, needle: &str| {
         let e = r.unwrap_err().to_string();
         assert!(e.contains(needle), "`{e}` does not say `{needle}`");
     };
+    refused(new(vec![4, 5], vec![3], vec![0]), "a state row of 5 steps");
     refused(
-        SplitRows::new(4, vec![4, 5], 3, vec![3], vec![0]),
-        "a state row of 5 steps",
-    );
-    refused(
-        SplitRows::new(4, vec![4], 3, vec![3, 4], vec![0, 0]),
+        new(vec![4], vec![3, 4], vec![0, 0]),
         "a branch row of 4 steps",
     );
     refused(
-        SplitRows::new(4, vec![4], 3, vec![3, 3], vec![0]),
+        new(vec![4], vec![3, 3], vec![0]),
         "1 owners for 2 branch rows",
     );
     refused(
-        SplitRows::new(4, vec![4, 2], 3, vec![3], vec![2]),
+        new(vec![4, 2], vec![3], vec![2]),
         "continues state row 2 of 2",
     );
-    let rows = SplitRows::new(4, vec![4, 2], 3, vec![3, 1, 0], vec![1, 0, 1]).unwrap();
-    assert_eq!((rows.states(), rows.rows(), rows.tokens()), (2, 3, 17));
+    let rows = new(vec![4, 2], vec![3, 1, 0], vec![1, 0, 1]).unwrap();
+    assert_eq!((rows.states(), rows.branches(), rows.tokens()), (2, 3, 17));
 }
 
 #[test]

@@ -4,10 +4,10 @@
 
 use crate::common::{check, device, fixture, TOL_HIDDEN_F32};
 use candle_core::{DType, Device, Tensor};
-use kev_candle::qwen35::{Config, Model, Split};
+use kev_candle::qwen35::{Config, Model};
 use kev_candle::weights::Weights;
 use kev_core::BaseFiles;
-use kev_kernels::SplitRows;
+use kev_kernels::SplitBatch;
 
 fn load(base: &str) -> Model {
     let files = BaseFiles::from_local(&fixture(base)).expect("fixture base resolves");
@@ -163,14 +163,15 @@ fn split_forward_equals_states_then_branches() {
         cfg.layer_types.truncate(layers);
         let last = cfg.layer_types[layers - 1];
         let model = Model::new(&cfg, &w).unwrap();
-        let rows = SplitRows::new(
+        let split = SplitBatch::new(
             70,
             state_lengths.clone(),
             9,
             lengths.clone(),
             owners.clone(),
-        );
-        let split = Split::new(rows.unwrap(), &device()).unwrap();
+            &device(),
+        )
+        .unwrap();
         let ours = model
             .forward_split(&states, &branches, &split, None)
             .unwrap();

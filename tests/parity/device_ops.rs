@@ -5,8 +5,8 @@
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, dims, patterned};
 use kev_kernels::{
-    causal_conv1d, causal_conv1d_cached_view, conv_gated_delta_rule_split, gated_delta_rule,
-    gated_delta_rule_as, gated_delta_rule_split, GdrDims, GdrForm, SplitRows,
+    causal_conv1d, causal_conv1d_cached, conv_gated_delta_rule_split, gated_delta_rule,
+    gated_delta_rule_as, gated_delta_rule_split, GdrDims, GdrForm, SplitBatch,
 };
 
 use crate::common::{check, device};
@@ -49,16 +49,16 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
         (2, 45, dims(2, 4, 32, 18), Some(vec![45usize, 20])),
     ] {
         for dtype in [DType::F32, DType::BF16] {
-            let (qkv, gb, state) = inputs(b, t, d)?;
+            let (qkv, gates, state) = inputs(b, t, d)?;
             let qkv = qkv.to_dtype(dtype)?;
             let s_cpu = state.copy()?;
-            let o_cpu = gated_delta_rule(&qkv, &gb, &s_cpu, d, lengths.as_deref())?;
+            let o_cpu = gated_delta_rule(&qkv, &gates, &s_cpu, d, lengths.as_deref())?;
             for form in [GdrForm::Recurrent, GdrForm::Chunked] {
                 // A copy first: on the CPU `to_device` shares storage, and the op updates in place.
                 let s_dev = state.copy()?.to_device(&dev)?;
                 let o_dev = gated_delta_rule_as(
                     &qkv.to_device(&dev)?,
-                    &gb.to_device(&dev)?,
+                    &gates.to_device(&dev)?,
                     &s_dev,
                     d,
                     lengths.as_deref(),
@@ -95,16 +95,16 @@ fn gated_delta_rule_on_device_matches_cpu() -> Result<()> {
 fn gated_delta_rule_on_device_continues_exactly() -> Result<()> {
     let dev = device();
     let d = dims(2, 4, 32, 16);
-    let (qkv, gb, state) = inputs(1, 65, d)?;
-    let (qkv, gb, state) = (
+    let (qkv, gates, state) = inputs(1, 65, d)?;
+    let (qkv, gates, state) = (
         qkv.to_device(&dev)?,
-        gb.to_device(&dev)?,
+        gates.to_device(&dev)?,
         state.to_device(&dev)?,
     );
     // Each form against itself: 65 steps at once, then 40 + 25 continuing from the state.
     for form in [GdrForm::Recurrent, GdrForm::Chunked] {
         let run = |from: usize, len: usize, s: &Tensor| {
-            let (x, g) = (qkv.narrow(1, from, len)?, gb.narrow(1, from, len)?);
+            let (x, g) = (qkv.narrow(1, from, len)?, gates.narrow(1, from, len)?);
             gated_delta_rule_as(&x, &g, s, d, None, form)
         };
         let whole_state = state.copy()?;
@@ -144,45 +144,47 @@ type SplitCase = (Vec<usize>, usize, Vec<usize>, Vec<usize>, GdrDims);
 
 /// The case's rows, and its gates on the test device: the states' `[R, S, Hv, 2]`, the
 /// branches' `[B, T, Hv, 2]`, and both packed as the rows, `[R·S + B·T, Hv, 2]`.
-fn split_rows_and_gates(case: &SplitCase) -> Result<(SplitRows, Tensor, Tensor, Tensor)> {
+fn split_batch_and_gates(case: &SplitCase) -> Result<(SplitBatch, Tensor, Tensor, Tensor)> {
     let (state_lengths, width, lengths, owners, d) = case;
     let s_len = *state_lengths.iter().max().unwrap();
-    let split = SplitRows::new(
+    let dev = device();
+    let split = SplitBatch::new(
         s_len,
         state_lengths.clone(),
         *width,
         lengths.clone(),
         owners.clone(),
+        &dev,
     )?;
-    let dev = device();
-    let (_, gb_s, _) = testing::gdr_inputs(state_lengths.len(), s_len, *d, 0.3)?;
-    let (_, gb_b, _) = testing::gdr_inputs(lengths.len(), *width, *d, 1.3)?;
-    let (gb_s, gb_b) = (gb_s.to_device(&dev)?, gb_b.to_device(&dev)?);
+    let (_, gates_s, _) = testing::gdr_inputs(state_lengths.len(), s_len, *d, 0.3)?;
+    let (_, gates_b, _) = testing::gdr_inputs(lengths.len(), *width, *d, 1.3)?;
+    let (gates_s, gates_b) = (gates_s.to_device(&dev)?, gates_b.to_device(&dev)?);
     let packed = |t: &Tensor| t.flatten(0, 1);
-    let gb = Tensor::cat(&[packed(&gb_s)?, packed(&gb_b)?], 0)?;
-    Ok((split, gb_s, gb_b, gb))
+    let gates = Tensor::cat(&[packed(&gates_s)?, packed(&gates_b)?], 0)?;
+    Ok((split, gates_s, gates_b, gates))
 }
 
 /// What the split ops replace: the delta rule on the states' conv outputs `y_s` from zero
 /// states, then on the branch rows' `y_b` from copies of their states' final states, packed.
 fn states_then_branches(
     case: &SplitCase,
-    (y_s, gb_s): (&Tensor, &Tensor),
-    (y_b, gb_b): (&Tensor, &Tensor),
+    (y_s, gates_s): (&Tensor, &Tensor),
+    (y_b, gates_b): (&Tensor, &Tensor),
 ) -> Result<Tensor> {
     let (state_lengths, _, lengths, owners, d) = case;
     let (dk, dv) = (d.head_k_dim, d.head_v_dim);
     let shape = (state_lengths.len(), d.num_v_heads, dk, dv);
     let state = Tensor::zeros(shape, DType::F32, y_s.device())?;
-    let o_s = gated_delta_rule(y_s, gb_s, &state, *d, Some(state_lengths))?;
+    let o_s = gated_delta_rule(y_s, gates_s, &state, *d, Some(state_lengths))?;
     let state_b = pick_rows(&state, owners)?;
-    let o_b = gated_delta_rule(y_b, gb_b, &state_b, *d, Some(lengths))?;
+    let o_b = gated_delta_rule(y_b, gates_b, &state_b, *d, Some(lengths))?;
     Tensor::cat(&[o_s.flatten(0, 1)?, o_b.flatten(0, 1)?], 0)
 }
 
 /// The one-pass form's fused delta rule (states, then branches continuing them, packed) against
 /// the composition it replaces, on the test device: the same kernels and sums, so exactly equal
-/// where the fused form runs (CUDA, bf16); elsewhere it declines (`None`) and the model composes.
+/// where the fused form runs (CUDA, bf16); elsewhere it does not run (`None`) and the op
+/// composes, with the same numbers.
 #[test]
 fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
     let dev = device();
@@ -215,19 +217,22 @@ fn gated_delta_rule_split_equals_its_composition() -> Result<()> {
     ];
     for case in &cases {
         let (state_lengths, width, lengths, _, d) = case;
-        let (split, gb_s, gb_b, gb) = split_rows_and_gates(case)?;
+        let (split, gates_s, gates_b, gates) = split_batch_and_gates(case)?;
         for dtype in [DType::F32, DType::BF16] {
             let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
             let (state_qkv, _, _) =
                 testing::gdr_inputs(state_lengths.len(), split.state_width(), *d, 0.3)?;
             let (branch_qkv, _, _) = testing::gdr_inputs(lengths.len(), *width, *d, 1.3)?;
             let (qa, qb) = (on(state_qkv)?, on(branch_qkv)?);
-            let fused = gated_delta_rule_split(&qa, &qb, &gb, *d, &split)?;
-            let composed = states_then_branches(case, (&qa, &gb_s), (&qb, &gb_b))?;
+            let fused = testing::fused_gated_delta_rule_split(&qa, &qb, &gates, *d, &split)?;
+            let composed = states_then_branches(case, (&qa, &gates_s), (&qb, &gates_b))?;
             let tag = format!(
                 "gdr split {dtype:?} states {state_lengths:?} t={width} dk={}",
                 d.head_k_dim
             );
+            let o = gated_delta_rule_split(&qa, &qb, &gates, *d, &split)?;
+            let diff = check(&tag, &o, &composed, 0.0)?;
+            assert_eq!(diff.max_abs, 0.0, "{tag}: the op is not the composition");
             match fused {
                 Some(o) => {
                     assert!(
@@ -256,12 +261,12 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
     let on = |t: Tensor| t.to_device(&dev);
     let qa = on(patterned(&[1, s_len, d.channels()], 0.1, 1.0)?.to_dtype(DType::BF16)?)?;
     let qb = on(patterned(&[rows, width, d.channels()], 0.2, 1.0)?.to_dtype(DType::BF16)?)?;
-    let gb = on(patterned(&[s_len + rows * width, 4, 2], 0.3, 0.5)?)?;
+    let gates = on(patterned(&[s_len + rows * width, 4, 2], 0.3, 0.5)?)?;
     let split = |lengths: Vec<usize>, owners: Vec<usize>| {
-        SplitRows::new(s_len, vec![s_len], width, lengths, owners)
+        SplitBatch::new(s_len, vec![s_len], width, lengths, owners, &dev)
     };
     let fits = split(vec![33, 20], vec![0, 0])?;
-    let refused = |what: &str, r: Result<Option<Tensor>>, needle: &str| {
+    let refused = |what: &str, r: Result<()>, needle: &str| {
         let e = r.expect_err(what).to_string();
         assert!(e.contains(needle), "{what}: `{e}` does not say `{needle}`");
     };
@@ -276,22 +281,22 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
     );
     refused(
         "no key heads",
-        gated_delta_rule_split(&qa0, &qb0, &gb, zero_k, &fits),
+        gated_delta_rule_split(&qa0, &qb0, &gates, zero_k, &fits).map(|_| ()),
         "key heads",
     );
     refused(
         "3 value heads over 2 key heads",
-        gated_delta_rule_split(&qa, &qb, &gb, dims(2, 3, 32, 16), &fits),
+        gated_delta_rule_split(&qa, &qb, &gates, dims(2, 3, 32, 16), &fits).map(|_| ()),
         "do not fit",
     );
     refused(
         "a length past the width",
-        split(vec![33, 34], vec![0, 0]).map(|_| None),
+        split(vec![33, 34], vec![0, 0]).map(|_| ()),
         "longer than the width",
     );
     refused(
         "an owner past the state rows",
-        split(vec![33, 20], vec![0, 1]).map(|_| None),
+        split(vec![33, 20], vec![0, 1]).map(|_| ()),
         "continues state row 1 of 1",
     );
     refused(
@@ -299,10 +304,11 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
         gated_delta_rule_split(
             &qa,
             &qb,
-            &gb,
+            &gates,
             d,
-            &SplitRows::new(s_len, vec![s_len], width, vec![33], vec![0])?,
-        ),
+            &SplitBatch::new(s_len, vec![s_len], width, vec![33], vec![0], &dev)?,
+        )
+        .map(|_| ()),
         "do not fit 1 state rows",
     );
     refused(
@@ -310,20 +316,21 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
         gated_delta_rule_split(
             &qa,
             &qb,
-            &gb.narrow(0, 1, s_len + rows * width - 1)?,
+            &gates.narrow(0, 1, s_len + rows * width - 1)?,
             d,
             &fits,
-        ),
+        )
+        .map(|_| ()),
         "do not fit",
     );
     refused(
         "branches in another dtype",
-        gated_delta_rule_split(&qa, &qb.to_dtype(DType::F32)?, &gb, d, &fits),
+        gated_delta_rule_split(&qa, &qb.to_dtype(DType::F32)?, &gates, d, &fits).map(|_| ()),
         "share a dtype",
     );
     refused(
         "bf16 gates",
-        gated_delta_rule_split(&qa, &qb, &gb.to_dtype(DType::BF16)?, d, &fits),
+        gated_delta_rule_split(&qa, &qb, &gates.to_dtype(DType::BF16)?, d, &fits).map(|_| ()),
         "gates must be f32",
     );
     let empty = on(Tensor::zeros(
@@ -331,9 +338,12 @@ fn gated_delta_rule_split_refuses_what_does_not_fit() -> Result<()> {
         DType::BF16,
         &candle_core::Device::Cpu,
     )?)?;
-    let no_steps = SplitRows::new(s_len, vec![s_len], 0, vec![0, 0], vec![0, 0])?;
-    let declined = gated_delta_rule_split(&qa, &empty, &gb.narrow(0, 0, s_len)?, d, &no_steps)?;
+    let no_steps = SplitBatch::new(s_len, vec![s_len], 0, vec![0, 0], vec![0, 0], &dev)?;
+    let states_gates = gates.narrow(0, 0, s_len)?;
+    let declined = testing::fused_gated_delta_rule_split(&qa, &empty, &states_gates, d, &no_steps)?;
     assert!(declined.is_none(), "empty branch rows take the composition");
+    let o = gated_delta_rule_split(&qa, &empty, &states_gates, d, &no_steps)?;
+    assert_eq!(o.dims(), [s_len, d.num_v_heads, d.head_v_dim]);
     Ok(())
 }
 
@@ -353,8 +363,8 @@ fn causal_conv1d_on_device_matches_cpu() -> Result<()> {
 
 /// The one-pass form's conv (states from zeros, branches continuing their state rows' last
 /// inputs, one launch) against the composition it replaces, on the test device: the same
-/// products per output, so exactly equal where it runs (CUDA); elsewhere it declines (`None`)
-/// and the model composes. Inputs are column slices of a wider projection (as in the model):
+/// products per output, so exactly equal where it runs (CUDA); elsewhere it does not run
+/// (`None`) and the op composes, with the same numbers. Inputs are column slices of a wider projection (as in the model):
 /// 16-byte aligned rows with 96 channels (the vector path), and rows shifted by one element with
 /// 37 (element by element); a 2-step state is shorter than the conv's window (the rest is
 /// zeros); padded states whose branch rows continue them out of order.
@@ -371,12 +381,13 @@ fn causal_conv1d_split_equals_its_composition() -> Result<()> {
         for dtype in [DType::F32, DType::BF16] {
             let (states, rows) = (state_lengths.len(), owners.len());
             let s_len = *state_lengths.iter().max().unwrap();
-            let split = SplitRows::new(
+            let split = SplitBatch::new(
                 s_len,
                 state_lengths.clone(),
                 width,
                 vec![width; rows],
                 owners.clone(),
+                &dev,
             )?;
             let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
             let wide = channels + 24;
@@ -389,14 +400,18 @@ fn causal_conv1d_split_equals_its_composition() -> Result<()> {
             let x_b = cols
                 .narrow(0, states * s_len, rows * width)?
                 .reshape((rows, width, channels))?;
-            let fused = kev_kernels::causal_conv1d_split(&x_s, &x_b, &w, &split)?;
+            let fused = testing::fused_causal_conv1d_split(&x_s, &x_b, &w, &split)?;
             let zeros = Tensor::zeros((states, 3, channels), dtype, &dev)?;
-            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(&state_lengths))?;
+            let (y_s, window) = causal_conv1d_cached(&x_s, &zeros, &w, Some(&state_lengths))?;
             let window = pick_rows(&window, &owners)?;
-            let (y_b, _) = causal_conv1d_cached_view(&x_b, &window, &w, None)?;
+            let (y_b, _) = causal_conv1d_cached(&x_b, &window, &w, None)?;
             let composed = Tensor::cat(&[y_s.flatten(0, 1)?, y_b.flatten(0, 1)?], 0)?;
             let tag =
                 format!("conv split {dtype:?} states {state_lengths:?} t={width} c={channels}");
+            let (op_s, op_b) = kev_kernels::causal_conv1d_split(&x_s, &x_b, &w, &split)?;
+            let op = Tensor::cat(&[op_s.flatten(0, 1)?, op_b.flatten(0, 1)?], 0)?;
+            let diff = check(&tag, &op, &composed, 0.0)?;
+            assert_eq!(diff.max_abs, 0.0, "{tag}: the op is not the composition");
             match fused {
                 Some(y) => {
                     assert!(dev.is_cuda(), "{tag}: ran off CUDA");
@@ -475,7 +490,7 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
         let (state_lengths, width, lengths, owners, d) = case;
         let (states, rows, shift) = (state_lengths.len(), lengths.len(), *shift);
         let pitch = d.channels() + extra;
-        let (split, gb_s, gb_b, gb) = split_rows_and_gates(case)?;
+        let (split, gates_s, gates_b, gates) = split_batch_and_gates(case)?;
         let (s_len, c) = (split.state_width(), d.channels());
         for dtype in [DType::F32, DType::BF16] {
             let on = |t: Tensor| t.to_dtype(dtype)?.to_device(&dev);
@@ -490,16 +505,20 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
                 .narrow(0, states * s_len, rows * width)?
                 .reshape((rows, *width, pitch))?
                 .narrow(2, shift, c)?;
-            let fused = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, *d, &split)?;
+            let fused =
+                testing::fused_conv_gated_delta_rule_split(&x_s, &x_b, &w, &gates, *d, &split)?;
 
             let zeros = Tensor::zeros((states, 3, c), dtype, &dev)?;
-            let (y_s, window) = causal_conv1d_cached_view(&x_s, &zeros, &w, Some(state_lengths))?;
-            let (y_b, _) = causal_conv1d_cached_view(&x_b, &pick_rows(&window, owners)?, &w, None)?;
-            let composed = states_then_branches(case, (&y_s, &gb_s), (&y_b, &gb_b))?;
+            let (y_s, window) = causal_conv1d_cached(&x_s, &zeros, &w, Some(state_lengths))?;
+            let (y_b, _) = causal_conv1d_cached(&x_b, &pick_rows(&window, owners)?, &w, None)?;
+            let composed = states_then_branches(case, (&y_s, &gates_s), (&y_b, &gates_b))?;
             let tag = format!(
                 "conv+gdr split {dtype:?} states {state_lengths:?} t={width} dk={} shift {shift}",
                 d.head_k_dim
             );
+            let o = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gates, *d, &split)?;
+            let diff = check(&tag, &o, &composed, 0.0)?;
+            assert_eq!(diff.max_abs, 0.0, "{tag}: the op is not the composition");
             let runs = dev.is_cuda()
                 && dtype != DType::F32
                 && shift % 4 == 0
@@ -522,16 +541,16 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
 fn conv_gated_delta_rule_split_refuses_a_weight_that_does_not_fit() -> Result<()> {
     let dev = device();
     let d = dims(2, 4, 32, 16);
-    let split = SplitRows::new(40, vec![40], 33, vec![33], vec![0])?;
+    let split = SplitBatch::new(40, vec![40], 33, vec![33], vec![0], &dev)?;
     let c = d.channels();
     let x_s = Tensor::zeros((1, 40, c), DType::BF16, &dev)?;
     let x_b = Tensor::zeros((1, 33, c), DType::BF16, &dev)?;
-    let gb = Tensor::zeros((73, d.num_v_heads, 2), DType::F32, &dev)?;
+    let gates = Tensor::zeros((73, d.num_v_heads, 2), DType::F32, &dev)?;
     for w in [
         Tensor::zeros((c - 1, 4), DType::BF16, &dev)?,
         Tensor::zeros((c, 4), DType::F32, &dev)?,
     ] {
-        let err = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gb, d, &split)
+        let err = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gates, d, &split)
             .expect_err("a weight that does not fit ran")
             .to_string();
         assert!(err.contains("conv weight"), "unclear error: {err}");
@@ -617,7 +636,8 @@ fn attention_reference(
 
 #[test]
 fn flash_attention_matches_f32_reference() -> Result<()> {
-    use kev_kernels::{flash_attention, FlashPast, RowIndex};
+    use kev_kernels::testing::flash_attention;
+    use kev_kernels::{AttentionPast, RowIndex};
     let dev = device();
     let scale = 1.0 / 16.0;
     for case in [
@@ -697,7 +717,7 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             &q_d,
             past_d
                 .as_ref()
-                .map(|(k, v, owners)| FlashPast { k, v, owners }),
+                .map(|(k, v, owners)| AttentionPast { k, v, owners }),
             &k_d,
             &v_d,
             &bias_d,

@@ -6,8 +6,8 @@
 //! next record with the same state. [`DecisionModel::probs_batch`] does the same for many
 //! records at once: their states as one padded batch, then all their branches as one batch.
 //! Where every state fits in one `prefill_chunk`, both parts run in a single pass over the
-//! layers ([`Split`](crate::qwen35::Split)), each branch row continuing its state row within
-//! every layer.
+//! layers ([`SplitBatch`](kev_kernels::SplitBatch)), each branch row continuing its state row
+//! within every layer.
 //!
 //! This module is the public face: encoding, grouping records and checking results. Loading is
 //! in `load`, what each forward runs in `plan`, running it in `executor` (or as a CUDA graph,

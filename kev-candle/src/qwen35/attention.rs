@@ -1,21 +1,21 @@
 //! Gated full attention (docs/BACKBONE.md §4): per-head `[q | gate]` query projection, zero-centred
 //! q/k norms, partial RoPE, GQA, causal softmax in f32, and a sigmoid output gate before `o_proj`.
-//! On CUDA, batches large enough to fill the GPU run the softmax inside a flash-attention kernel
-//! (kev-kernels), the rest as matmuls around it: the two round differently (the kernel keeps the
-//! scores in f32, the matmuls round them to bf16), so a record's bf16 probabilities may differ in
-//! their last bits between batch sizes, as cuBLAS's shape-dependent kernels already make them.
+//! The attention itself is kev-kernels' [`causal_attention`]: on CUDA, batches large enough to
+//! fill the GPU run it as one flash-attention kernel, the rest as matmuls around the softmax
+//! (the two round differently, so a record's bf16 probabilities may differ in their last bits
+//! between batch sizes, as cuBLAS's shape-dependent kernels already make them).
 
 use candle_core::{Module, Result, Tensor};
 
 use kev_kernels::{
-    attention_gate, attention_gate_join, causal_softmax, flash_attention,
-    flash_attention_fills_gpu, gather_cat, qk_norm_rope, FlashPast,
+    attention_gate, attention_gate_join, causal_attention, flash_attention_fills_gpu, qk_norm_rope,
+    AttentionPast, SplitBatch,
 };
 
 use super::config::Config;
 use super::linear::{linear, linear_cat, Projection};
 use super::norm::ZeroCenteredRmsNorm;
-use super::split::{Rows, Split};
+use super::split::Outputs;
 use crate::weights::Weights;
 
 /// The keys and values a step's queries see before its own.
@@ -26,8 +26,8 @@ enum Past<'a> {
     /// projection) are handed back for the branches that follow.
     Fresh(&'a mut Option<(Tensor, Tensor)>),
     /// The states' keys and values of this layer (`[R, Hkv, S, hd]`): branch row b sees its
-    /// state row's ([`Split`]).
-    States(&'a Tensor, &'a Tensor, &'a Split),
+    /// state row's ([`SplitBatch`]).
+    States(&'a Tensor, &'a Tensor, &'a SplitBatch),
 }
 
 /// One full-attention layer.
@@ -99,27 +99,27 @@ impl Attention {
         self.o_proj.forward(&attention_gate(&o, &gate)?)
     }
 
-    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`Split`]), with each
+    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitBatch`]), with each
     /// part's RoPE and key bias: every branch row attends to its state row's keys of this layer.
-    /// Returns all rows' outputs, or with `Rows::Branches` the branch rows' only (`[B·T, H]`):
+    /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only (`[B·T, H]`):
     /// then the state rows give only their keys and values.
     pub fn forward_split(
         &self,
         xs: &Tensor,
-        split: &Split,
+        split: &SplitBatch,
         (cos_sin_s, key_bias_s): (&Tensor, &Tensor),
         (cos_sin_b, key_bias_b): (&Tensor, &Tensor),
-        rows: Rows,
+        outputs: Outputs,
     ) -> Result<Tensor> {
         let mut kv = None;
-        let (proj_b, out_s) = match rows {
-            Rows::All => {
+        let (proj_b, out_s) = match outputs {
+            Outputs::All => {
                 let proj = self.qkv_proj.forward(xs)?;
                 let (proj_s, proj_b) = split.parts(&proj)?;
                 let (o_s, _) = self.attend(&proj_s, cos_sin_s, key_bias_s, Past::Fresh(&mut kv))?;
                 (proj_b, Some((o_s, proj)))
             }
-            Rows::Branches => {
+            Outputs::Branches => {
                 let (xs_s, xs_b) = split.parts(xs)?;
                 let (r, s, _) = xs_s.dims3()?;
                 let kv_s = self.kv_proj.forward(&xs_s.flatten(0, 1)?)?;
@@ -178,7 +178,7 @@ impl Attention {
         let heads = proj.reshape((b_sz, seq_len, 2 * (nq + nkv), hd))?;
         let (k, v) = self.new_kv(&heads, 2 * nq, cos_sin)?;
         let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
-        let flash = flash_attention_fills_gpu(&q, nkv)?;
+        let scale = (hd as f64).powf(-0.5);
         let out = match past {
             Past::Cache(k_cache, v_cache) => {
                 // The cache outlives the step: values of their own, not a view of `proj`
@@ -192,81 +192,30 @@ impl Attention {
                     Ok::<_, candle_core::Error>(all)
                 };
                 let (k, v) = (joined(k_cache, k)?, joined(v_cache, v.force_contiguous()?)?);
-                self.weighted_values(&q, None, &k, &v, key_bias, flash)?
+                causal_attention(&q, None, &k, &v, key_bias, scale)?
             }
             Past::Fresh(handed) => {
-                // The matmuls read the values contiguous, and so will the branches' (one copy).
-                let v = if flash { v } else { v.contiguous()? };
-                let out = self.weighted_values(&q, None, &k, &v, key_bias, flash)?;
+                // The matmuls read the values contiguous, and so will the branches' (one copy);
+                // the flash kernel reads the view.
+                let v = if flash_attention_fills_gpu(&q, nkv)? {
+                    v
+                } else {
+                    v.contiguous()?
+                };
+                let out = causal_attention(&q, None, &k, &v, key_bias, scale)?;
                 *handed = Some((k, v));
                 out
             }
             Past::States(k_s, v_s, split) => {
-                let past = FlashPast {
+                let past = AttentionPast {
                     k: k_s,
                     v: v_s,
-                    owners: split.owners(),
+                    owners: split.owner_index(),
                 };
-                self.weighted_values(&q, Some(past), &k, &v, key_bias, flash)?
+                causal_attention(&q, Some(past), &k, &v, key_bias, scale)?
             }
         };
         Ok((out, gate))
-    }
-
-    /// `softmax(q·kᵀ·scale + key_bias)·v`, causal, over the past's keys (branch row b: its
-    /// state row's) and then this step's: with `flash` (the grid fills the GPU) the flash
-    /// kernel, else, or where it declines, matmuls around [`causal_softmax`] on the keys and
-    /// values gathered per row.
-    fn weighted_values(
-        &self,
-        q: &Tensor,
-        past: Option<FlashPast>,
-        k: &Tensor,
-        v: &Tensor,
-        key_bias: &Tensor,
-        flash: bool,
-    ) -> Result<Tensor> {
-        let scale = (self.head_dim as f64).powf(-0.5);
-        if flash {
-            if let Some(out) = flash_attention(q, past, k, v, key_bias, scale)? {
-                return Ok(out);
-            }
-        }
-        let (k, v) = match past {
-            Some(p) => (
-                gather_cat(&p.k.contiguous()?, p.owners, k)?,
-                gather_cat(&p.v.contiguous()?, p.owners, &v.contiguous()?)?,
-            ),
-            None => (k.clone(), v.contiguous()?),
-        };
-        self.attention_matmuls(q, &k, &v, key_bias, scale)
-    }
-
-    /// The attention as matmuls around [`causal_softmax`] (where [`flash_attention`] declines):
-    /// `q: [B, Hq, T, hd]`, `k`, `v: [B, Hkv, S, hd]` contiguous → `[B, Hq, T, hd]`.
-    fn attention_matmuls(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        key_bias: &Tensor,
-        scale: f64,
-    ) -> Result<Tensor> {
-        let (b_sz, nq, seq_len, hd) = q.dims4()?;
-        let nkv = self.num_kv_heads;
-        // GQA without copying K/V: query head h reads kv head h / rep, so group the query heads
-        // of one kv head along the rows: [B, Hkv, rep·T, hd].
-        let rep = nq / nkv;
-        let kv_len = k.dim(2)?;
-        let q = q.reshape((b_sz, nkv, rep * seq_len, hd))?;
-        let scores = q.matmul(&k.t()?)?.reshape((b_sz, nq, seq_len, kv_len))?;
-        let probs = causal_softmax(&scores, key_bias, scale)?.reshape((
-            b_sz,
-            nkv,
-            rep * seq_len,
-            kv_len,
-        ))?;
-        probs.matmul(v)?.reshape((b_sz, nq, seq_len, hd))
     }
 
     /// This step's keys (normed and rotated) and values, `[B, Hkv, T, hd]` each (the values a

@@ -3,14 +3,14 @@
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use kev_kernels::{
-    causal_conv1d_cached, causal_conv1d_cached_view, causal_conv1d_split,
-    conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, gated_delta_rule_split, GdrDims,
+    causal_conv1d_cached, conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, GdrDims,
+    SplitBatch,
 };
 
 use super::config::Config;
 use super::linear::{linear, linear_cat, Projection};
 use super::norm::GatedRmsNorm;
-use super::split::{Rows, Split};
+use super::split::Outputs;
 use crate::weights::Weights;
 
 /// One Gated DeltaNet layer.
@@ -96,82 +96,23 @@ impl GatedDeltaNet {
         self.out(&o, &self.z(&proj)?)
     }
 
-    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`Split`]): each branch
-    /// row continues from its state row's conv window and recurrent state of this layer.
-    /// Returns all rows' outputs, or with `Rows::Branches` the branch rows' only (`[B·T, H]`).
-    pub fn forward_split(&self, xs: &Tensor, split: &Split, out_rows: Rows) -> Result<Tensor> {
+    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitBatch`]): each
+    /// branch row continues from its state row's conv window and recurrent state of this layer.
+    /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only (`[B·T, H]`).
+    pub fn forward_split(
+        &self,
+        xs: &Tensor,
+        split: &SplitBatch,
+        outputs: Outputs,
+    ) -> Result<Tensor> {
         let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
         let gates = self.gates(&proj)?; // [N, Hv, 2]
         let (proj_s, proj_b) = split.parts(&proj)?;
         let (qkv_s, qkv_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
-        // CUDA: the conv inside the delta rule's preparation, on the projection in place.
         let (w, dims) = (&self.conv1d, self.dims);
-        let o = match conv_gated_delta_rule_split(&qkv_s, &qkv_b, w, &gates, dims, split.rows())? {
-            Some(o) => o,
-            None => self.conv_then_delta_rule(&qkv_s, &qkv_b, &gates, split)?,
-        };
+        let o = conv_gated_delta_rule_split(&qkv_s, &qkv_b, w, &gates, dims, split)?;
         let z = self.z(&proj)?;
-        self.out(&split.kept(&o, out_rows)?, &split.kept(&z, out_rows)?)
-    }
-
-    /// The conv and the delta rule of a [`Split`]'s raw `[q | k | v]` parts (`qkv_s`, `qkv_b`) as
-    /// separate ops: `o: [N, Hv, Dv]`. On CUDA, two launches for the conv and three for the
-    /// delta rule; elsewhere the per-part ops.
-    fn conv_then_delta_rule(
-        &self,
-        qkv_s: &Tensor,
-        qkv_b: &Tensor,
-        gates: &Tensor,
-        split: &Split,
-    ) -> Result<Tensor> {
-        let GdrDims {
-            num_v_heads: hv,
-            head_k_dim: dk,
-            head_v_dim: dv,
-            ..
-        } = self.dims;
-        let rows = split.rows();
-        let (mixed_s, mixed_b) = match causal_conv1d_split(qkv_s, qkv_b, &self.conv1d, rows)? {
-            Some(mixed) => split.parts(&mixed)?, // one launch (CUDA)
-            None => {
-                // The conv windows stay views into the conv's output: the states' are read once
-                // (copied to the branch rows), the branches' never.
-                let (c, k) = self.conv1d.dims2()?;
-                let zeros =
-                    Tensor::zeros((rows.states(), k - 1, c), qkv_s.dtype(), qkv_s.device())?;
-                let (mixed_s, window) = causal_conv1d_cached_view(
-                    qkv_s,
-                    &zeros,
-                    &self.conv1d,
-                    Some(rows.state_lengths()),
-                )?;
-                let conv_b = split.to_branches(&window)?;
-                let (mixed_b, _) =
-                    causal_conv1d_cached_view(qkv_b, &conv_b, &self.conv1d, Some(rows.lengths()))?;
-                (mixed_s, mixed_b)
-            }
-        };
-        if let Some(o) = gated_delta_rule_split(&mixed_s, &mixed_b, gates, self.dims, rows)? {
-            return Ok(o); // [N, Hv, Dv]
-        }
-        let (gates_s, gates_b) = split.parts(gates)?;
-        let state = Tensor::zeros((rows.states(), hv, dk, dv), DType::F32, qkv_s.device())?;
-        let o_s = gated_delta_rule(
-            &mixed_s,
-            &gates_s,
-            &state,
-            self.dims,
-            Some(rows.state_lengths()),
-        )?;
-        let state_b = split.to_branches(&state)?;
-        let o_b = gated_delta_rule(
-            &mixed_b,
-            &gates_b,
-            &state_b,
-            self.dims,
-            Some(rows.lengths()),
-        )?;
-        split.join(&o_s, &o_b)
+        self.out(&outputs.kept(split, &o)?, &outputs.kept(split, &z)?)
     }
 
     /// g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as

@@ -15,4 +15,3 @@ mod split;
 pub use cache::{Cache, LayerCache};
 pub use config::{Config, LayerType};
 pub use model::Model;
-pub use split::Split;

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::Embedding;
-use kev_kernels::{gather_rows, RowIndex};
+use kev_kernels::{gather_rows, RowIndex, SplitBatch};
 use rayon::prelude::*;
 
 use super::attention::Attention;
@@ -13,7 +13,7 @@ use super::deltanet::GatedDeltaNet;
 use super::mlp::Mlp;
 use super::norm::ZeroCenteredRmsNorm;
 use super::rope::Rope;
-use super::split::{Rows, Split};
+use super::split::Outputs;
 use crate::weights::Weights;
 
 enum Mixer {
@@ -40,7 +40,7 @@ struct Step<'a> {
 /// Inputs every layer of one [`Model::forward_split`] shares: the states' and the branches' RoPE
 /// and key bias.
 struct SplitStep<'a> {
-    split: &'a Split,
+    split: &'a SplitBatch,
     /// `[2, R, S, rotary_dim]`, `[2, B, T, rotary_dim]`.
     cos_sin: (Tensor, Tensor),
     /// `[R, S]`, `[B, S+T]` (with attention layers only).
@@ -99,15 +99,15 @@ impl DecoderLayer {
         self.around_mixer(xs, pending, mix, Ok, None)
     }
 
-    /// [`DecoderLayer::forward`] on a packed state and its branches ([`Split`]); with
-    /// `Rows::Branches`, the stream and MLP output of the branch rows only (`[B·T, H]`), and with
+    /// [`DecoderLayer::forward`] on a packed state and its branches ([`SplitBatch`]); with
+    /// `Outputs::Branches`, the stream and MLP output of the branch rows only (`[B·T, H]`), and with
     /// `pick` too, of those branch rows only (`[P, H]`, after the mixer: the rows the head reads).
     fn forward_split(
         &self,
         xs: &Tensor,
         pending: Option<&Tensor>,
         step: &SplitStep,
-        out_rows: Rows,
+        outputs: Outputs,
         pick: Option<&RowIndex>,
     ) -> Result<(Tensor, Tensor)> {
         let mix = |h: &Tensor| match &self.mixer {
@@ -117,11 +117,11 @@ impl DecoderLayer {
                     .as_ref()
                     .expect("the key bias is built when attention layers exist");
                 let (cs_s, cs_b) = &step.cos_sin;
-                attn.forward_split(h, step.split, (cs_s, bias_s), (cs_b, bias_b), out_rows)
+                attn.forward_split(h, step.split, (cs_s, bias_s), (cs_b, bias_b), outputs)
             }
-            Mixer::DeltaNet(gdn) => gdn.forward_split(h, step.split, out_rows),
+            Mixer::DeltaNet(gdn) => gdn.forward_split(h, step.split, outputs),
         };
-        self.around_mixer(xs, pending, mix, |xs| step.split.kept(&xs, out_rows), pick)
+        self.around_mixer(xs, pending, mix, |xs| outputs.kept(step.split, &xs), pick)
     }
 
     /// The input norm (with the pending add), `mix`, the post-attention norm (with its add) and
@@ -314,7 +314,7 @@ impl Model {
     }
 
     /// State rows `state_ids: [R, S]` and branch rows `branch_ids: [B, T]` that continue them,
-    /// in one pass over the layers ([`Split`]); returns the branch rows' final-norm hidden states
+    /// in one pass over the layers ([`SplitBatch`]); returns the branch rows' final-norm hidden states
     /// `[B, T, H]`, or with `picked` (flat indices into the `B·T` branch positions) those rows
     /// only, `[P, H]`: the last layer runs its post-attention norm and MLP on them alone. The
     /// same as [`Model::forward`] on the states, then on the branches with copies of their state
@@ -323,12 +323,14 @@ impl Model {
         &self,
         state_ids: &Tensor,
         branch_ids: &Tensor,
-        split: &Split,
+        split: &SplitBatch,
         picked: Option<&RowIndex>,
     ) -> Result<Tensor> {
-        let rows = split.rows();
-        let (states, s_len) = (rows.states(), rows.state_width());
-        let (b_rows, width) = (rows.rows(), rows.width());
+        let (states, s_len) = (split.states(), split.state_width());
+        if states == 0 || s_len == 0 {
+            candle_core::bail!("a split needs at least one state step ({split:?})")
+        }
+        let (b_rows, width) = (split.branches(), split.branch_width());
         if state_ids.dims() != [states, s_len] || branch_ids.dims() != [b_rows, width] {
             candle_core::bail!(
                 "ids {:?} and {:?} do not fit {states} states of {s_len} and {b_rows} rows of {width}",
@@ -342,10 +344,10 @@ impl Model {
         };
         // A state's padding is seen only by its own later pads (causality); a branch row sees
         // its state row's real keys and its own.
-        let owner_lengths: Vec<usize> = rows
+        let owner_lengths: Vec<usize> = split
             .owners()
             .iter()
-            .map(|&o| rows.state_lengths()[o])
+            .map(|&o| split.state_lengths()[o])
             .collect();
         let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
         let key_bias = has_attention
@@ -378,13 +380,13 @@ impl Model {
         let mut pending = None;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
-            let (out_rows, pick) = if i == last {
-                (Rows::Branches, picked)
+            let (outputs, pick) = if i == last {
+                (Outputs::Branches, picked)
             } else {
-                (Rows::All, None)
+                (Outputs::All, None)
             };
             let (stream, mlp_out) =
-                layer.forward_split(&xs, pending.as_ref(), &step, out_rows, pick)?;
+                layer.forward_split(&xs, pending.as_ref(), &step, outputs, pick)?;
             xs = stream;
             pending = Some(mlp_out);
         }

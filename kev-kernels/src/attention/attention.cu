@@ -10,13 +10,13 @@
 //   out[c] = round(round(n[c]·cos[c]) + round(rot(n)[c]·sin[c]))  for c < rot  (NeoX rotate_half)
 //   out[c] = n[c]                                                  otherwise
 // cos/sin [B, T, rot] in the dtype (HF rotates in the activation dtype). ROPE_WARPS warps per
-// block, hd at most ROPE_MAX_HD (-D defines).
+// block, hd at most ROPE_MAX_HEAD_DIM (-D defines).
 #define NEG_INF __int_as_float(0xff800000)
 template <typename D>
 __device__ void qknorm_rope(const typename D::T* x, long sb, long st, long sh, const float* w1,
                             const typename D::T* cosv, const typename D::T* sinv,
                             typename D::T* out, int B, int T, int H, int hd, int rot, float eps) {
-    __shared__ float buf[ROPE_WARPS][ROPE_MAX_HD];
+    __shared__ float buf[ROPE_WARPS][ROPE_MAX_HEAD_DIM];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long r = (long)blockIdx.x * ROPE_WARPS + warp;  // (b, h, t) in output order
     if (r >= (long)B * H * T) return;

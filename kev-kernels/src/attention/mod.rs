@@ -1,6 +1,13 @@
-//! The elementwise steps of a full-attention layer as single ops: q/k norm + partial RoPE (with
-//! the head transpose), the scaled, causal softmax, and the sigmoid output gate (with the
-//! transpose back). Composed from candle ops they cost ~30 launches per layer.
+//! A full-attention layer's steps between its projections: q/k norm + partial RoPE (with the
+//! head transpose), the attention itself ([`causal_attention`]: the flash kernel or matmuls
+//! around the scaled, causal softmax), and the sigmoid output gate (with the transpose back).
+//! The elementwise steps are single ops: composed from candle ops they cost ~30 launches per
+//! layer.
+//!
+//! The flash kernel and the matmuls round differently (the kernel keeps the scores in f32, the
+//! matmuls round them to bf16, as HF's eager attention): a record's bf16 probabilities may
+//! differ in their last bits between batch sizes, as cuBLAS's shape-dependent kernels already
+//! make them.
 //!
 //! Rounding follows HF's PyTorch code (eager attention): the norm output, the rotation's
 //! products and sum, the scaled scores and the gate are held in the activation dtype.
@@ -17,6 +24,8 @@ use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32};
 use crate::backend::cuda::sources::ROPE_MAX_HEAD_DIM;
+use crate::flash_attention::{self, flash_attention_fills_gpu, AttentionPast};
+use crate::gather::gather_cat;
 use crate::layout::rows::{rounder, strided4, whole_f32};
 
 pub use reference::{attention_gate_ref, causal_softmax_ref, qk_norm_rope_ref};
@@ -299,6 +308,67 @@ pub fn causal_softmax(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<
             scale: scale as f32,
         },
     )
+}
+
+/// `softmax(q·kᵀ·scale + key_bias)·v` with causality, for `q: [B, Hq, T, hd]` and this step's
+/// `k`, `v: [B, Hkv, L, hd]` (any strides with contiguous head dims; Hq a multiple of Hkv, query
+/// head h reading kv head h / (Hq/Hkv)): query t sees the past's S keys (branch row b: its
+/// state row's, [`AttentionPast`]) and its own first L − T + t + 1; `key_bias: [B, S + L]` f32 is
+/// added to the scaled scores (0 where a key is visible, −∞ over padding). Returns
+/// `[B, Hq, T, hd]`.
+///
+/// On CUDA where [`flash_attention_fills_gpu`] the flash kernel (scores, softmax and weighted
+/// sum on the multiprocessor, the past read where it lies), where it runs (bf16, hd = 256,
+/// 16-byte aligned views); elsewhere the past's keys and values gathered per row ahead of this
+/// step's, then matmuls around [`causal_softmax`]. Errors name shapes, dtypes or devices that do
+/// not fit.
+pub fn causal_attention(
+    q: &Tensor,
+    past: Option<AttentionPast>,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let s_len = flash_attention::check("causal-attention", q, past.as_ref(), k, v, key_bias)?;
+    let num_kv_heads = k.dim(1)?;
+    if flash_attention_fills_gpu(q, num_kv_heads)? {
+        let flash =
+            flash_attention::flash_attention_checked(q, past, k, v, key_bias, scale, s_len)?;
+        if let Some(out) = flash {
+            return Ok(out);
+        }
+    }
+    let (k, v) = match past {
+        Some(p) => (
+            gather_cat(&p.k.contiguous()?, p.owners, k)?,
+            gather_cat(&p.v.contiguous()?, p.owners, &v.contiguous()?)?,
+        ),
+        None => (k.clone(), v.contiguous()?),
+    };
+    attention_matmuls(q, &k, &v, key_bias, scale)
+}
+
+/// The attention as matmuls around [`causal_softmax`]: `q: [B, Hq, T, hd]`, `k`, `v: [B, Hkv,
+/// S, hd]` contiguous → `[B, Hq, T, hd]`.
+fn attention_matmuls(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b_sz, nq, seq_len, hd) = q.dims4()?;
+    let nkv = k.dim(1)?;
+    // GQA without copying K/V: query head h reads kv head h / rep, so group the query heads
+    // of one kv head along the rows: [B, Hkv, rep·T, hd].
+    let rep = nq / nkv;
+    let kv_len = k.dim(2)?;
+    let q = q.reshape((b_sz, nkv, rep * seq_len, hd))?;
+    let scores = q.matmul(&k.t()?)?.reshape((b_sz, nq, seq_len, kv_len))?;
+    let probs =
+        causal_softmax(&scores, key_bias, scale)?.reshape((b_sz, nkv, rep * seq_len, kv_len))?;
+    probs.matmul(v)?.reshape((b_sz, nq, seq_len, hd))
 }
 
 /// The attention output gate: `o · sigmoid(gate)` with `o: [B, H, T, hd]` (head-major, as the

@@ -8,8 +8,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 
 use crate::backend::cuda::kernel::{contiguous, device_lengths, grid_for, Kernel};
 use crate::backend::cuda::sources::{CAUSAL_CONV1D, CONV_CACHED_BLOCK, CONV_RUN, CONV_VEC};
-use crate::layout::rows::rows;
-use crate::layout::split::SplitRows;
+use crate::layout::rows::row_view;
+use crate::layout::split::SplitBatch;
 
 /// Threads per block of `conv_*` (a grid-stride loop).
 const CONV_BLOCK: u32 = 256;
@@ -82,7 +82,7 @@ fn conv_launch(channels: usize, rows: usize, runs: usize) -> LaunchConfig {
 /// The one-pass forward's conv (`conv_split_*`): `xs` `[R, S, C]` rows from zeros, `xb`
 /// `[B, T, C]` rows continuing their owners' last K−1 real inputs; out `[R·S + B·T, C]`.
 pub(crate) fn causal_conv1d_split(
-    split: &SplitRows,
+    split: &SplitBatch,
     ss: &CudaStorage,
     sl: &Layout,
     bs: &CudaStorage,
@@ -100,8 +100,8 @@ pub(crate) fn causal_conv1d_split(
     let (states, s_len, channels) = sl.shape().dims3()?;
     let (b_sz, t_len, _) = bl.shape().dims3()?;
     let kernel = wl.dims()[1];
-    let sv = rows(sl, "causal-conv1d state")?;
-    let bv = rows(bl, "causal-conv1d branches")?;
+    let sv = row_view(sl, "causal-conv1d state")?;
+    let bv = row_view(bl, "causal-conv1d branches")?;
     let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
     let n = split.tokens() * channels;
     // The grid is (channel blocks, 1, runs): CUDA caps z at 65535.
@@ -157,7 +157,7 @@ pub(crate) fn causal_conv1d_cached(
     )?;
     let (b_sz, seq_len, channels) = xl.shape().dims3()?;
     let kernel = wl.dims()[1];
-    let xv = rows(xl, "causal-conv1d input")?;
+    let xv = row_view(xl, "causal-conv1d input")?;
     let (c0, c1) = contiguous(cl, "causal-conv1d cache")?;
     let (w0, w1) = contiguous(wl, "causal-conv1d weight")?;
     let n = b_sz * (seq_len + kernel - 1) * channels;

@@ -14,8 +14,8 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape,
 use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
-use crate::layout::rows::{as_rows, rows};
-use crate::layout::split::SplitRows;
+use crate::layout::rows::{as_row_view, row_view};
+use crate::layout::split::SplitBatch;
 
 /// The op; `kernel` is K (the weight's second dim).
 pub(crate) struct CausalConv1d {
@@ -157,7 +157,7 @@ impl CustomOp3 for CausalConv1dCached {
         let (b_sz, seq_len, channels) = xl.shape().dims3()?;
         let k = wl.dims()[1];
         // x in place when it is f32 (a row view of the projection), else packed as f32.
-        let view = rows(xl, "causal-conv1d x")?;
+        let view = row_view(xl, "causal-conv1d x")?;
         let packed;
         let (x, x0, x_stride) = match xs {
             CpuStorage::F32(v) => (&v[..], view.offset, view.stride),
@@ -252,7 +252,7 @@ pub fn causal_conv1d_cached(
 /// [`causal_conv1d_cached`] with the next cache left as a view into the op's output (which it
 /// keeps alive): for a caller that reads it once, right away, and saves the copy (one launch per
 /// layer of a one-pass forward).
-pub fn causal_conv1d_cached_view(
+fn causal_conv1d_cached_view(
     x: &Tensor,
     cache: &Tensor,
     weight: &Tensor,
@@ -281,7 +281,7 @@ pub fn causal_conv1d_cached_view(
             .filter(|l| l.iter().any(|&n| n != seq_len))
             .map(|l| l.iter().map(|&n| n as u32).collect()),
     };
-    let out = as_rows(x)?.apply_op3_no_bwd(&cache.contiguous()?, &weight.contiguous()?, &op)?;
+    let out = as_row_view(x)?.apply_op3_no_bwd(&cache.contiguous()?, &weight.contiguous()?, &op)?;
     let ny = b_sz * seq_len * channels;
     let y = out.narrow(0, 0, ny)?.reshape((b_sz, seq_len, channels))?;
     let next = out
@@ -294,7 +294,7 @@ pub fn causal_conv1d_cached_view(
 /// run twice (the states from zeros, each branch from its state row's last K−1 real inputs), in
 /// one CUDA launch; inputs rows (possibly strided), `weight: [C, K]`. CUDA only.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct CausalConv1dSplit(SplitRows);
+struct CausalConv1dSplit(SplitBatch);
 
 impl CustomOp3 for CausalConv1dSplit {
     fn name(&self) -> &'static str {
@@ -321,23 +321,52 @@ impl CustomOp3 for CausalConv1dSplit {
     }
 }
 
-/// Records' convs in one launch on CUDA: the states `x_state: [R, S, C]` from zeros, then the
-/// branches `x_branches: [B, T, C]`, each continuing the last K−1 real inputs of its state row
-/// (`rows`: lengths and owners; read in place, not copied to the branch rows). Returns
-/// `[R·S + B·T, C]`: the states' rows, then each branch's (padded steps included, as
-/// [`causal_conv1d_cached`] computes them). `None` off CUDA or when a part is empty: the caller
-/// composes it from [`causal_conv1d_cached_view`], which gives the same numbers (the same
-/// products per output).
+/// Records' convs: the states `x_state: [R, S, C]` from zeros, then the branches
+/// `x_branches: [B, T, C]`, each continuing the last K−1 real inputs of its state row (`split`:
+/// lengths and owners). Returns the states' `[R, S, C]` and the branches' `[B, T, C]` (padded
+/// steps included, as [`causal_conv1d_cached`] computes them). On CUDA one launch writing both
+/// into one packed output (the parts are views of it), the state rows' windows read in place;
+/// elsewhere, and where a part is empty, [`causal_conv1d_cached`] on the states from zeros and
+/// on the branches from their state rows' windows: the same products per output, so the same
+/// numbers.
 pub fn causal_conv1d_split(
     x_state: &Tensor,
     x_branches: &Tensor,
     weight: &Tensor,
-    rows: &SplitRows,
+    split: &SplitBatch,
+) -> Result<(Tensor, Tensor)> {
+    if let Some(y) = fused_causal_conv1d_split(x_state, x_branches, weight, split)? {
+        return split.parts(&y);
+    }
+    // The windows stay views into the conv's output: the states' are read once (copied to the
+    // branch rows), the branches' never.
+    let (channels, k) = weight.dims2()?;
+    let zeros = Tensor::zeros(
+        (split.states(), k - 1, channels),
+        x_state.dtype(),
+        x_state.device(),
+    )?;
+    let state_lengths = Some(split.state_lengths());
+    let (y_s, window) = causal_conv1d_cached_view(x_state, &zeros, weight, state_lengths)?;
+    let window_b = split.to_branches(&window)?;
+    let (y_b, _) =
+        causal_conv1d_cached_view(x_branches, &window_b, weight, Some(split.branch_lengths()))?;
+    Ok((y_s, y_b))
+}
+
+/// [`causal_conv1d_split`]'s one-launch form alone (its checks first), packed `[R·S + B·T, C]`:
+/// `None` where it does not run (off CUDA, an empty part). Public through [`crate::testing`],
+/// for the tests that it runs where it should.
+pub fn fused_causal_conv1d_split(
+    x_state: &Tensor,
+    x_branches: &Tensor,
+    weight: &Tensor,
+    split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
     let (states, s_len, channels) = x_state.dims3()?;
     let (b_sz, t_len, b_channels) = x_branches.dims3()?;
     let (w_channels, k) = weight.dims2()?;
-    rows.check_parts("causal-conv1d-split", x_state, x_branches)?;
+    split.check_parts("causal-conv1d-split", x_state, x_branches)?;
     if b_channels != channels || w_channels != channels || k < 2 {
         bail!(
             "causal-conv1d-split: state {:?} / branches {:?} do not fit weight {:?}",
@@ -357,10 +386,10 @@ pub fn causal_conv1d_split(
     if !x_state.device().is_cuda() || states * s_len == 0 || b_sz * t_len == 0 {
         return Ok(None);
     }
-    let out = as_rows(x_state)?.apply_op3_no_bwd(
-        &as_rows(x_branches)?,
+    let out = as_row_view(x_state)?.apply_op3_no_bwd(
+        &as_row_view(x_branches)?,
         &weight.contiguous()?,
-        &CausalConv1dSplit(rows.clone()),
+        &CausalConv1dSplit(split.clone()),
     )?;
     Ok(Some(out))
 }

@@ -3,23 +3,10 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaStorage, Device, Layout, Result, Tensor};
+use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-use crate::backend::cuda::gpu::gpu;
 use crate::backend::cuda::kernel::{contiguous, cuda_of, Kernel};
 use crate::backend::cuda::sources::{FLASH_ATTENTION, FLASH_ROWS, FLASH_SMEM, FLASH_THREADS};
-
-/// The multiprocessor count of `device` where it runs [`flash_attention`]'s kernel: a CUDA GPU
-/// with tensor cores and room for the kernel's shared memory in a block.
-pub(crate) fn flash_multiprocessors(device: &Device) -> Option<usize> {
-    match device {
-        Device::Cuda(dev) => gpu(dev)
-            .ok()
-            .filter(|g| g.tensor_cores && g.shared_memory_per_block >= FLASH_SMEM as usize)
-            .map(|g| g.multiprocessors),
-        _ => None,
-    }
-}
 
 /// A flash-attention key or value source: a bf16 view from its start, and its strides (in
 /// elements) of rows, heads and steps.

@@ -18,12 +18,12 @@
 // causal compare.
 #if __CUDA_ARCH__ >= 800
 
-// From the launcher (-D defines, backend/cuda/sources.rs): FA_HD the head dim, FA_BM query rows
-// per block, FA_THREADS, FA_SMEM the dynamic shared memory (101632 bytes, checked below).
-#define FA_BN 64                  // keys per tile
-#define FA_P (FA_HD + 8)          // tile pitch (elements): 528 bytes ≡ 16 (mod 128), see ldsm4
-static_assert(FA_SMEM == 3 * FA_BM * FA_P * 2 + FA_BN * 4, "FA_SMEM: the Q, K and V tiles and the key bias");
-#define FA_NEG_INF __int_as_float(0xff800000)
+// From the launcher (-D defines, backend/cuda/sources.rs): FLASH_HEAD_DIM the head dim, FLASH_ROWS query rows
+// per block, FLASH_THREADS, FLASH_SMEM the dynamic shared memory (101632 bytes, checked below).
+#define FLASH_KEYS 64                  // keys per tile
+#define FLASH_PITCH (FLASH_HEAD_DIM + 8)          // tile pitch (elements): 528 bytes ≡ 16 (mod 128), see ldsm4
+static_assert(FLASH_SMEM == 3 * FLASH_ROWS * FLASH_PITCH * 2 + FLASH_KEYS * 4, "FLASH_SMEM: the Q, K and V tiles and the key bias");
+#define FLASH_NEG_INF __int_as_float(0xff800000)
 
 struct FaSource {
     const bf16_t* p;
@@ -39,27 +39,27 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
                            int hkv, int T, int S, int L, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smb[];
     bf16_t* q_s = reinterpret_cast<bf16_t*>(smb);
-    bf16_t* k_s = q_s + FA_BM * FA_P;
-    bf16_t* v_s = k_s + FA_BN * FA_P;
-    float* bias_s = reinterpret_cast<float*>(v_s + FA_BN * FA_P);
+    bf16_t* k_s = q_s + FLASH_ROWS * FLASH_PITCH;
+    bf16_t* v_s = k_s + FLASH_KEYS * FLASH_PITCH;
+    float* bias_s = reinterpret_cast<float*>(v_s + FLASH_KEYS * FLASH_PITCH);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int b = blockIdx.z, kvh = blockIdx.y, rep = hq / hkv;
-    const int rows = rep * T, r0 = blockIdx.x * FA_BM;
+    const int rows = rep * T, r0 = blockIdx.x * FLASH_ROWS;
     const long past_row = owners ? (long)owners[b] : (long)b;
     const int keys = S + L, seen0 = S + L - T;  // query t sees keys j < seen0 + t + 1
     // Loads: a row is 32 16-byte columns, one a lane; warp w moves rows w, w + 4, ...
     const int col = 8 * lane;
 
     // The block's query rows (row r: head kvh·rep + r / T, step r % T), zeros past the last.
-    for (int rr = warp; rr < FA_BM; rr += FA_THREADS / 32) {
+    for (int rr = warp; rr < FLASH_ROWS; rr += FLASH_THREADS / 32) {
         const int r = r0 + rr;
         const bool ok = r < rows;
         const bf16_t* src =
-            ok ? q + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FA_HD + col : q;
-        cp_async16(&q_s[rr * FA_P + col], src, ok ? 16 : 0);
+            ok ? q + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FLASH_HEAD_DIM + col : q;
+        cp_async16(&q_s[rr * FLASH_PITCH + col], src, ok ? 16 : 0);
     }
     // The key loop's end: the last row's keys (all T steps where the block spans two heads).
-    const int last = min(r0 + FA_BM, rows) - 1;
+    const int last = min(r0 + FLASH_ROWS, rows) - 1;
     const int t_max = (r0 / T == last / T) ? last % T : T - 1;
     const int kv_end = min(keys, seen0 + t_max + 1);
     // This thread's two rows (g, g + 8 of its warp's 16): the last key each sees (−1: a row past
@@ -80,66 +80,66 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
     const bf16_t* kn0 = kn.p + b * kn.row + kvh * kn.head + col;
     const bf16_t* vn0 = vn.p + b * vn.row + kvh * vn.head + col;
 
-    float o[FA_HD / 8][4];
+    float o[FLASH_HEAD_DIM / 8][4];
     #pragma unroll
-    for (int n = 0; n < FA_HD / 8; n++)
+    for (int n = 0; n < FLASH_HEAD_DIM / 8; n++)
         #pragma unroll
         for (int i = 0; i < 4; i++) o[n][i] = 0.f;
-    float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.f, 0.f};
-    const bf16_t* qa = ldsm_a(q_s, FA_P, 16 * warp, lane);
-    const bf16_t* kb = ldsm_b2(k_s, FA_P, 0, lane);
+    float m[2] = {FLASH_NEG_INF, FLASH_NEG_INF}, l[2] = {0.f, 0.f};
+    const bf16_t* qa = ldsm_a(q_s, FLASH_PITCH, 16 * warp, lane);
+    const bf16_t* kb = ldsm_b2(k_s, FLASH_PITCH, 0, lane);
     // V is stored [key][dim]: its B fragments come transposed (ldsm4t), tiles keys +0/+8, then
     // dims +8.
-    const bf16_t* vb = v_s + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FA_P + 8 * (lane >> 4);
+    const bf16_t* vb = v_s + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FLASH_PITCH + 8 * (lane >> 4);
 
-    for (int kv0 = 0; kv0 < kv_end; kv0 += FA_BN) {
+    for (int kv0 = 0; kv0 < kv_end; kv0 += FLASH_KEYS) {
         __syncthreads();  // the previous tile is consumed
-        for (int jj = warp; jj < FA_BN; jj += FA_THREADS / 32) {
+        for (int jj = warp; jj < FLASH_KEYS; jj += FLASH_THREADS / 32) {
             const int j = kv0 + jj;
             const bool ok = j < kv_end, past = j < S;
             const bf16_t* ks = past ? kp0 + j * kp.step : kn0 + (j - S) * kn.step;
             const bf16_t* vs = past ? vp0 + j * vp.step : vn0 + (j - S) * vn.step;
-            cp_async16(&k_s[jj * FA_P + col], ok ? ks : q, ok ? 16 : 0);
-            cp_async16(&v_s[jj * FA_P + col], ok ? vs : q, ok ? 16 : 0);
+            cp_async16(&k_s[jj * FLASH_PITCH + col], ok ? ks : q, ok ? 16 : 0);
+            cp_async16(&v_s[jj * FLASH_PITCH + col], ok ? vs : q, ok ? 16 : 0);
         }
         cp_async_commit();
-        if (tid < FA_BN) {
+        if (tid < FLASH_KEYS) {
             const int j = kv0 + tid;
-            bias_s[tid] = j < kv_end ? bias[(long)b * keys + j] * 1.4426950408889634f : FA_NEG_INF;
+            bias_s[tid] = j < kv_end ? bias[(long)b * keys + j] * 1.4426950408889634f : FLASH_NEG_INF;
         }
         cp_async_wait<0>();
         __syncthreads();
 
         // S = Q·Kᵀ for this warp's 16 rows and the tile's 64 keys.
-        float s[FA_BN / 8][4];
+        float s[FLASH_KEYS / 8][4];
         #pragma unroll
-        for (int n = 0; n < FA_BN / 8; n++)
+        for (int n = 0; n < FLASH_KEYS / 8; n++)
             #pragma unroll
             for (int i = 0; i < 4; i++) s[n][i] = 0.f;
         #pragma unroll
-        for (int k0 = 0; k0 < FA_HD; k0 += 16) {
+        for (int k0 = 0; k0 < FLASH_HEAD_DIM; k0 += 16) {
             unsigned a[4];
             ldsm4(a, qa + k0);
             #pragma unroll
-            for (int n = 0; n < FA_BN / 8; n += 2) {
+            for (int n = 0; n < FLASH_KEYS / 8; n += 2) {
                 unsigned bf[4];
-                ldsm4(bf, kb + 8 * n * FA_P + k0);
+                ldsm4(bf, kb + 8 * n * FLASH_PITCH + k0);
                 mma16(s[n], a, {bf[0], bf[1]});
                 mma16(s[n + 1], a, {bf[2], bf[3]});
             }
         }
         // Scaled to base 2 with the bias, masked where the tile passes a row's last key, and the
         // rows' running maxima (a row's 4 lanes agree).
-        const bool masked = kv0 + FA_BN - 1 > warp_lim;
+        const bool masked = kv0 + FLASH_KEYS - 1 > warp_lim;
         float mx[2] = {m[0], m[1]};
         #pragma unroll
-        for (int n = 0; n < FA_BN / 8; n++) {
+        for (int n = 0; n < FLASH_KEYS / 8; n++) {
             const float2 bj = *reinterpret_cast<const float2*>(&bias_s[8 * n + 2 * c]);
             #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int jj = 8 * n + 2 * c + (i & 1), h = i >> 1;
                 float v = s[n][i] * scale_log2 + ((i & 1) ? bj.y : bj.x);
-                if (masked && kv0 + jj > lim[h]) v = FA_NEG_INF;
+                if (masked && kv0 + jj > lim[h]) v = FLASH_NEG_INF;
                 s[n][i] = v;
                 mx[h] = fmaxf(mx[h], v);
             }
@@ -149,7 +149,7 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
         for (int h = 0; h < 2; h++) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            base[h] = mx[h] == FA_NEG_INF ? 0.f : mx[h];  // no key seen yet: keep zeros
+            base[h] = mx[h] == FLASH_NEG_INF ? 0.f : mx[h];  // no key seen yet: keep zeros
             alpha[h] = exp2f(m[h] - base[h]);
             m[h] = mx[h];
             l[h] *= alpha[h];
@@ -157,14 +157,14 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
         // Rescaled only when a row's maximum rose (in a causal state's later tiles it rarely does).
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
             #pragma unroll
-            for (int n = 0; n < FA_HD / 8; n++)
+            for (int n = 0; n < FLASH_HEAD_DIM / 8; n++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) o[n][i] *= alpha[i >> 1];
         }
         // P = 2^(S − max), summed in f32 and rounded to bf16 as the A operand of P·V: n-tiles
         // 2kk and 2kk + 1 of S are k-step kk's A fragment.
         #pragma unroll
-        for (int kk = 0; kk < FA_BN / 16; kk++) {
+        for (int kk = 0; kk < FLASH_KEYS / 16; kk++) {
             float p[2][4];
             #pragma unroll
             for (int u = 0; u < 2; u++)
@@ -176,9 +176,9 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
             const unsigned a[4] = {bf16x2(p[0][0], p[0][1]), bf16x2(p[0][2], p[0][3]),
                                    bf16x2(p[1][0], p[1][1]), bf16x2(p[1][2], p[1][3])};
             #pragma unroll
-            for (int n = 0; n < FA_HD / 8; n += 2) {
+            for (int n = 0; n < FLASH_HEAD_DIM / 8; n += 2) {
                 unsigned bf[4];
-                ldsm4t(bf, vb + 16 * kk * FA_P + 8 * n);
+                ldsm4t(bf, vb + 16 * kk * FLASH_PITCH + 8 * n);
                 mma16(o[n], a, {bf[0], bf[1]});
                 mma16(o[n + 1], a, {bf[2], bf[3]});
             }
@@ -193,15 +193,15 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         const int r = r0 + 16 * warp + g + 8 * h;
         if (r >= rows) continue;
-        bf16_t* dst = out + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FA_HD;
+        bf16_t* dst = out + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FLASH_HEAD_DIM;
         #pragma unroll
-        for (int n = 0; n < FA_HD / 8; n++)
+        for (int n = 0; n < FLASH_HEAD_DIM / 8; n++)
             *reinterpret_cast<unsigned*>(dst + 8 * n + 2 * c) =
                 bf16x2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_attn_bf16(
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 2) flash_attn_bf16(
     const bf16_t* q, const bf16_t* kp, long kp_row, long kp_head, long kp_step, const bf16_t* vp,
     long vp_row, long vp_head, long vp_step, const unsigned* owners, const bf16_t* kn,
     long kn_row, long kn_head, long kn_step, const bf16_t* vn, long vn_row, long vn_head,

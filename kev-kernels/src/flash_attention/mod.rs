@@ -17,6 +17,8 @@ mod metal;
 
 use candle_core::{bail, CustomOp3, DType, Result, Tensor};
 
+use crate::backend::cuda::cuda_gpu;
+use crate::backend::cuda::sources::FLASH_SMEM;
 use crate::gather::RowIndex;
 
 /// The one head dim the CUDA kernel is built for (Qwen3.5's full attention).
@@ -26,10 +28,10 @@ pub use crate::backend::cuda::sources::FLASH_HEAD_DIM;
 const FLASH_METAL_MAX_HEAD_DIM: usize = 256;
 
 /// The keys and values a step's queries see before their own: `[R, Hkv, S, hd]` each (any
-/// strides with contiguous head dims, rows starting at 16-byte boundaries, else the op
-/// declines), row `owners[b]` for batch row b.
+/// strides with contiguous head dims; the flash kernel reads them in place where rows start at
+/// 16-byte boundaries), row `owners[b]` for batch row b.
 #[derive(Clone, Copy)]
-pub struct FlashPast<'a> {
+pub struct AttentionPast<'a> {
     pub k: &'a Tensor,
     pub v: &'a Tensor,
     pub owners: &'a RowIndex,
@@ -48,7 +50,7 @@ impl CustomOp3 for FlashAttention {
         "flash-attention"
     }
 
-    cuda_only_cpu_fwd!("flash-attention: CUDA and Metal only (the wrapper declines on the CPU)", _a _la, _b _lb, _c _lc);
+    cuda_only_cpu_fwd!("flash-attention: CUDA and Metal only (causal_attention composes on the CPU)", _a _la, _b _lb, _c _lc);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -94,26 +96,16 @@ fn readable(t: &Tensor) -> bool {
         && s[..3].iter().all(|s| s.is_multiple_of(8))
 }
 
-/// `softmax(q·kᵀ·scale + key_bias)·v` with causality, for `q: [B, Hq, T, hd]` (contiguous) and
-/// this step's `k`, `v: [B, Hkv, L, hd]` (any strides with contiguous head dims): query t sees
-/// the past's S keys and its own first L − T + t + 1; `key_bias: [B, S + L]` f32 is added to the
-/// scaled scores. Returns `[B, Hq, T, hd]`, or `None` where no kernel runs: the caller then
-/// composes matmuls and [`crate::causal_softmax`]. CUDA declines without tensor cores and 101 KB
-/// of shared memory a block, for another dtype than bf16, hd ≠ 256, q not contiguous, views not
-/// at 16-byte boundaries, no rows or queries, a grid over CUDA's limits; Metal (`metal.rs`, every
-/// step in f32) for hd > 256, q not contiguous, head dims not contiguous, no rows or queries;
-/// the CPU always. A query row that sees no key
-/// (all masked) gets zeros, where the softmax would give NaN; Kev's rows always hold a real
-/// token. Errors name shapes or devices that do not fit.
-pub fn flash_attention(
+/// The shapes, dtypes and devices of [`crate::causal_attention`]'s inputs (errors named
+/// `name`); returns the past's steps S (0 without a past).
+pub(crate) fn check(
+    name: &str,
     q: &Tensor,
-    past: Option<FlashPast>,
+    past: Option<&AttentionPast>,
     k: &Tensor,
     v: &Tensor,
     key_bias: &Tensor,
-    scale: f64,
-) -> Result<Option<Tensor>> {
-    let name = "flash-attention";
+) -> Result<usize> {
     let (b_sz, hq, t_len, hd) = q.dims4()?;
     let (kb, hkv, l_len, khd) = k.dims4()?;
     if v.dims() != k.dims() || kb != b_sz || khd != hd || hkv == 0 || hq % hkv != 0 {
@@ -127,7 +119,7 @@ pub fn flash_attention(
     if t_len > l_len {
         bail!("{name}: {t_len} queries for {l_len} keys of their own")
     }
-    let s_len = match &past {
+    let s_len = match past {
         Some(p) => {
             let (rows, h, s, d) = p.k.dims4()?;
             if p.v.dims() != p.k.dims() || h != hkv || d != hd {
@@ -153,23 +145,55 @@ pub fn flash_attention(
             s_len + l_len
         )
     }
-    let mut operands = vec![q, k, v];
-    let mut others = vec![key_bias];
-    if let Some(p) = &past {
-        operands.extend([p.k, p.v]);
-        others.push(p.owners.tensor());
+    let mut others = vec![k, v, key_bias];
+    if let Some(p) = past {
+        others.extend([p.k, p.v, p.owners.tensor()]);
     }
-    if let Some(t) = operands
-        .iter()
-        .chain(&others)
-        .find(|t| !t.device().same_device(q.device()))
-    {
+    if let Some(t) = others.iter().find(|t| !t.device().same_device(q.device())) {
         bail!(
             "{name}: a {:?} input on {:?} with queries on {:?}",
             t.dims(),
             t.device().location(),
             q.device().location()
         )
+    }
+    Ok(s_len)
+}
+
+/// `softmax(q·kᵀ·scale + key_bias)·v` with causality in one kernel, for the inputs of
+/// [`crate::causal_attention`] (which says what they are), or `None` where the kernel does not
+/// run (not a CUDA GPU with tensor cores and 101 KB of shared memory a block, not bf16,
+/// hd ≠ 256, q not contiguous, views not at 16-byte boundaries, no rows or queries, a grid over
+/// CUDA's limits). A query row that sees no key (all masked) gets zeros, where the softmax would
+/// give NaN; Kev's rows always hold a real token. Public through [`crate::testing`], for the
+/// tests that it runs where it should.
+pub fn flash_attention(
+    q: &Tensor,
+    past: Option<AttentionPast>,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    let s_len = check("flash-attention", q, past.as_ref(), k, v, key_bias)?;
+    flash_attention_checked(q, past, k, v, key_bias, scale, s_len)
+}
+
+/// [`flash_attention`] on inputs [`check`] passed, with the past's `s_len` steps.
+pub(crate) fn flash_attention_checked(
+    q: &Tensor,
+    past: Option<AttentionPast>,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    scale: f64,
+    s_len: usize,
+) -> Result<Option<Tensor>> {
+    let (b_sz, hq, t_len, hd) = q.dims4()?;
+    let (_, hkv, l_len, _) = k.dims4()?;
+    let mut operands = vec![q, k, v];
+    if let Some(p) = &past {
+        operands.extend([p.k, p.v]);
     }
     let cuda_runs = flash_multiprocessors(q).is_some()
         && hd == FLASH_HEAD_DIM
@@ -208,24 +232,22 @@ pub fn flash_attention(
 /// The multiprocessor count of `t`'s device where it runs the kernel: a CUDA GPU with tensor
 /// cores and the kernel's shared memory (101 KB a block; sm_86/89 allow 99 KB).
 fn flash_multiprocessors(t: &Tensor) -> Option<usize> {
-    #[cfg(feature = "cuda")]
-    return cuda::flash_multiprocessors(t.device());
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = t;
-        None
-    }
+    cuda_gpu(t.device())
+        .filter(|g| g.tensor_cores && g.shared_memory_per_block >= FLASH_SMEM as usize)
+        .map(|g| g.multiprocessors)
 }
 
-/// Whether [`flash_attention`] of `q: [B, Hq, T, hd]` over `num_kv_heads` is worth running: a
+/// Whether the flash kernel on `q: [B, Hq, T, hd]` over `num_kv_heads` is worth running: a
 /// CUDA GPU with tensor cores, given at least as many of the kernel's blocks (64 query rows of
 /// one kv head) as it has multiprocessors. A block walks its keys one tile after another, so a
 /// small grid leaves multiprocessors idle where the matmuls spread the same work: one 0.8B
 /// request (64 and 24 blocks) measured 4.01–4.05 ms with the matmuls and 4.10–4.14 with the
 /// kernel, eight records (512 and 768 blocks) 19.3–19.6 and 18.7–19.0.
+/// [`crate::causal_attention`] takes the kernel where this holds; a caller keeping values for
+/// later calls asks it too: the kernel reads them as views, the matmuls contiguous.
 ///
-/// On Metal: always (where [`flash_attention`] runs), one dispatch in place of the two matmuls,
-/// the softmax and the copies between them; not measured against them on Apple hardware.
+/// On Metal: always (where the kernel runs), one dispatch in place of the two matmuls, the
+/// softmax and the copies between them; not measured against them on Apple hardware.
 pub fn flash_attention_fills_gpu(q: &Tensor, num_kv_heads: usize) -> Result<bool> {
     if q.device().is_metal() {
         return Ok(true);

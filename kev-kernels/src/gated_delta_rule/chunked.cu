@@ -1,6 +1,6 @@
 // The gated delta rule, chunked (docs/BACKBONE.md §8.2), two kernels. The step-by-step kernel
 // (recurrent.cu) is bound by one step's latency; this form does the same work as small dense products
-// per chunk of CH steps, so a row of T steps is T/CH sequential rounds instead of T.
+// per chunk of CHUNK steps, so a row of T steps is T/CHUNK sequential rounds instead of T.
 //
 // Per (batch row, value head) and chunk, with G_t = Σ_{s≤t} g_s inside the chunk and S the state
 // at the chunk start (k̂, q̂ l2-normalised, q̂ scaled by 1/√Dk, as in the recurrent kernel):
@@ -18,25 +18,25 @@
 // float4 from shared memory): with one output per thread the kernels were bound by shared-memory
 // bandwidth and ran slower than the step-by-step kernel.
 //
-// gdrc_prep_<dtype>: grid = (NC, B·Hv), block = 128, dynamic shared memory PREP_SMEM. One block
+// gdrc_prep_<dtype>: grid = (NC, B·Hv), block = 128, dynamic shared memory PREPARE_SMEM. One block
 //   per chunk writes what does not depend on S to f32 scratch, per (row·head, chunk) `c`:
-//   wt [c][128][CH] Wᵀ,  qt [c][128][CH] Q'ᵀ,  kd [c][CH][128] K',  at [c][CH][CH] Aqkᵀ (zero where
-//   s > t),  u [c][CH][Dv] U,  gtot [c] e^{G_CH}.
+//   wt [c][128][CHUNK] Wᵀ,  qt [c][128][CHUNK] Q'ᵀ,  kd [c][CHUNK][128] K',  at [c][CHUNK][CHUNK] Aqkᵀ (zero where
+//   s > t),  u [c][CHUNK][Dv] U,  gtot [c] e^{G_CH}.
 // gdrc_scan_<dtype>: grid = (ceil(Dv/32), B·Hv), block = 128, dynamic shared memory SCAN_SMEM.
 //   One block per 32 state columns walks the chunks in order; S lives in registers (an 8×4 tile
 //   per thread) and is mirrored to shared memory as the operand of W·S and Q'·S.
 // gdrc_prep_tc_<dtype>, gdrc_scan_tc{64,,16}_<dtype> (bf16/f16, compute capability ≥ 8.0): the
-//   same on tensor cores, PREP_TC_SMEM and ScanTc<NCOL>::BYTES; the scan with NCOL = 64, 32 or 16
+//   same on tensor cores, PREPARE_MMA_SMEM and ScanTc<NCOL>::BYTES; the scan with NCOL = 64, 32 or 16
 //   columns per block (grid.x = ceil(Dv/NCOL)), W, Q' and Aqk by rows and K' transposed in
 //   scratch (for ldmatrix), in bf16. See the tensor-core section below.
 
-// From the launcher (-D defines, backend/cuda/sources.rs): CH steps per chunk, CH_THREADS
-// threads of the FMA kernels, TC_THREADS of the tensor-core kernels (8 warps share a chunk's
-// work, so one block, what a short call has per multiprocessor, issues from every scheduler), DM
+// From the launcher (-D defines, backend/cuda/sources.rs): CHUNK steps per chunk, FMA_THREADS
+// threads of the FMA kernels, MMA_THREADS of the tensor-core kernels (8 warps share a chunk's
+// work, so one block, what a short call has per multiprocessor, issues from every scheduler), MAX_DIM
 // the padded Dk and Dv; the shared memory of each kernel (checked against the layouts below);
 // the SCAN_* mode bits and L2NORM_EPS.
-#define A_P 36           // row pitch of A [CH][CH]: rows float4-aligned for the solve's loads
-#define TP (CH + 4)      // row pitch of [DM][CH] tiles: float4-aligned, rows in different banks
+#define A_P 36           // row pitch of A [CHUNK][CHUNK]: rows float4-aligned for the solve's loads
+#define TP (CHUNK + 4)      // row pitch of [MAX_DIM][CHUNK] tiles: float4-aligned, rows in different banks
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float a, float b, float c, float d) {
@@ -54,9 +54,9 @@ __device__ __forceinline__ void outer4(float (&acc)[4][4], const float4& x, cons
 }
 
 // Where step 1 of a preparation kernel puts a chunk's inputs in shared memory: q̂ᵀ and k̂ᵀ
-// [DM][tp] in f32 (qT, kT), or q and k as loaded, 16-bit, with their norms' factors qn, kn [CH]
-// (q16, k16, swizzled: see swz below); k̂ [CH][kp] (optional), v [CH][vp], and G, β, β·e^G [CH]
-// each; optionally e^G and e^{G_CH−G} [CH] each (eg, egc), so later steps read the chunk's
+// [MAX_DIM][tp] in f32 (qT, kT), or q and k as loaded, 16-bit, with their norms' factors qn, kn [CHUNK]
+// (q16, k16, swizzled: see swz below); k̂ [CHUNK][kp] (optional), v [CHUNK][vp], and G, β, β·e^G [CHUNK]
+// each; optionally e^G and e^{G_CH−G} [CHUNK] each (eg, egc), so later steps read the chunk's
 // decays instead of recomputing them per element.
 struct StepTiles {
     float *qT, *kT, *kr, *vr, *g, *beta, *bg, *eg, *egc;
@@ -77,7 +77,7 @@ __device__ __forceinline__ unsigned short bits16(unsigned short x) { return x; }
 __device__ __forceinline__ unsigned short bits16(float) { return 0; }
 
 // The end of step 1: the cumulative G and β·e^G (and e^G, e^{G_CH−G}) from the chunk's g and β,
-// as a warp scan, a lane per step (CH = 32). Ends with the block synchronised.
+// as a warp scan, a lane per step (CHUNK = 32). Ends with the block synchronised.
 __device__ __forceinline__ void chunk_decays(const StepTiles& s) {
     const int lane = threadIdx.x % 32;
     if (threadIdx.x / 32 == 0) {
@@ -92,7 +92,7 @@ __device__ __forceinline__ void chunk_decays(const StepTiles& s) {
         s.bg[lane] = s.beta[lane] * e;
         if (s.eg) {
             s.eg[lane] = e;
-            s.egc[lane] = expf(__shfl_sync(0xffffffffu, acc, CH - 1) - acc);
+            s.egc[lane] = expf(__shfl_sync(0xffffffffu, acc, CHUNK - 1) - acc);
         }
     }
     __syncthreads();
@@ -103,7 +103,7 @@ __device__ __forceinline__ void chunk_decays(const StepTiles& s) {
 // then the cumulative G and β·e^G. Ends with the block synchronised. UNROLL: steps a warp has
 // in flight (1 in the tensor-core preparation, whose four blocks per multiprocessor leave no
 // registers for more and hide the loads' latency with one another).
-template <typename D, int NTHREADS, int UNROLL = CH / (NTHREADS / 32)>
+template <typename D, int NTHREADS, int UNROLL = CHUNK / (NTHREADS / 32)>
 __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv,
                                            const float* __restrict__ gb, const StepTiles& s,
                                            int T, int len, int t0, int b, int h, int kh, int hk,
@@ -112,7 +112,7 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
     const int channels = 2 * hk * dk + hv * dv;
     const float scale = rsqrtf((float)dk);
     #pragma unroll UNROLL
-    for (int step = 0; step < CH / (NTHREADS / 32); step++) {
+    for (int step = 0; step < CHUNK / (NTHREADS / 32); step++) {
         const int i = warp + step * (NTHREADS / 32), t = t0 + i;
         const bool valid = t < len;
         const typename D::T* row = qkv + ((size_t)b * T + (valid ? t : 0)) * channels;
@@ -199,7 +199,7 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
                                                 const StepTiles& s, int T, int len, int t0, int b,
                                                 int h, int kh, int hk, int hv, int dk, int dv) {
     typedef typename D::T E;
-    constexpr int RUN = 4, RUNS = CH / RUN, NCH = 4;
+    constexpr int RUN = 4, RUNS = CHUNK / RUN, NCH = 4;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const E* x = qkv + (size_t)b * T * cv.pitch;
     const E* hist = nullptr;
@@ -217,15 +217,15 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
         return hist && hist_end + t >= 0 ? hist + (size_t)(hist_end + t) * cv.hist_pitch : nullptr;
     };
     // Tile rows past Dk and columns past Dv are zeros, as load_chunk leaves them.
-    for (int e = tid; e < (DM - dk) * CH; e += TC_THREADS) {
-        const int r = dk + e / CH, i = e % CH;
+    for (int e = tid; e < (MAX_DIM - dk) * CHUNK; e += MMA_THREADS) {
+        const int r = dk + e / CHUNK, i = e % CHUNK;
         s.q16[r * s.tp + swz(r, i)] = 0;
         s.k16[r * s.tp + swz(r, i)] = 0;
     }
-    for (int e = tid; e < (DM - dv) * CH; e += TC_THREADS) s.vr[(e % CH) * s.vp + dv + e / CH] = 0.f;
+    for (int e = tid; e < (MAX_DIM - dv) * CHUNK; e += MMA_THREADS) s.vr[(e % CHUNK) * s.vp + dv + e / CHUNK] = 0.f;
     const int gk = dk / NCH, gv = dv / NCH, nqk = 2 * gk * RUNS;
     #pragma unroll 1
-    for (int item = tid; item < nqk + gv * RUNS; item += TC_THREADS) {
+    for (int item = tid; item < nqk + gv * RUNS; item += MMA_THREADS) {
         const bool is_v = item >= nqk;
         const int grp = is_v ? (item - nqk) % gv : item / RUNS;  // of NCH channels
         const int i0 = RUN * (is_v ? (item - nqk) / gv : item % RUNS);
@@ -283,7 +283,7 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
     // sums them; g and β.
     const float scale = rsqrtf((float)dk);
     #pragma unroll 1
-    for (int i = warp; i < CH; i += TC_THREADS / 32) {
+    for (int i = warp; i < CHUNK; i += MMA_THREADS / 32) {
         float qq = 0.f, kk = 0.f;
         #pragma unroll
         for (int xi = 0; xi < 4; xi++) {
@@ -315,9 +315,9 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
 // and adds nothing). Two partial sums (even and odd s) halve the chain of dependent FMAs.
 // Written transposed: tT[j·tp + i] = Tm[i][j].
 __device__ __forceinline__ void solve_unit_lower(const float* a, float* tT, int tp, int lane) {
-    float x[CH];
+    float x[CHUNK];
     #pragma unroll
-    for (int i = 0; i < CH; i++) {
+    for (int i = 0; i < CHUNK; i++) {
         float even = i == lane ? 1.f : 0.f, odd = 0.f;
         #pragma unroll
         for (int s = 0; s < i; s += 4) {
@@ -330,7 +330,7 @@ __device__ __forceinline__ void solve_unit_lower(const float* a, float* tT, int 
         x[i] = even + odd;
     }
     #pragma unroll
-    for (int i = 0; i < CH; i += 4) st4(&tT[lane * tp + i], x[i], x[i + 1], x[i + 2], x[i + 3]);
+    for (int i = 0; i < CHUNK; i += 4) st4(&tT[lane * tp + i], x[i], x[i + 1], x[i + 2], x[i + 3]);
 }
 
 // A scan's operands of one chunk (W, Q', K', Aqk in the kernel pair's layout, the block's NCOL
@@ -338,8 +338,8 @@ __device__ __forceinline__ void solve_unit_lower(const float* a, float* tT, int 
 // top of the next round: the loads' latency hides behind the products.
 template <int NCOL, int NTHREADS>
 struct ChunkOperands {
-    static constexpr int N4 = DM * CH / 4 / NTHREADS, NA = CH * CH / 4 / NTHREADS,
-                         NU = CH * NCOL / NTHREADS;
+    static constexpr int N4 = MAX_DIM * CHUNK / 4 / NTHREADS, NA = CHUNK * CHUNK / 4 / NTHREADS,
+                         NU = CHUNK * NCOL / NTHREADS;
     float4 w[N4], q[N4], k[N4], a[NA];
     float u[NU], gtot;
 
@@ -348,10 +348,10 @@ struct ChunkOperands {
                                           const float* __restrict__ atq,
                                           const float* __restrict__ gt, size_t c, int c0, int dv) {
         const int tid = threadIdx.x;
-        const float4* w4 = reinterpret_cast<const float4*>(wt + c * DM * CH);
-        const float4* q4 = reinterpret_cast<const float4*>(qt + c * DM * CH);
-        const float4* k4 = reinterpret_cast<const float4*>(kd + c * CH * DM);
-        const float4* a4 = reinterpret_cast<const float4*>(atq + c * CH * CH);
+        const float4* w4 = reinterpret_cast<const float4*>(wt + c * MAX_DIM * CHUNK);
+        const float4* q4 = reinterpret_cast<const float4*>(qt + c * MAX_DIM * CHUNK);
+        const float4* k4 = reinterpret_cast<const float4*>(kd + c * CHUNK * MAX_DIM);
+        const float4* a4 = reinterpret_cast<const float4*>(atq + c * CHUNK * CHUNK);
         #pragma unroll
         for (int j = 0; j < N4; j++) {
             w[j] = w4[tid + j * NTHREADS];
@@ -363,7 +363,7 @@ struct ChunkOperands {
         #pragma unroll
         for (int j = 0; j < NU; j++) {
             const int e = tid + j * NTHREADS, col = c0 + e % NCOL;
-            u[j] = col < dv ? u_[(c * CH + e / NCOL) * dv + col] : 0.f;
+            u[j] = col < dv ? u_[(c * CHUNK + e / NCOL) * dv + col] : 0.f;
         }
         gtot = gt[c];
     }
@@ -372,14 +372,14 @@ struct ChunkOperands {
 // Shared memory of the preparation kernel, in floats (offsets multiples of 4).
 // A and Tmᵀ live in the k̂ᵀ tile, which nothing reads after step 2: 70016 bytes, so three
 // blocks fit on an SM instead of two.
-#define P_QT 0                          // q̂ᵀ [DM][TP]
-#define P_KT (P_QT + DM * TP)           // k̂ᵀ [DM][TP] (steps 1–2)
-#define P_A P_KT                        // A [CH][A_P] (steps 2–3)
-#define P_TT (P_A + CH * A_P)           // Tmᵀ [CH][TP] (steps 3–4)
-#define P_K (P_KT + DM * TP)            // k̂ [CH][DM]
-#define P_V (P_K + CH * DM)             // v [CH][DM]
-#define P_G (P_V + CH * DM)             // G, β, β·e^G [CH] each
-// PREP_SMEM = (P_G + 3 * CH) * 4 = 70016 bytes.
+#define P_QT 0                          // q̂ᵀ [MAX_DIM][TP]
+#define P_KT (P_QT + MAX_DIM * TP)           // k̂ᵀ [MAX_DIM][TP] (steps 1–2)
+#define P_A P_KT                        // A [CHUNK][A_P] (steps 2–3)
+#define P_TT (P_A + CHUNK * A_P)           // Tmᵀ [CHUNK][TP] (steps 3–4)
+#define P_K (P_KT + MAX_DIM * TP)            // k̂ [CHUNK][MAX_DIM]
+#define P_V (P_K + CHUNK * MAX_DIM)             // v [CHUNK][MAX_DIM]
+#define P_G (P_V + CHUNK * MAX_DIM)             // G, β, β·e^G [CHUNK] each
+// PREPARE_SMEM = (P_G + 3 * CHUNK) * 4 = 70016 bytes.
 
 template <typename D>
 __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __restrict__ gb,
@@ -390,20 +390,20 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     extern __shared__ __align__(16) float sm[];
     float(*qT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_QT);
     float(*kT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_KT);
-    float(*kr)[DM] = reinterpret_cast<float(*)[DM]>(sm + P_K);
-    float(*vr)[DM] = reinterpret_cast<float(*)[DM]>(sm + P_V);
+    float(*kr)[MAX_DIM] = reinterpret_cast<float(*)[MAX_DIM]>(sm + P_K);
+    float(*vr)[MAX_DIM] = reinterpret_cast<float(*)[MAX_DIM]>(sm + P_V);
     float(*a)[A_P] = reinterpret_cast<float(*)[A_P]>(sm + P_A);
     float(*tT)[TP] = reinterpret_cast<float(*)[TP]>(sm + P_TT);
-    float *g_s = sm + P_G, *beta_s = g_s + CH, *bg_s = beta_s + CH;
+    float *g_s = sm + P_G, *beta_s = g_s + CHUNK, *bg_s = beta_s + CHUNK;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int chunk = blockIdx.x, nc = gridDim.x;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv, kh = h / (hv / hk);
     const int len = lengths ? min((int)lengths[b], T) : T;
-    const int t0 = chunk * CH;
+    const int t0 = chunk * CHUNK;
     const size_t c = (size_t)bh * nc + chunk;  // this chunk's scratch block
 
     // 1. q̂, k̂ (both layouts), v, g, β of the chunk's steps.
-    load_chunk<D, CH_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, nullptr, nullptr, TP, DM, DM, nullptr, nullptr, nullptr, nullptr},
+    load_chunk<D, FMA_THREADS>(qkv, gb, StepTiles{&qT[0][0], &kT[0][0], &kr[0][0], &vr[0][0], g_s, beta_s, bg_s, nullptr, nullptr, TP, MAX_DIM, MAX_DIM, nullptr, nullptr, nullptr, nullptr},
                   T, len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (threads 0–63) and Q̂K̂ᵀ (64–127), a 4×4 tile each → A (shared) and Aqkᵀ (global).
@@ -413,7 +413,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
         const float(*lhs)[TP] = is_k ? kT : qT;
         float acc[4][4] = {};
         #pragma unroll 4
-        for (int r = 0; r < DM; r++) {
+        for (int r = 0; r < MAX_DIM; r++) {
             outer4(acc, ld4(&lhs[r][ta]), ld4(&kT[r][sa]));
         }
         __syncthreads();  // A overwrites k̂ᵀ
@@ -426,7 +426,7 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
                 if (is_k)
                     a[t][s] = s < t ? beta_s[t] * decay * acc[p][q] : 0.f;
                 else
-                    atq[(c * CH + s) * CH + t] = decay * acc[p][q];
+                    atq[(c * CHUNK + s) * CHUNK + t] = decay * acc[p][q];
             }
         }
     }
@@ -436,14 +436,14 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
     if (warp == 0) {
         solve_unit_lower(&a[0][0], &tT[0][0], TP, lane);
     } else {
-        const float gc = g_s[CH - 1];
-        for (int e = tid - 32; e < DM * CH / 4; e += CH_THREADS - 32) {
-            const int r = e / (CH / 4), t = 4 * (e % (CH / 4));
-            st4(&qt[(c * DM + r) * CH + t], expf(g_s[t]) * qT[r][t], expf(g_s[t + 1]) * qT[r][t + 1],
+        const float gc = g_s[CHUNK - 1];
+        for (int e = tid - 32; e < MAX_DIM * CHUNK / 4; e += FMA_THREADS - 32) {
+            const int r = e / (CHUNK / 4), t = 4 * (e % (CHUNK / 4));
+            st4(&qt[(c * MAX_DIM + r) * CHUNK + t], expf(g_s[t]) * qT[r][t], expf(g_s[t + 1]) * qT[r][t + 1],
                 expf(g_s[t + 2]) * qT[r][t + 2], expf(g_s[t + 3]) * qT[r][t + 3]);
-            const int t2 = e / (DM / 4), r2 = 4 * (e % (DM / 4));
+            const int t2 = e / (MAX_DIM / 4), r2 = 4 * (e % (MAX_DIM / 4));
             const float f = expf(gc - g_s[t2]);
-            st4(&kd[(c * CH + t2) * DM + r2], f * kr[t2][r2], f * kr[t2][r2 + 1], f * kr[t2][r2 + 2],
+            st4(&kd[(c * CHUNK + t2) * MAX_DIM + r2], f * kr[t2][r2], f * kr[t2][r2 + 1], f * kr[t2][r2 + 2],
                 f * kr[t2][r2 + 3]);
         }
         if (tid == 32) gtot[c] = expf(gc);
@@ -457,10 +457,10 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
         const float* f = is_w ? bg_s : beta_s;
         float acc[4][16] = {};
         #pragma unroll 2
-        for (int s = 0; s < CH; s++) {
+        for (int s = 0; s < CHUNK; s++) {
             const float4 x = ld4(&tT[s][ta]);
             const float fs = f[s];
-            const float* brow = is_w ? &kr[s][ca] : &vr[s][ca - DM];
+            const float* brow = is_w ? &kr[s][ca] : &vr[s][ca - MAX_DIM];
             #pragma unroll
             for (int j4 = 0; j4 < 4; j4++) {
                 const float4 y = ld4(brow + 4 * j4);
@@ -475,28 +475,28 @@ __device__ void gdrc_prep(const typename D::T* __restrict__ qkv, const float* __
         if (is_w) {
             #pragma unroll
             for (int q = 0; q < 16; q++)
-                st4(&wt[(c * DM + ca + q) * CH + ta], acc[0][q], acc[1][q], acc[2][q], acc[3][q]);
+                st4(&wt[(c * MAX_DIM + ca + q) * CHUNK + ta], acc[0][q], acc[1][q], acc[2][q], acc[3][q]);
         } else {
             #pragma unroll
             for (int p = 0; p < 4; p++)
                 #pragma unroll
                 for (int q = 0; q < 16; q++) {
-                    const int col = ca - DM + q;
-                    if (col < dv) u[(c * CH + ta + p) * dv + col] = acc[p][q];
+                    const int col = ca - MAX_DIM + q;
+                    if (col < dv) u[(c * CHUNK + ta + p) * dv + col] = acc[p][q];
                 }
         }
     }
 }
 
 // Shared memory of the scan kernel, in floats.
-#define S_S 0                    // S [DM][32] (the block's columns)
-#define S_WT (S_S + DM * 32)     // Wᵀ [DM][CH]
-#define S_QT (S_WT + DM * CH)    // Q'ᵀ [DM][CH]
-#define S_K (S_QT + DM * CH)     // K' [CH][DM]
-#define S_AT (S_K + CH * DM)     // Aqkᵀ [CH][CH]
-#define S_U (S_AT + CH * CH)     // U [CH][32]
-#define S_D (S_U + CH * 32)      // Δ [CH][32]
-// SCAN_SMEM = (S_D + CH * 32) * 4 = 77824 bytes.
+#define S_S 0                    // S [MAX_DIM][32] (the block's columns)
+#define S_WT (S_S + MAX_DIM * 32)     // Wᵀ [MAX_DIM][CHUNK]
+#define S_QT (S_WT + MAX_DIM * CHUNK)    // Q'ᵀ [MAX_DIM][CHUNK]
+#define S_K (S_QT + MAX_DIM * CHUNK)     // K' [CHUNK][MAX_DIM]
+#define S_AT (S_K + CHUNK * MAX_DIM)     // Aqkᵀ [CHUNK][CHUNK]
+#define S_U (S_AT + CHUNK * CHUNK)     // U [CHUNK][32]
+#define S_D (S_U + CHUNK * 32)      // Δ [CHUNK][32]
+// SCAN_SMEM = (S_D + CHUNK * 32) * 4 = 77824 bytes.
 
 template <typename D>
 __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict__ u,
@@ -506,10 +506,10 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
                           int hv, int dk, int dv, int nc) {
     extern __shared__ __align__(16) float sm[];
     float(*s_s)[32] = reinterpret_cast<float(*)[32]>(sm + S_S);
-    float(*wt_s)[CH] = reinterpret_cast<float(*)[CH]>(sm + S_WT);
-    float(*qt_s)[CH] = reinterpret_cast<float(*)[CH]>(sm + S_QT);
-    float(*k_s)[DM] = reinterpret_cast<float(*)[DM]>(sm + S_K);
-    float(*at_s)[CH] = reinterpret_cast<float(*)[CH]>(sm + S_AT);
+    float(*wt_s)[CHUNK] = reinterpret_cast<float(*)[CHUNK]>(sm + S_WT);
+    float(*qt_s)[CHUNK] = reinterpret_cast<float(*)[CHUNK]>(sm + S_QT);
+    float(*k_s)[MAX_DIM] = reinterpret_cast<float(*)[MAX_DIM]>(sm + S_K);
+    float(*at_s)[CHUNK] = reinterpret_cast<float(*)[CHUNK]>(sm + S_AT);
     float(*u_s)[32] = reinterpret_cast<float(*)[32]>(sm + S_U);
     float(*d_s)[32] = reinterpret_cast<float(*)[32]>(sm + S_D);
     const int tid = threadIdx.x;
@@ -529,7 +529,7 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
             const int r = ra + p, col = c0 + cs + q;
             s[p][q] = r < dk && col < dv ? st[(size_t)r * dv + col] : 0.f;
         }
-    typedef ChunkOperands<32, CH_THREADS> Ops;
+    typedef ChunkOperands<32, FMA_THREADS> Ops;
     Ops next;  // the next chunk's operands, in flight while this one computes
     next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc, c0, dv);
     for (int chunk = 0; chunk < nc; chunk++) {
@@ -537,14 +537,14 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
         for (int p = 0; p < 8; p++) st4(&s_s[ra + p][cs], s[p][0], s[p][1], s[p][2], s[p][3]);
         #pragma unroll
         for (int k = 0; k < Ops::N4; k++) {
-            reinterpret_cast<float4*>(sm + S_WT)[tid + k * CH_THREADS] = next.w[k];
-            reinterpret_cast<float4*>(sm + S_QT)[tid + k * CH_THREADS] = next.q[k];
-            reinterpret_cast<float4*>(sm + S_K)[tid + k * CH_THREADS] = next.k[k];
+            reinterpret_cast<float4*>(sm + S_WT)[tid + k * FMA_THREADS] = next.w[k];
+            reinterpret_cast<float4*>(sm + S_QT)[tid + k * FMA_THREADS] = next.q[k];
+            reinterpret_cast<float4*>(sm + S_K)[tid + k * FMA_THREADS] = next.k[k];
         }
         #pragma unroll
-        for (int k = 0; k < Ops::NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * CH_THREADS] = next.a[k];
+        for (int k = 0; k < Ops::NA; k++) reinterpret_cast<float4*>(sm + S_AT)[tid + k * FMA_THREADS] = next.a[k];
         #pragma unroll
-        for (int k = 0; k < Ops::NU; k++) (&u_s[0][0])[tid + k * CH_THREADS] = next.u[k];
+        for (int k = 0; k < Ops::NU; k++) (&u_s[0][0])[tid + k * FMA_THREADS] = next.u[k];
         const float gc = next.gtot;
         __syncthreads();
         if (chunk + 1 < nc) next.fetch(wt, u, qt, kd, atq, gtot, (size_t)bh * nc + chunk + 1, c0, dv);
@@ -552,9 +552,9 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
         // Δ = U − W·S (threads 0–63), P = Q'·S (64–127).
         float acc[4][4] = {};
         {
-            const float(*lhs)[CH] = is_delta ? wt_s : qt_s;
+            const float(*lhs)[CHUNK] = is_delta ? wt_s : qt_s;
             #pragma unroll 4
-            for (int r = 0; r < DM; r++) {
+            for (int r = 0; r < MAX_DIM; r++) {
                 outer4(acc, ld4(&lhs[r][ta]), ld4(&s_s[r][ca]));
             }
         }
@@ -569,12 +569,12 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
         // O = P + Aqk·Δ (threads 64–127), stored.
         if (!is_delta) {
             #pragma unroll 4
-            for (int j = 0; j < CH; j++) {
+            for (int j = 0; j < CHUNK; j++) {
                 outer4(acc, ld4(&at_s[j][ta]), ld4(&d_s[j][ca]));
             }
             #pragma unroll
             for (int p = 0; p < 4; p++) {
-                const int tt = chunk * CH + ta + p;
+                const int tt = chunk * CHUNK + ta + p;
                 if (tt >= T) break;
                 typename D::T* o = out + (((size_t)b * T + tt) * hv + h) * dv;
                 #pragma unroll
@@ -588,7 +588,7 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
             #pragma unroll
             for (int q = 0; q < 4; q++) s[p][q] *= gc;
         #pragma unroll 4
-        for (int t = 0; t < CH; t++) {
+        for (int t = 0; t < CHUNK; t++) {
             const float4 k0 = ld4(&k_s[t][ra]), k1 = ld4(&k_s[t][ra + 4]), d = ld4(&d_s[t][cs]);
             #pragma unroll
             for (int p = 0; p < 4; p++)
@@ -622,8 +622,8 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
 // The preparation's scalar fragment loads read shared memory at pitches that put the 32 lanes in
 // 32 different banks: ≡ 8 (mod 32) for tiles read along their rows' index, ≡ 4 across it.
 // Scratch layout: each scan operand with k along its rows, as ldmatrix reads it (ldsm4 in mma.cuh), in
-// bf16: W and Q' by rows (wt, qt [c][CH][128]: the A operands of W·S and Q'·S), K'ᵀ (kd
-// [c][128][CH]: the A operand of the state update), Aqk by rows (at [c][CH][CH], the A operand
+// bf16: W and Q' by rows (wt, qt [c][CHUNK][128]: the A operands of W·S and Q'·S), K'ᵀ (kd
+// [c][128][CHUNK]: the A operand of the state update), Aqk by rows (at [c][CHUNK][CHUNK], the A operand
 // of Aqk·Δ); U by rows, in bf16 too (as flash-linear-attention keeps it: the scan rounds
 // Δ = U − W·S to bf16 anyway). e^{G_CH} in f32.
 
@@ -686,22 +686,22 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const unsigned sho
 // (their l2 norms are per-step factors applied to the products), half the bytes of f32 q̂ᵀ and
 // k̂ᵀ: 48512 bytes, four blocks per multiprocessor instead of three (68736 bytes with f32 tiles;
 // 64 registers a thread allow four).
-#define PT_P16 40                        // pitch of qᵀ, kᵀ [DM][..] (16-bit elements)
-#define PT_P 40                          // pitch of Tmᵀ [CH][..]
-#define PT_VP 136                        // pitch of v [CH][..]
+#define PT_P16 40                        // pitch of qᵀ, kᵀ [MAX_DIM][..] (16-bit elements)
+#define PT_P 40                          // pitch of Tmᵀ [CHUNK][..]
+#define PT_VP 136                        // pitch of v [CHUNK][..]
 #define PT_QT 0                          // qᵀ (16-bit)
-#define PT_KT (PT_QT + DM * PT_P16 / 2)  // kᵀ (16-bit)
-#define PT_A (PT_KT + DM * PT_P16 / 2)   // A [CH][A_P]
-#define PT_TT (PT_A + CH * A_P)          // Tmᵀ
-#define PT_V (PT_TT + CH * PT_P)         // v
-#define PT_G (PT_V + CH * PT_VP)         // G, β, β·e^G, e^G, e^{G_CH−G}, q's and k's norm
-                                         // factors [CH] each
-#define PT_WS 132                        // pitch of W [CH][..] on its way out in v's tile
-#define PT_QS 129                        // pitch of Q' [CH][..] on its way out from kᵀ's tile
+#define PT_KT (PT_QT + MAX_DIM * PT_P16 / 2)  // kᵀ (16-bit)
+#define PT_A (PT_KT + MAX_DIM * PT_P16 / 2)   // A [CHUNK][A_P]
+#define PT_TT (PT_A + CHUNK * A_P)          // Tmᵀ
+#define PT_V (PT_TT + CHUNK * PT_P)         // v
+#define PT_G (PT_V + CHUNK * PT_VP)         // G, β, β·e^G, e^G, e^{G_CH−G}, q's and k's norm
+                                         // factors [CHUNK] each
+#define PT_WS 132                        // pitch of W [CHUNK][..] on its way out in v's tile
+#define PT_QS 129                        // pitch of Q' [CHUNK][..] on its way out from kᵀ's tile
                                          // on (odd, so a lane per step stores to distinct banks)
-// PREP_TC_SMEM = (PT_G + 7 * CH) * 4 = 48512 bytes.
+// PREPARE_MMA_SMEM = (PT_G + 7 * CHUNK) * 4 = 48512 bytes.
 
-// TC_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
+// MMA_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
 // tiles per warp. The block prepares chunk `chunk` of (row · head) `bh` into scratch block `cb`.
 // CONV: `qkv` holds the raw rows `cv` describes, and step 1 runs the conv on them.
 template <typename D, bool CONV = false>
@@ -716,12 +716,12 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
     unsigned short* qT = reinterpret_cast<unsigned short*>(sm + PT_QT);
     unsigned short* kT = reinterpret_cast<unsigned short*>(sm + PT_KT);
     float *vr = sm + PT_V, *a_s = sm + PT_A, *tT = sm + PT_TT;
-    float *g_s = sm + PT_G, *beta_s = g_s + CH, *bg_s = beta_s + CH, *eg_s = bg_s + CH;
-    float *egc_s = eg_s + CH, *qn_s = egc_s + CH, *kn_s = qn_s + CH;
+    float *g_s = sm + PT_G, *beta_s = g_s + CHUNK, *bg_s = beta_s + CHUNK, *eg_s = bg_s + CHUNK;
+    float *egc_s = eg_s + CHUNK, *qn_s = egc_s + CHUNK, *kn_s = qn_s + CHUNK;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int b = bh / hv, h = bh % hv, kh = h / (hv / hk);
     const int len = lengths ? min((int)lengths[b], T) : T;
-    const int t0 = chunk * CH;
+    const int t0 = chunk * CHUNK;
     // The scan's operands, bf16 in the f32 scratch's parts (half of each part's floats).
     bf16_t *w16 = reinterpret_cast<bf16_t*>(wt), *q16 = reinterpret_cast<bf16_t*>(qt);
     bf16_t *k16 = reinterpret_cast<bf16_t*>(kd), *a16 = reinterpret_cast<bf16_t*>(atq);
@@ -732,7 +732,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
     if constexpr (CONV)
         load_chunk_conv<D>(qkv, cv, gb, tiles, T, len, t0, b, h, kh, hk, hv, dk, dv);
     else
-        load_chunk<D, TC_THREADS, 1>(qkv, gb, tiles, T, len, t0, b, h, kh, hk, hv, dk, dv);
+        load_chunk<D, MMA_THREADS, 1>(qkv, gb, tiles, T, len, t0, b, h, kh, hk, hv, dk, dv);
 
     // 2. K̂K̂ᵀ (warps 0–3) and Q̂K̂ᵀ (warps 4–7), 16 steps × 16 each → A (shared), Aqk (global):
     //    KKᵀ and QKᵀ of the loaded q, k, then the steps' norm factors.
@@ -741,7 +741,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
         const int mt = 16 * (warp % 2), nt = 16 * ((warp / 2) % 2);
         const float* lhs_n = is_k ? kn_s : qn_s;
         float acc[2][4] = {};
-        mma_16xn<D, DM, 2>(acc, is_k ? kT : qT, PT_P16, mt, kT + nt, PT_P16, g, c);  // swizzled
+        mma_16xn<D, MAX_DIM, 2>(acc, is_k ? kT : qT, PT_P16, mt, kT + nt, PT_P16, g, c);  // swizzled
         #pragma unroll
         for (int n = 0; n < 2; n++)
             #pragma unroll
@@ -760,7 +760,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
                 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     const int t = mt + g + 8 * hf, s = nt + 8 * n + 2 * c;
-                    *reinterpret_cast<unsigned*>(&a16[(cb * CH + t) * CH + s]) =
+                    *reinterpret_cast<unsigned*>(&a16[(cb * CHUNK + t) * CHUNK + s]) =
                         bf16x2(acc[n][2 * hf], acc[n][2 * hf + 1]);
                 }
     }
@@ -772,9 +772,9 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
         solve_unit_lower(a_s, tT, PT_P, lane);
     } else {
         if (warp == 1) bg_s[lane] *= kn_s[lane];
-        const float gc = g_s[CH - 1], kf = egc_s[lane] * kn_s[lane];
-        for (int r = warp - 1; r < DM; r += TC_THREADS / 32 - 1)
-            k16[(cb * DM + r) * CH + lane] = bf16r(kf * D::load(&kT[r * PT_P16 + swz(r, lane)]));
+        const float gc = g_s[CHUNK - 1], kf = egc_s[lane] * kn_s[lane];
+        for (int r = warp - 1; r < MAX_DIM; r += MMA_THREADS / 32 - 1)
+            k16[(cb * MAX_DIM + r) * CHUNK + lane] = bf16r(kf * D::load(&kT[r * PT_P16 + swz(r, lane)]));
         if (tid == 32) gtot[cb] = expf(gc);
     }
     __syncthreads();
@@ -791,7 +791,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
         const float* f = is_w ? bg_s : beta_s;
         float acc[2][4][4] = {};
         #pragma unroll
-        for (int k0 = 0; k0 < CH; k0 += 8) {
+        for (int k0 = 0; k0 < CHUNK; k0 += 8) {
             const float f0 = f[k0 + c], f1 = f[k0 + c + 4];
             unsigned a[2][4];
             #pragma unroll
@@ -828,7 +828,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
                 for (int i = 0; i < 4; i += 2) {
                     const int t = 16 * mi + g + 8 * (i / 2), col = c0 + 8 * n + 2 * c;
                     const float v0 = acc[mi][n][i], v1 = acc[mi][n][i + 1];
-                    bf16_t* ur = u16 + (cb * CH + t) * dv;
+                    bf16_t* ur = u16 + (cb * CHUNK + t) * dv;
                     if (is_w) {
                         w_st[t * PT_WS + col] = v0;
                         w_st[t * PT_WS + col + 1] = v1;
@@ -840,21 +840,21 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
                     }
                 }
         // Q' = diag(e^G)·Q̂, transposed from qᵀ: a lane per step on both sides, no bank shared.
-        for (int e = tid; e < CH * DM; e += TC_THREADS) {
-            const int t = e % CH, r = e / CH;
+        for (int e = tid; e < CHUNK * MAX_DIM; e += MMA_THREADS) {
+            const int t = e % CHUNK, r = e / CHUNK;
             q_st[t * PT_QS + r] = eg_s[t] * qn_s[t] * D::load(&qT[r * PT_P16 + swz(r, t)]);
         }
         __syncthreads();
-        for (int e = tid; e < CH * DM / 8; e += TC_THREADS) {  // 8 bf16 (16 bytes) a thread
-            const int t = e / (DM / 8), r = 8 * (e % (DM / 8));
+        for (int e = tid; e < CHUNK * MAX_DIM / 8; e += MMA_THREADS) {  // 8 bf16 (16 bytes) a thread
+            const int t = e / (MAX_DIM / 8), r = 8 * (e % (MAX_DIM / 8));
             const float4 lo = ld4(&w_st[t * PT_WS + r]), hi = ld4(&w_st[t * PT_WS + r + 4]);
-            *reinterpret_cast<uint4*>(&w16[(cb * CH + t) * DM + r]) =
+            *reinterpret_cast<uint4*>(&w16[(cb * CHUNK + t) * MAX_DIM + r]) =
                 make_uint4(bf16x2(lo.x, lo.y), bf16x2(lo.z, lo.w), bf16x2(hi.x, hi.y),
                            bf16x2(hi.z, hi.w));
         }
-        for (int e = tid; e < CH * DM / 2; e += TC_THREADS) {  // 2 bf16 a thread
-            const int t = e / (DM / 2), r = 2 * (e % (DM / 2));
-            *reinterpret_cast<unsigned*>(&q16[(cb * CH + t) * DM + r]) =
+        for (int e = tid; e < CHUNK * MAX_DIM / 2; e += MMA_THREADS) {  // 2 bf16 a thread
+            const int t = e / (MAX_DIM / 2), r = 2 * (e % (MAX_DIM / 2));
+            *reinterpret_cast<unsigned*>(&q16[(cb * CHUNK + t) * MAX_DIM + r]) =
                 bf16x2(q_st[t * PT_QS + r], q_st[t * PT_QS + r + 1]);
         }
     }
@@ -906,17 +906,17 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
 // in two blocks per multiprocessor: a batch's states then take one wave instead of two). S and Δ are kept by rows in bf16 (pairs
 // stored as one word, no bank shared) and read as B operands by ldmatrix.trans; O goes out
 // through shared memory as 16-byte rows.
-#define TB_LP 136  // W, Q' [CH][..]: rows of DM (bf16 elements; ≡ 16 mod 128 bytes for ldmatrix)
-#define TB_CP 40   // K'ᵀ [DM][..], Aqk [CH][..]: rows of CH (bf16 elements)
+#define TB_LP 136  // W, Q' [CHUNK][..]: rows of MAX_DIM (bf16 elements; ≡ 16 mod 128 bytes for ldmatrix)
+#define TB_CP 40   // K'ᵀ [MAX_DIM][..], Aqk [CHUNK][..]: rows of CHUNK (bf16 elements)
 template <int NCOL>
 struct ScanTc {  // shared memory, in bytes
-    static constexpr int SP = NCOL + 8;  // S [DM][..], Δ and U [CH][..] (bf16): rows of NCOL
-    static constexpr int UP = NCOL + 4;  // O [CH][..] (f32)
+    static constexpr int SP = NCOL + 8;  // S [MAX_DIM][..], Δ and U [CHUNK][..] (bf16): rows of NCOL
+    static constexpr int UP = NCOL + 4;  // O [CHUNK][..] (f32)
     // One chunk's operands (one buffer): W, Q', K'ᵀ, Aqk, U.
-    static constexpr int W = 0, Q = W + CH * TB_LP * 2, K = Q + CH * TB_LP * 2;
-    static constexpr int A = K + DM * TB_CP * 2, U = A + CH * TB_CP * 2, BUF = U + CH * SP * 2;
-    static constexpr int S = 2 * BUF, DLT = S + DM * SP * 2, O = DLT + CH * SP * 2;  // S, Δ, O
-    static constexpr int BYTES = O + CH * UP * 4;
+    static constexpr int W = 0, Q = W + CHUNK * TB_LP * 2, K = Q + CHUNK * TB_LP * 2;
+    static constexpr int A = K + MAX_DIM * TB_CP * 2, U = A + CHUNK * TB_CP * 2, BUF = U + CHUNK * SP * 2;
+    static constexpr int S = 2 * BUF, DLT = S + MAX_DIM * SP * 2, O = DLT + CHUNK * SP * 2;  // S, Δ, O
+    static constexpr int BYTES = O + CHUNK * UP * 4;
 };
 
 // acc[n] += X[m0..m0+15, 0..K)·Y[0..K, n0 + 8n ..) for n < NT (1 or even): X by rows (x[m][k],
@@ -974,44 +974,44 @@ __device__ __forceinline__ void scan_tc_fetch(unsigned char* buf, const bf16_t* 
     typedef ScanTc<NCOL> L;
     const int tid = threadIdx.x;
     #pragma unroll
-    for (int e = tid; e < CH * DM / 8; e += TC_THREADS) {  // 16-byte pieces
-        const int t = e / (DM / 8), p = 8 * (e % (DM / 8));
-        cp_async16(buf + L::W + (t * TB_LP + p) * 2, wt + (c * CH + t) * DM + p, 16);
-        cp_async16(buf + L::Q + (t * TB_LP + p) * 2, qt + (c * CH + t) * DM + p, 16);
-        const int r = e / (CH / 8), q = 8 * (e % (CH / 8));
-        cp_async16(buf + L::K + (r * TB_CP + q) * 2, kd + (c * DM + r) * CH + q, 16);
+    for (int e = tid; e < CHUNK * MAX_DIM / 8; e += MMA_THREADS) {  // 16-byte pieces
+        const int t = e / (MAX_DIM / 8), p = 8 * (e % (MAX_DIM / 8));
+        cp_async16(buf + L::W + (t * TB_LP + p) * 2, wt + (c * CHUNK + t) * MAX_DIM + p, 16);
+        cp_async16(buf + L::Q + (t * TB_LP + p) * 2, qt + (c * CHUNK + t) * MAX_DIM + p, 16);
+        const int r = e / (CHUNK / 8), q = 8 * (e % (CHUNK / 8));
+        cp_async16(buf + L::K + (r * TB_CP + q) * 2, kd + (c * MAX_DIM + r) * CHUNK + q, 16);
     }
-    if (tid < CH * CH / 8) {
-        const int t = tid / (CH / 8), q = 8 * (tid % (CH / 8));
-        cp_async16(buf + L::A + (t * TB_CP + q) * 2, atq + (c * CH + t) * CH + q, 16);
+    if (tid < CHUNK * CHUNK / 8) {
+        const int t = tid / (CHUNK / 8), q = 8 * (tid % (CHUNK / 8));
+        cp_async16(buf + L::A + (t * TB_CP + q) * 2, atq + (c * CHUNK + t) * CHUNK + q, 16);
     }
     bf16_t* u_s = reinterpret_cast<bf16_t*>(buf + L::U);
     if (dv % 8 == 0) {
         #pragma unroll
-        for (int e = tid; e < CH * NCOL / 8; e += TC_THREADS) {
+        for (int e = tid; e < CHUNK * NCOL / 8; e += MMA_THREADS) {
             const int t = e / (NCOL / 8), col = 8 * (e % (NCOL / 8));
             const bool in = c0 + col < dv;
-            cp_async16(u_s + t * L::SP + col, in ? u + (c * CH + t) * dv + c0 + col : u, in ? 16 : 0);
+            cp_async16(u_s + t * L::SP + col, in ? u + (c * CHUNK + t) * dv + c0 + col : u, in ? 16 : 0);
         }
     } else {
-        for (int e = tid; e < CH * NCOL; e += TC_THREADS) {
+        for (int e = tid; e < CHUNK * NCOL; e += MMA_THREADS) {
             const int t = e / NCOL, col = e % NCOL;
-            u_s[t * L::SP + col] = c0 + col < dv ? u[(c * CH + t) * dv + c0 + col] : 0;
+            u_s[t * L::SP + col] = c0 + col < dv ? u[(c * CHUNK + t) * dv + c0 + col] : 0;
         }
     }
     cp_async_commit();
 }
 
-// Chunk `chunk`'s O, staged in shared memory (o_s [CH][UP] f32), to its rows of `out`: 8
+// Chunk `chunk`'s O, staged in shared memory (o_s [CHUNK][UP] f32), to its rows of `out`: 8
 // columns (16 bytes) a piece where Dv rows allow.
 template <typename D, int NCOL>
 __device__ __forceinline__ void scan_tc_out(const float* o_s, typename D::T* __restrict__ out,
                                             int chunk, int b, int h, int T, int hv, int dv,
                                             int c0) {
     typedef ScanTc<NCOL> L;
-    for (int e = threadIdx.x; e < CH * NCOL / 8; e += TC_THREADS) {
+    for (int e = threadIdx.x; e < CHUNK * NCOL / 8; e += MMA_THREADS) {
         const int t = e / (NCOL / 8), col = 8 * (e % (NCOL / 8));
-        const int tt = chunk * CH + t, gc = c0 + col;
+        const int tt = chunk * CHUNK + t, gc = c0 + col;
         if (tt >= T || gc >= dv) continue;
         const float4 lo = *reinterpret_cast<const float4*>(o_s + t * L::UP + col);
         const float4 hi = *reinterpret_cast<const float4*>(o_s + t * L::UP + col + 4);
@@ -1025,7 +1025,7 @@ __device__ __forceinline__ void scan_tc_out(const float* o_s, typename D::T* __r
     }
 }
 
-// One block of TC_THREADS per NCOL state columns. Warp w of 8, with h = (w / 2) % 2 the half of
+// One block of MMA_THREADS per NCOL state columns. Warp w of 8, with h = (w / 2) % 2 the half of
 // the block's columns it takes: Δ = U − W·S for steps 16·(w % 2).. (w < 4) or P = Q'·S for those
 // steps (w ≥ 4); then O = P + Aqk·Δ (w ≥ 4); then S[16w..16w+15, :] += K'ᵀ·Δ on all the block's
 // columns, S held in mma accumulators (f32). Fewer columns per block give a call with few
@@ -1100,7 +1100,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
 
         // Δ = U − W·S (warps 0–3) or P = Q'·S (warps 4–7): 16 steps × NCOL/2 columns per warp.
         float acc[NH][4] = {};
-        mma_kn<DM, NH>(acc, is_delta ? w_s : q_s, TB_LP, mt, s_s, L::SP, ch, lane);
+        mma_kn<MAX_DIM, NH>(acc, is_delta ? w_s : q_s, TB_LP, mt, s_s, L::SP, ch, lane);
         if (is_delta) {
             #pragma unroll
             for (int n = 0; n < NH; n++)
@@ -1117,7 +1117,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
 
         // O = P + Aqk·Δ (warps 4–7), staged in shared memory.
         if (!is_delta) {
-            mma_kn<CH, NH>(acc, a_s, TB_CP, mt, d_s, L::SP, ch, lane);
+            mma_kn<CHUNK, NH>(acc, a_s, TB_CP, mt, d_s, L::SP, ch, lane);
             #pragma unroll
             for (int n = 0; n < NH; n++)
                 #pragma unroll
@@ -1132,7 +1132,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
         for (int n = 0; n < NS; n++)
             #pragma unroll
             for (int i = 0; i < 4; i++) s[n][i] *= gc;
-        mma_kn<CH, NS>(s, k_s, TB_CP, rs, d_s, L::SP, 0, lane);
+        mma_kn<CHUNK, NS>(s, k_s, TB_CP, rs, d_s, L::SP, 0, lane);
         store_s();
     }
     __syncthreads();
@@ -1159,8 +1159,8 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
         BODY<D>(qkv, gb, lengths, wt, u, qt, kd, atq, gtot, T, hk, hv, dk, dv);                   \
     }
 #define GDRC(TAG, D)                                                                              \
-    GDRC_PREP(gdrc_prep_##TAG, gdrc_prep, CH_THREADS, 1, D)                                       \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS, 1) gdrc_scan_##TAG(                  \
+    GDRC_PREP(gdrc_prep_##TAG, gdrc_prep, FMA_THREADS, 1, D)                                       \
+    extern "C" __global__ void __launch_bounds__(FMA_THREADS, 1) gdrc_scan_##TAG(                  \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, D::T* out, int T, int hv, int dk, int dv, int nc) {      \
         gdrc_scan<D>(wt, u, qt, kd, atq, gtot, state, out, T, hv, dk, dv, nc);                    \
@@ -1171,7 +1171,7 @@ GDRC(f16, F16)
 #if __CUDA_ARCH__ >= 800
 // The tensor-core scans: two blocks per SM (registers capped at 128), as their shared memory allows.
 #define GDRC_SCAN_TC(NAME, NCOL, D)                                                               \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) NAME(                             \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2) NAME(                             \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
         const float* gtot, float* state, const unsigned int* owners, D::T* out, int T, int hv,    \
         int dk, int dv, int nc, int mode) {                                                       \
@@ -1179,8 +1179,8 @@ GDRC(f16, F16)
                               mode);                                                              \
     }
 #define GDRC_TC(TAG, D)                                                                           \
-    GDRC_PREP(gdrc_prep_tc_##TAG, gdrc_prep_tc, TC_THREADS, 4, D)                                 \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 4) gdrc_prep2_tc_##TAG(              \
+    GDRC_PREP(gdrc_prep_tc_##TAG, gdrc_prep_tc, MMA_THREADS, 4, D)                                 \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 4) gdrc_prep2_tc_##TAG(              \
         const D::T* qkv_a, const float* gb_a, const unsigned int* len_a, int t_a, int nc_a,       \
         int bh_a, const D::T* qkv_b, const float* gb_b, const unsigned int* len_b, int t_b,       \
         int nc_b, float* wt, float* u, float* qt, float* kd, float* atq, float* gtot, int hk,     \
@@ -1188,7 +1188,7 @@ GDRC(f16, F16)
         gdrc_prep2_tc<D>(qkv_a, gb_a, len_a, t_a, nc_a, bh_a, qkv_b, gb_b, len_b, t_b, nc_b, wt,  \
                          u, qt, kd, atq, gtot, hk, hv, dk, dv);                                   \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 4) gdrc_prep2c_tc_##TAG(             \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 4) gdrc_prep2c_tc_##TAG(             \
         const D::T* qkv_a, const float* gb_a, const unsigned int* len_a, int t_a, int nc_a,       \
         int bh_a, const D::T* qkv_b, const float* gb_b, const unsigned int* len_b, int t_b,       \
         int nc_b, const unsigned int* owners, const D::T* w, long pitch_a, long pitch_b,          \
@@ -1203,16 +1203,16 @@ GDRC(f16, F16)
     GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)
 GDRC_TC(bf16, BF16)
 GDRC_TC(f16, F16)
-static_assert(PREP_TC_SMEM == (PT_G + 7 * CH) * 4, "PREP_TC_SMEM");
-static_assert(CH * PT_WS <= CH * PT_VP && PT_KT + CH * PT_QS <= PT_V, "W and Q' fit where they leave");
+static_assert(PREPARE_MMA_SMEM == (PT_G + 7 * CHUNK) * 4, "PREPARE_MMA_SMEM");
+static_assert(CHUNK * PT_WS <= CHUNK * PT_VP && PT_KT + CHUNK * PT_QS <= PT_V, "W and Q' fit where they leave");
 static_assert(PT_A % 4 == 0 && PT_TT % 4 == 0 && PT_V % 4 == 0, "float4-aligned tiles");
-static_assert(ScanTc<64>::BYTES == SCAN_TC64_SMEM && ScanTc<32>::BYTES == SCAN_TC32_SMEM &&
-                  ScanTc<16>::BYTES == SCAN_TC16_SMEM,
+static_assert(ScanTc<64>::BYTES == SCAN_MMA64_SMEM && ScanTc<32>::BYTES == SCAN_MMA32_SMEM &&
+                  ScanTc<16>::BYTES == SCAN_MMA16_SMEM,
               "ScanTc<NCOL>::BYTES");
 #endif
 
 // The launcher's shared-memory sizes must match the layouts.
-static_assert(PREP_SMEM == (P_G + 3 * CH) * 4, "PREP_SMEM");
-static_assert(P_TT + CH * TP <= P_K, "A and Tm^T fit in the k^T tile");
+static_assert(PREPARE_SMEM == (P_G + 3 * CHUNK) * 4, "PREPARE_SMEM");
+static_assert(P_TT + CHUNK * TP <= P_K, "A and Tm^T fit in the k^T tile");
 static_assert(P_TT % 4 == 0, "Tm^T is float4-aligned");
-static_assert(SCAN_SMEM == (S_D + CH * 32) * 4, "SCAN_SMEM");
+static_assert(SCAN_SMEM == (S_D + CHUNK * 32) * 4, "SCAN_SMEM");

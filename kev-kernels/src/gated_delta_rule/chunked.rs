@@ -18,10 +18,13 @@
 use candle_core::{DType, Device, Result, Tensor, D};
 
 use super::op::GdrDims;
+#[cfg(doc)]
+use crate::backend::cuda::sources::CHUNK;
 use crate::backend::cuda::sources::L2NORM_EPS;
 
-/// Chunk length (HF, FLA and llama.cpp use 64).
-pub const CHUNK: usize = 64;
+/// Chunk length of this form (HF, FLA and llama.cpp use 64; the CUDA kernels' chunks are
+/// [`CHUNK`] long).
+const TENSOR_OP_CHUNK: usize = 64;
 
 /// Same contract as [`crate::gated_delta_rule`]: `state` (`[B, Hv, Dk, Dv]` f32, contiguous) is
 /// overwritten with the final state; returns `o: [B, T, Hv, Dv]` in the dtype of `qkv`.
@@ -40,8 +43,8 @@ pub fn gated_delta_rule_chunked(
         head_v_dim: dv,
     } = dims;
     let dev = qkv.device();
-    let n = seq_len.div_ceil(CHUNK);
-    let padded = n * CHUNK;
+    let n = seq_len.div_ceil(TENSOR_OP_CHUNK);
+    let padded = n * TENSOR_OP_CHUNK;
 
     // Steps that count: 1 for real steps, 0 for padding (per row length and up to `padded`).
     let real: Vec<f32> = (0..b_sz)
@@ -70,7 +73,7 @@ pub fn gated_delta_rule_chunked(
                 .reshape((b_sz, padded, hv, d))?
         };
         t.transpose(1, 2)?
-            .reshape((b_sz * hv, n, CHUNK, d))?
+            .reshape((b_sz * hv, n, TENSOR_OP_CHUNK, d))?
             .contiguous()
     };
     let mask_steps = real.reshape((b_sz, padded, 1, 1))?;
@@ -92,7 +95,7 @@ pub fn gated_delta_rule_chunked(
             .squeeze(3)?
             .broadcast_mul(&real.unsqueeze(2)?)?
             .transpose(1, 2)?
-            .reshape((b_sz * hv, n, CHUNK))?
+            .reshape((b_sz * hv, n, TENSOR_OP_CHUNK))?
             .contiguous()
     };
     let (g, beta) = (step_gate(0)?, step_gate(1)?);
@@ -114,7 +117,7 @@ pub fn gated_delta_rule_chunked(
     let w = t_inv.matmul(&k_beta.broadcast_mul(&gamma.exp()?.unsqueeze(D::Minus1)?)?)?;
     let q_decayed = q.broadcast_mul(&gamma.exp()?.unsqueeze(D::Minus1)?)?;
     let qk = q.matmul(&k.t()?)?.mul(&decay)?;
-    let last = gamma.narrow(2, CHUNK - 1, 1)?; // [B·Hv, N, 1]
+    let last = gamma.narrow(2, TENSOR_OP_CHUNK - 1, 1)?; // [B·Hv, N, 1]
     let k_tail = k.broadcast_mul(&last.broadcast_sub(&gamma)?.exp()?.unsqueeze(D::Minus1)?)?;
     let last_decay = last.exp()?.unsqueeze(D::Minus1)?; // [B·Hv, N, 1, 1]
 
@@ -153,31 +156,31 @@ fn pad_time(t: &Tensor, len: usize) -> Result<Tensor> {
 
 /// Additive mask (0 on and below the diagonal, −∞ above) and the strict-lower 0/1 mask, C×C.
 fn masks(dev: &Device) -> Result<(Tensor, Tensor)> {
-    let mut add = vec![0f32; CHUNK * CHUNK];
-    let mut strict = vec![0f32; CHUNK * CHUNK];
-    for r in 0..CHUNK {
-        for s in 0..CHUNK {
+    let mut add = vec![0f32; TENSOR_OP_CHUNK * TENSOR_OP_CHUNK];
+    let mut strict = vec![0f32; TENSOR_OP_CHUNK * TENSOR_OP_CHUNK];
+    for r in 0..TENSOR_OP_CHUNK {
+        for s in 0..TENSOR_OP_CHUNK {
             if s > r {
-                add[r * CHUNK + s] = f32::NEG_INFINITY;
+                add[r * TENSOR_OP_CHUNK + s] = f32::NEG_INFINITY;
             }
             if s < r {
-                strict[r * CHUNK + s] = 1.0;
+                strict[r * TENSOR_OP_CHUNK + s] = 1.0;
             }
         }
     }
     Ok((
-        Tensor::from_vec(add, (CHUNK, CHUNK), dev)?,
-        Tensor::from_vec(strict, (CHUNK, CHUNK), dev)?,
+        Tensor::from_vec(add, (TENSOR_OP_CHUNK, TENSOR_OP_CHUNK), dev)?,
+        Tensor::from_vec(strict, (TENSOR_OP_CHUNK, TENSOR_OP_CHUNK), dev)?,
     ))
 }
 
 /// `(I + L)⁻¹` for strictly lower `L: [.., C, C]` by doubling: `(I − L)(I + L²)…(I + L³²)`.
 fn unit_lower_inverse(l: &Tensor) -> Result<Tensor> {
-    let eye = Tensor::eye(CHUNK, DType::F32, l.device())?;
+    let eye = Tensor::eye(TENSOR_OP_CHUNK, DType::F32, l.device())?;
     let mut inv = eye.broadcast_sub(l)?;
     let mut power = l.clone();
     let mut span = 1;
-    while span * 2 < CHUNK {
+    while span * 2 < TENSOR_OP_CHUNK {
         power = power.matmul(&power)?;
         inv = inv.matmul(&power.broadcast_add(&eye)?)?;
         span *= 2;

@@ -7,13 +7,12 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfi
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
-use super::op::{GatedDeltaRule, GdrSplit};
+use super::op::{GatedDeltaRule, GatedDeltaRuleSplit};
 use crate::backend::cuda::gpu::gpu;
 use crate::backend::cuda::kernel::{contiguous, device_lengths, tag, DeviceLengths, Kernel};
 use crate::backend::cuda::sources::{
-    GDRC_CHUNK, GDRC_MAX_DIM, GDRC_PREP_SMEM, GDRC_PREP_TC_SMEM, GDRC_SCAN_SMEM, GDRC_SCAN_TC,
-    GDRC_TC_THREADS, GDRC_THREADS, GDR_CHUNKED, GDR_RECURRENT, GDR_WARPS, SCAN_READ, SCAN_SHARED,
-    SCAN_WRITE,
+    CHUNK, FMA_THREADS, GDR_CHUNKED, GDR_RECURRENT, MAX_DIM, MMA_THREADS, PREPARE_MMA_SMEM,
+    PREPARE_SMEM, RECURRENT_WARPS, SCAN_MMA, SCAN_READ, SCAN_SHARED, SCAN_SMEM, SCAN_WRITE,
 };
 
 /// State columns per warp in the recurrence: more columns share each step's staged q/k and
@@ -52,7 +51,7 @@ pub(crate) fn gated_delta_rule(
 ) -> Result<()> {
     let dims = op.dims;
     // (An empty sequence has no chunk to launch a grid over.)
-    if op.chunked() && op.seq_len > 0 && dims.head_k_dim.max(dims.head_v_dim) <= GDRC_MAX_DIM {
+    if op.chunked() && op.seq_len > 0 && dims.head_k_dim.max(dims.head_v_dim) <= MAX_DIM {
         return gated_delta_rule_chunked(op, state, sl, qkv, ql, gates, gl);
     }
     let nk = dims.head_k_dim.div_ceil(32).next_power_of_two();
@@ -80,11 +79,11 @@ pub(crate) fn gated_delta_rule(
     let n_out = op.b_sz * op.seq_len * dims.num_v_heads * dims.head_v_dim;
     let cfg = LaunchConfig {
         grid_dim: (
-            dims.head_v_dim.div_ceil(GDR_WARPS * cols) as u32,
+            dims.head_v_dim.div_ceil(RECURRENT_WARPS * cols) as u32,
             (op.b_sz * dims.num_v_heads) as u32,
             1,
         ),
-        block_dim: ((32 * GDR_WARPS) as u32, 1, 1),
+        block_dim: ((32 * RECURRENT_WARPS) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let ints = [
@@ -134,19 +133,15 @@ fn gated_delta_rule_chunked(
     let tc = qkv.dtype() != DType::F32 && gpu(qkv.device())?.tensor_cores;
     let heads = op.b_sz * dims.num_v_heads;
     let load = |name: &str| Kernel::load(&GDR_CHUNKED, qkv.device(), &format!("{name}{dtag}"));
-    let prep_smem = if tc {
-        GDRC_PREP_TC_SMEM
-    } else {
-        GDRC_PREP_SMEM
-    };
+    let prep_smem = if tc { PREPARE_MMA_SMEM } else { PREPARE_SMEM };
     let prep = load(if tc { "gdrc_prep_tc_" } else { "gdrc_prep_" })?;
     prep.allow_shared_memory(prep_smem)?;
     let (scan, scan_cols, scan_smem) = if tc {
         tc_scan(qkv.device(), dtag, heads, dims.head_v_dim)?
     } else {
         let scan = load("gdrc_scan_")?;
-        scan.allow_shared_memory(GDRC_SCAN_SMEM)?;
-        (scan, 32, GDRC_SCAN_SMEM)
+        scan.allow_shared_memory(SCAN_SMEM)?;
+        (scan, 32, SCAN_SMEM)
     };
     let (q0, q1) = contiguous(ql, "gated-delta-rule qkv")?;
     let (g0, g1) = contiguous(gl, "gated-delta-rule gates")?;
@@ -154,7 +149,7 @@ fn gated_delta_rule_chunked(
     let lengths = gdr_lengths(&prep.dev, &op.lengths, op.seq_len)?;
     let gates = gates.as_cuda_slice::<f32>()?.slice(g0..g1);
     let mut st = state.as_cuda_slice_mut::<f32>()?.slice_mut(s0..s1);
-    let chunks = op.seq_len.div_ceil(GDRC_CHUNK);
+    let chunks = op.seq_len.div_ceil(CHUNK);
     let layout = ScratchLayout::new(heads * chunks, dims.head_v_dim, tc);
     let scratch = prep.output::<f32>(layout.total())?;
     let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);
@@ -167,7 +162,7 @@ fn gated_delta_rule_chunked(
         chunks,
     ]
     .map(|x| x as i32);
-    let block = (if tc { GDRC_TC_THREADS } else { GDRC_THREADS }, 1, 1);
+    let block = (if tc { MMA_THREADS } else { FMA_THREADS }, 1, 1);
     by_dtype!(qkv.dtype(), "gated-delta-rule", |T| {
         let x = qkv.as_cuda_slice::<T>()?.slice(q0..q1);
         let mut b = prep.stream.launch_builder(&prep.func);
@@ -220,9 +215,9 @@ fn gated_delta_rule_chunked(
 /// times and do more work per round of latency. The kernel, its columns and shared memory.
 fn tc_scan(dev: &CudaDevice, dtag: &str, heads: usize, dv: usize) -> Result<(Kernel, usize, u32)> {
     let gpu = gpu(dev)?;
-    let [.., narrowest] = GDRC_SCAN_TC;
+    let [.., narrowest] = SCAN_MMA;
     // 64 columns ask for more shared memory than sm_86/89 give a block.
-    let (cols, name, smem) = GDRC_SCAN_TC
+    let (cols, name, smem) = SCAN_MMA
         .into_iter()
         .find(|&(cols, _, smem)| {
             smem as usize <= gpu.shared_memory_per_block
@@ -247,7 +242,7 @@ struct ScratchLayout {
 
 impl ScratchLayout {
     fn new(blocks: usize, dv: usize, bf16_operands: bool) -> Self {
-        let (c, d) = (GDRC_CHUNK, GDRC_MAX_DIM);
+        let (c, d) = (CHUNK, MAX_DIM);
         let per_float = if bf16_operands { 2 } else { 1 };
         let [cd, cc, cu] = [c * d, c * c, c * dv].map(|n| n.div_ceil(per_float));
         Self {
@@ -278,7 +273,7 @@ impl ScratchLayout {
 /// With `op.conv` ([`crate::conv_gated_delta_rule_split`]) the inputs are raw row views and the
 /// preparation (`gdrc_prep2c_tc_*`) runs the conv on them first.
 pub(crate) fn gated_delta_rule_split(
-    op: &GdrSplit,
+    op: &GatedDeltaRuleSplit,
     qa: &CudaStorage,
     la: &Layout,
     qb: &CudaStorage,
@@ -293,10 +288,10 @@ pub(crate) fn gated_delta_rule_split(
         bail!("gated-delta-rule-split: needs bf16/f16 inputs and tensor cores")
     }
     let (hv, dv) = (dims.num_v_heads, dims.head_v_dim);
-    let split = &op.rows;
+    let split = &op.split;
     let (states, s_len) = (split.states(), split.state_width());
-    let (rows, width) = (split.rows(), split.width());
-    let (nc_a, nc_b) = (s_len.div_ceil(GDRC_CHUNK), width.div_ceil(GDRC_CHUNK));
+    let (rows, width) = (split.branches(), split.branch_width());
+    let (nc_a, nc_b) = (s_len.div_ceil(CHUNK), width.div_ceil(CHUNK));
     let (blocks_a, blocks_b) = (nc_a * states * hv, nc_b * rows * hv);
     let prep_name = if op.conv.is_some() {
         "gdrc_prep2c_tc_"
@@ -304,12 +299,12 @@ pub(crate) fn gated_delta_rule_split(
         "gdrc_prep2_tc_"
     };
     let prep = Kernel::load(&GDR_CHUNKED, dev, &format!("{prep_name}{dtag}"))?;
-    prep.allow_shared_memory(GDRC_PREP_TC_SMEM)?;
+    prep.allow_shared_memory(PREPARE_MMA_SMEM)?;
     let (scan_a, cols_a, smem_a) = tc_scan(dev, dtag, states * hv, dv)?;
     let (scan_b, cols_b, smem_b) = tc_scan(dev, dtag, rows * hv, dv)?;
     // Conv outputs, contiguous; or (conv) raw rows at their own pitch.
-    let sa = crate::layout::rows::rows(la, "gated-delta-rule-split state rows")?;
-    let sb = crate::layout::rows::rows(lb, "gated-delta-rule-split branch rows")?;
+    let sa = crate::layout::rows::row_view(la, "gated-delta-rule-split state rows")?;
+    let sb = crate::layout::rows::row_view(lb, "gated-delta-rule-split branch rows")?;
     if op.conv.is_none() && (sa.stride != sa.cols || sb.stride != sb.cols) {
         bail!("gated-delta-rule-split: expected contiguous rows, got {la:?} and {lb:?}")
     }
@@ -318,8 +313,8 @@ pub(crate) fn gated_delta_rule_split(
     let gates = gates.as_cuda_slice::<f32>()?;
     let s_tokens = states * s_len;
     let g_split = g0 + s_tokens * hv * 2;
-    let (gb_a, gates_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
-    let lengths = device_lengths(&prep.dev, split.padded_lengths().as_deref())?;
+    let (gates_a, gates_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
+    let lengths = device_lengths(&prep.dev, split.padded_branch_lengths().as_deref())?;
     let state_lengths = device_lengths(&prep.dev, split.padded_state_lengths().as_deref())?;
     let owners = device_lengths(&prep.dev, split.kernel_owners().as_deref())?;
     let layout = ScratchLayout::new(blocks_a + blocks_b, dv, true);
@@ -346,7 +341,7 @@ pub(crate) fn gated_delta_rule_split(
         let mut b = prep.stream.launch_builder(&prep.func);
         // The states: R rows of hv heads.
         b.arg(&xa)
-            .arg(&gb_a)
+            .arg(&gates_a)
             .arg(&state_lengths.ptr)
             .arg(&s_i)
             .arg(&nc_a_i)
@@ -363,13 +358,13 @@ pub(crate) fn gated_delta_rule_split(
         b.arg(&hk_i).arg(&hv_i).arg(&dk_i).arg(&dv_i);
         let cfg = LaunchConfig {
             grid_dim: ((blocks_a + blocks_b) as u32, 1, 1),
-            block_dim: (GDRC_TC_THREADS, 1, 1),
-            shared_mem_bytes: GDRC_PREP_TC_SMEM,
+            block_dim: (MMA_THREADS, 1, 1),
+            shared_mem_bytes: PREPARE_MMA_SMEM,
         };
         // SAFETY: argument types and order match `gdrc_prep2_tc_*` (with the conv's owners,
         // weight and pitches, `gdrc_prep2c_tc_*`); the scratch holds one block per launched
         // block, the inputs have the shapes the wrapper checked (Dk, Dv ≤ 128; rows of C
-        // channels at their pitch; owners below R, lengths at most S and T, as `SplitRows`
+        // channels at their pitch; owners below R, lengths at most S and T, as `SplitBatch`
         // checks; a contiguous [C, 4] weight).
         unsafe { b.launch(cfg) }.w()?;
 
@@ -418,12 +413,12 @@ pub(crate) fn gated_delta_rule_split(
                 .arg(&mode);
             let cfg = LaunchConfig {
                 grid_dim: (dv.div_ceil(cols) as u32, heads as u32, 1),
-                block_dim: (GDRC_TC_THREADS, 1, 1),
+                block_dim: (MMA_THREADS, 1, 1),
                 shared_mem_bytes: smem,
             };
             // SAFETY: argument types and order match `gdrc_scan_tc*`; each scan reads the scratch
             // blocks of its own part, writes its own rows of `out`; the branches' scan only
-            // reads the states (SCAN_SHARED without SCAN_WRITE, owners below R as `SplitRows`
+            // reads the states (SCAN_SHARED without SCAN_WRITE, owners below R as `SplitBatch`
             // checks), after the states' scan on the same stream wrote them.
             unsafe { b.launch(cfg) }.w()?;
         }

@@ -19,9 +19,9 @@ const SOURCE: Source = Source {
 const SIMD_WIDTH: usize = 32;
 /// Value columns (one simdgroup each) per gated-delta-rule threadgroup: 128 threads, the same
 /// (batch, head) for all, so they share the q/k rows in cache. Not tuned on hardware yet.
-const GDR_COLUMNS_PER_GROUP: usize = 4;
+const COLUMNS_PER_GROUP: usize = 4;
 /// The largest Dk the kernel variants cover (8 state rows per lane).
-const GDR_MAX_DK: usize = 256;
+const MAX_HEAD_K_DIM: usize = 256;
 
 /// `GdrParams` of gated_delta_rule.metal.
 #[repr(C)]
@@ -44,7 +44,7 @@ const _: () = assert!(std::mem::size_of::<GdrParams>() == 32);
 fn gdr_rows_per_lane(dk: usize) -> Result<usize> {
     match [1, 2, 4, 8].into_iter().find(|nk| SIMD_WIDTH * nk >= dk) {
         Some(nk) if dk > 0 => Ok(nk),
-        _ => bail!("gated-delta-rule: Dk = {dk} outside 1..={GDR_MAX_DK} on Metal"),
+        _ => bail!("gated-delta-rule: Dk = {dk} outside 1..={MAX_HEAD_K_DIM} on Metal"),
     }
 }
 
@@ -128,12 +128,12 @@ pub(crate) fn gated_delta_rule(
         enc.set_bytes(5, &params);
         enc.dispatch_thread_groups(
             MTLSize {
-                width: dv.div_ceil(GDR_COLUMNS_PER_GROUP),
+                width: dv.div_ceil(COLUMNS_PER_GROUP),
                 height: hv,
                 depth: b_sz,
             },
             MTLSize {
-                width: SIMD_WIDTH * GDR_COLUMNS_PER_GROUP,
+                width: SIMD_WIDTH * COLUMNS_PER_GROUP,
                 height: 1,
                 depth: 1,
             },

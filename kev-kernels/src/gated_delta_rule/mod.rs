@@ -26,15 +26,17 @@ use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Tensor};
 
-use crate::layout::rows::{as_rows, Rows};
-use crate::layout::split::SplitRows;
-use op::{check, GatedDeltaRule, GdrSplit};
+use crate::backend::cuda::cuda_gpu;
+use crate::causal_conv1d::causal_conv1d_split;
+use crate::layout::rows::{as_row_view, RowView};
+use crate::layout::split::SplitBatch;
+use op::{check, GatedDeltaRule, GatedDeltaRuleSplit};
 
-pub use chunked::{gated_delta_rule_chunked, CHUNK};
+pub use chunked::gated_delta_rule_chunked;
 pub use op::{GdrDims, GdrForm, CHUNKED_MIN_LEN};
 pub use reference::gated_delta_rule_ref;
 
-impl candle_core::CustomOp3 for GdrSplit {
+impl candle_core::CustomOp3 for GatedDeltaRuleSplit {
     fn name(&self) -> &'static str {
         "gated-delta-rule-split"
     }
@@ -55,37 +57,72 @@ impl candle_core::CustomOp3 for GdrSplit {
     }
 }
 
-/// Records' state rows and the branch rows that continue them (the one-pass prefix form), in
-/// three launches on CUDA's chunked tensor-core kernels where the composition takes eight (a
-/// zero state, two preparations, two scans, the states copied to the branch rows, two copies
-/// joining the outputs): one preparation grid for both parts, the states' scan from zero, then
-/// the branches' scan reading its state row's final state in place; both write one packed
-/// output.
+/// Records' state rows and the branch rows that continue them (the one-pass prefix form): the
+/// delta rule on the states from zero states, then on the branch rows from copies of their
+/// states' final states, packed.
 ///
 /// `state_qkv: [R, S, C]` and `branch_qkv: [B, T, C]` are the conv outputs, `gates: [R·S + B·T, Hv,
-/// 2]` the gates packed as the rows, `rows` their real lengths and owners. Returns
+/// 2]` the gates packed as the rows, `split` their real lengths and owners. Returns
 /// `o: [R·S + B·T, Hv, Dv]`: the numbers of [`gated_delta_rule`] run on the states from zero
-/// states, then on the branch rows from copies of their states' final states (the same kernels,
-/// blocks and sums). `None` where this form does not apply (not CUDA, an f32 model, no tensor
-/// cores, Dk or Dv over 128, an empty part, no branch rows, a part shorter than
-/// [`CHUNKED_MIN_LEN`] steps): compose those two calls there.
+/// states, then on the branch rows from copies of their states' final states.
 ///
-/// Errors name what does not fit: shapes against `rows`, head counts (Hv a multiple of Hk > 0),
+/// On CUDA with tensor cores (bf16 or f16, Dk and Dv at most 128, both parts of at least
+/// [`CHUNKED_MIN_LEN`] steps) three launches on the chunked kernels where the composition takes
+/// eight (a zero state, two preparations, two scans, the states copied to the branch rows, two
+/// copies joining the outputs): one preparation grid for both parts, the states' scan from zero,
+/// then the branches' scan reading its state row's final state in place; both write one packed
+/// output, with the same kernels, blocks and sums as the composition. Elsewhere the two
+/// [`gated_delta_rule`] calls.
+///
+/// Errors name what does not fit: shapes against `split`, head counts (Hv a multiple of Hk > 0),
 /// the two parts' dtypes, gates other than f32.
 pub fn gated_delta_rule_split(
     state_qkv: &Tensor,
     branch_qkv: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
-    rows: &SplitRows,
+    split: &SplitBatch,
+) -> Result<Tensor> {
+    if let Some(o) = fused_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)? {
+        return Ok(o);
+    }
+    let (gates_s, gates_b) = split.parts(gates)?;
+    let shape = (
+        split.states(),
+        dims.num_v_heads,
+        dims.head_k_dim,
+        dims.head_v_dim,
+    );
+    let state = Tensor::zeros(shape, DType::F32, state_qkv.device())?;
+    let lengths_s = Some(split.state_lengths());
+    let o_s = gated_delta_rule(state_qkv, &gates_s, &state, dims, lengths_s)?;
+    let state_b = split.to_branches(&state)?;
+    let o_b = gated_delta_rule(
+        branch_qkv,
+        &gates_b,
+        &state_b,
+        dims,
+        Some(split.branch_lengths()),
+    )?;
+    split.join(&o_s, &o_b)
+}
+
+/// [`gated_delta_rule_split`]'s fused form alone (its checks first): `None` where it does not
+/// run. Public through [`crate::testing`], for the tests that it runs where it should.
+pub fn fused_gated_delta_rule_split(
+    state_qkv: &Tensor,
+    branch_qkv: &Tensor,
+    gates: &Tensor,
+    dims: GdrDims,
+    split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
     let name = "gated-delta-rule-split";
-    if !split_applies(name, state_qkv, branch_qkv, gates, dims, rows)? {
+    if !split_applies(name, state_qkv, branch_qkv, gates, dims, split)? {
         return Ok(None);
     }
-    let op = GdrSplit {
+    let op = GatedDeltaRuleSplit {
         dims,
-        rows: rows.clone(),
+        split: split.clone(),
         conv: None,
     };
     Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
@@ -95,29 +132,50 @@ pub fn gated_delta_rule_split(
     )?))
 }
 
-/// [`causal_conv1d_split`](crate::causal_conv1d_split) followed by [`gated_delta_rule_split`],
-/// with the conv run inside the delta rule's preparation on CUDA: it reads the raw rows, and
-/// the conv's output (the layer's largest activation after `in_proj`'s) never goes to memory.
-/// The same arithmetic per output and the same sums as those two calls, so the same numbers.
+/// [`causal_conv1d_split`] followed by [`gated_delta_rule_split`]: the layer's conv and delta
+/// rule on records' state rows and the branch rows that continue them.
 ///
 /// `state_raw: [R, S, C]` and `branch_raw: [B, T, C]` are the raw `in_proj` `[q | k | v]` rows
-/// (row views of the wider projection are read in place), `weight: [C, 4]` the conv's; `gates`,
-/// `dims`, `rows` as in [`gated_delta_rule_split`]. `None` where that form does not apply, for
-/// a conv kernel other than 4 steps, for more value heads than key heads (each value head's
-/// block would run its key head's conv again: slower than the two calls, A/B on the H200), or
-/// where the kernel's 8- and 16-byte moves do not fit (Dk or Dv not a multiple of 4, rows not
-/// starting at multiples of 4 elements, a weight not at a multiple of 8): compose the two calls
-/// there. The 0.8B model takes it (16 key and value heads), the 4B one does not (16 and 32).
+/// (row views of the wider projection are read in place), `weight: [C, K]` the conv's; `gates`,
+/// `dims`, `split` as in [`gated_delta_rule_split`]. Returns `o: [R·S + B·T, Hv, Dv]`.
 ///
-/// Errors name what does not fit, as [`gated_delta_rule_split`]'s, and a weight of another
-/// channel count or dtype.
+/// On CUDA, where [`gated_delta_rule_split`] runs fused, the conv has 4 steps, there are as many
+/// value heads as key heads and the kernel's 8- and 16-byte moves fit (Dk and Dv multiples of 4,
+/// rows starting at multiples of 4 elements, the weight at a multiple of 8), the conv runs inside
+/// the delta rule's preparation: it reads the raw rows, and the conv's output (the layer's
+/// largest activation after `in_proj`'s) never goes to memory. The same arithmetic per output
+/// and the same sums as the two calls, so the same numbers. The 0.8B model takes it (16 key and
+/// value heads), the 4B one does not (16 and 32: each value head's block would run its key
+/// head's conv again, slower than the two calls, A/B on the H200). Elsewhere the two calls.
+///
+/// Errors name what does not fit, as [`gated_delta_rule_split`]'s and
+/// [`causal_conv1d_split`]'s, and a weight of another channel count or dtype.
 pub fn conv_gated_delta_rule_split(
     state_raw: &Tensor,
     branch_raw: &Tensor,
     weight: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
-    rows: &SplitRows,
+    split: &SplitBatch,
+) -> Result<Tensor> {
+    let fused =
+        fused_conv_gated_delta_rule_split(state_raw, branch_raw, weight, gates, dims, split)?;
+    if let Some(o) = fused {
+        return Ok(o);
+    }
+    let (state_qkv, branch_qkv) = causal_conv1d_split(state_raw, branch_raw, weight, split)?;
+    gated_delta_rule_split(&state_qkv, &branch_qkv, gates, dims, split)
+}
+
+/// [`conv_gated_delta_rule_split`]'s fused form alone (its checks first): `None` where it does
+/// not run. Public through [`crate::testing`], for the tests that it runs where it should.
+pub fn fused_conv_gated_delta_rule_split(
+    state_raw: &Tensor,
+    branch_raw: &Tensor,
+    weight: &Tensor,
+    gates: &Tensor,
+    dims: GdrDims,
+    split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
     let name = "conv-gated-delta-rule-split";
     let (channels, k) = weight.dims2()?;
@@ -140,18 +198,18 @@ pub fn conv_gated_delta_rule_split(
     let heads_fit = dims.num_v_heads == dims.num_k_heads
         && dims.head_k_dim.is_multiple_of(4)
         && dims.head_v_dim.is_multiple_of(4);
-    if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gates, dims, rows)? {
+    if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gates, dims, split)? {
         return Ok(None);
     }
     let (state_raw, branch_raw, weight) = (
-        as_rows(state_raw)?,
-        as_rows(branch_raw)?,
+        as_row_view(state_raw)?,
+        as_row_view(branch_raw)?,
         weight.contiguous()?,
     );
     // Rows at multiples of 4 elements (8 bytes), the weight at a multiple of 8 (read two
     // channels' taps, 16 bytes, at a time).
     let in_fours = |t: &Tensor| {
-        Rows::of(t.layout())
+        RowView::of(t.layout())
             .is_some_and(|r| r.offset.is_multiple_of(4) && r.stride.is_multiple_of(4))
     };
     let aligned = in_fours(&state_raw)
@@ -160,9 +218,9 @@ pub fn conv_gated_delta_rule_split(
     if !aligned {
         return Ok(None);
     }
-    let op = GdrSplit {
+    let op = GatedDeltaRuleSplit {
         dims,
-        rows: rows.clone(),
+        split: split.clone(),
         conv: Some(weight),
     };
     Ok(Some(state_raw.apply_op3_no_bwd(
@@ -180,12 +238,12 @@ fn split_applies(
     branch_qkv: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
-    rows: &SplitRows,
+    split: &SplitBatch,
 ) -> Result<bool> {
     let (states, s_len, c) = state_qkv.dims3()?;
     let (b_rows, width, cb) = branch_qkv.dims3()?;
-    rows.check_parts(name, state_qkv, branch_qkv)?;
-    if c != dims.channels() || cb != c || gates.dims() != [rows.tokens(), dims.num_v_heads, 2] {
+    split.check_parts(name, state_qkv, branch_qkv)?;
+    if c != dims.channels() || cb != c || gates.dims() != [split.tokens(), dims.num_v_heads, 2] {
         bail!(
             "{name}: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
             state_qkv.dims(),
@@ -214,19 +272,12 @@ fn split_applies(
 
 /// Whether [`gated_delta_rule_split`] has its fused form here: the conditions under which
 /// [`gated_delta_rule`] would run both parts on the chunked tensor-core kernels.
-#[cfg(feature = "cuda")]
 fn fused_split_applies(x: &Tensor, dims: GdrDims, s_len: usize, width: usize) -> bool {
-    x.device().is_cuda()
-        && x.dtype() != DType::F32
-        && crate::backend::cuda::gpu::has_tensor_cores(x.device())
+    x.dtype() != DType::F32
+        && cuda_gpu(x.device()).is_some_and(|gpu| gpu.tensor_cores)
         && dims.head_k_dim.max(dims.head_v_dim) <= 128
         && op::auto_prefers_chunked(s_len)
         && op::auto_prefers_chunked(width)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn fused_split_applies(_: &Tensor, _: GdrDims, _: usize, _: usize) -> bool {
-    false
 }
 
 impl InplaceOp3 for GatedDeltaRule {
@@ -293,19 +344,8 @@ pub fn gated_delta_rule(
     gated_delta_rule_as(qkv, gates, state, dims, lengths, GdrForm::Auto)
 }
 
-/// [`gated_delta_rule`] always in the step-by-step form (on every backend), for benchmarks and
-/// tests of the recurrent kernels themselves.
-pub fn gated_delta_rule_recurrent(
-    qkv: &Tensor,
-    gates: &Tensor,
-    state: &Tensor,
-    dims: GdrDims,
-    lengths: Option<&[usize]>,
-) -> Result<Tensor> {
-    gated_delta_rule_as(qkv, gates, state, dims, lengths, GdrForm::Recurrent)
-}
-
-/// [`gated_delta_rule`] with the algorithm chosen by the caller.
+/// [`gated_delta_rule`] with the algorithm chosen by the caller (benchmarks and tests of each
+/// form's kernels).
 pub fn gated_delta_rule_as(
     qkv: &Tensor,
     gates: &Tensor,

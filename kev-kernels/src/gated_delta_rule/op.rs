@@ -4,7 +4,7 @@ use std::sync::Mutex;
 
 use candle_core::{bail, DType, Result, Storage, Tensor};
 
-use crate::layout::split::SplitRows;
+use crate::layout::split::SplitBatch;
 
 /// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
 /// preparation kernel per chunk of 32 steps, then a scan over the chunks) instead of the
@@ -53,11 +53,11 @@ impl GdrDims {
 
 /// The op of [`gated_delta_rule_split`] and [`conv_gated_delta_rule_split`]: inputs the states'
 /// `[q | k | v]` rows, the branches' and the packed gates; output the packed `o`. CUDA only:
-/// elsewhere the wrappers return `None` and their callers compose.
+/// elsewhere the wrappers compose the per-part calls.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct GdrSplit {
+pub(crate) struct GatedDeltaRuleSplit {
     pub(crate) dims: GdrDims,
-    pub(crate) rows: SplitRows,
+    pub(crate) split: SplitBatch,
     /// The conv weight `[C, 4]` (contiguous) when the inputs are the raw `in_proj` rows, run
     /// through the causal conv + SiLU inside the preparation.
     pub(crate) conv: Option<Tensor>,

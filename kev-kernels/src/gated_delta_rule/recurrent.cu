@@ -3,7 +3,7 @@
 // -D defines (backend/cuda/sources.rs).
 //
 // gdr_<dtype>_nk<NK>: the gated delta rule, recurrent form (docs/BACKBONE.md §3 step 7).
-//   grid  = (ceil(Dv / (WARPS·COLS)), B·Hv), block = 32·WARPS threads.
+//   grid  = (ceil(Dv / (RECURRENT_WARPS·COLS)), B·Hv), block = 32·RECURRENT_WARPS threads.
 //   One warp owns COLS state columns S[:, j] of one (batch row, value head); lane l keeps the NK
 //   elements S[l + 32·i, j] of each in registers for the whole sequence (Dk ≤ 32·NK).
 //   Inputs:  qkv [B, T, 2·Hk·Dk + Hv·Dv] (dtype), gb [B, T, Hv, 2] f32 (g, beta), lengths [B] u32
@@ -26,7 +26,7 @@ __device__ void gdr(const typename D::T* __restrict__ qkv, const float* __restri
                     int T, int hk, int hv, int dk, int dv) {
     constexpr int TS = NK <= 4 ? 32 : 16;  // steps per tile
     constexpr int DKM = 32 * NK;           // dk ≤ DKM
-    constexpr int BC = WARPS * COLS;       // state columns per block
+    constexpr int BC = RECURRENT_WARPS * COLS;       // state columns per block
     __shared__ float qn_s[TS][DKM], kn_s[TS][DKM];
     __shared__ float decay_s[TS], beta_s[TS], kq_s[TS];
     __shared__ float v_s[TS][BC], o_s[TS][BC];
@@ -55,7 +55,7 @@ __device__ void gdr(const typename D::T* __restrict__ qkv, const float* __restri
     for (int t0 = 0; t0 < len; t0 += TS) {
         const int n = min(TS, len - t0);
         __syncthreads();  // the previous tile is consumed
-        for (int i = warp; i < n; i += WARPS) {
+        for (int i = warp; i < n; i += RECURRENT_WARPS) {
             const typename D::T* row = qkv + ((size_t)b * T + t0 + i) * channels;
             float q[NK], k[NK], qq = 0.f, kk = 0.f, kq = 0.f;
             #pragma unroll

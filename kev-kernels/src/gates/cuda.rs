@@ -7,7 +7,7 @@ use candle_core::{CudaStorage, Layout, Result};
 
 use crate::backend::cuda::kernel::{contiguous, grid_for, Kernel};
 use crate::backend::cuda::sources::GATES;
-use crate::layout::rows::rows;
+use crate::layout::rows::row_view;
 
 pub(crate) fn gates(
     bas: &CudaStorage,
@@ -18,7 +18,7 @@ pub(crate) fn gates(
     nl: &Layout,
 ) -> Result<CudaStorage> {
     let k = Kernel::for_dtype(&GATES, bas.device(), "gates", bas.dtype(), "deltanet-gates")?;
-    let v = rows(bal, "deltanet-gates input")?;
+    let v = row_view(bal, "deltanet-gates input")?;
     let (d0, d1) = contiguous(dl, "deltanet-gates dt_bias")?;
     let (n0, n1) = contiguous(nl, "deltanet-gates neg_a")?;
     let hv = d1 - d0;

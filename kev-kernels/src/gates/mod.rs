@@ -12,7 +12,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use rayon::prelude::*;
 
 use crate::backend::cpu::as_f32;
-use crate::layout::rows::{as_rows, rounder, rows};
+use crate::layout::rows::{as_row_view, rounder, row_view};
 
 pub use reference::deltanet_gates_ref;
 
@@ -49,7 +49,7 @@ impl CustomOp3 for Gates {
         ns: &CpuStorage,
         nl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let view = rows(bal, "deltanet-gates input")?;
+        let view = row_view(bal, "deltanet-gates input")?;
         let ba = view.read_f32(bas, "deltanet-gates input")?;
         let dt_bias = as_f32(ds, dl, "deltanet-gates dt_bias")?;
         let neg_a = as_f32(ns, nl, "deltanet-gates neg_a")?;
@@ -115,5 +115,5 @@ pub fn deltanet_gates(ba: &Tensor, dt_bias: &Tensor, neg_a: &Tensor) -> Result<T
             neg_a.dims()
         )
     }
-    as_rows(ba)?.apply_op3_no_bwd(&dt_bias.contiguous()?, &neg_a.contiguous()?, &Gates)
+    as_row_view(ba)?.apply_op3_no_bwd(&dt_bias.contiguous()?, &neg_a.contiguous()?, &Gates)
 }

@@ -13,6 +13,7 @@ use candle_core::{bail, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
 use candle_core::{Layout, Shape};
 
 /// Row indices, checked and uploaded once for any number of [`gather_rows`] calls.
+#[derive(Clone)]
 pub struct RowIndex {
     /// `[N]` u32 on the device.
     idx: Tensor,

@@ -8,14 +8,14 @@ use candle_core::{bail, CpuStorage, Layout, Result, Tensor};
 
 /// A `[rows, cols]` view of a storage: row r starts at `offset + r·stride`, columns are contiguous.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Rows {
+pub(crate) struct RowView {
     pub(crate) offset: usize,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
     pub(crate) stride: usize,
 }
 
-impl Rows {
+impl RowView {
     /// The view of `l` with its last dim as columns, or `None` when the leading dims do not
     /// collapse into evenly spaced rows.
     pub(crate) fn of(l: &Layout) -> Option<Self> {
@@ -57,7 +57,7 @@ impl Rows {
     /// The view's elements as f32, packed `[rows, cols]`: borrowed when they already are (f32
     /// rows with no gap between them), else copied.
     pub(crate) fn read_f32<'a>(&self, s: &'a CpuStorage, what: &str) -> Result<Cow<'a, [f32]>> {
-        fn pack<T: Copy>(v: &[T], r: &Rows, f: impl Fn(T) -> f32) -> Vec<f32> {
+        fn pack<T: Copy>(v: &[T], r: &RowView, f: impl Fn(T) -> f32) -> Vec<f32> {
             let mut out = Vec::with_capacity(r.rows * r.cols);
             for i in 0..r.rows {
                 out.extend(v[r.offset + i * r.stride..][..r.cols].iter().map(|&x| f(x)));
@@ -77,8 +77,8 @@ impl Rows {
 }
 
 /// `t` itself when it is a row view, else a contiguous copy.
-pub(crate) fn as_rows(t: &Tensor) -> Result<Tensor> {
-    if Rows::of(t.layout()).is_some() {
+pub(crate) fn as_row_view(t: &Tensor) -> Result<Tensor> {
+    if RowView::of(t.layout()).is_some() {
         Ok(t.clone())
     } else {
         t.contiguous()
@@ -86,8 +86,8 @@ pub(crate) fn as_rows(t: &Tensor) -> Result<Tensor> {
 }
 
 /// The view of `l`, as an error when it is not one (the wrappers made sure it is).
-pub(crate) fn rows(l: &Layout, what: &str) -> Result<Rows> {
-    match Rows::of(l) {
+pub(crate) fn row_view(l: &Layout, what: &str) -> Result<RowView> {
+    match RowView::of(l) {
         Some(r) => Ok(r),
         None => bail!("{what}: expected evenly spaced rows, got {l:?}"),
     }

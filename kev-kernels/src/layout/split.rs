@@ -1,63 +1,82 @@
 //! How the token rows of a one-pass prefix forward divide: `R` state rows right-padded to `S`
 //! steps, then `B` branch rows right-padded to `T`, each branch row continuing one state row.
 //! The ops that look at the two parts apart ([`crate::causal_conv1d_split`],
-//! [`crate::gated_delta_rule_split`]) take it, so several records' states and branches run in
-//! one pass as one record's do.
+//! [`crate::gated_delta_rule_split`], [`crate::conv_gated_delta_rule_split`]) take it, so several
+//! records' states and branches run in one pass as one record's do.
 
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, Device, Result, Tensor};
 
-/// The two parts' shapes, real lengths and the state row of each branch row.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SplitRows {
+use crate::gather::{gather_rows, RowIndex};
+
+/// The two parts' shapes, real lengths and the state row of each branch row, with those owners
+/// also on the device (uploaded once, for every layer's copies of state rows to branch rows).
+#[derive(Clone)]
+pub struct SplitBatch {
     state_width: usize,
     state_lengths: Vec<usize>,
-    width: usize,
-    lengths: Vec<usize>,
+    branch_width: usize,
+    branch_lengths: Vec<usize>,
     owners: Vec<usize>,
+    owner_index: RowIndex,
 }
 
-impl SplitRows {
-    /// `state_lengths` (one per state row, each at most `state_width`), branch `lengths` (one
-    /// per branch row, each at most `width`) and `owners` (the state row each branch row
-    /// continues). Errors name what does not fit.
+impl std::fmt::Debug for SplitBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SplitBatch")
+            .field("state_width", &self.state_width)
+            .field("state_lengths", &self.state_lengths)
+            .field("branch_width", &self.branch_width)
+            .field("branch_lengths", &self.branch_lengths)
+            .field("owners", &self.owners)
+            .finish()
+    }
+}
+
+impl SplitBatch {
+    /// `state_lengths` (one per state row, each at most `state_width`), `branch_lengths` (one
+    /// per branch row, each at most `branch_width`) and `owners` (the state row each branch row
+    /// continues, uploaded to `device`). Errors name what does not fit.
     pub fn new(
         state_width: usize,
         state_lengths: Vec<usize>,
-        width: usize,
-        lengths: Vec<usize>,
+        branch_width: usize,
+        branch_lengths: Vec<usize>,
         owners: Vec<usize>,
+        device: &Device,
     ) -> Result<Self> {
-        if u32::try_from(state_width.max(width).max(state_lengths.len())).is_err() {
+        if u32::try_from(state_width.max(branch_width).max(state_lengths.len())).is_err() {
             bail!(
-                "split rows: {state_width} or {width} steps or {} rows are over u32",
+                "split batch: {state_width} or {branch_width} steps or {} rows are over u32",
                 state_lengths.len()
             )
         }
         if let Some(l) = state_lengths.iter().find(|&&l| l > state_width) {
-            bail!("split rows: a state row of {l} steps is longer than the width {state_width}")
+            bail!("split batch: a state row of {l} steps is longer than the width {state_width}")
         }
-        if let Some(l) = lengths.iter().find(|&&l| l > width) {
-            bail!("split rows: a branch row of {l} steps is longer than the width {width}")
+        if let Some(l) = branch_lengths.iter().find(|&&l| l > branch_width) {
+            bail!("split batch: a branch row of {l} steps is longer than the width {branch_width}")
         }
-        if owners.len() != lengths.len() {
+        if owners.len() != branch_lengths.len() {
             bail!(
-                "split rows: {} owners for {} branch rows",
+                "split batch: {} owners for {} branch rows",
                 owners.len(),
-                lengths.len()
+                branch_lengths.len()
             )
         }
         if let Some(o) = owners.iter().find(|&&o| o >= state_lengths.len()) {
             bail!(
-                "split rows: a branch row continues state row {o} of {}",
+                "split batch: a branch row continues state row {o} of {}",
                 state_lengths.len()
             )
         }
+        let owner_index = RowIndex::new(&owners, device)?;
         Ok(Self {
             state_width,
             state_lengths,
-            width,
-            lengths,
+            branch_width,
+            branch_lengths,
             owners,
+            owner_index,
         })
     }
 
@@ -77,18 +96,18 @@ impl SplitRows {
     }
 
     /// Branch rows (B).
-    pub fn rows(&self) -> usize {
-        self.lengths.len()
+    pub fn branches(&self) -> usize {
+        self.branch_lengths.len()
     }
 
     /// Steps per branch row, padding included (T).
-    pub fn width(&self) -> usize {
-        self.width
+    pub fn branch_width(&self) -> usize {
+        self.branch_width
     }
 
     /// The branch rows' real steps.
-    pub fn lengths(&self) -> &[usize] {
-        &self.lengths
+    pub fn branch_lengths(&self) -> &[usize] {
+        &self.branch_lengths
     }
 
     /// The state row each branch row continues.
@@ -96,9 +115,48 @@ impl SplitRows {
         &self.owners
     }
 
+    /// The state row of each branch row, on the device.
+    pub fn owner_index(&self) -> &RowIndex {
+        &self.owner_index
+    }
+
     /// Packed token rows: `R·S + B·T`.
     pub fn tokens(&self) -> usize {
-        self.states() * self.state_width + self.rows() * self.width
+        self.states() * self.state_width + self.branches() * self.branch_width
+    }
+
+    /// A tensor of the state rows (`[R, ..]`) copied to the branch rows (`[B, ..]`): row b is
+    /// state row `owners[b]`.
+    pub fn to_branches(&self, t: &Tensor) -> Result<Tensor> {
+        gather_rows(t, &self.owner_index)
+    }
+
+    /// The branch rows of packed `t: [N, ..]` as `[B·T, ..]` (a view).
+    pub fn branch_rows(&self, t: &Tensor) -> Result<Tensor> {
+        let s_tokens = self.states() * self.state_width;
+        t.narrow(0, s_tokens, self.branches() * self.branch_width)
+    }
+
+    /// Views of packed `t: [N, ..]` (rows contiguous) as the states `[R, S, ..]` and the
+    /// branches `[B, T, ..]`; no copies.
+    pub fn parts(&self, t: &Tensor) -> Result<(Tensor, Tensor)> {
+        let rest = &t.dims()[1..];
+        let shape = |b: usize, w: usize| [&[b, w][..], rest].concat();
+        let s_tokens = self.states() * self.state_width;
+        let state = t
+            .narrow(0, 0, s_tokens)?
+            .reshape(shape(self.states(), self.state_width))?;
+        let branches = self
+            .branch_rows(t)?
+            .reshape(shape(self.branches(), self.branch_width))?;
+        Ok((state, branches))
+    }
+
+    /// The inverse of [`SplitBatch::parts`] (a copy): `[R, S, ..]` and `[B, T, ..]` packed as
+    /// `[N, ..]`.
+    pub fn join(&self, state: &Tensor, branches: &Tensor) -> Result<Tensor> {
+        let flat = |t: &Tensor| t.flatten(0, 1);
+        Tensor::cat(&[flat(state)?, flat(branches)?], 0)
     }
 
     /// An error naming `op` unless `state` is `[R, S, ..]` and `branches` `[B, T, ..]`.
@@ -106,7 +164,7 @@ impl SplitRows {
         let lead = |t: &Tensor| t.dims().get(..2).map(<[usize]>::to_vec);
         let want = |rows: usize, width: usize| Some(vec![rows, width]);
         if lead(state) != want(self.states(), self.state_width)
-            || lead(branches) != want(self.rows(), self.width)
+            || lead(branches) != want(self.branches(), self.branch_width)
         {
             bail!(
                 "{op}: state {:?} and branches {:?} do not fit {} state rows of {} steps and {} branch rows of {}",
@@ -114,8 +172,8 @@ impl SplitRows {
                 branches.dims(),
                 self.states(),
                 self.state_width,
-                self.rows(),
-                self.width
+                self.branches(),
+                self.branch_width
             )
         }
         Ok(())
@@ -129,8 +187,8 @@ impl SplitRows {
 
     /// The branch rows' real steps as the kernels read them, `None` when none is padded.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn padded_lengths(&self) -> Option<Vec<u32>> {
-        padded(&self.lengths, self.width)
+    pub(crate) fn padded_branch_lengths(&self) -> Option<Vec<u32>> {
+        padded(&self.branch_lengths, self.branch_width)
     }
 
     /// The owners as the kernels read them, `None` when there is one state row (all zeros).
@@ -140,7 +198,7 @@ impl SplitRows {
     }
 }
 
-/// `lengths` as u32 (each fits: `SplitRows::new` checked the widths), `None` when all are `width`.
+/// `lengths` as u32 (each fits: `SplitBatch::new` checked the widths), `None` when all are `width`.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn padded(lengths: &[usize], width: usize) -> Option<Vec<u32>> {
     let padded = lengths.iter().any(|&l| l != width);

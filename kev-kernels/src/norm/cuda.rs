@@ -7,7 +7,7 @@ use candle_core::{CudaStorage, Layout, Result};
 
 use crate::backend::cuda::kernel::{contiguous, Kernel};
 use crate::backend::cuda::sources::NORM;
-use crate::layout::rows::rows;
+use crate::layout::rows::row_view;
 
 pub(crate) fn rms_norm(
     eps: f32,
@@ -18,7 +18,7 @@ pub(crate) fn rms_norm(
     wl: &Layout,
 ) -> Result<CudaStorage> {
     let k = Kernel::for_dtype(&NORM, xs.device(), "rmsnorm", xs.dtype(), "rms-norm")?;
-    let xv = rows(xl, "rms-norm input")?;
+    let xv = row_view(xl, "rms-norm input")?;
     let (w0, w1) = contiguous(wl, "rms-norm weight")?;
     let w = ws.as_cuda_slice::<f32>()?.slice(w0..w1);
     let n_out = xv.rows * xv.cols * if residual.is_some() { 2 } else { 1 };
@@ -31,7 +31,7 @@ pub(crate) fn rms_norm(
         shared_mem_bytes: 0,
     };
     let hv = residual
-        .map(|(_, l)| rows(l, "rms-norm residual"))
+        .map(|(_, l)| row_view(l, "rms-norm residual"))
         .transpose()?;
     by_dtype!(xs.dtype(), "rms-norm", |T| {
         let x = xs.as_cuda_slice::<T>()?.slice(xv.span());
@@ -70,7 +70,7 @@ pub(crate) fn gated_rms_norm(
     let k = Kernel::for_dtype(&NORM, xs.device(), "gnorm", xs.dtype(), "gated-rms-norm")?;
     let (x0, x1) = contiguous(xl, "gated-rms-norm input")?;
     let (w0, w1) = contiguous(wl, "gated-rms-norm weight")?;
-    let zv = rows(zl, "gated-rms-norm gate")?;
+    let zv = row_view(zl, "gated-rms-norm gate")?;
     let dv = w1 - w0;
     let groups = (x1 - x0) / dv;
     let heads = zv.cols / dv;

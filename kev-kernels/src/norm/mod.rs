@@ -18,7 +18,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
-use crate::layout::rows::{as_rows, rounder, rows};
+use crate::layout::rows::{as_row_view, rounder, row_view};
 
 pub use reference::{gated_rms_norm_ref, rms_norm_ref};
 
@@ -74,7 +74,7 @@ impl CustomOp2 for RmsNorm {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = rows(xl, "rms-norm input")?.read_f32(xs, "rms-norm input")?;
+        let x = row_view(xl, "rms-norm input")?.read_f32(xs, "rms-norm input")?;
         let w1 = as_f32(ws, wl, "rms-norm weight")?;
         let out = self.cpu(&x, None, &w1, xs.dtype());
         Ok((from_f32(out, xs.dtype())?, xl.shape().clone()))
@@ -122,8 +122,8 @@ impl CustomOp3 for AddRmsNorm {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = rows(xl, "add-rms-norm input")?.read_f32(xs, "add-rms-norm input")?;
-        let h = rows(hl, "add-rms-norm residual")?.read_f32(hs, "add-rms-norm residual")?;
+        let x = row_view(xl, "add-rms-norm input")?.read_f32(xs, "add-rms-norm input")?;
+        let h = row_view(hl, "add-rms-norm residual")?.read_f32(hs, "add-rms-norm residual")?;
         let w1 = as_f32(ws, wl, "rms-norm weight")?;
         let out = self.0.cpu(&x, Some(&h), &w1, xs.dtype());
         Ok((from_f32(out, xs.dtype())?, stacked(xl)))
@@ -184,7 +184,7 @@ impl CustomOp3 for GatedRmsNorm {
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let x = as_f32(xs, xl, "gated-rms-norm input")?;
-        let z = rows(zl, "gated-rms-norm gate")?.read_f32(zs, "gated-rms-norm gate")?;
+        let z = row_view(zl, "gated-rms-norm gate")?.read_f32(zs, "gated-rms-norm gate")?;
         let w = as_f32(ws, wl, "gated-rms-norm weight")?;
         let (dv, round) = (w.len(), rounder(xs.dtype()));
         let mut out = vec![0f32; x.len()];
@@ -247,7 +247,7 @@ fn check_weight(x: &Tensor, w: &Tensor, what: &str) -> Result<()> {
 /// `x` may be a slice of a wider tensor (evenly spaced rows); anything else is copied first.
 pub fn rms_norm(x: &Tensor, w1: &Tensor, eps: f64) -> Result<Tensor> {
     check_weight(x, w1, "rms-norm")?;
-    as_rows(x)?.apply_op2_no_bwd(
+    as_row_view(x)?.apply_op2_no_bwd(
         &w1.to_dtype(DType::F32)?.contiguous()?,
         &RmsNorm { eps: eps as f32 },
     )
@@ -266,8 +266,8 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, w1: &Tensor, eps: f64) -> Result<(Te
             x.dims()
         )
     }
-    let both = as_rows(x)?.apply_op3_no_bwd(
-        &as_rows(h)?,
+    let both = as_row_view(x)?.apply_op3_no_bwd(
+        &as_row_view(h)?,
         &w1.to_dtype(DType::F32)?.contiguous()?,
         &AddRmsNorm(RmsNorm { eps: eps as f32 }),
     )?;
@@ -290,7 +290,7 @@ pub fn gated_rms_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Te
         )
     }
     x.contiguous()?.apply_op3_no_bwd(
-        &as_rows(z)?,
+        &as_row_view(z)?,
         &w.contiguous()?,
         &GatedRmsNorm { eps: eps as f32 },
     )

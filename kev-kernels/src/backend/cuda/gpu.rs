@@ -1,14 +1,19 @@
 //! What the launch choices need to know of the GPU.
 
+#[cfg(feature = "cuda")]
 use std::sync::OnceLock;
 
+#[cfg(feature = "cuda")]
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaDevice, Device, Result};
+use candle_core::Device;
+#[cfg(feature = "cuda")]
+use candle_core::{CudaDevice, Result};
 
 /// What the launch choices need to know of the GPU. Asked once per process, by the first device,
 /// like the machine code of each source (`Source`'s image): a process mixing GPU kinds is not
 /// supported.
 #[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct Gpu {
     /// mma.sync on TF32 and bf16 operands (compute capability 8.0 and later).
     pub(crate) tensor_cores: bool,
@@ -27,15 +32,21 @@ impl Gpu {
     }
 }
 
-/// Whether `device` is a CUDA GPU with the tensor cores the chunked kernels use.
-pub(crate) fn has_tensor_cores(device: &Device) -> bool {
-    match device {
-        Device::Cuda(dev) => gpu(dev).is_ok_and(|g| g.tensor_cores),
-        _ => false,
+/// The GPU of `device` where it is a CUDA one: `None` on the other backends, in a build without
+/// CUDA, and where the driver does not answer. The one question an op's wrapper asks to know
+/// whether a CUDA kernel of its can run (a kernel's own launcher asks [`gpu`]).
+pub(crate) fn cuda_gpu(device: &Device) -> Option<Gpu> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        return gpu(dev).ok();
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    None
 }
 
 /// The GPU of `dev` (the first device asked, for the whole process).
+#[cfg(feature = "cuda")]
 pub(crate) fn gpu(dev: &CudaDevice) -> Result<Gpu> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
     static GPU: OnceLock<Gpu> = OnceLock::new();

@@ -2,10 +2,9 @@
 //! ([`sources`]), NVRTC compilation and loading ([`kernel`]), the GPU's capabilities, the
 //! device memory pool and the profiler. It knows no op.
 
+pub(crate) mod gpu;
 pub(crate) mod sources;
 
-#[cfg(feature = "cuda")]
-pub(crate) mod gpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod kernel;
 #[cfg(feature = "cuda")]
@@ -21,3 +20,5 @@ pub use memory::{
 };
 #[cfg(feature = "cuda")]
 pub use profiler::profiler_range;
+
+pub(crate) use gpu::cuda_gpu;

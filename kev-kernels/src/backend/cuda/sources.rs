@@ -1,6 +1,6 @@
 //! Kev's CUDA sources: which file each NVRTC module compiles, the headers prepended to it, and the
 //! constants it shares with its launcher. Each constant has its one definition here and reaches
-//! the kernel as a `-D` define, so the two sides cannot drift apart. Compiled without the `cuda`
+//! the kernel as a `-D` define of the same name, so the two sides cannot drift apart. Compiled without the `cuda`
 //! feature too: the CPU tests check the sources, and the CPU code reads some constants.
 // Without CUDA only the tests and a few constants are used.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -12,30 +12,29 @@ const COMMON: &str = include_str!("common.cuh");
 /// Prepended after [`COMMON`] to the sources with tensor-core kernels.
 const MMA: &str = include_str!("mma.cuh");
 
-/// The l2norm epsilon of the gated delta rule, added to Σx² (HF `l2norm`, FLA); `L2NORM_EPS` in
-/// the kernels.
+/// The l2norm epsilon of the gated delta rule, added to Σx² (HF `l2norm`, FLA).
 pub(crate) const L2NORM_EPS: f32 = 1e-6;
 
-/// Warps per block of the recurrent delta rule (`WARPS`).
-pub(crate) const GDR_WARPS: usize = 8;
+/// Warps per block of the recurrent delta rule.
+pub(crate) const RECURRENT_WARPS: usize = 8;
 
-/// Steps per chunk of the chunked delta rule (`CH`).
-pub(crate) const GDRC_CHUNK: usize = 32;
-/// Threads per block of its FMA kernels (`CH_THREADS`).
-pub(crate) const GDRC_THREADS: u32 = 128;
-/// Threads per block of its tensor-core kernels (`TC_THREADS`).
-pub(crate) const GDRC_TC_THREADS: u32 = 256;
-/// The largest Dk and Dv it takes, the size its tiles are padded to (`DM`).
-pub(crate) const GDRC_MAX_DIM: usize = 128;
-/// Dynamic shared memory of its preparation, scan and tensor-core preparation kernels
-/// (`PREP_SMEM`, `SCAN_SMEM`, `PREP_TC_SMEM`; the kernels check them against their layouts).
-pub(crate) const GDRC_PREP_SMEM: u32 = 70016;
-pub(crate) const GDRC_SCAN_SMEM: u32 = 77824;
-pub(crate) const GDRC_PREP_TC_SMEM: u32 = 48512;
+/// Steps per chunk of the chunked delta rule's CUDA kernels.
+pub(crate) const CHUNK: usize = 32;
+/// Threads per block of its FMA (CUDA-core) kernels.
+pub(crate) const FMA_THREADS: u32 = 128;
+/// Threads per block of its tensor-core (`mma.sync`) kernels.
+pub(crate) const MMA_THREADS: u32 = 256;
+/// The largest Dk and Dv it takes, the size its tiles are padded to.
+pub(crate) const MAX_DIM: usize = 128;
+/// Dynamic shared memory of its preparation, scan and tensor-core preparation kernels (the
+/// kernels check them against their layouts).
+pub(crate) const PREPARE_SMEM: u32 = 70016;
+pub(crate) const SCAN_SMEM: u32 = 77824;
+pub(crate) const PREPARE_MMA_SMEM: u32 = 48512;
 /// The tensor-core scans' columns per block (`NCOL`), widest first, with their entry points and
-/// shared memory (`ScanTc<NCOL>::BYTES`, checked against `SCAN_TC64_SMEM`, `SCAN_TC32_SMEM`,
-/// `SCAN_TC16_SMEM`).
-pub(crate) const GDRC_SCAN_TC: [(usize, &str, u32); 3] = [
+/// shared memory (`ScanTc<NCOL>::BYTES`, checked against `SCAN_MMA64_SMEM`,
+/// `SCAN_MMA32_SMEM`, `SCAN_MMA16_SMEM`).
+pub(crate) const SCAN_MMA: [(usize, &str, u32); 3] = [
     (64, "gdrc_scan_tc64_", 101376),
     (32, "gdrc_scan_tc_", 82944),
     (16, "gdrc_scan_tc16_", 73728),
@@ -46,22 +45,22 @@ pub(crate) const SCAN_READ: i32 = 1;
 pub(crate) const SCAN_WRITE: i32 = 2;
 pub(crate) const SCAN_SHARED: i32 = 4;
 
-/// Steps per thread of the cached conv (`CONV_RUN`).
+/// Steps per thread of the cached conv.
 pub(crate) const CONV_RUN: usize = 4;
-/// Channels per thread of the cached conv (`CONV_VEC`).
+/// Channels per thread of the cached conv.
 pub(crate) const CONV_VEC: u32 = 8;
-/// Threads per block of the cached and split convs (`CONV_CACHED_BLOCK`, their launch bounds).
+/// Threads per block of the cached and split convs (their launch bounds).
 pub(crate) const CONV_CACHED_BLOCK: u32 = 128;
 
-/// Warps per block of `qknorm_rope_*`, one per row (`ROPE_WARPS`).
+/// Warps per block of `qknorm_rope_*`, one per row.
 pub(crate) const ROPE_WARPS: usize = 4;
-/// The largest head size `qknorm_rope_*` takes (`ROPE_MAX_HD`, its shared row buffer).
+/// The largest head size `qknorm_rope_*` takes (its shared row buffer).
 pub(crate) const ROPE_MAX_HEAD_DIM: usize = 512;
 
-/// The head size flash attention's kernel is written for (`FA_HD`).
+/// The head size flash attention's kernel is written for.
 pub const FLASH_HEAD_DIM: usize = 256;
-/// Query rows per block, threads and dynamic shared memory of `flash_attn_bf16` (`FA_BM`,
-/// `FA_THREADS`, `FA_SMEM`; the kernel checks the last against its tiles).
+/// Query rows per block, threads and dynamic shared memory of `flash_attn_bf16` (the kernel
+/// checks the last against its tiles).
 pub(crate) const FLASH_ROWS: usize = 64;
 pub(crate) const FLASH_THREADS: u32 = 128;
 pub(crate) const FLASH_SMEM: u32 = 101632;
@@ -161,7 +160,7 @@ pub(crate) static ATTENTION: Source = source(
     false,
     &[
         ("ROPE_WARPS", Value::Int(ROPE_WARPS as i64)),
-        ("ROPE_MAX_HD", Value::Int(ROPE_MAX_HEAD_DIM as i64)),
+        ("ROPE_MAX_HEAD_DIM", Value::Int(ROPE_MAX_HEAD_DIM as i64)),
     ],
 );
 
@@ -171,10 +170,10 @@ pub(crate) static FLASH_ATTENTION: Source = source(
     include_str!("../../flash_attention/flash_attention.cu"),
     true,
     &[
-        ("FA_HD", Value::Int(FLASH_HEAD_DIM as i64)),
-        ("FA_BM", Value::Int(FLASH_ROWS as i64)),
-        ("FA_THREADS", Value::Int(FLASH_THREADS as i64)),
-        ("FA_SMEM", Value::Int(FLASH_SMEM as i64)),
+        ("FLASH_HEAD_DIM", Value::Int(FLASH_HEAD_DIM as i64)),
+        ("FLASH_ROWS", Value::Int(FLASH_ROWS as i64)),
+        ("FLASH_THREADS", Value::Int(FLASH_THREADS as i64)),
+        ("FLASH_SMEM", Value::Int(FLASH_SMEM as i64)),
     ],
 );
 
@@ -196,7 +195,7 @@ pub(crate) static GDR_RECURRENT: Source = source(
     include_str!("../../gated_delta_rule/recurrent.cu"),
     false,
     &[
-        ("WARPS", Value::Int(GDR_WARPS as i64)),
+        ("RECURRENT_WARPS", Value::Int(RECURRENT_WARPS as i64)),
         ("L2NORM_EPS", Value::Float(L2NORM_EPS)),
     ],
 );
@@ -207,16 +206,16 @@ pub(crate) static GDR_CHUNKED: Source = source(
     include_str!("../../gated_delta_rule/chunked.cu"),
     true,
     &[
-        ("CH", Value::Int(GDRC_CHUNK as i64)),
-        ("CH_THREADS", Value::Int(GDRC_THREADS as i64)),
-        ("TC_THREADS", Value::Int(GDRC_TC_THREADS as i64)),
-        ("DM", Value::Int(GDRC_MAX_DIM as i64)),
-        ("PREP_SMEM", Value::Int(GDRC_PREP_SMEM as i64)),
-        ("SCAN_SMEM", Value::Int(GDRC_SCAN_SMEM as i64)),
-        ("PREP_TC_SMEM", Value::Int(GDRC_PREP_TC_SMEM as i64)),
-        ("SCAN_TC64_SMEM", Value::Int(GDRC_SCAN_TC[0].2 as i64)),
-        ("SCAN_TC32_SMEM", Value::Int(GDRC_SCAN_TC[1].2 as i64)),
-        ("SCAN_TC16_SMEM", Value::Int(GDRC_SCAN_TC[2].2 as i64)),
+        ("CHUNK", Value::Int(CHUNK as i64)),
+        ("FMA_THREADS", Value::Int(FMA_THREADS as i64)),
+        ("MMA_THREADS", Value::Int(MMA_THREADS as i64)),
+        ("MAX_DIM", Value::Int(MAX_DIM as i64)),
+        ("PREPARE_SMEM", Value::Int(PREPARE_SMEM as i64)),
+        ("SCAN_SMEM", Value::Int(SCAN_SMEM as i64)),
+        ("PREPARE_MMA_SMEM", Value::Int(PREPARE_MMA_SMEM as i64)),
+        ("SCAN_MMA64_SMEM", Value::Int(SCAN_MMA[0].2 as i64)),
+        ("SCAN_MMA32_SMEM", Value::Int(SCAN_MMA[1].2 as i64)),
+        ("SCAN_MMA16_SMEM", Value::Int(SCAN_MMA[2].2 as i64)),
         ("SCAN_READ", Value::Int(SCAN_READ as i64)),
         ("SCAN_WRITE", Value::Int(SCAN_WRITE as i64)),
         ("SCAN_SHARED", Value::Int(SCAN_SHARED as i64)),
@@ -310,7 +309,7 @@ mod tests {
             .contains(&"-DL2NORM_EPS=1e-6f".to_string()));
         assert!(FLASH_ATTENTION
             .define_options()
-            .contains(&"-DFA_SMEM=101632".to_string()));
+            .contains(&"-DFLASH_SMEM=101632".to_string()));
     }
 
     /// Each NVRTC module has its own name (candle caches functions by module name).
