@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Parser;
 use kev::score::{OutputPlan, Quiet, ScoreOptions, Scorer};
-use kev::{Backend, DecisionModel, LoadOptions, Record};
+use kev::{Backend, DecisionModel, EncodedRecord, LoadOptions, Record};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -27,30 +27,36 @@ struct Args {
     records: PathBuf,
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, default_value_t = 8)]
-    batch_size: usize,
+    #[arg(long, default_value_t = kev::score::DEFAULT_BATCH_TOKENS)]
+    batch_tokens: usize,
+    /// Records per batch at most; by default the token budget alone decides.
+    #[arg(long)]
+    batch_size: Option<usize>,
     /// Uniform distributions instead of the model in the scoring pass.
     #[arg(long)]
     stub: bool,
 }
 
-/// The real encoder check; uniform distributions in place of the forward pass.
+/// The real encoder; uniform distributions in place of the forward pass.
 struct Stub<'a>(&'a DecisionModel);
 
 impl Scorer for Stub<'_> {
-    fn check(&self, record: &Record, line: usize) -> kev::Result<()> {
-        self.0.check(record, line)
+    /// The encoding (for its tokens) and each question's option count.
+    type Encoded = (EncodedRecord, Vec<usize>);
+
+    fn encode(&self, record: &Record, line: usize) -> kev::Result<Self::Encoded> {
+        let options = record.questions.iter().map(|q| q.options.len()).collect();
+        Ok((self.0.encode_record_at(record, Some(line))?, options))
     }
 
-    fn probs_batch(&self, records: &[Record]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+    fn tokens(&self, (encoded, _): &Self::Encoded) -> usize {
+        encoded.tokens()
+    }
+
+    fn probs_encoded(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
         Ok(records
             .iter()
-            .map(|r| {
-                r.questions
-                    .iter()
-                    .map(|q| vec![1.0 / q.options.len() as f32; q.options.len()])
-                    .collect()
-            })
+            .map(|(_, options)| options.iter().map(|&n| vec![1.0 / n as f32; n]).collect())
             .collect())
     }
 }
@@ -72,7 +78,8 @@ fn main() -> Result<()> {
     )?;
     let plan = OutputPlan::new(&args.out)?;
     let options = ScoreOptions {
-        batch_size: args.batch_size,
+        batch_tokens: args.batch_tokens,
+        batch_size: args.batch_size.unwrap_or(usize::MAX),
         ..ScoreOptions::default()
     };
     let summary = if args.stub {
