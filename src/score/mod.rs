@@ -71,10 +71,11 @@ impl Scorer for DecisionModel {
 }
 
 /// The default token budget of a batch ([`ScoreOptions::batch_tokens`]). It is the size up to
-/// which the CUDA path replays a batch as a graph (larger batches run eagerly, launch-bound,
-/// and score fewer records per second on the H200), and on the CPU a batch of this size already
-/// groups records of similar state length as well as larger ones do (BENCHMARKS.md, "score at
-/// scale, CPU"); it bounds the memory of the batches in flight too.
+/// which the CUDA path replays a batch as a graph: larger batches run eagerly, launch-bound,
+/// and scored fewer records per second on the H200 (issue 27: 449 records/s at 8 records, 383
+/// at 256). On the CPU, budgets from 4,096 to 16,384 tokens score the shipped records within
+/// the noise of each other, all faster than one record a batch (BENCHMARKS.md, "score at scale,
+/// CPU"). It also bounds the memory of the few batches in flight.
 pub const DEFAULT_BATCH_TOKENS: usize = 8192;
 
 /// How [`score`] runs.
