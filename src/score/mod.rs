@@ -114,7 +114,8 @@ pub trait Progress {
     fn validating(&mut self, _read: u64, _total: Option<u64>) {}
     /// An invalid record left out (`skip_invalid`); the error names its line.
     fn skipped(&mut self, _error: &kev_core::Error) {}
-    /// Scoring pass: `done` of the `total` records this run scores.
+    /// Scoring pass: `done` of the `total` records this run scores, counted as the model
+    /// finishes each batch (the writer thread writes it next).
     fn scoring(&mut self, _done: u64, _total: u64) {}
 }
 
