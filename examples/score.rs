@@ -50,9 +50,12 @@ struct Args {
     /// Report invalid records (with their line number) and go on without them.
     #[arg(long)]
     skip_invalid: bool,
-    /// Records scored together (their states as one batch, then all their branches as one batch).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
-    batch_size: u64,
+    /// Tokens scored together (a record's state plus its branches): a batch closes before the record that would take it over this budget; a longer record is a batch of its own. The default fits the CUDA path's graph replays and keeps CPU batches efficient.
+    #[arg(long, default_value_t = kev::score::DEFAULT_BATCH_TOKENS as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    batch_tokens: u64,
+    /// Records scored together at most (by default, no cap: the token budget decides). A resumed run needs the same --batch-tokens and --batch-size.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    batch_size: Option<u64>,
     /// Continue an interrupted run into the same `--out` from its partial file (`.NAME.partial`).
     #[arg(long)]
     resume: bool,
@@ -112,7 +115,11 @@ fn run(args: &Args, partial: &mut Option<PathBuf>) -> Result<()> {
     );
 
     let options = ScoreOptions {
-        batch_size: usize::try_from(args.batch_size).context("--batch-size")?,
+        batch_tokens: usize::try_from(args.batch_tokens).context("--batch-tokens")?,
+        // A cap past the address space is no cap.
+        batch_size: args
+            .batch_size
+            .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
         skip_invalid: args.skip_invalid,
         resume: args.resume,
     };
@@ -130,13 +137,15 @@ fn print_summary(s: &Summary) {
         String::new()
     };
     eprintln!(
-        "records: {}{resumed}, questions: {}, skipped: {}, {:.2} records/s ({:.2} s validation, {:.2} s scoring)",
+        "records: {}{resumed}, questions: {}, skipped: {}, {:.2} records/s scored ({:.2} s validation, {:.2} s scoring; {} batches, {:.0} tokens per batch)",
         s.records,
         s.metrics.questions,
         s.skipped,
         s.records_per_second(),
         s.validation.as_secs_f64(),
-        s.scoring.as_secs_f64()
+        s.scoring.as_secs_f64(),
+        s.batches,
+        s.mean_batch_tokens()
     );
     if let (Some(acc), Some(ll)) = (s.metrics.accuracy(), s.metrics.mean_log_loss()) {
         eprintln!(

@@ -9,14 +9,19 @@
 //! the validation pass is the real one (the checkpoint's encoder) but the scoring pass returns
 //! uniform distributions instead of running the model: it measures everything the pipeline
 //! itself holds (reading, both passes, formatting, writing, the rename) at full speed, where
-//! the model would take hours on a small CPU.
+//! the model would take hours on a small CPU. With `--forward-only` it times the library alone
+//! on the same batches: every record read and encoded first, then
+//! [`DecisionModel::probs_encoded`] over the batches of the `--batch-tokens`/`--batch-size`
+//! rule, which is the throughput `score` is held to (BENCHMARKS.md, "score at scale, CPU").
 
-use std::path::PathBuf;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::Result;
 use clap::Parser;
 use kev::score::{OutputPlan, Quiet, ScoreOptions, Scorer};
-use kev::{Backend, DecisionModel, LoadOptions, Record};
+use kev::{Backend, DecisionModel, EncodedRecord, JsonlRecords, LoadOptions, Record};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -27,30 +32,76 @@ struct Args {
     records: PathBuf,
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, default_value_t = 8)]
-    batch_size: usize,
+    #[arg(long, default_value_t = kev::score::DEFAULT_BATCH_TOKENS)]
+    batch_tokens: usize,
+    /// Records per batch at most; by default the token budget alone decides.
+    #[arg(long)]
+    batch_size: Option<usize>,
     /// Uniform distributions instead of the model in the scoring pass.
     #[arg(long)]
     stub: bool,
+    /// Time `probs_encoded` over the batches alone (records read and encoded beforehand).
+    #[arg(long)]
+    forward_only: bool,
 }
 
-/// The real encoder check; uniform distributions in place of the forward pass.
+/// The library's batch throughput on the records of `path`: all read and encoded first, cut
+/// into batches as `ScoreOptions::batch_tokens` says (a batch closes before the record that
+/// would take it over the budget or the cap), then only the forwards timed.
+fn forward_only(model: &DecisionModel, path: &Path, budget: usize, cap: usize) -> Result<()> {
+    let reader = BufReader::new(std::fs::File::open(path)?);
+    let mut encoded = Vec::new();
+    for (_, record) in JsonlRecords::new(reader, path) {
+        encoded.push(model.encode_record(&record?)?);
+    }
+    let mut batches: Vec<Vec<EncodedRecord>> = Vec::new();
+    let mut open: Vec<EncodedRecord> = Vec::new();
+    let mut open_tokens = 0;
+    for record in encoded {
+        if !open.is_empty() && (open_tokens + record.tokens() > budget || open.len() == cap) {
+            batches.push(std::mem::take(&mut open));
+            open_tokens = 0;
+        }
+        open_tokens += record.tokens();
+        open.push(record);
+    }
+    if !open.is_empty() {
+        batches.push(open);
+    }
+    let records: usize = batches.iter().map(Vec::len).sum();
+    let started = Instant::now();
+    for batch in &batches {
+        model.probs_encoded(batch)?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    println!(
+        "forward_only records {records} batches {} forward_s {seconds:.2} records_per_s {:.2}",
+        batches.len(),
+        records as f64 / seconds.max(1e-9)
+    );
+    Ok(())
+}
+
+/// The real encoder; uniform distributions in place of the forward pass.
 struct Stub<'a>(&'a DecisionModel);
 
 impl Scorer for Stub<'_> {
-    fn check(&self, record: &Record, line: usize) -> kev::Result<()> {
-        self.0.check(record, line)
+    /// The encoding (for its tokens) and each question's option count.
+    type Encoded = (EncodedRecord, Vec<usize>);
+
+    fn encode(&self, record: &Record, line: usize) -> kev::Result<Self::Encoded> {
+        let options = record.questions.iter().map(|q| q.options.len()).collect();
+        Ok((self.0.encode_record_at(record, Some(line))?, options))
     }
 
-    fn probs_batch(&self, records: &[Record]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+    fn tokens(&self, (encoded, _): &Self::Encoded) -> usize {
+        encoded.tokens()
+    }
+
+    fn probs_encoded(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
         Ok(records
             .iter()
-            .map(|r| {
-                r.questions
-                    .iter()
-                    .map(|q| vec![1.0 / q.options.len() as f32; q.options.len()])
-                    .collect()
-            })
+            .map(|(_, options)| options.iter().map(|&n| vec![1.0 / n as f32; n]).collect())
             .collect())
     }
 }
@@ -70,9 +121,14 @@ fn main() -> Result<()> {
         &checkpoint,
         &LoadOptions::default().with_backend(Backend::Cpu),
     )?;
+    if args.forward_only {
+        let cap = args.batch_size.unwrap_or(usize::MAX);
+        return forward_only(&model, &args.records, args.batch_tokens, cap);
+    }
     let plan = OutputPlan::new(&args.out)?;
     let options = ScoreOptions {
-        batch_size: args.batch_size,
+        batch_tokens: args.batch_tokens,
+        batch_size: args.batch_size.unwrap_or(usize::MAX),
         ..ScoreOptions::default()
     };
     let summary = if args.stub {

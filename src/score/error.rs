@@ -86,6 +86,18 @@ pub enum ScoreError {
         message: String,
     },
 
+    /// A thread of the scoring pass (the reader that parses and encodes batches ahead of the
+    /// model, or the writer that formats and writes them) panicked or could not start: reported
+    /// as an error rather than a hang or an abort. The lines written before it stay in the
+    /// partial file.
+    #[error("the {thread} thread of the scoring pass failed: {message}")]
+    Worker {
+        /// `reader` or `writer`.
+        thread: &'static str,
+        /// What happened (`it panicked: ...`, `it could not start: ...`).
+        message: String,
+    },
+
     /// The input changed between the validation pass and the scoring pass.
     #[error("`{}` changed while it was being scored: {message}", input.display())]
     InputChanged {

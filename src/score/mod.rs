@@ -1,16 +1,21 @@
 //! Scoring a JSONL file of records into a JSONL file of probabilities, streamed: what the `score`
 //! example runs, reusable by other front ends.
 //!
-//! [`score`] makes two passes over the input, each holding one record (validation) or one batch
-//! (scoring) at a time, so memory does not grow with the file:
+//! [`score`] makes two passes over the input, each holding one record (validation) or a few
+//! batches (scoring) at a time, so memory does not grow with the file:
 //!
 //! 1. **Validation**: every line is parsed and encoded with the model's encoder (the length
 //!    check included), without running the model. Without `skip_invalid` the first invalid
 //!    record stops the run before anything is written; with it, each invalid line is reported
-//!    through [`Progress::skipped`] and left out. When resuming, the records already in the
-//!    partial output are checked against it here.
-//! 2. **Scoring**: the valid records, in input order, in batches of `batch_size` through
-//!    [`Scorer::probs_batch`], each written as one line as soon as its batch is scored.
+//!    through [`Progress::skipped`] and left out. The batches of the scoring pass are decided
+//!    here, from each valid record's token count (a few bytes per batch are kept, no records).
+//!    When resuming, the records already in the partial output are checked against it here, and
+//!    the lines kept are rounded down to the end of a batch.
+//! 2. **Scoring**: the valid records, in input order, in those batches through
+//!    [`Scorer::probs_encoded`], each record written as one line once its batch is scored. A
+//!    reader thread parses and encodes the next batch while the model runs the current one,
+//!    and a writer thread formats and writes the batch before it; the channels between them hold
+//!    one batch each.
 //!
 //! The output's guarantees are [`OutputPlan`]'s: a regular file is written beside the target
 //! and renamed over it at the end, anything else is written through. The k-th output line is
@@ -23,49 +28,80 @@ mod output;
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::time::{Duration, Instant};
 
-use kev_candle::DecisionModel;
+use kev_candle::{DecisionModel, EncodedRecord};
 use kev_core::{JsonlRecords, Record};
 use serde::Serialize;
 
 pub use error::ScoreError;
 pub use output::{Output, OutputPlan};
 
-/// What the pipeline needs of a model; [`DecisionModel`] is one.
-pub trait Scorer {
-    /// Checks that `record` (from input line `line`) can be scored: encoding and length, no
-    /// forward pass.
-    fn check(&self, record: &Record, line: usize) -> kev_core::Result<()>;
+/// What the pipeline needs of a model; [`DecisionModel`] is one. The validation pass encodes
+/// each record to check it and count its tokens; the scoring pass encodes it again on a reader
+/// thread, ahead of the model, and runs the encodings: a scorer is shared between threads.
+pub trait Scorer: Sync {
+    /// A record made ready for the model ([`EncodedRecord`] for a [`DecisionModel`]).
+    type Encoded: Send;
+    /// Encodes `record` (from input line `line`, which its errors name), checking that it can be
+    /// scored (its length included), without a forward pass.
+    fn encode(&self, record: &Record, line: usize) -> kev_core::Result<Self::Encoded>;
+    /// The tokens `record` runs: what [`ScoreOptions::batch_tokens`] counts.
+    fn tokens(&self, record: &Self::Encoded) -> usize;
     /// One distribution per question for each record.
-    fn probs_batch(&self, records: &[Record]) -> kev_core::Result<Vec<Vec<Vec<f32>>>>;
+    fn probs_encoded(&self, records: &[Self::Encoded]) -> kev_core::Result<Vec<Vec<Vec<f32>>>>;
 }
 
 impl Scorer for DecisionModel {
-    fn check(&self, record: &Record, line: usize) -> kev_core::Result<()> {
-        self.encoder().encode(record, Some(line)).map(drop)
+    type Encoded = EncodedRecord;
+
+    fn encode(&self, record: &Record, line: usize) -> kev_core::Result<EncodedRecord> {
+        self.encode_record_at(record, Some(line))
     }
 
-    fn probs_batch(&self, records: &[Record]) -> kev_core::Result<Vec<Vec<Vec<f32>>>> {
-        DecisionModel::probs_batch(self, records)
+    /// The state plus every branch: the rows a cold batch runs.
+    fn tokens(&self, record: &EncodedRecord) -> usize {
+        record.tokens()
+    }
+
+    fn probs_encoded(&self, records: &[EncodedRecord]) -> kev_core::Result<Vec<Vec<Vec<f32>>>> {
+        DecisionModel::probs_encoded(self, records)
     }
 }
+
+/// The default token budget of a batch ([`ScoreOptions::batch_tokens`]). It is the size up to
+/// which the CUDA path replays a batch as a graph: larger batches run eagerly, launch-bound,
+/// and scored fewer records per second on the H200 (issue 27: 449 records/s at 8 records, 383
+/// at 256). On the CPU, budgets from 4,096 to 16,384 tokens score the shipped records within
+/// the noise of each other, all faster than one record a batch (BENCHMARKS.md, "score at scale,
+/// CPU"). It also bounds the memory of the few batches in flight.
+pub const DEFAULT_BATCH_TOKENS: usize = 8192;
 
 /// How [`score`] runs.
 #[derive(Debug, Clone)]
 pub struct ScoreOptions {
-    /// Records per [`Scorer::probs_batch`] call (at least 1).
+    /// Tokens per [`Scorer::probs_encoded`] call (at least 1), counted by [`Scorer::tokens`]:
+    /// a batch closes before the record that would take it over this budget, and a record over
+    /// the budget by itself is a batch of its own. The batches follow from the records' token
+    /// counts alone, so a run with the same input and options makes the same ones (which is
+    /// what keeps `resume` byte-identical).
+    pub batch_tokens: usize,
+    /// Records per batch at most (at least 1); `usize::MAX`, the default, lets the token budget
+    /// alone decide.
     pub batch_size: usize,
     /// Leave invalid records out (reported through [`Progress::skipped`]) instead of stopping.
     pub skip_invalid: bool,
-    /// Continue from the partial output of an interrupted run (regular-file outputs only).
+    /// Continue from the partial output of an interrupted run (regular-file outputs only), with
+    /// the same `batch_tokens` and `batch_size` as that run.
     pub resume: bool,
 }
 
 impl Default for ScoreOptions {
     fn default() -> Self {
         ScoreOptions {
-            batch_size: 8,
+            batch_tokens: DEFAULT_BATCH_TOKENS,
+            batch_size: usize::MAX,
             skip_invalid: false,
             resume: false,
         }
@@ -78,7 +114,8 @@ pub trait Progress {
     fn validating(&mut self, _read: u64, _total: Option<u64>) {}
     /// An invalid record left out (`skip_invalid`); the error names its line.
     fn skipped(&mut self, _error: &kev_core::Error) {}
-    /// Scoring pass: `done` of the `total` records this run scores.
+    /// Scoring pass: `done` of the `total` records this run scores, counted as the model
+    /// finishes each batch (the writer thread writes it next).
     fn scoring(&mut self, _done: u64, _total: u64) {}
 }
 
@@ -103,12 +140,21 @@ pub struct Summary {
     pub validation: Duration,
     /// Time of the scoring pass.
     pub scoring: Duration,
+    /// Batches scored by this run.
+    pub batches: u64,
+    /// Tokens of those batches ([`Scorer::tokens`] summed over their records).
+    pub batch_tokens: u64,
 }
 
 impl Summary {
     /// Records scored by this run per second of the scoring pass.
     pub fn records_per_second(&self) -> f64 {
         (self.records - self.resumed) as f64 / self.scoring.as_secs_f64().max(1e-9)
+    }
+
+    /// Mean tokens per batch scored by this run (0 when none was).
+    pub fn mean_batch_tokens(&self) -> f64 {
+        self.batch_tokens as f64 / self.batches.max(1) as f64
     }
 }
 
@@ -255,18 +301,22 @@ fn argmax(p: &[f32]) -> usize {
 /// failure to write; [`ScoreError::Batch`], [`ScoreError::NonFinite`] and
 /// [`ScoreError::Shape`] when the model fails; [`ScoreError::Resume`] when the partial output
 /// does not belong to this input; [`ScoreError::InputChanged`] when the input changes between
-/// the passes. After an error in the scoring pass, the lines written so far stay in the partial
+/// the passes; [`ScoreError::Worker`] when a thread of the scoring pass panics. When several
+/// go wrong at once, the error of the earliest batch is the one returned. After an error in
+/// the scoring pass, the lines written so far (whole batches, in order) stay in the partial
 /// file ([`OutputPlan::partial_path`]) for `resume`.
-pub fn score(
-    model: &impl Scorer,
+pub fn score<S: Scorer>(
+    model: &S,
     input: impl AsRef<Path>,
     output: &OutputPlan,
     options: &ScoreOptions,
     progress: &mut dyn Progress,
 ) -> Result<Summary, ScoreError> {
-    let batch_size = options.batch_size;
-    if batch_size == 0 {
+    if options.batch_size == 0 {
         return Err(kev_core::Error::invalid_argument("batch_size", "must be at least 1").into());
+    }
+    if options.batch_tokens == 0 {
+        return Err(kev_core::Error::invalid_argument("batch_tokens", "must be at least 1").into());
     }
     let started = Instant::now();
     let mut source = input::Source::open(input.as_ref())?;
@@ -274,31 +324,22 @@ pub fn score(
 
     // A replaced target's partial file is opened first, so that an unwritable folder fails
     // before a long validation pass; if validation fails, an empty partial file is removed.
-    let (mut out, resumed) = match (options.resume, output.is_replace()) {
+    // A resumed one keeps its complete lines until validation knows where the batches end.
+    let (mut out, complete) = match (options.resume, output.is_replace()) {
         (true, _) => {
-            let (out, kept) = output.open_resume(batch_size)?;
-            (Some(out), kept)
+            let (out, complete) = output.open_resume(1)?;
+            (Some(out), complete)
         }
         (false, true) => (Some(output.open()?), 0),
         (false, false) => (None, 0),
     };
-    let mut previous = match (resumed, output.partial_path()) {
+    let mut resume = match (complete, output.partial_path()) {
         (0, _) | (_, None) => None,
-        (_, Some(partial)) => Some(PreviousLines {
-            reader: BufReader::new(File::open(partial).map_err(|e| {
-                ScoreError::output(
-                    output.target(),
-                    format!("reading `{}`", partial.display()),
-                    e,
-                )
-            })?),
-            partial: partial.to_path_buf(),
-            buf: String::new(),
-        }),
+        (_, Some(partial)) => Some(Resuming::new(partial, complete, output.target())?),
     };
 
-    // Pass 1: validate every record, holding one at a time.
-    let mut metrics = Metrics::default();
+    // Pass 1: validate every record, holding one at a time, and close the batches.
+    let mut batcher = Batcher::new(options.batch_tokens, options.batch_size);
     let mut invalid_lines = Vec::new();
     let mut valid = 0u64;
     {
@@ -307,10 +348,19 @@ pub fn score(
         let mut records = JsonlRecords::new(BufReader::new(&mut reader), &name);
         for (line, record) in &mut records {
             progress.validating(read.get(), total);
-            match record.and_then(|r| model.check(&r, line).map(|()| r)) {
-                Ok(r) => {
-                    if let Some(prev) = previous.as_mut().filter(|_| valid < resumed) {
-                        prev.check(&r, line, &mut metrics)?;
+            let checked = record.and_then(|r| {
+                let tokens = model.tokens(&model.encode(&r, line)?);
+                Ok((r, tokens))
+            });
+            match checked {
+                Ok((r, tokens)) => {
+                    if let Some(end) = batcher.push(tokens) {
+                        if let Some(resume) = &mut resume {
+                            resume.batch_end(end)?;
+                        }
+                    }
+                    if let Some(resume) = &mut resume {
+                        resume.check(&r, line, valid);
                     }
                     valid += 1;
                 }
@@ -331,75 +381,101 @@ pub fn score(
         progress.validating(read.get(), total);
         reader.finish(&name)?;
     }
-    if valid < resumed {
+    if let (Some(end), Some(resume)) = (batcher.finish(), &mut resume) {
+        resume.batch_end(end)?;
+    }
+    if valid < complete {
         return Err(ScoreError::Resume {
             partial: output
                 .partial_path()
                 .unwrap_or(output.target())
                 .to_path_buf(),
             message: format!(
-                "it holds {resumed} lines, but `{}` has only {valid} valid records",
+                "it holds {complete} lines, but `{}` has only {valid} valid records",
                 name.display()
             ),
         });
     }
+    let (resumed, metrics) = match resume {
+        Some(resume) => (resume.kept, resume.kept_metrics),
+        None => (0, Metrics::default()),
+    };
     let validation = started.elapsed();
 
-    // Pass 2: score in batches, writing each batch as soon as it is scored.
+    // Pass 2: score the batches, reading ahead and writing behind the model.
     let started = Instant::now();
     let mut out = match out.take() {
         Some(out) => out,
         None => output.open()?,
     };
+    out.keep_lines(resumed)?;
+    let spans = batcher.after(resumed);
     let total = valid - resumed;
     progress.scoring(0, total);
-    let changed = |message: String| ScoreError::InputChanged {
-        input: name.clone(),
-        message,
+    let second = source.second_pass()?;
+    let pass = ReadPass {
+        name: &name,
+        invalid_lines: &invalid_lines,
+        resumed,
+        valid,
+        spans: &spans,
     };
-    let mut batch: Vec<(usize, Record)> = Vec::with_capacity(batch_size);
-    let mut done = 0u64;
-    let mut seen = 0u64;
-    let mut skips = invalid_lines.iter().peekable();
-    for (line, record) in JsonlRecords::new(source.second_pass()?, &name) {
-        if skips.next_if(|&&l| l == line).is_some() {
-            continue;
-        }
-        let record = match record {
-            Ok(r) => r,
-            Err(e @ kev_core::Error::Io { .. }) => return Err(e.into()),
+    let (out, batches, batch_tokens, metrics) = std::thread::scope(|scope| {
+        let (batch_tx, batch_rx) = sync_channel::<Result<Batch<S::Encoded>, ScoreError>>(1);
+        let (scored_tx, scored_rx) = sync_channel::<Scored>(1);
+        let reader = spawn(scope, "reader", move || pass.run(model, second, &batch_tx))?;
+        let writer = match spawn(scope, "writer", move || {
+            write_batches(scored_rx, out, metrics)
+        }) {
+            Ok(writer) => writer,
             Err(e) => {
-                return Err(changed(format!(
-                    "{e} (it was valid in the validation pass)"
-                )))
+                drop(batch_rx);
+                let _ = reader.join();
+                return Err(e);
             }
         };
-        seen += 1;
-        if seen > valid {
-            return Err(changed(format!(
-                "line {line}: more records than the {valid} of the validation pass"
-            )));
-        }
-        if seen <= resumed {
-            continue;
-        }
-        batch.push((line, record));
-        if batch.len() == batch_size {
-            score_batch(model, &mut batch, &mut out, &mut metrics)?;
-            done += batch_size as u64;
+        let (mut done, mut batches, mut batch_tokens) = (0u64, 0u64, 0u64);
+        let mut failure = None;
+        for item in &batch_rx {
+            let batch = match item {
+                Ok(batch) => batch,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            let tokens = batch.tokens;
+            let scored = match batch.score(model) {
+                Ok(scored) => scored,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            let records = scored.records.len() as u64;
+            if scored_tx.send(scored).is_err() {
+                // The writer stopped: its error comes out of `join` below.
+                break;
+            }
+            done += records;
+            batches += 1;
+            batch_tokens += tokens;
             progress.scoring(done, total);
         }
-    }
-    if !batch.is_empty() {
-        done += batch.len() as u64;
-        score_batch(model, &mut batch, &mut out, &mut metrics)?;
-        progress.scoring(done, total);
-    }
-    if seen != valid {
-        return Err(changed(format!(
-            "{seen} records, {valid} in the validation pass"
-        )));
-    }
+        // Unblock both threads before waiting for them: the reader's next send fails, the
+        // writer sees the end of its batches.
+        drop(batch_rx);
+        drop(scored_tx);
+        let written = join(writer, "writer");
+        let read = join(reader, "reader");
+        // The writer's batches come before the model's, which come before the reader's.
+        let (out, written_metrics) = written??;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        read?;
+        Ok((out, batches, batch_tokens, written_metrics))
+    })?;
     let records = out.lines();
     out.finish()?;
     Ok(Summary {
@@ -409,48 +485,387 @@ pub fn score(
         metrics,
         validation,
         scoring: started.elapsed(),
+        batches,
+        batch_tokens,
     })
 }
 
-/// Scores and writes one batch, emptying it.
-fn score_batch(
-    model: &impl Scorer,
-    batch: &mut Vec<(usize, Record)>,
-    out: &mut Output,
-    metrics: &mut Metrics,
-) -> Result<(), ScoreError> {
-    let (lines, records): (Vec<usize>, Vec<Record>) = batch.drain(..).unzip();
-    let (first_line, last_line) = (lines[0], lines[lines.len() - 1]);
-    let probs = model
-        .probs_batch(&records)
-        .map_err(|source| ScoreError::Batch {
-            first_line,
-            last_line,
-            source,
+/// One batch of the scoring pass as the validation pass closed it: its records and their
+/// tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Span {
+    records: u64,
+    tokens: u64,
+}
+
+/// Closes batches by the token budget and the record cap from the records' token counts alone,
+/// so that the same input and options always give the same batches: what lets `resume` keep
+/// whole batches of an earlier run. Keeps a [`Span`] per batch, never a record.
+#[derive(Debug)]
+struct Batcher {
+    budget: u64,
+    cap: u64,
+    open: Span,
+    closed: Vec<Span>,
+    /// Records in the closed batches.
+    end: u64,
+}
+
+impl Batcher {
+    fn new(batch_tokens: usize, batch_size: usize) -> Self {
+        Batcher {
+            budget: batch_tokens as u64,
+            cap: u64::try_from(batch_size).unwrap_or(u64::MAX),
+            open: Span::default(),
+            closed: Vec::new(),
+            end: 0,
+        }
+    }
+
+    /// Adds a record of `tokens`. When it closes the open batch (it would take it over the
+    /// budget or the cap), returns the records before it, where that batch ends.
+    fn push(&mut self, tokens: usize) -> Option<u64> {
+        let tokens = tokens as u64;
+        let full = self.open.records > 0
+            && (self.open.tokens.saturating_add(tokens) > self.budget
+                || self.open.records >= self.cap);
+        let closed = full.then(|| self.close());
+        self.open.records += 1;
+        self.open.tokens = self.open.tokens.saturating_add(tokens);
+        closed
+    }
+
+    /// Closes the last batch, if it holds records; returns where it ends.
+    fn finish(&mut self) -> Option<u64> {
+        (self.open.records > 0).then(|| self.close())
+    }
+
+    fn close(&mut self) -> u64 {
+        let span = std::mem::take(&mut self.open);
+        self.end += span.records;
+        self.closed.push(span);
+        self.end
+    }
+
+    /// The batches after the first `records` records, which end a batch.
+    fn after(&self, records: u64) -> Vec<Span> {
+        let mut end = 0;
+        self.closed
+            .iter()
+            .skip_while(|span| {
+                let skip = end < records;
+                end += span.records;
+                skip
+            })
+            .copied()
+            .collect()
+    }
+}
+
+/// The partial output of a resumed run, checked during the validation pass: its lines are
+/// kept up to the last batch end within them, and a line that does not belong to its record
+/// refuses the resume only when it is among those kept.
+struct Resuming {
+    previous: PreviousLines,
+    /// Complete lines in the partial file.
+    complete: u64,
+    /// Lines kept so far (a batch end) and their metrics.
+    kept: u64,
+    kept_metrics: Metrics,
+    /// Metrics of every line checked.
+    metrics: Metrics,
+    /// The first line that does not fit its record (its index), and why.
+    mismatch: Option<(u64, ScoreError)>,
+}
+
+impl Resuming {
+    fn new(partial: &Path, complete: u64, target: &Path) -> Result<Self, ScoreError> {
+        let file = File::open(partial).map_err(|e| {
+            ScoreError::output(target, format!("reading `{}`", partial.display()), e)
         })?;
-    if probs.len() != records.len() {
-        return Err(ScoreError::Shape {
-            line: first_line,
-            message: format!(
-                "{} results for the batch of {} records at lines {first_line}..={last_line}",
-                probs.len(),
-                records.len()
-            ),
-        });
+        Ok(Resuming {
+            previous: PreviousLines {
+                reader: BufReader::new(file),
+                partial: partial.to_path_buf(),
+                buf: String::new(),
+            },
+            complete,
+            kept: 0,
+            kept_metrics: Metrics::default(),
+            metrics: Metrics::default(),
+            mismatch: None,
+        })
     }
-    // Format the whole batch first: a bad result in it writes none of it.
-    let mut batch_metrics = metrics.clone();
-    let formatted = records
-        .iter()
-        .zip(&probs)
-        .zip(&lines)
-        .map(|((r, p), &line)| format_record(r, p, line, &mut batch_metrics))
-        .collect::<Result<Vec<_>, _>>()?;
-    for text in &formatted {
-        out.write_line(text)?;
+
+    /// Checks the line of valid record `index` (input line `line`), if the file has one.
+    fn check(&mut self, record: &Record, line: usize, index: u64) {
+        if index < self.complete && self.mismatch.is_none() {
+            if let Err(e) = self.previous.check(record, line, &mut self.metrics) {
+                self.mismatch = Some((index, e));
+            }
+        }
     }
-    *metrics = batch_metrics;
-    Ok(())
+
+    /// A batch ends after `end` valid records: its lines are kept if the file holds them all,
+    /// which needs every one of them to fit its record.
+    fn batch_end(&mut self, end: u64) -> Result<(), ScoreError> {
+        if end > self.complete {
+            return Ok(());
+        }
+        if let Some((index, _)) = &self.mismatch {
+            if *index < end {
+                let (_, e) = self.mismatch.take().expect("just matched");
+                return Err(e);
+            }
+        }
+        self.kept = end;
+        self.kept_metrics = self.metrics.clone();
+        Ok(())
+    }
+}
+
+/// A batch read and encoded by the reader thread.
+struct Batch<E> {
+    lines: Vec<usize>,
+    records: Vec<Record>,
+    encoded: Vec<E>,
+    tokens: u64,
+}
+
+/// A batch scored: what the writer thread formats and writes.
+struct Scored {
+    lines: Vec<usize>,
+    records: Vec<Record>,
+    probs: Vec<Vec<Vec<f32>>>,
+}
+
+impl<E> Batch<E> {
+    /// Runs the model on the batch, checking that it returns one result per record.
+    fn score<S: Scorer<Encoded = E>>(self, model: &S) -> Result<Scored, ScoreError> {
+        let lines = &self.lines;
+        let (first_line, last_line) = (lines[0], lines[lines.len() - 1]);
+        let probs = model
+            .probs_encoded(&self.encoded)
+            .map_err(|source| ScoreError::Batch {
+                first_line,
+                last_line,
+                source,
+            })?;
+        if probs.len() != self.records.len() {
+            return Err(ScoreError::Shape {
+                line: first_line,
+                message: format!(
+                    "{} results for the batch of {} records at lines {first_line}..={last_line}",
+                    probs.len(),
+                    self.records.len()
+                ),
+            });
+        }
+        Ok(Scored {
+            lines: self.lines,
+            records: self.records,
+            probs,
+        })
+    }
+}
+
+/// What the reader thread of the scoring pass needs.
+#[derive(Clone, Copy)]
+struct ReadPass<'a> {
+    name: &'a Path,
+    invalid_lines: &'a [usize],
+    resumed: u64,
+    valid: u64,
+    spans: &'a [Span],
+}
+
+impl ReadPass<'_> {
+    /// Reads the input again and sends the batches of `spans`, encoded, in order; a failure is
+    /// the last thing sent. Stops when the receiver is gone.
+    fn run<S: Scorer>(
+        self,
+        model: &S,
+        reader: BufReader<File>,
+        tx: &SyncSender<Result<Batch<S::Encoded>, ScoreError>>,
+    ) {
+        if let Err(e) = self.read(model, reader, tx) {
+            let _ = tx.send(Err(e));
+        }
+    }
+
+    fn read<S: Scorer>(
+        self,
+        model: &S,
+        reader: BufReader<File>,
+        tx: &SyncSender<Result<Batch<S::Encoded>, ScoreError>>,
+    ) -> Result<(), ScoreError> {
+        let mut records = ValidRecords {
+            records: JsonlRecords::new(reader, self.name),
+            invalid_lines: self.invalid_lines,
+            next_invalid: 0,
+            seen: 0,
+            pass: self,
+        };
+        for _ in 0..self.resumed {
+            records.next_record()?;
+        }
+        for span in self.spans {
+            let capacity = usize::try_from(span.records).unwrap_or(usize::MAX);
+            let mut batch = Batch {
+                lines: Vec::with_capacity(capacity),
+                records: Vec::with_capacity(capacity),
+                encoded: Vec::with_capacity(capacity),
+                tokens: 0,
+            };
+            for _ in 0..span.records {
+                let (line, record) = records.next_record()?;
+                let encoded = model.encode(&record, line).map_err(|e| {
+                    self.changed(format!("{e} (it was valid in the validation pass)"))
+                })?;
+                batch.tokens += model.tokens(&encoded) as u64;
+                batch.lines.push(line);
+                batch.records.push(record);
+                batch.encoded.push(encoded);
+            }
+            if batch.tokens != span.tokens {
+                return Err(self.changed(format!(
+                    "the records at lines {}..={} have {} tokens, {} in the validation pass",
+                    batch.lines[0],
+                    batch.lines[batch.lines.len() - 1],
+                    batch.tokens,
+                    span.tokens
+                )));
+            }
+            if tx.send(Ok(batch)).is_err() {
+                return Ok(());
+            }
+        }
+        records.end()
+    }
+
+    fn changed(&self, message: String) -> ScoreError {
+        ScoreError::InputChanged {
+            input: self.name.to_path_buf(),
+            message,
+        }
+    }
+}
+
+/// The valid records of the scoring pass, in order, checked against the validation pass.
+struct ValidRecords<'a> {
+    records: JsonlRecords<BufReader<File>>,
+    invalid_lines: &'a [usize],
+    next_invalid: usize,
+    seen: u64,
+    pass: ReadPass<'a>,
+}
+
+impl ValidRecords<'_> {
+    /// The next valid record and its line; the end of the input is an error here.
+    fn next_record(&mut self) -> Result<(usize, Record), ScoreError> {
+        match self.next_valid()? {
+            Some(next) => Ok(next),
+            None => Err(self.pass.changed(format!(
+                "{} records, {} in the validation pass",
+                self.seen, self.pass.valid
+            ))),
+        }
+    }
+
+    /// Checks that no valid record is left.
+    fn end(&mut self) -> Result<(), ScoreError> {
+        match self.next_valid()? {
+            None => Ok(()),
+            Some((line, _)) => Err(self.pass.changed(format!(
+                "line {line}: more records than the {} of the validation pass",
+                self.pass.valid
+            ))),
+        }
+    }
+
+    fn next_valid(&mut self) -> Result<Option<(usize, Record)>, ScoreError> {
+        for (line, record) in &mut self.records {
+            if self.invalid_lines.get(self.next_invalid) == Some(&line) {
+                self.next_invalid += 1;
+                continue;
+            }
+            let record = match record {
+                Ok(r) => r,
+                Err(e @ kev_core::Error::Io { .. }) => return Err(e.into()),
+                Err(e) => {
+                    return Err(self
+                        .pass
+                        .changed(format!("{e} (it was valid in the validation pass)")))
+                }
+            };
+            self.seen += 1;
+            if self.seen > self.pass.valid {
+                return Err(self.pass.changed(format!(
+                    "line {line}: more records than the {} of the validation pass",
+                    self.pass.valid
+                )));
+            }
+            return Ok(Some((line, record)));
+        }
+        Ok(None)
+    }
+}
+
+/// The writer thread: formats each scored batch whole (a bad result in it writes none of it),
+/// then writes it. Returns the output, not yet finished, and the metrics of every line.
+fn write_batches(
+    batches: Receiver<Scored>,
+    mut out: Output,
+    mut metrics: Metrics,
+) -> Result<(Output, Metrics), ScoreError> {
+    for batch in batches {
+        let mut batch_metrics = metrics.clone();
+        let formatted = batch
+            .records
+            .iter()
+            .zip(&batch.probs)
+            .zip(&batch.lines)
+            .map(|((r, p), &line)| format_record(r, p, line, &mut batch_metrics))
+            .collect::<Result<Vec<_>, _>>()?;
+        for text in &formatted {
+            out.write_line(text)?;
+        }
+        metrics = batch_metrics;
+    }
+    Ok((out, metrics))
+}
+
+/// Starts a named thread of the scoring pass.
+fn spawn<'scope, T: Send + 'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    thread: &'static str,
+    f: impl FnOnce() -> T + Send + 'scope,
+) -> Result<std::thread::ScopedJoinHandle<'scope, T>, ScoreError> {
+    std::thread::Builder::new()
+        .name(format!("kev-score-{thread}"))
+        .spawn_scoped(scope, f)
+        .map_err(|e| ScoreError::Worker {
+            thread,
+            message: format!("it could not start: {e}"),
+        })
+}
+
+/// Waits for a thread of the scoring pass; its panic becomes [`ScoreError::Worker`].
+fn join<T>(
+    handle: std::thread::ScopedJoinHandle<'_, T>,
+    thread: &'static str,
+) -> Result<T, ScoreError> {
+    handle.join().map_err(|payload| ScoreError::Worker {
+        thread,
+        message: format!(
+            "it panicked: {}",
+            payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into())
+        ),
+    })
 }
 
 /// The partial output's lines, read back one per valid record while resuming.

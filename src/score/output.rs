@@ -239,8 +239,8 @@ impl OutputPlan {
                 }
                 let kept = match resume {
                     Some(align) if existed => {
-                        let (lines, bytes) =
-                            complete_lines(&file, align).map_err(|e| err(step("reading"), e))?;
+                        let (lines, bytes) = complete_lines(&file, align, u64::MAX)
+                            .map_err(|e| err(step("reading"), e))?;
                         file.set_len(bytes)
                             .map_err(|e| err(step("truncating"), e))?;
                         file.seek(SeekFrom::End(0))
@@ -315,6 +315,32 @@ impl Output {
         };
         result.map_err(|e| self.write_error(e))?;
         self.lines += 1;
+        Ok(())
+    }
+
+    /// Keeps only the first `lines` lines of a resumed partial file (none past those it holds),
+    /// dropping the rest: [`score`](super::score) opens it with every complete line, then learns
+    /// from the validation pass where its batches end and keeps whole batches. Before any
+    /// [`Output::write_line`]; a target that is not replaced holds no lines and is left as is.
+    pub fn keep_lines(&mut self, lines: u64) -> Result<(), ScoreError> {
+        if lines >= self.lines {
+            return Ok(());
+        }
+        let target = self.target.clone();
+        if let Sink::Replace {
+            writer, partial, ..
+        } = &mut self.sink
+        {
+            let step = |what: &str| format!("{what} `{}`", partial.display());
+            let err = |what: &str, e| ScoreError::output(&target, step(what), e);
+            writer.flush().map_err(|e| err("writing", e))?;
+            let file = writer.get_mut();
+            let (_, bytes) = complete_lines(file, 1, lines).map_err(|e| err("reading", e))?;
+            file.set_len(bytes).map_err(|e| err("truncating", e))?;
+            file.seek(SeekFrom::End(0))
+                .map_err(|e| err("seeking in", e))?;
+        }
+        self.lines = lines;
         Ok(())
     }
 
@@ -452,9 +478,9 @@ fn inherit(file: &File, old: &ExistingFile) -> io::Result<()> {
     file.set_permissions(std::fs::Permissions::from_mode(old.mode))
 }
 
-/// Complete lines at the start of `file`, rounded down to a multiple of `align`, and the byte
-/// length they take.
-fn complete_lines(file: &File, align: usize) -> io::Result<(u64, u64)> {
+/// Complete lines at the start of `file`, at most `limit`, rounded down to a multiple of
+/// `align`, and the byte length they take.
+fn complete_lines(file: &File, align: usize, limit: u64) -> io::Result<(u64, u64)> {
     let mut reader = BufReader::with_capacity(BUF_BYTES, file);
     reader.seek(SeekFrom::Start(0))?;
     let align = align as u64;
@@ -468,6 +494,9 @@ fn complete_lines(file: &File, align: usize) -> io::Result<(u64, u64)> {
         let n = buf.len();
         let mut start = 0;
         while let Some(i) = buf[start..].iter().position(|&b| b == b'\n') {
+            if lines == limit {
+                return Ok((kept_lines, kept_bytes));
+            }
             start += i + 1;
             lines += 1;
             if lines % align == 0 {

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use kev::score::{score, OutputPlan, Progress, Quiet, ScoreError, ScoreOptions, Scorer, Summary};
-use kev::Record;
+use kev::{EncodedRecord, Record};
 use serde::Serialize;
 
 use crate::common::{fixture, model, record_lines};
@@ -295,14 +295,25 @@ struct Poisoned {
 }
 
 impl Scorer for Poisoned {
-    fn check(&self, record: &Record, line: usize) -> kev::Result<()> {
-        model().check(record, line)
+    /// The encoding and whether the record's state is the poisoned one.
+    type Encoded = (EncodedRecord, bool);
+
+    fn encode(&self, record: &Record, line: usize) -> kev::Result<Self::Encoded> {
+        Ok((
+            Scorer::encode(model(), record, line)?,
+            record.state == self.state,
+        ))
     }
 
-    fn probs_batch(&self, records: &[Record]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
-        let mut probs = model().probs_batch(records)?;
-        for (r, p) in records.iter().zip(&mut probs) {
-            if r.state == self.state {
+    fn tokens(&self, (encoded, _): &Self::Encoded) -> usize {
+        encoded.tokens()
+    }
+
+    fn probs_encoded(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+        let encoded: Vec<EncodedRecord> = records.iter().map(|(e, _)| e.clone()).collect();
+        let mut probs = model().probs_encoded(&encoded)?;
+        for ((_, poisoned), p) in records.iter().zip(&mut probs) {
+            if *poisoned {
                 p[0][0] = self.value;
             }
         }
@@ -363,7 +374,9 @@ struct Growing {
 }
 
 impl Scorer for Growing {
-    fn check(&self, record: &Record, line: usize) -> kev::Result<()> {
+    type Encoded = EncodedRecord;
+
+    fn encode(&self, record: &Record, line: usize) -> kev::Result<EncodedRecord> {
         if line == self.last_line {
             use std::io::Write;
             let mut f = std::fs::OpenOptions::new()
@@ -372,11 +385,15 @@ impl Scorer for Growing {
                 .unwrap();
             writeln!(f, "{}", record_lines()[0]).unwrap();
         }
-        model().check(record, line)
+        Scorer::encode(model(), record, line)
     }
 
-    fn probs_batch(&self, records: &[Record]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
-        model().probs_batch(records)
+    fn tokens(&self, record: &EncodedRecord) -> usize {
+        record.tokens()
+    }
+
+    fn probs_encoded(&self, records: &[EncodedRecord]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+        model().probs_encoded(records)
     }
 }
 

@@ -236,7 +236,13 @@ impl DecisionModel {
     /// Encodes `record` for [`DecisionModel::probs_prefixed`] (validating it as
     /// [`DecisionModel::encode`] does).
     pub fn encode_record(&self, record: &Record) -> Result<EncodedRecord> {
-        let (state_ids, rows) = self.encode(record)?.rows();
+        self.encode_record_at(record, None)
+    }
+
+    /// [`DecisionModel::encode_record`] for a record read from input line `line`, which its
+    /// errors name.
+    pub fn encode_record_at(&self, record: &Record, line: Option<usize>) -> Result<EncodedRecord> {
+        let (state_ids, rows) = self.encoder.encode(record, line)?.rows();
         Ok(EncodedRecord {
             id: record.id.clone(),
             state: record.state.clone(),
