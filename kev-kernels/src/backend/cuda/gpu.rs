@@ -26,6 +26,7 @@ pub(crate) struct Gpu {
 
 impl Gpu {
     /// NVRTC's name of the GPU's machine code, `sm_XY`.
+    #[cfg(feature = "cuda")]
     pub(crate) fn arch(&self) -> String {
         let (major, minor) = self.compute_capability;
         format!("sm_{major}{minor}")
