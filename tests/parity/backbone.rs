@@ -169,7 +169,7 @@ fn split_forward_equals_states_then_branches() {
             9,
             lengths.clone(),
             owners.clone(),
-            &device(),
+            w.device(),
         )
         .unwrap();
         let ours = model
