@@ -51,11 +51,12 @@ rustup target add "$target" >/dev/null
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=$linker
 runner="qemu-aarch64 -L $sysroot -cpu"
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="$runner max"
-root_tests=(--test parity --test errors)
-[ "${1:-}" = --all ] && root_tests+=(--test prefix_cache --test concurrency)
+# One package selection for both runs: cargo unifies features over the selected packages, so
+# another selection would build candle again.
+packages=(-p kev-kernels -p kev-candle -p kev)
+tests=(--lib --test ops --test parity --test errors)
+[ "${1:-}" = --all ] && tests+=(--test prefix_cache --test concurrency)
 
-cargo test --release --target "$target" -p kev-kernels --lib --test ops
-cargo test --release --target "$target" -p kev-candle --lib
-cargo test --release --target "$target" -p kev "${root_tests[@]}"
+cargo test --release --target "$target" "${packages[@]}" "${tests[@]}"
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="$runner neoverse-n1" \
-  cargo test --release --target "$target" -p kev-kernels --lib --test ops
+  cargo test --release --target "$target" "${packages[@]}" --lib --test ops
