@@ -127,4 +127,6 @@ def peak_rss_mib():
     except OSError:
         pass
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    import sys
+    # ru_maxrss: bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)

@@ -1,12 +1,14 @@
-"""Markdown tables from the JSON lines of examples/bench.rs and bench/peers.py.
+"""Markdown tables from the JSON lines of examples/bench.rs, bench/peers.py and bench/mlx_peer.py.
 
-    python bench/report.py results.jsonl [more.jsonl ...] [--peak-tflops 989]
+    python bench/report.py results.jsonl [more.jsonl ...] [--peak-tflops 989] [--summary]
 
 One table per checkpoint and device: a row per (workload, form), a column group per
 implementation (kev; transformers, and transformers+fla where it ran), latency median (min),
 records/s, tokens/s (encoded tokens), TFLOP/s (and % of --peak-tflops when given), peak memory
 (GPU where measured, else RSS), then the ratio of each peer's median latency to kev's (> 1: kev is
 faster) and the largest |Δp| between kev's and the peer's probabilities for the first record.
+`--summary` prints instead one table of every checkpoint and workload with each side's fastest
+form (ms median, records/s), the ratio of the peer's to Kev's, and max |Δp| (the BENCHMARKS.md form).
 """
 
 import argparse
@@ -16,8 +18,8 @@ from collections import OrderedDict
 
 
 def impl_name(line):
-    if line["impl"] == "kev":
-        name = "kev"
+    if line["impl"] in ("kev", "mlx-lm"):
+        name = line["impl"]
     else:
         name = "transformers" + ("+fla" if line.get("fla") == "yes" else "")
     return name + (f" [{line['label']}]" if line.get("label") else "")
@@ -27,6 +29,12 @@ def max_dp(a, b):
     if not a or not b or len(a) != len(b):
         return None
     return max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def device_kind(line):
+    """cuda, metal or cpu, from either side's `device` (Kev: `Cuda { gpu_id: 0 }`, `Metal {..}`, `Cpu`)."""
+    dev = line["device"].lower()
+    return next((k for k in ("cuda", "metal") if dev.startswith(k)), "cpu")
 
 
 def mem(line):
@@ -40,6 +48,8 @@ def mem(line):
                 f"({line['peak_gpu_reserved_mib'] / 1024:.2f} reserved)")
     if "peak_gpu_mib" in line:
         return f"{line['peak_gpu_mib'] / 1024:.2f} GiB GPU"
+    if line.get("peak_rss_mib") is None:  # Kev reads VmHWM, which macOS does not have
+        return "–"
     return f"{line['peak_rss_mib'] / 1024:.2f} GiB RSS"
 
 
@@ -48,6 +58,7 @@ def main():
     ap.add_argument("files", nargs="+")
     ap.add_argument("--peak-tflops", type=float, default=0.0,
                     help="the machine's peak for the dtype (H200 bf16 dense: 989), for %% of peak")
+    ap.add_argument("--summary", action="store_true", help="one table, each side's fastest form")
     args = ap.parse_args()
 
     lines = []
@@ -59,13 +70,15 @@ def main():
     if not lines:
         sys.exit("no result lines")
     # Measured peaks (bench/peak.py) override --peak-tflops for their device.
-    peaks = {("cuda" if x["device"].startswith("cuda") else "cpu"): x["tflop_per_s"]
-             for x in lines if x.get("impl") == "peak"}
+    peaks = {device_kind(x): x["tflop_per_s"] for x in lines if x.get("impl") == "peak"}
     lines = [x for x in lines if x.get("impl") != "peak"]
 
+    if args.summary:
+        summary(lines)
+        return
     groups = OrderedDict()
     for ln in lines:
-        dev = "cuda" if ln["device"].lower().startswith("cuda") else "cpu"
+        dev = device_kind(ln)
         key = (ln["checkpoint"], dev, ln["dtype"].lower().replace("float32", "f32").replace("bfloat16", "bf16"))
         groups.setdefault(key, []).append(ln)
 
@@ -122,6 +135,39 @@ def main():
                     if r and x:
                         print(f"- {i}, {w}: {f} form {r['latency_ms_median'] / x['latency_ms_median']:.2f}× "
                               f"faster than row form")
+
+
+def summary(lines):
+    """| size | workload | per side: fastest form's median ms (min) and records/s | peer / kev | |Δp| |."""
+    cells = OrderedDict()
+    for x in lines:
+        cells.setdefault((x["checkpoint"], x["workload"]), OrderedDict()).setdefault(impl_name(x), []).append(x)
+    impls = list(OrderedDict.fromkeys(i for sides in cells.values() for i in sides))
+    if "kev" in impls:
+        impls = ["kev"] + [i for i in impls if i != "kev"]
+    peers = [i for i in impls if i != "kev"] if "kev" in impls else []
+    head = ["checkpoint", "workload"]
+    for i in impls:
+        head += [f"{i} ms median (min), form", f"{i} records/s"]
+    head += [f"{p} / kev" for p in peers] + [f"max |Δp| vs {p}" for p in peers]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for (ckpt, workload), sides in cells.items():
+        best = {i: min(xs, key=lambda x: x["latency_ms_median"]) for i, xs in sides.items()}
+        out = [ckpt, workload]
+        for i in impls:
+            x = best.get(i)
+            out += ([f"{x['latency_ms_median']:.2f} ({x['latency_ms_min']:.2f}), {x['form']}", f"{x['records_per_s']:.3g}"]
+                    if x else ["–", "–"])
+        k = best.get("kev")
+        for p in peers:
+            x = best.get(p)
+            out.append(f"{x['latency_ms_median'] / k['latency_ms_median']:.2f}×" if k and x else "–")
+        for p in peers:
+            x = best.get(p)
+            d = max_dp(k.get("first_probs"), x.get("first_probs")) if k and x else None
+            out.append(f"{d:.1e}" if d is not None else "–")
+        print("| " + " | ".join(out) + " |")
 
 
 if __name__ == "__main__":
