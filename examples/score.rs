@@ -137,7 +137,7 @@ fn print_summary(s: &Summary) {
         String::new()
     };
     eprintln!(
-        "records: {}{resumed}, questions: {}, skipped: {}, {:.2} records/s scored ({:.2} s validation, {:.2} s scoring; {} batches, {:.0} tokens per batch)",
+        "records: {}{resumed}, questions: {}, skipped: {}, {:.2} records/s scored ({:.2} s validation, {:.2} s scoring; {} batch{}, {:.0} tokens per batch)",
         s.records,
         s.metrics.questions,
         s.skipped,
@@ -145,6 +145,7 @@ fn print_summary(s: &Summary) {
         s.validation.as_secs_f64(),
         s.scoring.as_secs_f64(),
         s.batches,
+        if s.batches == 1 { "" } else { "es" },
         s.mean_batch_tokens()
     );
     if let (Some(acc), Some(ll)) = (s.metrics.accuracy(), s.metrics.mean_log_loss()) {
