@@ -118,7 +118,7 @@ def read_records(
     """A dataset of the records' lines (`path`, `line`, `text`) of JSONL `paths`, one read task
     per file. Blocks are not split further, so with `records_per_block` a multiple of the
     batch size every batch is a run of consecutive records from a batch-size boundary, as
-    `score` batches them (the same numbers, bit for bit, where no record is invalid). Reading
+    `score --batch-size` batches them (the same numbers, bit for bit, where no record is invalid). Reading
     is I/O: by default its tasks take no CPU slot, which the scoring actors hold."""
     source = JsonlLines(paths, filesystem=filesystem, records_per_block=records_per_block)
     return ray.data.read_datasource(source, num_cpus=cpus, override_num_blocks=len(source._paths()))

@@ -86,14 +86,14 @@ def test_probabilities_match_reference(checkpoint, capsys):
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_bit_identical_to_the_rust_library(checkpoint, score_bin):
-    """`score --batch-size 1` runs `probs_batch` on one record, the same plan as `probs`; by
-    default it runs batches of 8, as `probs_batch` on the same 8 records does."""
+    """`score --batch-size 1` runs `probs_batch` on one record, the same plan as `probs`;
+    `--batch-size 8` runs batches of 8 records, as `probs_batch` on the same 8 records does."""
     recs = records()
     for scale in reference(checkpoint):
         model = load(checkpoint, float(scale))
         args = ("--checkpoint", str(FIXTURES / checkpoint), "--records", str(RECORDS), "--lora-scale", scale)
         one_by_one = score_lines(score_bin, *args, "--batch-size", "1")
-        batched = score_lines(score_bin, *args)
+        batched = score_lines(score_bin, *args, "--batch-size", "8")
         ours_batched = [p for i in range(0, len(recs), 8) for p in model.probs_batch(recs[i : i + 8])]
         assert len(one_by_one) == len(batched) == len(recs)
         for rec, want1, want8, got8 in zip(recs, one_by_one, batched, ours_batched):

@@ -36,7 +36,7 @@ def test_ray_output_equals_score(tmp_path, score_bin):
     """Blocks of one batch (8 records) each, so 2 actors share the 12 records, batched as
     `score` batches them: the same numbers, bit for bit."""
     ours = ray_score(tmp_path, RECORDS)
-    want = [json.loads(l) for l in run_score(score_bin, "--records", str(RECORDS)).stdout.splitlines()]
+    want = [json.loads(l) for l in run_score(score_bin, "--records", str(RECORDS), "--batch-size", "8").stdout.splitlines()]
     assert [r["line"] for r in ours] == list(range(1, len(want) + 1))
     for got, w in zip(ours, want):
         assert got["id"] == w["id"]
