@@ -213,7 +213,8 @@ fn metal_fused_ops_match_references() -> Result<()> {
 fn metal_flash_attention_matches_matmuls() -> Result<()> {
     // The one-pass kernel against the composed form on the CPU (q·kᵀ, causal_softmax, ·v): three
     // of five keys seen by the first of three queries, row 1's first key padded by −∞, f32.
-    use kev_kernels::{causal_softmax, flash_attention};
+    use kev_kernels::causal_softmax;
+    use kev_kernels::testing::flash_attention;
     let dev = metal()?;
     let (b, h, t, l, hd) = (2, 2, 3, 5, 64);
     let q = patterned(&[b, h, t, hd], 0.3, 1.0)?;

@@ -9,7 +9,7 @@ use objc2_metal::MTLSize;
 use crate::backend::metal::{
     as_u32, byte_offset, dispatch, dtype_suffix, input, output, pipeline, Source,
 };
-use crate::layout::rows::rows;
+use crate::layout::rows::row_view;
 
 const SOURCE: Source = Source {
     name: "causal_conv1d",
@@ -128,7 +128,7 @@ pub(crate) fn causal_conv1d_cached(
     }
     let x_suffix = dtype_suffix(xs.dtype(), "causal-conv1d x")?;
     let w_suffix = dtype_suffix(ws.dtype(), "causal-conv1d weight")?;
-    let xv = rows(xl, "causal-conv1d x")?;
+    let xv = row_view(xl, "causal-conv1d x")?;
     let c_off = byte_offset(cl, cs.dtype(), "causal-conv1d: cache")?;
     let w_off = byte_offset(wl, ws.dtype(), "causal-conv1d: weight")?;
     let n = b_sz * (seq_len + k - 1) * channels;

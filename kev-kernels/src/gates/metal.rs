@@ -6,7 +6,7 @@ use candle_core::{bail, DType, Layout, MetalStorage, Result};
 use crate::backend::metal::{
     as_u32, byte_offset, dispatch, dtype_suffix, input, output, pipeline, Source,
 };
-use crate::layout::rows::rows;
+use crate::layout::rows::row_view;
 
 const SOURCE: Source = Source {
     name: "gates",
@@ -39,7 +39,7 @@ pub(crate) fn gates(
     if ds.dtype() != DType::F32 || ns.dtype() != DType::F32 {
         bail!("deltanet-gates: dt_bias and neg_a must be f32")
     }
-    let v = rows(bal, "deltanet-gates input")?;
+    let v = row_view(bal, "deltanet-gates input")?;
     let d_off = byte_offset(dl, DType::F32, "deltanet-gates: dt_bias")?;
     let n_off = byte_offset(nl, DType::F32, "deltanet-gates: neg_a")?;
     let hv = dl.shape().elem_count();

@@ -7,7 +7,7 @@ use crate::backend::metal::{
     as_u32, byte_offset, check_simd_width, dispatch, dtype_suffix, input, output, pipeline, Source,
     SIMD_WIDTH,
 };
-use crate::layout::rows::rows;
+use crate::layout::rows::row_view;
 
 const SOURCE: Source = Source {
     name: "norm",
@@ -56,9 +56,9 @@ pub(crate) fn rms_norm(
     ws: &MetalStorage,
     wl: &Layout,
 ) -> Result<MetalStorage> {
-    let xv = rows(xl, "rms-norm input")?;
+    let xv = row_view(xl, "rms-norm input")?;
     let hv = residual
-        .map(|(_, l)| rows(l, "rms-norm residual"))
+        .map(|(_, l)| row_view(l, "rms-norm residual"))
         .transpose()?;
     if ws.dtype() != DType::F32 {
         bail!(
@@ -128,7 +128,7 @@ pub(crate) fn gated_rms_norm(
     }
     let x_off = byte_offset(xl, xs.dtype(), "gated-rms-norm: input")?;
     let w_off = byte_offset(wl, ws.dtype(), "gated-rms-norm: weight")?;
-    let zv = rows(zl, "gated-rms-norm gate")?;
+    let zv = row_view(zl, "gated-rms-norm gate")?;
     let (n, dv) = (xl.shape().elem_count(), wl.shape().elem_count());
     if dv == 0 || n % dv != 0 || zv.cols % dv != 0 || zv.rows * zv.cols != n {
         bail!(
