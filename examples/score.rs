@@ -50,9 +50,9 @@ struct Args {
     /// Report invalid records (with their line number) and go on without them.
     #[arg(long)]
     skip_invalid: bool,
-    /// Tokens scored together (a record's state plus its branches): a batch closes before the record that would take it over this budget; a longer record is a batch of its own. The default fits the CUDA path's graph replays and keeps CPU batches efficient.
-    #[arg(long, default_value_t = kev::score::DEFAULT_BATCH_TOKENS as u64, value_parser = clap::value_parser!(u64).range(1..))]
-    batch_tokens: u64,
+    /// Tokens scored together (a record's state plus its branches): a batch closes before the record that would take it over this budget; a longer record is a batch of its own. By default 8192 on the CPU and 32768 on a GPU.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    batch_tokens: Option<u64>,
     /// Records scored together at most (by default, no cap: the token budget decides). A resumed run needs the same --batch-tokens and --batch-size.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     batch_size: Option<u64>,
@@ -115,7 +115,11 @@ fn run(args: &Args, partial: &mut Option<PathBuf>) -> Result<()> {
     );
 
     let options = ScoreOptions {
-        batch_tokens: usize::try_from(args.batch_tokens).context("--batch-tokens")?,
+        batch_tokens: args
+            .batch_tokens
+            .map(usize::try_from)
+            .transpose()
+            .context("--batch-tokens")?,
         // A cap past the address space is no cap.
         batch_size: args
             .batch_size

@@ -32,7 +32,7 @@ struct Args {
     records: PathBuf,
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, default_value_t = kev::score::DEFAULT_BATCH_TOKENS)]
+    #[arg(long, default_value_t = kev::score::CPU_BATCH_TOKENS)]
     batch_tokens: usize,
     /// Records per batch at most; by default the token budget alone decides.
     #[arg(long)]
@@ -127,7 +127,7 @@ fn main() -> Result<()> {
     }
     let plan = OutputPlan::new(&args.out)?;
     let options = ScoreOptions {
-        batch_tokens: args.batch_tokens,
+        batch_tokens: Some(args.batch_tokens),
         batch_size: args.batch_size.unwrap_or(usize::MAX),
         ..ScoreOptions::default()
     };

@@ -51,6 +51,10 @@ pub trait Scorer: Sync {
     fn tokens(&self, record: &Self::Encoded) -> usize;
     /// One distribution per question for each record.
     fn probs_encoded(&self, records: &[Self::Encoded]) -> kev_core::Result<Vec<Vec<Vec<f32>>>>;
+    /// The token budget of a batch when [`ScoreOptions::batch_tokens`] sets none.
+    fn default_batch_tokens(&self) -> usize {
+        CPU_BATCH_TOKENS
+    }
 }
 
 impl Scorer for DecisionModel {
@@ -68,25 +72,40 @@ impl Scorer for DecisionModel {
     fn probs_encoded(&self, records: &[EncodedRecord]) -> kev_core::Result<Vec<Vec<Vec<f32>>>> {
         DecisionModel::probs_encoded(self, records)
     }
+
+    fn default_batch_tokens(&self) -> usize {
+        if self.device().is_cpu() {
+            CPU_BATCH_TOKENS
+        } else {
+            GPU_BATCH_TOKENS
+        }
+    }
 }
 
-/// The default token budget of a batch ([`ScoreOptions::batch_tokens`]). It is the size up to
-/// which the CUDA path replays a batch as a graph: larger batches run eagerly, launch-bound,
-/// and scored fewer records per second on the H200 (issue 27: 449 records/s at 8 records, 383
-/// at 256). On the CPU, budgets from 4,096 to 16,384 tokens score the shipped records within
-/// the noise of each other, all faster than one record a batch (BENCHMARKS.md, "score at scale,
-/// CPU"). It also bounds the memory of the few batches in flight.
-pub const DEFAULT_BATCH_TOKENS: usize = 8192;
+/// The token budget of a batch on the CPU ([`Scorer::default_batch_tokens`]): budgets from
+/// 4,096 to 16,384 tokens score the shipped records within the noise of each other, all faster
+/// than one record a batch (BENCHMARKS.md, "score at scale, CPU"). It also bounds the memory of
+/// the few batches in flight.
+pub const CPU_BATCH_TOKENS: usize = 8192;
+
+/// The token budget of a batch on a GPU ([`Scorer::default_batch_tokens`]). A file's batches
+/// have shapes that rarely repeat, so they run eagerly, and an eager batch pays its host time
+/// and the gap between batches once per batch: on the H200, 10,000 records at 0.8B scored
+/// 1,317 records/s with 8,192 tokens a batch, 1,646 with 32,768 and 1,700 with 131,072, against
+/// 1,824 for the library's batch form on 256 of them (BENCHMARKS.md, "speed at scale").
+/// Larger budgets gain little more and hold more working memory (a few GiB at 4B).
+pub const GPU_BATCH_TOKENS: usize = 32768;
 
 /// How [`score`] runs.
 #[derive(Debug, Clone)]
 pub struct ScoreOptions {
     /// Tokens per [`Scorer::probs_encoded`] call (at least 1), counted by [`Scorer::tokens`]:
     /// a batch closes before the record that would take it over this budget, and a record over
-    /// the budget by itself is a batch of its own. The batches follow from the records' token
+    /// the budget by itself is a batch of its own. `None`, the default, takes the scorer's
+    /// [`Scorer::default_batch_tokens`] (for a [`DecisionModel`], by its device). The batches follow from the records' token
     /// counts alone, so a run with the same input and options makes the same ones (which is
     /// what keeps `resume` byte-identical).
-    pub batch_tokens: usize,
+    pub batch_tokens: Option<usize>,
     /// Records per batch at most (at least 1); `usize::MAX`, the default, lets the token budget
     /// alone decide.
     pub batch_size: usize,
@@ -100,7 +119,7 @@ pub struct ScoreOptions {
 impl Default for ScoreOptions {
     fn default() -> Self {
         ScoreOptions {
-            batch_tokens: DEFAULT_BATCH_TOKENS,
+            batch_tokens: None,
             batch_size: usize::MAX,
             skip_invalid: false,
             resume: false,
@@ -315,7 +334,10 @@ pub fn score<S: Scorer>(
     if options.batch_size == 0 {
         return Err(kev_core::Error::invalid_argument("batch_size", "must be at least 1").into());
     }
-    if options.batch_tokens == 0 {
+    let batch_tokens = options
+        .batch_tokens
+        .unwrap_or_else(|| model.default_batch_tokens());
+    if batch_tokens == 0 {
         return Err(kev_core::Error::invalid_argument("batch_tokens", "must be at least 1").into());
     }
     let started = Instant::now();
@@ -339,7 +361,7 @@ pub fn score<S: Scorer>(
     };
 
     // Pass 1: validate every record, holding one at a time, and close the batches.
-    let mut batcher = Batcher::new(options.batch_tokens, options.batch_size);
+    let mut batcher = Batcher::new(batch_tokens, options.batch_size);
     let mut invalid_lines = Vec::new();
     let mut valid = 0u64;
     {

@@ -17,6 +17,8 @@ use crate::common::{model, record_lines};
 #[derive(Default)]
 struct Recording {
     batches: Mutex<Vec<Vec<usize>>>,
+    /// What [`Scorer::default_batch_tokens`] answers (`None`: the trait's default).
+    default_budget: Option<usize>,
 }
 
 impl Scorer for Recording {
@@ -37,6 +39,11 @@ impl Scorer for Recording {
             .push(records.iter().map(|(_, line)| *line).collect());
         let encoded: Vec<EncodedRecord> = records.iter().map(|(e, _)| e.clone()).collect();
         model().probs_encoded(&encoded)
+    }
+
+    fn default_batch_tokens(&self) -> usize {
+        self.default_budget
+            .unwrap_or_else(|| model().default_batch_tokens())
     }
 }
 
@@ -89,7 +96,7 @@ fn expected_batches(tokens: &[usize], budget: usize, cap: usize) -> Vec<Vec<usiz
 
 fn options(batch_tokens: usize, batch_size: usize) -> ScoreOptions {
     ScoreOptions {
-        batch_tokens,
+        batch_tokens: Some(batch_tokens),
         batch_size,
         ..ScoreOptions::default()
     }
@@ -143,6 +150,31 @@ fn batches_follow_the_token_budget_and_a_long_record_runs_alone() {
         if budget == longest - 1 && cap == usize::MAX {
             assert!(want.iter().any(|b| b.len() >= 3), "{want:?}");
         }
+    }
+}
+
+#[test]
+fn without_a_budget_the_scorer_default_decides() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, lines) = repeated(dir.path(), 2);
+    let tokens = token_counts(&lines);
+    // The CPU model's default is past the whole file: one batch.
+    assert_eq!(model().default_batch_tokens(), kev::score::CPU_BATCH_TOKENS);
+    assert!(tokens.iter().sum::<usize>() <= kev::score::CPU_BATCH_TOKENS);
+    let budget = *tokens.iter().max().unwrap();
+    for (default_budget, want) in [
+        (None, vec![(1..=lines.len()).collect()]),
+        (Some(budget), expected_batches(&tokens, budget, usize::MAX)),
+    ] {
+        assert!(want.len() > 1 || default_budget.is_none(), "{want:?}");
+        let scorer = Recording {
+            default_budget,
+            ..Recording::default()
+        };
+        let unset = ScoreOptions::default();
+        assert_eq!(unset.batch_tokens, None);
+        run(&scorer, &input, &dir.path().join("out.jsonl"), &unset);
+        assert_eq!(scorer.batches.into_inner().unwrap(), want);
     }
 }
 
