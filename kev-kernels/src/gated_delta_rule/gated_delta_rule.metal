@@ -406,11 +406,13 @@ inline void gdrc_impl(
         threadgroup float* power_next = pw1;
         threadgroup float* tm = inv0;
         threadgroup float* tm_next = inv1;
+        // One barrier a round: the next round's square writes the power this round's product
+        // does not read, and the next round's product waits on the next square's barrier. The
+        // last product is ordered before step 6's reads by step 5's barrier.
         for (uint span = 1; span * 2 < C; span *= 2) {
             gdrc_chunk_product(power, power, power_next, false, sg, sgs);
             threadgroup_barrier(mem_flags::mem_threadgroup);
             gdrc_chunk_product(tm, power_next, tm_next, true, sg, sgs);
-            threadgroup_barrier(mem_flags::mem_threadgroup);
             threadgroup float* swap = power;
             power = power_next;
             power_next = swap;

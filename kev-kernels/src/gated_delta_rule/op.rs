@@ -16,9 +16,9 @@ pub const CHUNKED_MIN_LEN: usize = 32;
 /// From this many steps on, [`GdrForm::Auto`] runs the chunked kernel on Metal (chunks of 16 steps
 /// on the simdgroup matrix units, `gated_delta_rule.metal`) instead of the step-by-step one, for
 /// bf16 and f16 inputs with Dk ≤ 128 (f32 always runs step by step, as on CUDA). Four chunks: an
-/// estimate, not a measurement (no Apple GPU has run the kernel yet). Each chunk costs about a
-/// dozen threadgroup barriers and the chunk's state-free products, repeated by every threadgroup
-/// of a head, where the step-by-step kernel pays four simdgroup reductions a step; decoding and
+/// estimate, not a measurement (no Apple GPU has run the kernel yet). Each chunk costs nine
+/// threadgroup barriers and the chunk's state-free products, repeated by every threadgroup of a
+/// head, where the step-by-step kernel pays four simdgroup reductions a step; decoding and
 /// short continuations stay step by step, where the chunks' fixed cost cannot pay off. To be set
 /// from `gdr_bench` timings on a Mac, as [`CHUNKED_MIN_LEN`] was on the H200.
 pub const METAL_CHUNKED_MIN_LEN: usize = 64;

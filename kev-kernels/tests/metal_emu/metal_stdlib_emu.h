@@ -20,10 +20,12 @@
 //   lane hands in its elements (or, for loads and stores, its arguments, which must agree across
 //   the simdgroup), and each computes its own elements of the result from all of them.
 // - Threadgroups run one after another. `emu::options().shuffle` randomises (with a seed) the
-//   order of threadgroups and runs one ready fiber at a time, picked at random, releasing each
-//   collective as soon as its simdgroup arrived (so simdgroups run ahead of one another between
-//   threadgroup barriers), to expose order-dependent results (missing barriers, races between
-//   threadgroups). In order, every ready fiber runs before any collective is released.
+//   order of threadgroups and runs one ready fiber at a time, releasing each collective as soon
+//   as its simdgroup arrived; between two threadgroup barriers it picks either any ready fiber
+//   at random or, half the time, only fibers of one simdgroup (in a random ranking) until that
+//   one blocks at the barrier, so simdgroups run ahead of one another. That exposes
+//   order-dependent results (missing barriers, races between threadgroups). In order, every
+//   ready fiber runs before any collective is released.
 //
 // Not supported: function-scope `threadgroup T a[N];` declarations (rewrite them), textures,
 // atomics, function constants, non-uniform threadgroups (dispatch_threads); simdgroup matrices other
@@ -296,7 +298,8 @@ inline void block(State state, int line, const char* what) {
 }
 
 /// Releases the waiters of every barrier that all its participants reached; false if none.
-inline bool release(Group& g) {
+/// `threadgroup_released` (if given) says whether that was a threadgroup barrier.
+inline bool release(Group& g, bool* threadgroup_released = nullptr) {
     bool released = false;
     const size_t n = g.fibers.size();
     // Threadgroup barriers: every thread of the group must be there, at the same line.
@@ -318,6 +321,9 @@ inline bool release(Group& g) {
         }
         for (Fiber& f : g.fibers) {
             f.state = State::Ready;
+        }
+        if (threadgroup_released) {
+            *threadgroup_released = true;
         }
         return true;
     }
@@ -370,6 +376,20 @@ inline void run_group(Group& g, std::vector<std::unique_ptr<char[]>>& stacks, st
         f.ctx.uc_link = &g.scheduler;
         makecontext(&f.ctx, trampoline, 0);
     }
+    // The shuffled schedule's policy for the stretch up to the next threadgroup barrier: either
+    // any ready fiber, at random, or ("run ahead") only those of the first simdgroup, in a random
+    // ranking, that has any, so that one simdgroup gets as far as it can before the others move.
+    const uint sgs = uint((n + SIMD_WIDTH - 1) / SIMD_WIDTH);
+    std::vector<uint> rank(sgs);
+    bool run_ahead = false;
+    const auto new_stretch = [&] {
+        for (uint i = 0; i < sgs; ++i) rank[i] = i;
+        std::shuffle(rank.begin(), rank.end(), rng);
+        run_ahead = rng() & 1;
+    };
+    if (options().shuffle) {
+        new_stretch();
+    }
     std::vector<size_t> order(n);
     for (;;) {
         order.clear();
@@ -386,19 +406,37 @@ inline void run_group(Group& g, std::vector<std::unique_ptr<char[]>>& stacks, st
             if (all_done) {
                 return;
             }
-            if (!release(g)) {
+            bool threadgroup_released = false;
+            if (!release(g, &threadgroup_released)) {
                 fail(g.name + ": deadlock, no thread can proceed:\n" + describe(g, 0, n));
+            }
+            if (threadgroup_released && options().shuffle) {
+                new_stretch();
             }
             continue;
         }
         if (options().shuffle) {
             // One ready fiber at a time, at random, and every collective released as soon as its
-            // simdgroup has arrived: a simdgroup runs ahead of others in its threadgroup up to
-            // the next threadgroup barrier, so a missing one shows.
+            // simdgroup has arrived: simdgroups run ahead of one another up to the next
+            // threadgroup barrier, so a missing one shows.
+            if (run_ahead) {
+                uint first = sgs;
+                for (size_t i : order) {
+                    const uint sg = uint(i / SIMD_WIDTH);
+                    if (first == sgs || rank[sg] < rank[first]) first = sg;
+                }
+                order.erase(std::remove_if(order.begin(), order.end(),
+                                           [&](size_t i) { return i / SIMD_WIDTH != first; }),
+                            order.end());
+            }
             g.current = order[rng() % order.size()];
             stats().switches++;
             swapcontext(&g.scheduler, &g.fibers[g.current].ctx);
-            release(g);
+            bool threadgroup_released = false;
+            release(g, &threadgroup_released);
+            if (threadgroup_released) {
+                new_stretch();
+            }
             continue;
         }
         for (size_t i : order) {
