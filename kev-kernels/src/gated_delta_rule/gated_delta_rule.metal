@@ -484,7 +484,7 @@ inline void gdrc_impl(
                     simdgroup_multiply_accumulate(o_acc[ri], aq, delta[s_], o_acc[ri]);
                 }
             }
-            const simdgroup_float8x8 decay_last(e_last[0]);
+            simdgroup_float8x8 decay_last(e_last[0]);
             for (uint kk = 0; kk < KT; ++kk) {
                 simdgroup_float8x8 next;
                 simdgroup_multiply(next, s[kk], decay_last);

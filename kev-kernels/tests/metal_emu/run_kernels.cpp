@@ -1364,7 +1364,7 @@ kernel void product(const device float* x, const device float* yt, const device 
     if (sg == 0) {
         simdgroup_float8x8 a;
         simdgroup_float8x8 twice;
-        const simdgroup_float8x8 two(2.0f);
+        simdgroup_float8x8 two(2.0f);
         simdgroup_load(a, x, 27);
         simdgroup_multiply(twice, a, two);
         simdgroup_store(twice, extra, 8);
