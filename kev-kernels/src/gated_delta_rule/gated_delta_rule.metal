@@ -1,5 +1,6 @@
-// Gated delta rule recurrence (Gated DeltaNet), sequential over time. Contract of `src/metal.rs`;
-// the math is the CPU op's (`src/gated_delta_rule.rs`):
+// Gated delta rule recurrence (Gated DeltaNet): sequential over time here, chunked on simdgroup
+// matrices further down (`gated_delta_rule_chunked_*`). Contract of `metal.rs` beside this file;
+// the math is the CPU op's (`cpu.rs`):
 //   q ← l2norm(q)·scale, k ← l2norm(k)   (eps on Σx², scale = 1/√Dk)
 //   S ← exp(g)·S;  δ ← β·(v − Sᵀk);  S ← S + k ⊗ δ;  o = Sᵀq
 //
