@@ -1,9 +1,10 @@
 //! Times the forms of the gated delta rule on the 0.8B / 4B DeltaNet shapes, to choose where the
-//! dispatch switches between them: the step-by-step kernel, the chunked kernels (CUDA) and the
-//! chunked tensor-op composition (`gated_delta_rule_chunked`).
+//! dispatch switches between them: the step-by-step kernel, the chunked kernels (CUDA, Metal) and
+//! the chunked tensor-op composition (`gated_delta_rule_chunked`).
 //!
 //! ```sh
-//! cargo run --release -p kev-kernels --features cuda --example gdr_bench   # on a CUDA machine
+//! cargo run --release -p kev-kernels --features cuda --example gdr_bench    # on a CUDA machine
+//! cargo run --release -p kev-kernels --features metal --example gdr_bench   # on a Mac
 //! ```
 //! Prints one line per (batch, steps, shape): median milliseconds per call of each form, and the
 //! largest difference of the chunked kernels' output and state from the step-by-step ones.
@@ -33,6 +34,8 @@ fn median_ms(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 fn main() -> Result<()> {
     let dev = if candle_core::utils::cuda_is_available() {
         Device::new_cuda(0)?
+    } else if candle_core::utils::metal_is_available() {
+        Device::new_metal(0)?
     } else {
         Device::Cpu
     };
@@ -87,6 +90,17 @@ fn main() -> Result<()> {
     // tensor-op form is far slower there), on the one-request shapes.
     let cases: &[(usize, usize)] = if dev.is_cpu() {
         &[(4, 48), (1, 512)]
+    } else if dev.is_metal() {
+        // Around METAL_CHUNKED_MIN_LEN (an estimate until these times set it), then prefills.
+        &[
+            (1, 16),
+            (1, 32),
+            (1, 64),
+            (1, 128),
+            (4, 48),
+            (8, 512),
+            (1, 4096),
+        ]
     } else {
         &[(4, 48), (32, 48), (1, 512), (8, 512), (1, 4096), (1, 8192)]
     };

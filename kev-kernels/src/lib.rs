@@ -7,8 +7,9 @@
 //! The recurrent-layer ops:
 //!
 //! - [`gated_delta_rule`]: the gated delta rule recurrence over a persistent f32 state that is
-//!   updated **in place**, with the q/k l2-normalisation and query scaling fused in. CUDA runs
-//!   long sequences in chunked form (two kernels), short ones step by step ([`GdrForm`]);
+//!   updated **in place**, with the q/k l2-normalisation and query scaling fused in. CUDA and
+//!   Metal run long bf16/f16 sequences in chunked form (CUDA two kernels, Metal one on the
+//!   simdgroup matrix units), short ones step by step ([`GdrForm`]);
 //!   [`gated_delta_rule_chunked`] is the chunked form as plain tensor ops, for any backend.
 //! - [`causal_conv1d`]: the depthwise causal convolution (kernel K, no bias) with SiLU fused, fed
 //!   with its K−1 previous inputs so that a run can continue from a cache;
@@ -114,6 +115,7 @@ pub use flash_attention::{flash_attention_fills_gpu, AttentionPast, FLASH_HEAD_D
 pub use gated_delta_rule::{
     conv_gated_delta_rule_split, gated_delta_rule, gated_delta_rule_as, gated_delta_rule_chunked,
     gated_delta_rule_ref, gated_delta_rule_split, GdrDims, GdrForm, CHUNKED_MIN_LEN,
+    METAL_CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{gather_cat, gather_rows, RowIndex};

@@ -5,7 +5,9 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::testing::{assert_close, dims, gdr_inputs, patterned};
-use kev_kernels::{causal_conv1d, gated_delta_rule, GdrDims};
+use kev_kernels::{
+    causal_conv1d, gated_delta_rule, gated_delta_rule_as, GdrDims, GdrForm, METAL_CHUNKED_MIN_LEN,
+};
 
 /// Metal f32 vs CPU f32 on unit-scale data: the same math in another summation order (simd_sum
 /// trees) and Metal's fast-math exp/rsqrt, over up to 37 steps (docs/DESIGN.md §9's starting
@@ -79,6 +81,73 @@ fn metal_gated_delta_rule_half_inputs() -> Result<()> {
             &s_cpu,
             TOL_F32,
         )?;
+    }
+    Ok(())
+}
+
+/// The chunked kernel (forced for f32; chosen by `GdrForm::Auto` for bf16 from
+/// `METAL_CHUNKED_MIN_LEN` steps) against the CPU's step-by-step op: lengths no multiple of the
+/// 16-step chunk, a padded row, several heads, Dk = 128 with Dv no multiple of the 32 columns a
+/// threadgroup takes, Dk no multiple of 8.
+#[test]
+fn metal_gated_delta_rule_chunked_matches_cpu() -> Result<()> {
+    let dev = metal()?;
+    let cases = [
+        (
+            2,
+            37,
+            dims(1, 2, 32, 16),
+            vec![37, 30],
+            DType::F32,
+            GdrForm::Chunked,
+        ),
+        (
+            1,
+            40,
+            dims(2, 4, 128, 40),
+            vec![40],
+            DType::F32,
+            GdrForm::Chunked,
+        ),
+        (
+            3,
+            21,
+            dims(1, 1, 44, 6),
+            vec![21, 0, 1],
+            DType::F32,
+            GdrForm::Chunked,
+        ),
+        (
+            2,
+            METAL_CHUNKED_MIN_LEN,
+            dims(1, 2, 128, 128),
+            vec![METAL_CHUNKED_MIN_LEN, 50],
+            DType::BF16,
+            GdrForm::Auto,
+        ),
+    ];
+    for (b, t, d, lengths, dtype, form) in cases {
+        let (qkv, gates, state) = gdr_inputs(b, t, d, 0.7)?;
+        let qkv = qkv.to_dtype(dtype)?;
+        let s_cpu = state.copy()?;
+        let o_cpu = gated_delta_rule(&qkv, &gates, &s_cpu, d, Some(&lengths))?;
+        let s_gpu = state.to_device(&dev)?;
+        let o_gpu = gated_delta_rule_as(
+            &qkv.to_device(&dev)?,
+            &gates.to_device(&dev)?,
+            &s_gpu,
+            d,
+            Some(&lengths),
+            form,
+        )?;
+        let tol = if dtype == DType::F32 {
+            TOL_F32
+        } else {
+            TOL_BF16
+        };
+        let tag = format!("metal chunked gdr {dtype:?} b={b} t={t} {d:?}");
+        assert_close(&format!("{tag} output"), &o_gpu, &o_cpu, tol)?;
+        assert_close(&format!("{tag} state"), &s_gpu, &s_cpu, TOL_F32)?;
     }
     Ok(())
 }

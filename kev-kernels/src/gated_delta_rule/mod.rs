@@ -33,7 +33,7 @@ use crate::layout::split::SplitBatch;
 use op::{check, GatedDeltaRule, GatedDeltaRuleSplit};
 
 pub use chunked::gated_delta_rule_chunked;
-pub use op::{GdrDims, GdrForm, CHUNKED_MIN_LEN};
+pub use op::{GdrDims, GdrForm, CHUNKED_MIN_LEN, METAL_CHUNKED_MIN_LEN};
 pub use reference::gated_delta_rule_ref;
 
 impl candle_core::CustomOp3 for GatedDeltaRuleSplit {

@@ -13,21 +13,32 @@ use crate::layout::split::SplitBatch;
 /// Qwen3.5 shape, and within a CUDA graph its extra launch costs nothing (BENCHMARKS.md).
 pub const CHUNKED_MIN_LEN: usize = 32;
 
+/// From this many steps on, [`GdrForm::Auto`] runs the chunked kernel on Metal (chunks of 16 steps
+/// on the simdgroup matrix units, `gated_delta_rule.metal`) instead of the step-by-step one, for
+/// bf16 and f16 inputs with Dk ≤ 128 (f32 always runs step by step, as on CUDA). Four chunks: an
+/// estimate, not a measurement (no Apple GPU has run the kernel yet). Each chunk costs nine
+/// threadgroup barriers and the chunk's state-free products, repeated by every threadgroup of a
+/// head, where the step-by-step kernel pays four simdgroup reductions a step; decoding and
+/// short continuations stay step by step, where the chunks' fixed cost cannot pay off. To be set
+/// from `gdr_bench` timings on a Mac, as [`CHUNKED_MIN_LEN`] was on the H200.
+pub const METAL_CHUNKED_MIN_LEN: usize = 64;
+
 /// Whether [`GdrForm::Auto`] takes the chunked kernels for `seq_len` steps.
 pub(crate) fn auto_prefers_chunked(seq_len: usize) -> bool {
     seq_len >= CHUNKED_MIN_LEN
 }
 
-/// Which algorithm runs the recurrence, for backends that have both (CUDA, Dk ≤ 128); the others
-/// always run step by step. Both give the same results up to f32 rounding.
+/// Which algorithm runs the recurrence, for backends that have both (CUDA and Metal, Dk ≤ 128);
+/// the CPU always runs step by step. Both give the same results up to f32 rounding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GdrForm {
-    /// Chunked from [`CHUNKED_MIN_LEN`] steps on, step by step below.
+    /// Chunked from [`CHUNKED_MIN_LEN`] steps on (Metal: [`METAL_CHUNKED_MIN_LEN`]), step by step
+    /// below and for f32.
     #[default]
     Auto,
     /// Step by step: T dependent steps, each one small.
     Recurrent,
-    /// Chunked: T/32 dependent rounds of small dense products.
+    /// Chunked: T/32 (Metal: T/16) dependent rounds of small dense products.
     Chunked,
 }
 
@@ -78,14 +89,20 @@ pub(crate) struct GatedDeltaRule {
 }
 
 impl GatedDeltaRule {
-    /// Whether a backend with a chunked kernel should run it.
+    /// Whether CUDA should run its chunked kernels ([`CHUNKED_MIN_LEN`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn chunked(&self) -> bool {
+        self.chunked_from(CHUNKED_MIN_LEN)
+    }
+
+    /// Whether a backend whose chunked kernel pays off from `min_len` steps should run it.
+    #[cfg_attr(not(any(feature = "cuda", feature = "metal", test)), allow(dead_code))]
+    pub(crate) fn chunked_from(&self, min_len: usize) -> bool {
         match self.form {
             // f32 is the exact path: the chunked form rounds differently (cumulative decays, the
             // triangular inverse), measured 1.4e-5 on a probability of the test model at its
             // largest LoRA scale against transformers, over the 1e-5 parity bound.
-            GdrForm::Auto => self.out_dtype != DType::F32 && auto_prefers_chunked(self.seq_len),
+            GdrForm::Auto => self.out_dtype != DType::F32 && self.seq_len >= min_len,
             GdrForm::Recurrent => false,
             GdrForm::Chunked => true,
         }
@@ -148,4 +165,44 @@ pub(crate) fn check(
         bail!("gated-delta-rule: state must be contiguous (it is updated in place)")
     }
     Ok((b_sz, seq_len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(form: GdrForm, out_dtype: DType, seq_len: usize) -> GatedDeltaRule {
+        GatedDeltaRule {
+            dims: GdrDims {
+                num_k_heads: 1,
+                num_v_heads: 1,
+                head_k_dim: 32,
+                head_v_dim: 16,
+            },
+            b_sz: 1,
+            seq_len,
+            lengths: vec![seq_len as u32],
+            out_dtype,
+            form,
+            out: Mutex::new(None),
+        }
+    }
+
+    /// Auto: chunked from the threshold on for 16-bit inputs, never for f32; the forced forms
+    /// regardless of length and dtype.
+    #[test]
+    fn chunked_from_follows_form_dtype_and_threshold() {
+        let min = METAL_CHUNKED_MIN_LEN;
+        for dtype in [DType::BF16, DType::F16] {
+            assert!(!op(GdrForm::Auto, dtype, min - 1).chunked_from(min));
+            assert!(op(GdrForm::Auto, dtype, min).chunked_from(min));
+            assert!(op(GdrForm::Auto, dtype, min + 1).chunked_from(min));
+        }
+        assert!(!op(GdrForm::Auto, DType::F32, 4 * min).chunked_from(min));
+        assert!(op(GdrForm::Chunked, DType::F32, 1).chunked_from(min));
+        assert!(!op(GdrForm::Recurrent, DType::BF16, 4 * min).chunked_from(min));
+        // CUDA's threshold through the same rule.
+        assert!(op(GdrForm::Auto, DType::BF16, CHUNKED_MIN_LEN).chunked());
+        assert!(!op(GdrForm::Auto, DType::BF16, CHUNKED_MIN_LEN - 1).chunked());
+    }
 }

@@ -2,7 +2,8 @@
 // -std=c++20) and run on the CPU, so its logic (indexing, algorithm, barriers, simd collectives)
 // can be tested on Linux. Written for Kev from scratch; see README.md for what it cannot check.
 //
-// - Address spaces (`device`, `constant`, `thread`, `threadgroup` on pointers) are erased;
+// - Address spaces (`device`, `constant`, `thread`, `threadgroup` on pointers) are erased
+//   (`threadgroup` into `register`, see below: compile with -Wno-register);
 //   `[[buffer(n)]]`-style attributes are ignored by clang (-Wno-unknown-attributes).
 // - Vectors are clang ext_vector_type (swizzles work); `floatN(...)` constructors are macros.
 // - `half` is _Float16; bf16 is expected as ushort (as our kernels read it).
@@ -12,12 +13,23 @@
 //   the same call (same source line) they are released and each combines all slots.
 //   Collectives must be uniform across the simdgroup and barriers across the threadgroup: a lane
 //   that exits or waits elsewhere is reported at once (divergence / deadlock), with the lines.
-// - Threadgroups run one after another. `emu::options().shuffle` randomises (with a seed) both the
-//   order of threadgroups and the order in which ready fibers resume, to expose order-dependent
-//   results (missing barriers, races between threadgroups).
+// - Simdgroup matrices (`simdgroup_float8x8`, `simdgroup_half8x8`): each lane holds 2 of the 64
+//   elements (which 2 is implementation-defined on Apple GPUs; here row lane / 4, columns
+//   2·(lane % 4) and the next), and `simdgroup_load`, `simdgroup_store`,
+//   `simdgroup_multiply_accumulate` and `simdgroup_multiply` are collectives like `simd_sum`: every
+//   lane hands in its elements (or, for loads and stores, its arguments, which must agree across
+//   the simdgroup), and each computes its own elements of the result from all of them.
+// - Threadgroups run one after another. `emu::options().shuffle` randomises (with a seed) the
+//   order of threadgroups and runs one ready fiber at a time, releasing each collective as soon
+//   as its simdgroup arrived; between two threadgroup barriers it picks either any ready fiber
+//   at random or, half the time, only fibers of one simdgroup (in a random ranking) until that
+//   one blocks at the barrier, so simdgroups run ahead of one another. That exposes
+//   order-dependent results (missing barriers, races between threadgroups). In order, every
+//   ready fiber runs before any collective is released.
 //
 // Not supported: function-scope `threadgroup T a[N];` declarations (rewrite them), textures,
-// atomics, function constants, simdgroup matrices, non-uniform threadgroups (dispatch_threads).
+// atomics, function constants, non-uniform threadgroups (dispatch_threads); simdgroup matrices other
+// than 8×8, `thread_elements()`, and a `matrix_origin` other than 0 (offset the pointer instead).
 #pragma once
 
 #include <algorithm>
@@ -40,7 +52,11 @@
 #define device
 #define constant const
 #define thread
-#define threadgroup
+// `threadgroup` also names the attribute of a kernel's threadgroup-memory argument,
+// `[[threadgroup(0)]]`, so it cannot expand to nothing: `register` is a keyword that clang takes
+// both as an (unknown, ignored) attribute name and, with -Wno-register, as a storage class that
+// changes nothing on a pointer.
+#define threadgroup register
 #define METAL_FUNC inline
 
 // ---------------------------------------------------------------- scalar and vector types
@@ -66,6 +82,7 @@ EMU_VECTORS(ushort)
 EMU_VECTORS(char)
 EMU_VECTORS(uchar)
 #undef EMU_VECTORS
+typedef ulong ulong2 __attribute__((ext_vector_type(2))); // simdgroup_load's matrix_origin
 
 namespace emu {
 
@@ -179,11 +196,14 @@ struct Ids {
     uint thread_index_in_simdgroup;
     uint simdgroups_per_threadgroup;
     uint threads_per_simdgroup;
+    /// The threadgroup's `[[threadgroup(0)]]` memory (null when the dispatch asks for none).
+    unsigned char* threadgroup_memory;
 };
 
 constexpr uint SIMD_WIDTH = 32;
 constexpr size_t STACK_BYTES = 256 * 1024;
-constexpr size_t SLOT_BYTES = 16; // the largest value a collective moves (float4)
+constexpr size_t SLOT_BYTES = 32; // the largest value a collective moves (a lane's share of three
+                                  // float simdgroup matrices, 24 bytes)
 
 struct Options {
     bool shuffle = false;
@@ -278,7 +298,8 @@ inline void block(State state, int line, const char* what) {
 }
 
 /// Releases the waiters of every barrier that all its participants reached; false if none.
-inline bool release(Group& g) {
+/// `threadgroup_released` (if given) says whether that was a threadgroup barrier.
+inline bool release(Group& g, bool* threadgroup_released = nullptr) {
     bool released = false;
     const size_t n = g.fibers.size();
     // Threadgroup barriers: every thread of the group must be there, at the same line.
@@ -300,6 +321,9 @@ inline bool release(Group& g) {
         }
         for (Fiber& f : g.fibers) {
             f.state = State::Ready;
+        }
+        if (threadgroup_released) {
+            *threadgroup_released = true;
         }
         return true;
     }
@@ -352,6 +376,20 @@ inline void run_group(Group& g, std::vector<std::unique_ptr<char[]>>& stacks, st
         f.ctx.uc_link = &g.scheduler;
         makecontext(&f.ctx, trampoline, 0);
     }
+    // The shuffled schedule's policy for the stretch up to the next threadgroup barrier: either
+    // any ready fiber, at random, or ("run ahead") only those of the first simdgroup, in a random
+    // ranking, that has any, so that one simdgroup gets as far as it can before the others move.
+    const uint sgs = uint((n + SIMD_WIDTH - 1) / SIMD_WIDTH);
+    std::vector<uint> rank(sgs);
+    bool run_ahead = false;
+    const auto new_stretch = [&] {
+        for (uint i = 0; i < sgs; ++i) rank[i] = i;
+        std::shuffle(rank.begin(), rank.end(), rng);
+        run_ahead = rng() & 1;
+    };
+    if (options().shuffle) {
+        new_stretch();
+    }
     std::vector<size_t> order(n);
     for (;;) {
         order.clear();
@@ -360,30 +398,63 @@ inline void run_group(Group& g, std::vector<std::unique_ptr<char[]>>& stacks, st
                 order.push_back(i);
             }
         }
+        if (order.empty()) {
+            bool all_done = true;
+            for (const Fiber& f : g.fibers) {
+                all_done &= f.state == State::Done;
+            }
+            if (all_done) {
+                return;
+            }
+            bool threadgroup_released = false;
+            if (!release(g, &threadgroup_released)) {
+                fail(g.name + ": deadlock, no thread can proceed:\n" + describe(g, 0, n));
+            }
+            if (threadgroup_released && options().shuffle) {
+                new_stretch();
+            }
+            continue;
+        }
         if (options().shuffle) {
-            std::shuffle(order.begin(), order.end(), rng);
+            // One ready fiber at a time, at random, and every collective released as soon as its
+            // simdgroup has arrived: simdgroups run ahead of one another up to the next
+            // threadgroup barrier, so a missing one shows.
+            if (run_ahead) {
+                uint first = sgs;
+                for (size_t i : order) {
+                    const uint sg = uint(i / SIMD_WIDTH);
+                    if (first == sgs || rank[sg] < rank[first]) first = sg;
+                }
+                order.erase(std::remove_if(order.begin(), order.end(),
+                                           [&](size_t i) { return i / SIMD_WIDTH != first; }),
+                            order.end());
+            }
+            g.current = order[rng() % order.size()];
+            stats().switches++;
+            swapcontext(&g.scheduler, &g.fibers[g.current].ctx);
+            bool threadgroup_released = false;
+            release(g, &threadgroup_released);
+            if (threadgroup_released) {
+                new_stretch();
+            }
+            continue;
         }
         for (size_t i : order) {
             g.current = i;
             stats().switches++;
             swapcontext(&g.scheduler, &g.fibers[i].ctx);
         }
-        bool all_done = true;
-        for (const Fiber& f : g.fibers) {
-            all_done &= f.state == State::Done;
-        }
-        if (all_done) {
-            return;
-        }
-        if (!release(g)) {
-            fail(g.name + ": deadlock, no thread can proceed:\n" + describe(g, 0, n));
-        }
     }
 }
 
 /// Runs `body` once per thread of a grid of `groups` threadgroups of `tg` threads, as
-/// `dispatchThreadgroups:threadsPerThreadgroup:` does.
-inline void dispatch_thread_groups(uint3 groups, uint3 tg, const std::function<void(const Ids&)>& body) {
+/// `dispatchThreadgroups:threadsPerThreadgroup:` does, with `threadgroup_bytes` of threadgroup
+/// memory per threadgroup (`setThreadgroupMemoryLength:atIndex:0`; `Ids::threadgroup_memory`).
+/// That memory starts every threadgroup filled with all-ones bytes (a NaN for floats: a read of
+/// an element no thread of the group wrote shows in the results) between guard zones that must
+/// stay untouched.
+inline void dispatch_thread_groups(uint3 groups, uint3 tg, const std::function<void(const Ids&)>& body,
+                                   size_t threadgroup_bytes = 0) {
     const size_t n = size_t(tg.x) * tg.y * tg.z;
     if (n == 0 || n > 1024) {
         fail("threadgroup size " + std::to_string(n) + " outside 1..=1024");
@@ -409,10 +480,14 @@ inline void dispatch_thread_groups(uint3 groups, uint3 tg, const std::function<v
     g.fibers.resize(n);
     const uint sgs = uint((n + SIMD_WIDTH - 1) / SIMD_WIDTH);
     g.slots.assign(size_t(sgs) * 2 * SIMD_WIDTH * SLOT_BYTES, 0);
+    constexpr size_t GUARD_BYTES = 256;
+    std::vector<unsigned char> shared(threadgroup_bytes + 2 * GUARD_BYTES);
+    unsigned char* const shared_body = threadgroup_bytes > 0 ? shared.data() + GUARD_BYTES : nullptr;
     current_group() = &g;
     for (const uint3& gp : order) {
         g.name = "threadgroup (" + std::to_string(gp.x) + ", " + std::to_string(gp.y) + ", " +
                  std::to_string(gp.z) + ")";
+        std::fill(shared.begin(), shared.end(), 0xFF);
         for (uint z = 0; z < tg.z; ++z)
             for (uint y = 0; y < tg.y; ++y)
                 for (uint x = 0; x < tg.x; ++x) {
@@ -428,8 +503,14 @@ inline void dispatch_thread_groups(uint3 groups, uint3 tg, const std::function<v
                     id.thread_index_in_simdgroup = idx % SIMD_WIDTH;
                     id.simdgroups_per_threadgroup = sgs;
                     id.threads_per_simdgroup = SIMD_WIDTH;
+                    id.threadgroup_memory = shared_body;
                 }
         run_group(g, stacks, rng);
+        for (size_t i = 0; i < GUARD_BYTES; ++i) {
+            if (shared[i] != 0xFF || shared[GUARD_BYTES + threadgroup_bytes + i] != 0xFF) {
+                fail(g.name + ": threadgroup memory written out of bounds");
+            }
+        }
         stats().threads += n;
     }
     current_group() = nullptr;
@@ -455,6 +536,15 @@ template <class T, class F> T collective(T x, int line, const char* what, F comb
         std::memcpy(&vals[l], g->slot(sg, bank, l), sizeof(T));
     }
     return combine(vals, lanes, lane);
+}
+
+/// The calling thread's lane in its simdgroup (inside a dispatch only).
+inline uint current_lane(const char* what) {
+    Group* g = current_group();
+    if (g == nullptr) {
+        fail(std::string(what) + " called outside a dispatch");
+    }
+    return g->fibers[g->current].ids.thread_index_in_simdgroup;
 }
 
 } // namespace emu
@@ -620,6 +710,148 @@ inline bool simd_any(bool x, int line = __builtin_LINE()) {
         for (uint l = 0; l < n; ++l) acc = acc || v[l];
         return acc;
     });
+}
+
+// Simdgroup matrices (MSL spec §6.7). A matrix is a value every lane of a simdgroup holds a share
+// of: lane l holds elements 2l and 2l + 1 of the row-major 8×8 matrix (row l / 4). Every
+// operation is a collective, so a matrix operation reached by part of a simdgroup, or by lanes at
+// different operations, fails as a divergent `simd_sum` does; each lane computes its own
+// elements from all lanes' shares. Products add the 8 terms of an element in order, in T
+// (float: f32, as an f32 accumulation on the GPU; the GPU's order of those additions is not
+// specified).
+template <class T, int Cols, int Rows> struct simdgroup_matrix {
+    static_assert(Cols == 8 && Rows == 8, "metal-emu models 8x8 simdgroup matrices only");
+    T e[2];
+    /// Uninitialised on a GPU; NaN here, so reading it shows in the results.
+    simdgroup_matrix() {
+        e[0] = e[1] = T(NAN);
+    }
+    /// The diagonal matrix with `dval` on its diagonal.
+    explicit simdgroup_matrix(T dval) {
+        const uint lane = emu::current_lane("simdgroup_matrix(dval)");
+        for (uint i = 0; i < 2; ++i) {
+            const uint at = 2 * lane + i;
+            e[i] = at / 8 == at % 8 ? dval : T(0);
+        }
+    }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+
+template <class T, int Cols, int Rows> inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+    simdgroup_matrix<T, Cols, Rows> m;
+    m.e[0] = m.e[1] = value;
+    return m;
+}
+
+// A load's or store's arguments, which every lane must pass the same.
+struct emu_matrix_access {
+    const void* base;
+    ulong elements_per_row;
+    bool transpose;
+};
+
+inline void emu_uniform_access(const emu_matrix_access* v, uint n, const char* what) {
+    if (n != emu::SIMD_WIDTH) {
+        emu::fail(std::string(what) + " in a simdgroup of fewer than 32 threads");
+    }
+    for (uint l = 1; l < n; ++l) {
+        if (v[l].base != v[0].base || v[l].elements_per_row != v[0].elements_per_row ||
+            v[l].transpose != v[0].transpose) {
+            emu::fail(std::string(what) + ": lanes pass different pointers, row pitches or transposes");
+        }
+    }
+}
+
+/// Where element (row, col) of the matrix lies in memory: row-major at `elements_per_row`, or,
+/// transposed, element (row, col) is memory's (col, row).
+inline ulong emu_matrix_index(ulong row, ulong col, ulong elements_per_row, bool transpose) {
+    return transpose ? col * elements_per_row + row : row * elements_per_row + col;
+}
+
+inline void emu_origin_zero(ulong2 origin, const char* what) {
+    if (origin.x != 0 || origin.y != 0) {
+        emu::fail(std::string(what) + ": matrix_origin other than 0 is not modelled (offset the pointer)");
+    }
+}
+
+template <class T, int C, int R>
+inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const T* src, ulong elements_per_row = C,
+                           ulong2 matrix_origin = 0, bool transpose_matrix = false,
+                           int line = __builtin_LINE()) {
+    emu_origin_zero(matrix_origin, "simdgroup_load");
+    const emu_matrix_access mine{src, elements_per_row, transpose_matrix};
+    const uint lane = emu::current_lane("simdgroup_load");
+    emu::collective(mine, line, "simdgroup_load", [](const emu_matrix_access* v, uint n, uint) {
+        emu_uniform_access(v, n, "simdgroup_load");
+        return v[0];
+    });
+    for (uint i = 0; i < 2; ++i) {
+        const uint at = 2 * lane + i;
+        d.e[i] = src[emu_matrix_index(at / 8, at % 8, elements_per_row, transpose_matrix)];
+    }
+}
+
+template <class T, int C, int R>
+inline void simdgroup_store(thread simdgroup_matrix<T, C, R> a, T* dst, ulong elements_per_row = C,
+                            ulong2 matrix_origin = 0, bool transpose_matrix = false,
+                            int line = __builtin_LINE()) {
+    emu_origin_zero(matrix_origin, "simdgroup_store");
+    const emu_matrix_access mine{dst, elements_per_row, transpose_matrix};
+    const uint lane = emu::current_lane("simdgroup_store");
+    emu::collective(mine, line, "simdgroup_store", [](const emu_matrix_access* v, uint n, uint) {
+        emu_uniform_access(v, n, "simdgroup_store");
+        return v[0];
+    });
+    for (uint i = 0; i < 2; ++i) {
+        const uint at = 2 * lane + i;
+        dst[emu_matrix_index(at / 8, at % 8, elements_per_row, transpose_matrix)] = a.e[i];
+    }
+}
+
+template <class T> struct emu_mac_share {
+    T a[2], b[2], c[2];
+};
+
+/// d = a·b + c: every lane's shares of a, b and c, then this lane's elements of d.
+template <class T, int C, int R, int K>
+inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<T, C, R>& d,
+                                          const thread simdgroup_matrix<T, K, R>& a,
+                                          const thread simdgroup_matrix<T, C, K>& b,
+                                          const thread simdgroup_matrix<T, C, R>& c,
+                                          int line = __builtin_LINE()) {
+    const emu_mac_share<T> mine{{a.e[0], a.e[1]}, {b.e[0], b.e[1]}, {c.e[0], c.e[1]}};
+    // The result comes back in the share's `a`.
+    const emu_mac_share<T> out = emu::collective(mine, line, "simdgroup_multiply_accumulate",
+                                                 [](const emu_mac_share<T>* v, uint n, uint me) {
+        if (n != emu::SIMD_WIDTH) {
+            emu::fail("simdgroup_multiply_accumulate in a simdgroup of fewer than 32 threads");
+        }
+        T ma[64], mb[64], mc[64];
+        for (uint l = 0; l < n; ++l)
+            for (uint i = 0; i < 2; ++i) {
+                ma[2 * l + i] = v[l].a[i];
+                mb[2 * l + i] = v[l].b[i];
+                mc[2 * l + i] = v[l].c[i];
+            }
+        emu_mac_share<T> o = v[me];
+        for (uint i = 0; i < 2; ++i) {
+            const uint at = 2 * me + i, row = at / 8, col = at % 8;
+            T acc = mc[at];
+            for (uint k = 0; k < 8; ++k) acc += ma[row * 8 + k] * mb[k * 8 + col];
+            o.a[i] = acc;
+        }
+        return o;
+    });
+    d.e[0] = out.a[0];
+    d.e[1] = out.a[1];
+}
+
+/// d = a·b.
+template <class T, int C, int R, int K>
+inline void simdgroup_multiply(thread simdgroup_matrix<T, C, R>& d, const thread simdgroup_matrix<T, K, R>& a,
+                               const thread simdgroup_matrix<T, C, K>& b, int line = __builtin_LINE()) {
+    simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<T, C, R>(T(0)), line);
 }
 
 } // namespace metal

@@ -2,11 +2,11 @@
 // and compares them with double-precision loops written here. Prints one line per comparison
 // and exits non-zero if any is beyond its tolerance. Built and run by tests/metal_emulated.rs:
 //
-//   clang++ -std=c++20 -O1 -Wno-unknown-attributes -I tests/metal_emu/include \
+//   clang++ -std=c++20 -O1 -Wno-unknown-attributes -Wno-register -I tests/metal_emu/include \
 //       tests/metal_emu/run_kernels.cpp -o run_kernels && ./run_kernels [--seed N]
 //
-// The launches mirror src/<op>/metal.rs: entry point names, variant choice (NK), grid and threadgroup
-// sizes, and the parameter structs.
+// The launches mirror src/<op>/metal.rs: entry point names, variant choice (NK, the chunked kernel's
+// Dk), grid and threadgroup sizes, threadgroup memory, and the parameter structs.
 
 #include "metal_stdlib_emu.h"
 
@@ -47,6 +47,12 @@ constexpr uint GDR_COLS = 4;
 constexpr uint SIMD_W = 32;
 constexpr uint CONV_THREADS = 256;
 constexpr uint GDR_MAX_DK = 256;
+// src/gated_delta_rule/metal.rs: CHUNKED_COLUMNS_PER_GROUP, CHUNKED_MAX_HEAD_K_DIM; op.rs:
+// METAL_CHUNKED_MIN_LEN; and the kernel's own GDRC_CHUNK.
+constexpr uint GDRC_COLS = 32;
+constexpr uint GDRC_MAX_DK = 128;
+constexpr uint GDR_METAL_CHUNKED_MIN_LEN = 64;
+static_assert(gdr::GDRC_CHUNK == 16, "the chunk length the host sizes threadgroup memory for");
 
 // The Rust side declares the same #[repr(C)] layouts and asserts their sizes.
 static_assert(sizeof(gdr::GdrParams) == 32, "GdrParams layout");
@@ -248,23 +254,71 @@ GDR_TABLE(f32, float)
 GDR_TABLE(bf16, ushort)
 GDR_TABLE(f16, half)
 
+/// The chunked kernel's Dk variant: the smallest of 32, 64, 128 holding Dk (metal.rs).
+static uint gdrc_dk_variant(uint dk) {
+    for (uint v : {32u, 64u, 128u}) {
+        if (dk <= v) return v;
+    }
+    emu::fail("Dk above the chunked kernel's largest variant");
+}
+
+/// Threadgroup memory of the chunked kernel, as metal.rs sizes it: q̂ and k̂ tiles [C][DKP], five
+/// C×C matrices, eight gate rows of C, a [C][8] staging tile per simdgroup; f32.
+static size_t gdrc_threadgroup_bytes(uint dkp, uint simdgroups) {
+    const size_t c = gdr::GDRC_CHUNK;
+    return 4 * (2 * c * dkp + 5 * c * c + 8 * c + simdgroups * c * 8);
+}
+
+template <class T> struct GdrcEntries;
+#define GDRC_TABLE(TN, T)                                                                      \
+    template <> struct GdrcEntries<T> {                                                        \
+        using Fn = decltype(&gdr::gated_delta_rule_chunked_##TN##_dk32);                       \
+        static Fn get(uint dkp) {                                                              \
+            switch (dkp) {                                                                     \
+            case 32: return gdr::gated_delta_rule_chunked_##TN##_dk32;                         \
+            case 64: return gdr::gated_delta_rule_chunked_##TN##_dk64;                         \
+            case 128: return gdr::gated_delta_rule_chunked_##TN##_dk128;                       \
+            }                                                                                  \
+            emu::fail("no gated_delta_rule_chunked variant for Dk " + std::to_string(dkp));    \
+        }                                                                                      \
+    };
+GDRC_TABLE(f32, float)
+GDRC_TABLE(bf16, ushort)
+GDRC_TABLE(f16, half)
+
+/// Which kernel a launch runs, as metal.rs's `GdrForm` (not named `kernel`: the header's macro).
+enum class GdrKernel { Recurrent, Chunked, Auto };
+
+/// metal.rs's choice for `GdrForm::Auto`: the chunked kernel from METAL_CHUNKED_MIN_LEN steps on
+/// for bf16 and f16 inputs with Dk ≤ 128; f32 and shorter calls step by step.
+template <class T> static bool gdr_auto_chunked(const GdrShape& s) {
+    return !std::is_same_v<T, float> && s.t >= GDR_METAL_CHUNKED_MIN_LEN && s.dk <= GDRC_MAX_DK;
+}
+
 struct GdrOut {
     std::vector<double> qkv_seen; // the input as the kernel read it (rounded to T)
     std::vector<double> o;
     std::vector<double> state;
+    bool chunked = false; // which kernel ran
 };
 
 /// One launch as src/<op>/metal.rs makes it. `state` is read and updated in place.
 template <class T>
 static GdrOut gdr_emu(const GdrShape& s, const std::vector<float>& qkv_f, const std::vector<float>& gb_f,
-                      std::vector<float>& state, const std::vector<uint>& lengths_in) {
+                      std::vector<float>& state, const std::vector<uint>& lengths_in,
+                      GdrKernel form = GdrKernel::Recurrent) {
     if (s.dk > GDR_MAX_DK) emu::fail("Dk too large");
-    const std::string tag = std::string("gated_delta_rule_") + Dt<T>::name;
+    const bool chunked = form == GdrKernel::Chunked ||
+                         (form == GdrKernel::Auto && gdr_auto_chunked<T>(s));
+    if (chunked && s.dk > GDRC_MAX_DK) emu::fail("Dk too large for the chunked kernel");
+    const std::string tag = std::string(chunked ? "gated_delta_rule_chunked_" : "gated_delta_rule_") +
+                            Dt<T>::name;
     Buf<T> qkv(qkv_f.size());
     Buf<float> gb(gb_f.size()), st(state.size());
     Buf<T> o(size_t(s.b) * s.t * s.hv * s.dv);
     Buf<uint> lengths(s.b);
     GdrOut out;
+    out.chunked = chunked;
     for (size_t i = 0; i < qkv_f.size(); ++i) {
         qkv[i] = Dt<T>::from(qkv_f[i]);
         out.qkv_seen.push_back(Dt<T>::to(qkv[i]));
@@ -273,14 +327,30 @@ static GdrOut gdr_emu(const GdrShape& s, const std::vector<float>& qkv_f, const 
     std::copy(state.begin(), state.end(), st.data());
     std::copy(lengths_in.begin(), lengths_in.end(), lengths.data());
     const gdr::GdrParams p{s.b, s.t, s.hk, s.hv, s.dk, s.dv, 1.0f / std::sqrt(float(s.dk)), 1e-6f};
-    const auto fn = GdrEntries<T>::get(gdr_nk(s.dk));
-    const uint3 groups = {(s.dv + GDR_COLS - 1) / GDR_COLS, s.hv, s.b};
-    const uint3 tg = {SIMD_W * GDR_COLS, 1, 1};
-    emu::dispatch_thread_groups(groups, tg, [&](const emu::Ids& id) {
-        fn(qkv.data(), gb.data(), st.data(), o.data(), lengths.data(), p,
-           id.threadgroup_position_in_grid, id.simdgroup_index_in_threadgroup,
-           id.simdgroups_per_threadgroup, id.thread_index_in_simdgroup);
-    });
+    if (chunked) {
+        const uint dkp = gdrc_dk_variant(s.dk), simdgroups = GDRC_COLS / 8;
+        const auto fn = GdrcEntries<T>::get(dkp);
+        const uint3 groups = {(s.dv + GDRC_COLS - 1) / GDRC_COLS, s.hv, s.b};
+        const uint3 tg = {SIMD_W * simdgroups, 1, 1};
+        emu::dispatch_thread_groups(
+            groups, tg,
+            [&](const emu::Ids& id) {
+                fn(qkv.data(), gb.data(), st.data(), o.data(), lengths.data(), p,
+                   reinterpret_cast<float*>(id.threadgroup_memory), id.threadgroup_position_in_grid,
+                   id.simdgroup_index_in_threadgroup, id.simdgroups_per_threadgroup,
+                   id.thread_index_in_simdgroup);
+            },
+            gdrc_threadgroup_bytes(dkp, simdgroups));
+    } else {
+        const auto fn = GdrEntries<T>::get(gdr_nk(s.dk));
+        const uint3 groups = {(s.dv + GDR_COLS - 1) / GDR_COLS, s.hv, s.b};
+        const uint3 tg = {SIMD_W * GDR_COLS, 1, 1};
+        emu::dispatch_thread_groups(groups, tg, [&](const emu::Ids& id) {
+            fn(qkv.data(), gb.data(), st.data(), o.data(), lengths.data(), p,
+               id.threadgroup_position_in_grid, id.simdgroup_index_in_threadgroup,
+               id.simdgroups_per_threadgroup, id.thread_index_in_simdgroup);
+        });
+    }
     qkv.check(tag + " qkv");
     gb.check(tag + " gb");
     st.check(tag + " state");
@@ -379,6 +449,128 @@ static void gdr_tests(uint64_t seed) {
         emu::options() = {};
         expect_identical("gdr shuffled schedule == in order: output", a.o, b.o);
         expect_identical("gdr shuffled schedule == in order: state", a.state, b.state);
+    }
+}
+
+// ---------------------------------------------------------------- gated delta rule, chunked
+// f32 tolerance of the chunked kernel, against the double loop and against the recurrent
+// kernel: absolute, on unit-scale data, plus relative to |ref|.
+constexpr double GDRC_ABS = 1e-6;
+constexpr double GDRC_REL = 1e-6;
+
+/// Outputs of steps at or past a row's length must be exactly 0.
+static void gdr_expect_padding_zero(const std::string& name, const GdrShape& s,
+                                    const std::vector<uint>& lengths, const std::vector<double>& o) {
+    bool zero = true;
+    for (uint b = 0; b < s.b; ++b)
+        for (uint t = std::min(lengths[b], s.t); t < s.t; ++t)
+            for (size_t i = 0; i < size_t(s.hv) * s.dv; ++i)
+                zero &= o[(size_t(b) * s.t + t) * s.hv * s.dv + i] == 0.0;
+    std::printf("%-58s %s\n", (name + ": padded steps output exactly 0").c_str(), zero ? "ok" : "FAIL");
+    g_failures += !zero;
+}
+
+/// A launch (the chunked kernel, or the dispatch's choice) against the double loop, on output and
+/// final state; where the chunked kernel ran, also against the recurrent kernel on the same
+/// inputs and initial state.
+template <class T>
+static GdrOut gdrc_case(const std::string& name, const GdrShape& s, const std::vector<uint>& lengths,
+                        float salt, GdrKernel form = GdrKernel::Chunked) {
+    const GdrData d = gdr_data(s, salt);
+    std::vector<float> state = d.state;
+    GdrOut got = gdr_emu<T>(s, d.qkv, d.gb, state, lengths, form);
+    std::vector<double> S(d.state.begin(), d.state.end()), o;
+    gdr_ref(s, got.qkv_seen, d.gb, lengths, S, o);
+    const std::string label = name + (got.chunked ? " chunked" : " recurrent");
+    // f32 products against double; the output then rounded to T once.
+    compare(label + " output", got.o, o, GDRC_ABS, GDRC_REL + Dt<T>::rel);
+    compare(label + " state", got.state, S, GDRC_ABS, GDRC_REL);
+    gdr_expect_padding_zero(label, s, lengths, got.o);
+    if (got.chunked) {
+        std::vector<float> state_rec = d.state;
+        const GdrOut rec = gdr_emu<T>(s, d.qkv, d.gb, state_rec, lengths, GdrKernel::Recurrent);
+        // Each rounded to T once: one full ulp apart at most, beyond the f32 difference.
+        compare(label + " vs recurrent: output", got.o, rec.o, GDRC_ABS, GDRC_REL + 2 * Dt<T>::rel);
+        compare(label + " vs recurrent: state", got.state, rec.state, GDRC_ABS, GDRC_REL);
+    }
+    return got;
+}
+
+static void gdrc_tests(uint64_t seed) {
+    // Lengths no multiple of the 16-step chunk, a padded row, Hv = 2·Hk, the initial state nonzero.
+    const GdrShape main_shape{2, 37, 1, 2, 32, 16};
+    const std::vector<uint> main_len{37, 30};
+    const GdrOut whole = gdrc_case<float>("gdrc f32 T=37 B=2 len=[37,30] Hk=1 Hv=2 Dk=32 Dv=16",
+                                          main_shape, main_len, 0.7f);
+    // Several key heads, Dk = 128 (the models'), Dv = 40: one live slab of 8 columns in the second
+    // threadgroup, three simdgroups past Dv.
+    gdrc_case<float>("gdrc f32 T=40 B=1 Hk=2 Hv=4 Dk=128 Dv=40", {1, 40, 2, 4, 128, 40}, {40}, 1.9f);
+    // Dk no multiple of 8 (the 64 variant, zero features), Dv = 6, a row of length 0, one step.
+    gdrc_case<float>("gdrc f32 T=21 B=3 len=[21,0,1] Hk=1 Hv=1 Dk=44 Dv=6", {3, 21, 1, 1, 44, 6},
+                     {21, 0, 1}, 2.9f);
+    // Input dtypes.
+    gdrc_case<ushort>("gdrc bf16 T=33 B=2 len=[33,17] Hk=1 Hv=2 Dk=64 Dv=16", {2, 33, 1, 2, 64, 16},
+                      {33, 17}, 0.9f);
+    gdrc_case<half>("gdrc f16 T=20 B=2 len=[20,9] Hk=2 Hv=2 Dk=32 Dv=8", {2, 20, 2, 2, 32, 8},
+                    {20, 9}, 1.3f);
+    // The dispatch's choice around METAL_CHUNKED_MIN_LEN: bf16 one step below (recurrent) and at
+    // it (chunked); f32 at it stays recurrent.
+    {
+        const uint n = GDR_METAL_CHUNKED_MIN_LEN;
+        const GdrShape below{2, n - 1, 1, 2, 32, 16}, at{2, n, 1, 2, 32, 16};
+        const GdrOut lo = gdrc_case<ushort>("gdr auto bf16 T=MIN_LEN-1", below, {n - 1, n - 9}, 3.3f,
+                                            GdrKernel::Auto);
+        const GdrOut hi = gdrc_case<ushort>("gdr auto bf16 T=MIN_LEN", at, {n, n - 9}, 3.3f,
+                                            GdrKernel::Auto);
+        const GdrOut f32 = gdrc_case<float>("gdr auto f32 T=MIN_LEN", at, {n, n - 9}, 3.7f,
+                                            GdrKernel::Auto);
+        const bool ok = !lo.chunked && hi.chunked && !f32.chunked;
+        std::printf("%-58s %s\n", "gdr auto: recurrent below MIN_LEN and for f32, chunked at it",
+                    ok ? "ok" : "FAIL");
+        g_failures += !ok;
+    }
+    // Two calls split at a chunk boundary (32 + 5 steps, the state carried over) == the whole
+    // call, exactly: the same chunks, the same products.
+    {
+        const GdrData d = gdr_data(main_shape, 0.7f);
+        const uint cut = 32, T = main_shape.t, C = main_shape.channels(), hv = main_shape.hv;
+        const uint dv = main_shape.dv;
+        std::vector<float> state = d.state;
+        std::vector<double> o(whole.o.size());
+        for (uint part = 0; part < 2; ++part) {
+            const uint t0 = part ? cut : 0, tn = part ? T - cut : cut;
+            GdrShape s = main_shape;
+            s.t = tn;
+            std::vector<float> qkv, gb;
+            for (uint b = 0; b < s.b; ++b) {
+                qkv.insert(qkv.end(), d.qkv.begin() + (size_t(b) * T + t0) * C,
+                           d.qkv.begin() + (size_t(b) * T + t0 + tn) * C);
+                gb.insert(gb.end(), d.gb.begin() + (size_t(b) * T + t0) * hv * 2,
+                          d.gb.begin() + (size_t(b) * T + t0 + tn) * hv * 2);
+            }
+            std::vector<uint> len;
+            for (uint l : main_len) len.push_back(std::min(tn, l > t0 ? l - t0 : 0));
+            const GdrOut r = gdr_emu<float>(s, qkv, gb, state, len, GdrKernel::Chunked);
+            for (uint b = 0; b < s.b; ++b)
+                std::copy(r.o.begin() + size_t(b) * tn * hv * dv, r.o.begin() + size_t(b + 1) * tn * hv * dv,
+                          o.begin() + (size_t(b) * T + t0) * hv * dv);
+        }
+        expect_identical("gdrc two calls (32+5) == whole: output", o, whole.o);
+        expect_identical("gdrc two calls (32+5) == whole: state",
+                         std::vector<double>(state.begin(), state.end()), whole.state);
+    }
+    // Shuffled schedule (threadgroup order and fiber resume order): bit-identical results, which
+    // a missing threadgroup barrier would break.
+    {
+        const GdrShape s{2, 19, 1, 2, 48, 20};
+        const GdrData d = gdr_data(s, 4.1f);
+        std::vector<float> st_a = d.state, st_b = d.state;
+        const GdrOut a = gdr_emu<float>(s, d.qkv, d.gb, st_a, {19, 16}, GdrKernel::Chunked);
+        emu::options() = {true, seed};
+        const GdrOut b = gdr_emu<float>(s, d.qkv, d.gb, st_b, {19, 16}, GdrKernel::Chunked);
+        emu::options() = {};
+        expect_identical("gdrc shuffled schedule == in order: output", a.o, b.o);
+        expect_identical("gdrc shuffled schedule == in order: state", a.state, b.state);
     }
 }
 
@@ -1149,6 +1341,87 @@ kernel void racy(device float* scratch, device float* out, uint tid) {
 }
 } // namespace broken
 
+// Simdgroup matrices: small kernels on the shim's matrix operations, and misuses it must reject.
+namespace matrix_checks {
+using namespace metal;
+// D = X·Y + Z, X [16][24] at row pitch 27, Y [24][16] given as its transpose Yt [16][24] (loaded
+// transposed), Z [16][16]: an 8×8 tile of D per simdgroup, 3 products each; D stored row-major and
+// transposed. Simdgroup 0 also stores 2·X's first tile (through a diagonal matrix) and a filled one.
+kernel void product(const device float* x, const device float* yt, const device float* z,
+                    device float* d, device float* dt, device float* extra, uint sg) {
+    const uint ti = sg / 2, tj = sg % 2;
+    simdgroup_float8x8 acc;
+    simdgroup_load(acc, z + ti * 8 * 16 + tj * 8, 16);
+    for (uint kk = 0; kk < 3; ++kk) {
+        simdgroup_float8x8 a;
+        simdgroup_float8x8 b;
+        simdgroup_load(a, x + ti * 8 * 27 + kk * 8, 27);
+        simdgroup_load(b, yt + tj * 8 * 24 + kk * 8, 24, 0, true);
+        simdgroup_multiply_accumulate(acc, a, b, acc);
+    }
+    simdgroup_store(acc, d + ti * 8 * 16 + tj * 8, 16);
+    simdgroup_store(acc, dt + tj * 8 * 16 + ti * 8, 16, 0, true);
+    if (sg == 0) {
+        simdgroup_float8x8 a;
+        simdgroup_float8x8 twice;
+        simdgroup_float8x8 two(2.0f);
+        simdgroup_load(a, x, 27);
+        simdgroup_multiply(twice, a, two);
+        simdgroup_store(twice, extra, 8);
+        simdgroup_store(make_filled_simdgroup_matrix<float, 8, 8>(1.5f), extra + 64, 8);
+    }
+}
+// A product reached by half the simdgroup.
+kernel void divergent_product(device float* out, uint lane) {
+    simdgroup_float8x8 a = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+    if (lane < 16) {
+        simdgroup_multiply(a, a, a);
+    }
+    simdgroup_store(a, out, 8);
+}
+// A load whose pointer differs across lanes.
+kernel void nonuniform_load(const device float* src, device float* out, uint lane) {
+    simdgroup_float8x8 a;
+    simdgroup_load(a, src + lane % 2, 9);
+    simdgroup_store(a, out, 8);
+}
+} // namespace matrix_checks
+
+/// The matrix operations against a plain integer matrix product: small integer inputs, so every
+/// f32 sum is exact and the results must match bit for bit.
+static void simdgroup_matrix_checks() {
+    Buf<float> x(16 * 27), yt(16 * 24), z(16 * 16), d(16 * 16), dt(16 * 16), extra(128);
+    for (size_t i = 0; i < x.n; ++i) x[i] = float(int(i * 7 % 17) - 8);
+    for (size_t i = 0; i < yt.n; ++i) yt[i] = float(int(i * 5 % 13) - 6);
+    for (size_t i = 0; i < z.n; ++i) z[i] = float(int(i * 3 % 11) - 5);
+    emu::dispatch_thread_groups(uint3{1, 1, 1}, uint3{128, 1, 1}, [&](const emu::Ids& id) {
+        matrix_checks::product(x.data(), yt.data(), z.data(), d.data(), dt.data(), extra.data(),
+                               id.simdgroup_index_in_threadgroup);
+    });
+    d.check("simdgroup product d");
+    dt.check("simdgroup product dt");
+    extra.check("simdgroup product extra");
+    bool ok = true, ok_t = true, ok_extra = true;
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) {
+            long long acc = (long long)z[r * 16 + c];
+            for (int k = 0; k < 24; ++k) acc += (long long)x[r * 27 + k] * (long long)yt[c * 24 + k];
+            ok &= d[r * 16 + c] == float(acc);
+            ok_t &= dt[c * 16 + r] == float(acc);
+        }
+    for (int r = 0; r < 8; ++r)
+        for (int c = 0; c < 8; ++c) {
+            ok_extra &= extra[r * 8 + c] == 2 * x[r * 27 + c] && extra[64 + r * 8 + c] == 1.5f;
+        }
+    const auto line = [](const char* what, bool pass) {
+        std::printf("%-58s %s\n", what, pass ? "exact ok" : "FAIL");
+        g_failures += !pass;
+    };
+    line("simdgroup matrices: X·Yᵀ(transposed load) + Z, 4 simdgroups", ok);
+    line("simdgroup matrices: the same stored transposed", ok_t);
+    line("simdgroup matrices: diagonal(2)·product, filled(1.5)", ok_extra);
+}
+
 static void expect_rejected(const char* what, void (*run)()) {
     std::fflush(stdout);
     const pid_t pid = fork();
@@ -1202,6 +1475,20 @@ static void harness_self_checks(uint64_t seed) {
     }
     std::printf("%-58s %s\n", "harness shuffle exposes a missing barrier", differs ? "ok" : "FAIL");
     if (!differs) ++g_failures;
+    expect_rejected("a simdgroup matrix product reached by half the lanes", [] {
+        Buf<float> out(64);
+        emu::dispatch_thread_groups(uint3{1, 1, 1}, uint3{32, 1, 1}, [&](const emu::Ids& id) {
+            matrix_checks::divergent_product(out.data(), id.thread_index_in_simdgroup);
+        });
+    });
+    expect_rejected("a simdgroup_load whose pointer differs across lanes", [] {
+        Buf<float> src(80), out(64);
+        for (size_t i = 0; i < src.n; ++i) src[i] = float(i);
+        emu::dispatch_thread_groups(uint3{1, 1, 1}, uint3{32, 1, 1}, [&](const emu::Ids& id) {
+            matrix_checks::nonuniform_load(src.data(), out.data(), id.thread_index_in_simdgroup);
+        });
+    });
+    simdgroup_matrix_checks();
 }
 
 int main(int argc, char** argv) {
@@ -1217,6 +1504,7 @@ int main(int argc, char** argv) {
     harness_self_checks(seed);
     const auto start = std::chrono::steady_clock::now();
     gdr_tests(seed);
+    gdrc_tests(seed);
     conv_tests(seed);
     fused_op_tests(seed);
     flash_tests(seed);
