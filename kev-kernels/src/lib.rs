@@ -85,6 +85,7 @@ mod attention;
 mod backend;
 mod bf16_gemm;
 mod causal_conv1d;
+pub mod dispatch;
 mod flash_attention;
 mod gated_delta_rule;
 mod gates;
