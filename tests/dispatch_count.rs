@@ -27,6 +27,9 @@ fn records() -> Vec<Record> {
 
 type Probabilities = Vec<Vec<Vec<f32>>>;
 
+/// A form's scoring of the fixture records.
+type Scoring<'a> = Box<dyn Fn() -> kev::Result<Probabilities> + 'a>;
+
 /// `score` run plainly on the CPU, then counted as CUDA and as Metal.
 fn counted(score: impl Fn() -> kev::Result<Probabilities>) -> [(Probabilities, Tally); 2] {
     let plain = score().unwrap();
@@ -58,7 +61,7 @@ fn metal_dispatches_fewer_than_cuda_per_attention_layer() {
     let kinds = model.backbone().config().layer_types.clone();
     assert!(kinds.contains(&LayerType::FullAttention));
     let records = records();
-    let forms: [(&str, Box<dyn Fn() -> kev::Result<Probabilities>>); 2] = [
+    let forms: [(&str, Scoring); 2] = [
         (
             "prefix",
             Box::new(|| model.probs(&records[0]).map(|p| vec![p])),

@@ -101,11 +101,7 @@ pub fn count<T>(backend: Backend, run: impl FnOnce() -> T) -> (T, Tally) {
 
 /// Runs `run` with its dispatches counted as layer `layer`'s.
 pub fn in_layer<T>(layer: usize, run: impl FnOnce() -> T) -> T {
-    let outer = COUNTER.with(|c| {
-        c.borrow_mut()
-            .as_mut()
-            .map(|c| std::mem::replace(&mut c.layer, Some(layer)))
-    });
+    let outer = COUNTER.with(|c| c.borrow_mut().as_mut().map(|c| c.layer.replace(layer)));
     let out = run();
     if let Some(outer) = outer {
         COUNTER.with(|c| {
