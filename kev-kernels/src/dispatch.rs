@@ -18,7 +18,7 @@
 //! tensor) launch nothing. Host-to-device uploads (token ids, RoPE tables, key biases, lengths,
 //! the dims and strides CUDA's strided candle kernels upload) are not counted.
 //!
-//! Off counting, each hook is one thread-local read.
+//! Off counting, each hook costs one thread-local read (none for the choices on a GPU device).
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -65,7 +65,7 @@ impl Tally {
         self.counts.iter().map(|(&(l, op), &n)| (l, op, n))
     }
 
-    /// Whether a composed path that is not counted ran ([`UNCOUNTED`]).
+    /// Whether every composed path that ran was counted (none recorded [`UNCOUNTED`]).
     pub fn is_complete(&self) -> bool {
         self.counts.keys().all(|(_, op)| *op != UNCOUNTED)
     }

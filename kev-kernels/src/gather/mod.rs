@@ -9,10 +9,10 @@ mod cuda;
 mod metal;
 
 use candle_core::{bail, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
-
-use crate::dispatch::{self, backend, counted_cat, Backend, CountedTensor};
 #[cfg(any(feature = "cuda", feature = "metal"))]
 use candle_core::{Layout, Shape};
+
+use crate::dispatch::{self, backend, counted_cat, Backend, CountedTensor};
 
 /// Row indices, checked and uploaded once for any number of [`gather_rows`] calls.
 #[derive(Clone)]
@@ -67,7 +67,7 @@ impl RowIndex {
 }
 
 /// Whether the CUDA word kernels can copy `t`'s rows of `row_bytes` bytes: a CUDA float tensor,
-/// contiguous, starting and breaking rows on 16-byte boundaries.
+/// contiguous, starting and breaking rows on 16-byte boundaries (CUDA: [`backend`]'s).
 fn in_words(t: &Tensor, row_bytes: usize) -> bool {
     backend(t.device()) == Backend::Cuda
         && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
@@ -77,7 +77,7 @@ fn in_words(t: &Tensor, row_bytes: usize) -> bool {
 }
 
 /// Whether the Metal kernels copy `t`'s rows of `row_bytes` bytes: a Metal float tensor,
-/// contiguous, rows of whole 2-byte units.
+/// contiguous, rows of whole 2-byte units (Metal: [`backend`]'s).
 fn on_metal(t: &Tensor, row_bytes: usize) -> bool {
     backend(t.device()) == Backend::Metal
         && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
