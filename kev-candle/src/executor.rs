@@ -6,6 +6,7 @@
 
 use candle_core::{Device, Tensor};
 use kev_core::{Result, Row};
+use kev_kernels::dispatch::{counted_cat, CountedTensor};
 use kev_kernels::{RowIndex, SplitBatch};
 
 use crate::device::backend_err;
@@ -189,7 +190,7 @@ impl Executor {
         if hidden.len() == 1 {
             return Ok(hidden.remove(0));
         }
-        Tensor::cat(&hidden, 1).map_err(backend_err("joining prefill pieces"))
+        counted_cat(&hidden, 1).map_err(backend_err("joining prefill pieces"))
     }
 
     /// Reads the head at each row's `decide` and `opts` positions of `hidden: [B, T, H]`.
@@ -201,11 +202,11 @@ impl Executor {
     fn head_logits(&self, hidden: &Tensor, rows: &[Row]) -> Result<Tensor> {
         let err = backend_err("pointer head");
         let (_, width, h) = hidden.dims3().map_err(&err)?;
-        let flat = hidden.reshape(((), h)).map_err(&err)?;
+        let flat = hidden.counted_reshape(((), h)).map_err(&err)?;
         let (decide, opts, owner) = head_positions(rows, width);
         let pick = |idx: Vec<u32>| -> candle_core::Result<Tensor> {
             let n = idx.len();
-            flat.index_select(&kev_kernels::uploads::upload(idx, n, self.device())?, 0)
+            flat.counted_index_select(&kev_kernels::uploads::upload(idx, n, self.device())?, 0)
         };
         self.head
             .logits_on_device(

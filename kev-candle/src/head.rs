@@ -5,6 +5,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, D};
 use kev_core::{Error, Result};
+use kev_kernels::dispatch::{counted, CountedTensor};
 
 /// The head's weights and settings.
 pub struct PointerHead {
@@ -106,17 +107,19 @@ impl PointerHead {
         h_opts: &Tensor,
         owner: &[u32],
     ) -> candle_core::Result<Tensor> {
-        let h_decide = h_decide.to_dtype(DType::F32)?;
-        let h_opts = h_opts.to_dtype(DType::F32)?;
-        let q = h_decide
-            .matmul(&self.q_weight.t()?)?
-            .broadcast_add(&self.q_bias)?;
-        let k = h_opts
-            .matmul(&self.k_weight.t()?)?
-            .broadcast_add(&self.k_bias)?;
+        let h_decide = h_decide.counted_to_dtype(DType::F32)?;
+        let h_opts = h_opts.counted_to_dtype(DType::F32)?;
+        let q = h_decide.counted_matmul(&self.q_weight.t()?)?;
+        let q = counted("broadcast-add", || q.broadcast_add(&self.q_bias))?;
+        let k = h_opts.counted_matmul(&self.k_weight.t()?)?;
+        let k = counted("broadcast-add", || k.broadcast_add(&self.k_bias))?;
         let owner = kev_kernels::uploads::upload(owner.to_vec(), owner.len(), q.device())?;
-        let q = q.index_select(&owner, 0)?;
-        (q * k)?.sum(D::Minus1)? / ((self.dim as f64).sqrt() * self.temperature)
+        let q = q.counted_index_select(&owner, 0)?;
+        let products = counted("mul", || q * k)?;
+        let sums = counted("sum", || products.sum(D::Minus1))?;
+        counted("affine", || {
+            sums / ((self.dim as f64).sqrt() * self.temperature)
+        })
     }
 
     /// [`PointerHead::logits_on_device`], read back.

@@ -44,7 +44,9 @@
 //! GPU's capabilities through one function that answers `None` off CUDA. Below the ops,
 //! `backend` holds what the backends share (the CUDA source registry and compiler, launch
 //! helpers, GPU capabilities, the device memory pool, the Metal pipelines) and imports no op;
-//! `layout` the row and split layouts several ops read.
+//! `layout` the row and split layouts several ops read. [`dispatch`] counts the GPU dispatches of
+//! a forward on the CPU: the wrappers choose through its [`dispatch::backend`] and record what they
+//! launch.
 
 /// The `cpu_fwd` of a custom op that only CUDA runs (its wrapper composes other ops on the
 /// other backends, so the CPU never reaches it): an error with `$msg`. One `storage layout` pair
@@ -86,6 +88,7 @@ mod attention;
 mod backend;
 mod bf16_gemm;
 mod causal_conv1d;
+pub mod dispatch;
 mod flash_attention;
 mod gated_delta_rule;
 mod gates;

@@ -63,12 +63,15 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     // The CPU's bf16 mode where it has AVX512-BF16: the projections and the embedding table
     // in bf16, the activations in f32 between the matmuls (as llama.cpp's bf16 models),
     // since its bf16 matmul takes f32 rows and the rest of the forward is faster in f32.
-    let (dtype, weights_dtype) =
-        if device.is_cpu() && dtype == DType::BF16 && kev_kernels::bf16_gemm_available() {
-            (DType::F32, DType::BF16)
-        } else {
-            (dtype, dtype)
-        };
+    let (dtype, weights_dtype) = if kev_kernels::dispatch::backend(&device)
+        == kev_kernels::dispatch::Backend::Cpu
+        && dtype == DType::BF16
+        && kev_kernels::bf16_gemm_available()
+    {
+        (DType::F32, DType::BF16)
+    } else {
+        (dtype, dtype)
+    };
     let cfg = Config::from_file(&checkpoint.base.config)?;
     let adapter = match (
         checkpoint.adapter_config_path(),

@@ -6,6 +6,7 @@
 //! between batch sizes, as cuBLAS's shape-dependent kernels already make them).
 
 use candle_core::{Module, Result, Tensor};
+use kev_kernels::dispatch::{counted_cat, CountedTensor};
 
 use kev_kernels::{
     attention_gate, attention_gate_join, causal_attention, flash_attention_fills_gpu, qk_norm_rope,
@@ -122,12 +123,12 @@ impl Attention {
             Outputs::Branches => {
                 let (xs_s, xs_b) = split.parts(xs)?;
                 let (r, s, _) = xs_s.dims3()?;
-                let kv_s = self.kv_proj.forward(&xs_s.flatten(0, 1)?)?;
-                let heads = kv_s.reshape((r, s, 2 * self.num_kv_heads, self.head_dim))?;
+                let kv_s = self.kv_proj.forward(&xs_s.counted_flatten(0, 1)?)?;
+                let heads = kv_s.counted_reshape((r, s, 2 * self.num_kv_heads, self.head_dim))?;
                 kv = Some(self.new_kv(&heads, 0, cos_sin_s)?);
                 let (b, t, _) = xs_b.dims3()?;
-                let proj_b = self.qkv_proj.forward(&xs_b.flatten(0, 1)?)?;
-                (proj_b.reshape((b, t, proj_b.dim(1)?))?, None)
+                let proj_b = self.qkv_proj.forward(&xs_b.counted_flatten(0, 1)?)?;
+                (proj_b.counted_reshape((b, t, proj_b.dim(1)?))?, None)
             }
         };
         let Some((k, v)) = kv else {
@@ -144,14 +145,14 @@ impl Attention {
             }
             None => self
                 .o_proj
-                .forward(&attention_gate(&o_b, &gate_b)?.flatten(0, 1)?),
+                .forward(&attention_gate(&o_b, &gate_b)?.counted_flatten(0, 1)?),
         }
     }
 
     /// The output gates of packed projection rows `proj: [N, ..]`, `[N, Hq, hd]` (a view).
     fn gates(&self, proj: &Tensor) -> Result<Tensor> {
         let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        proj.reshape((proj.dim(0)?, nq + nkv, 2, hd))?
+        proj.counted_reshape((proj.dim(0)?, nq + nkv, 2, hd))?
             .narrow(1, 0, nq)?
             .narrow(2, 1, 1)?
             .squeeze(2)
@@ -171,11 +172,11 @@ impl Attention {
         let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // Views into the projection, no copies: per query head `[q | gate]`, then K, then V.
         let q_gate = proj
-            .reshape((b_sz, seq_len, nq + nkv, 2, hd))?
+            .counted_reshape((b_sz, seq_len, nq + nkv, 2, hd))?
             .narrow(2, 0, nq)?;
         let q = q_gate.narrow(3, 0, 1)?.squeeze(3)?; // [B, T, Hq, hd]
         let gate = q_gate.narrow(3, 1, 1)?.squeeze(3)?;
-        let heads = proj.reshape((b_sz, seq_len, 2 * (nq + nkv), hd))?;
+        let heads = proj.counted_reshape((b_sz, seq_len, 2 * (nq + nkv), hd))?;
         let (k, v) = self.new_kv(&heads, 2 * nq, cos_sin)?;
         let q = qk_norm_rope(&q, self.q_norm.one_plus_w(), cos_sin, self.eps)?; // [B, Hq, T, hd]
         let scale = (hd as f64).powf(-0.5);
@@ -185,13 +186,16 @@ impl Attention {
                 // (`contiguous` would keep the view of a one-row, one-token step).
                 let joined = |cache: &mut Option<Tensor>, new: Tensor| {
                     let all = match cache.take() {
-                        Some(old) => Tensor::cat(&[&old, &new], 2)?,
+                        Some(old) => counted_cat(&[&old, &new], 2)?,
                         None => new,
                     };
                     *cache = Some(all.clone());
                     Ok::<_, candle_core::Error>(all)
                 };
-                let (k, v) = (joined(k_cache, k)?, joined(v_cache, v.force_contiguous()?)?);
+                let (k, v) = (
+                    joined(k_cache, k)?,
+                    joined(v_cache, v.counted_force_contiguous()?)?,
+                );
                 causal_attention(&q, None, &k, &v, key_bias, scale)?
             }
             Past::Fresh(handed) => {
@@ -200,7 +204,7 @@ impl Attention {
                 let v = if flash_attention_fills_gpu(&q, nkv)? {
                     v
                 } else {
-                    v.contiguous()?
+                    v.counted_contiguous()?
                 };
                 let out = causal_attention(&q, None, &k, &v, key_bias, scale)?;
                 *handed = Some((k, v));

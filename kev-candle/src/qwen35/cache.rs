@@ -6,6 +6,7 @@
 //! cached key positions are real and where the next position starts.
 
 use candle_core::{DType, Device, Result, Tensor};
+use kev_kernels::dispatch::counted_zeros;
 use kev_kernels::{gather_rows, RowIndex};
 
 use super::config::{Config, LayerType};
@@ -48,8 +49,8 @@ impl Cache {
             .map(|t| match t {
                 LayerType::FullAttention => Ok(LayerCache::Attention { k: None, v: None }),
                 LayerType::LinearAttention => Ok(LayerCache::DeltaNet {
-                    conv: Tensor::zeros((b_sz, cfg.linear_conv_kernel_dim - 1, c), dtype, device)?,
-                    state: Tensor::zeros(
+                    conv: counted_zeros((b_sz, cfg.linear_conv_kernel_dim - 1, c), dtype, device)?,
+                    state: counted_zeros(
                         (
                             b_sz,
                             cfg.linear_num_value_heads,

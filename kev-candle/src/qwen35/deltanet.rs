@@ -2,6 +2,7 @@
 //! gates in f32, the gated delta rule over an f32 state (kev-kernels), gated RMSNorm, `out_proj`.
 
 use candle_core::{DType, Module, Result, Tensor, D};
+use kev_kernels::dispatch::CountedTensor;
 use kev_kernels::{
     causal_conv1d_cached, conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, GdrDims,
     SplitBatch,
@@ -136,7 +137,8 @@ impl GatedDeltaNet {
 
     /// The gated norm of `o` (`[.., Hv, Dv]`) by `z`, then `out_proj`: `[.., H]`.
     fn out(&self, o: &Tensor, z: &Tensor) -> Result<Tensor> {
-        let o = self.norm.forward(o, z)?.flatten_from(D::Minus2)?;
+        let o = self.norm.forward(o, z)?;
+        let o = o.counted_flatten(o.rank() - 2, o.rank() - 1)?;
         self.out_proj.forward(&o)
     }
 }

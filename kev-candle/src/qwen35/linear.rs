@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Linear;
+use kev_kernels::dispatch::{self, Backend};
 use kev_kernels::{bf16_gemm_available, PackedBf16};
 
 use crate::weights::Weights;
@@ -25,9 +26,10 @@ pub enum Projection {
 }
 
 impl Projection {
-    /// The layer of `weight: [out, in]`, on `weight`'s device and in its dtype.
+    /// The layer of `weight: [out, in]`, on `weight`'s device and in its dtype (laid out as a
+    /// GPU's while a dispatch count for one runs, [`dispatch::backend`]).
     pub fn new(weight: Tensor) -> Result<Self> {
-        if !weight.device().is_cpu() {
+        if dispatch::backend(weight.device()) != Backend::Cpu {
             return Ok(Self::Candle(Linear::new(weight, None)));
         }
         if weight.dtype() == DType::BF16 && bf16_gemm_available() {
@@ -50,7 +52,9 @@ impl Projection {
 }
 
 impl Module for Projection {
+    /// One GEMM on a GPU (candle's `Linear`: views of the weight around one `matmul`).
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        dispatch::record("matmul", 1);
         match self {
             Self::Candle(l) => l.forward(xs),
             Self::Bf16(p) => p.forward(&xs.contiguous()?),

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::Embedding;
+use kev_kernels::dispatch::{self, counted, counted_cat, CountedTensor};
 use kev_kernels::{gather_rows, RowIndex, SplitBatch};
 use rayon::prelude::*;
 
@@ -172,10 +173,12 @@ impl Model {
             w.projection_dtype(),
         )?;
         // Layers load in parallel: widening, LoRA folding and rounding are CPU work per tensor,
-        // and one thread per layer keeps every core busy (the 4B load is mostly this).
+        // and one thread per layer keeps every core busy (the 4B load is mostly this). A
+        // dispatch count's backend goes with them (it picks the projections' layout).
+        let backend = dispatch::counting_for();
         let layers = (0..cfg.num_hidden_layers)
             .into_par_iter()
-            .map(|i| DecoderLayer::new(cfg, w, i))
+            .map(|i| dispatch::choose_as(backend, || DecoderLayer::new(cfg, w, i)))
             .collect::<kev_core::Result<Vec<_>>>()?;
         let norm =
             ZeroCenteredRmsNorm::new(&w.get("norm.weight", &[cfg.hidden_size])?, cfg.rms_norm_eps)
@@ -218,7 +221,7 @@ impl Model {
 
     /// The embeddings of `ids`, in the activation dtype.
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        self.embed_tokens.forward(ids)?.to_dtype(self.dtype)
+        counted("index-select", || self.embed_tokens.forward(ids))?.counted_to_dtype(self.dtype)
     }
 
     /// The device.
@@ -288,11 +291,14 @@ impl Model {
         };
         let mut xs = self.embed(ids)?;
         let mut pending = None;
-        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let (stream, mlp_out) = layer.forward(&xs, pending.as_ref(), layer_cache, &step)?;
+        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
+        {
+            let (stream, mlp_out) = dispatch::in_layer(i, || {
+                layer.forward(&xs, pending.as_ref(), layer_cache, &step)
+            })?;
             match layer_outs.as_mut() {
                 Some(outs) => {
-                    xs = (stream + mlp_out)?;
+                    xs = counted("add", || stream + mlp_out)?;
                     outs.push(xs.clone());
                 }
                 None => {
@@ -375,7 +381,7 @@ impl Model {
             cos_sin: (rope(&vec![0; states], s_len)?, rope(&owner_lengths, width)?),
             key_bias,
         };
-        let ids = Tensor::cat(&[state_ids.flatten_all()?, branch_ids.flatten_all()?], 0)?;
+        let ids = counted_cat(&[state_ids.flatten_all()?, branch_ids.flatten_all()?], 0)?;
         let mut xs = self.embed(&ids)?; // [R·S + B·T, H]
         let mut pending = None;
         let last = self.layers.len().saturating_sub(1);
@@ -385,8 +391,9 @@ impl Model {
             } else {
                 (Outputs::All, None)
             };
-            let (stream, mlp_out) =
-                layer.forward_split(&xs, pending.as_ref(), &step, outputs, pick)?;
+            let (stream, mlp_out) = dispatch::in_layer(i, || {
+                layer.forward_split(&xs, pending.as_ref(), &step, outputs, pick)
+            })?;
             xs = stream;
             pending = Some(mlp_out);
         }
@@ -399,7 +406,7 @@ impl Model {
         let hidden = self.final_norm(&xs, pending.as_ref())?;
         match picked {
             Some(_) => Ok(hidden),
-            None => hidden.reshape((b_rows, width, self.cfg.hidden_size)),
+            None => hidden.counted_reshape((b_rows, width, self.cfg.hidden_size)),
         }
     }
 

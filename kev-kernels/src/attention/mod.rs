@@ -24,6 +24,7 @@ use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32};
 use crate::backend::cuda::sources::ROPE_MAX_HEAD_DIM;
+use crate::dispatch::{self, backend, counted_cat, record, Backend, CountedTensor, UNCOUNTED};
 use crate::flash_attention::{self, flash_attention_fills_gpu, AttentionPast};
 use crate::gather::gather_cat;
 use crate::layout::rows::{rounder, strided4, whole_f32};
@@ -251,7 +252,7 @@ fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
     if t.stride().last() == Some(&1) {
         Ok(t.clone())
     } else {
-        t.contiguous()
+        t.counted_contiguous()
     }
 }
 
@@ -277,14 +278,17 @@ pub fn qk_norm_rope(x: &Tensor, w1: &Tensor, cos_sin: &Tensor, eps: f64) -> Resu
             x.dtype()
         )
     }
-    if !x.device().is_metal() && hd > ROPE_MAX_HEAD_DIM {
+    if backend(x.device()) != Backend::Metal && hd > ROPE_MAX_HEAD_DIM {
+        record(UNCOUNTED, 0);
         return qk_norm_rope_ref(x, w1, cos_sin, eps);
     }
-    last_dim_contiguous(x)?.apply_op3_no_bwd(
-        &w1.to_dtype(DType::F32)?.contiguous()?,
-        &cos_sin.contiguous()?,
-        &QkNormRope { eps: eps as f32 },
-    )
+    let (x, w1, cos_sin) = (
+        last_dim_contiguous(x)?,
+        w1.counted_to_dtype(DType::F32)?.counted_contiguous()?,
+        cos_sin.counted_contiguous()?,
+    );
+    record("qk-norm-rope", 1);
+    x.apply_op3_no_bwd(&w1, &cos_sin, &QkNormRope { eps: eps as f32 })
 }
 
 /// Causal attention probabilities: `softmax(round(scores·scale) + key_bias)` over the last dim
@@ -302,8 +306,10 @@ pub fn causal_softmax(scores: &Tensor, key_bias: &Tensor, scale: f64) -> Result<
             scores.dims()
         )
     }
-    scores.contiguous()?.apply_op2_no_bwd(
-        &key_bias.contiguous()?,
+    let (scores, key_bias) = (scores.counted_contiguous()?, key_bias.counted_contiguous()?);
+    record("causal-softmax", 1);
+    scores.apply_op2_no_bwd(
+        &key_bias,
         &CausalSoftmax {
             scale: scale as f32,
         },
@@ -339,12 +345,29 @@ pub fn causal_attention(
             return Ok(out);
         }
     }
+    composed_attention(q, past, k, v, key_bias, scale)
+}
+
+/// [`causal_attention`] off the flash kernel: the past's keys and values gathered per row
+/// ahead of this step's, then [`attention_matmuls`].
+pub(crate) fn composed_attention(
+    q: &Tensor,
+    past: Option<AttentionPast>,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
     let (k, v) = match past {
         Some(p) => (
-            gather_cat(&p.k.contiguous()?, p.owners, k)?,
-            gather_cat(&p.v.contiguous()?, p.owners, &v.contiguous()?)?,
+            gather_cat(&p.k.counted_contiguous()?, p.owners, k)?,
+            gather_cat(
+                &p.v.counted_contiguous()?,
+                p.owners,
+                &v.counted_contiguous()?,
+            )?,
         ),
-        None => (k.clone(), v.contiguous()?),
+        None => (k.clone(), v.counted_contiguous()?),
     };
     attention_matmuls(q, &k, &v, key_bias, scale)
 }
@@ -364,11 +387,19 @@ fn attention_matmuls(
     // of one kv head along the rows: [B, Hkv, rep·T, hd].
     let rep = nq / nkv;
     let kv_len = k.dim(2)?;
-    let q = q.reshape((b_sz, nkv, rep * seq_len, hd))?;
-    let scores = q.matmul(&k.t()?)?.reshape((b_sz, nq, seq_len, kv_len))?;
-    let probs =
-        causal_softmax(&scores, key_bias, scale)?.reshape((b_sz, nkv, rep * seq_len, kv_len))?;
-    probs.matmul(v)?.reshape((b_sz, nq, seq_len, hd))
+    let q = q.counted_reshape((b_sz, nkv, rep * seq_len, hd))?;
+    let scores = q
+        .counted_matmul(&k.t()?)?
+        .counted_reshape((b_sz, nq, seq_len, kv_len))?;
+    let probs = causal_softmax(&scores, key_bias, scale)?.counted_reshape((
+        b_sz,
+        nkv,
+        rep * seq_len,
+        kv_len,
+    ))?;
+    probs
+        .counted_matmul(v)?
+        .counted_reshape((b_sz, nq, seq_len, hd))
 }
 
 /// The attention output gate: `o · sigmoid(gate)` with `o: [B, H, T, hd]` (head-major, as the
@@ -385,8 +416,9 @@ pub fn attention_gate(o: &Tensor, gate: &Tensor) -> Result<Tensor> {
             o.dims()
         )
     }
-    o.contiguous()?
-        .apply_op2_no_bwd(&last_dim_contiguous(gate)?, &AttentionGate)
+    let (o, gate) = (o.counted_contiguous()?, last_dim_contiguous(gate)?);
+    record("attention-gate", 1);
+    o.apply_op2_no_bwd(&gate, &AttentionGate)
 }
 
 /// The CUDA and Metal op of [`attention_gate_join`]; the CPU composes it.
@@ -460,26 +492,34 @@ pub fn attention_gate_join(o_s: &Tensor, o_b: &Tensor, gate: &Tensor) -> Result<
     let gate = if gate.stride().last() == Some(&1) {
         gate.clone()
     } else {
-        gate.contiguous()?
+        gate.counted_contiguous()?
     };
-    if (o_s.device().is_cuda() || o_s.device().is_metal()) && r * s_len > 0 && b * t_len > 0 {
-        return o_s
-            .contiguous()?
-            .apply_op3_no_bwd(&o_b.contiguous()?, &gate, &AttentionGateJoin);
-    }
     let part = |o: &Tensor, start: usize, b_sz: usize, len: usize| -> Result<Tensor> {
         let g = gate
             .narrow(0, start, b_sz * len)?
-            .contiguous()?
-            .reshape((b_sz, len, heads, hd))?;
-        attention_gate(o, &g)?.reshape((b_sz * len, heads * hd))
+            .counted_contiguous()?
+            .counted_reshape((b_sz, len, heads, hd))?;
+        attention_gate(o, &g)?.counted_reshape((b_sz * len, heads * hd))
     };
-    match (r * s_len, b * t_len) {
+    let composed = || match (r * s_len, b * t_len) {
         (0, _) => part(o_b, 0, b, t_len),
         (_, 0) => part(o_s, 0, r, s_len),
-        _ => Tensor::cat(
+        _ => counted_cat(
             &[part(o_s, 0, r, s_len)?, part(o_b, r * s_len, b, t_len)?],
             0,
         ),
+    };
+    let gpu = matches!(backend(o_s.device()), Backend::Cuda | Backend::Metal);
+    if gpu && r * s_len > 0 && b * t_len > 0 {
+        let (o_s, o_b) = (o_s.counted_contiguous()?, o_b.counted_contiguous()?);
+        // One launch per part (`gate_launches`, `gate_dispatches`).
+        return dispatch::launch(
+            "attention-gate-join",
+            2,
+            o_s.device(),
+            || o_s.apply_op3_no_bwd(&o_b, &gate, &AttentionGateJoin),
+            composed,
+        );
     }
+    composed()
 }

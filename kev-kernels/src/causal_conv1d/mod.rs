@@ -14,6 +14,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape,
 use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
+use crate::dispatch::{self, backend, counted_zeros, record, Backend, CountedTensor};
 use crate::layout::rows::{as_row_view, row_view};
 use crate::layout::split::SplitBatch;
 
@@ -101,8 +102,9 @@ fn check(xs: &Tensor, weight: &Tensor) -> Result<usize> {
 /// step). Returns `[B, T, C]` in the dtype of `xs`, accumulated in f32.
 pub fn causal_conv1d(xs: &Tensor, weight: &Tensor) -> Result<Tensor> {
     let kernel = check(xs, weight)?;
-    xs.contiguous()?
-        .apply_op2_no_bwd(&weight.contiguous()?, &CausalConv1d { kernel })
+    let (xs, weight) = (xs.counted_contiguous()?, weight.counted_contiguous()?);
+    record("causal-conv1d", 1);
+    xs.apply_op2_no_bwd(&weight, &CausalConv1d { kernel })
 }
 
 /// The same computation with plain tensor ops (the reference the op is tested against).
@@ -246,7 +248,7 @@ pub fn causal_conv1d_cached(
     // The cache outlives this step (a prefix keeps it): give it storage of its own, or it would
     // keep the whole output, y included, alive. (`Tensor::copy` would not do: it clones the
     // whole storage under the same view.)
-    Ok((y, next.force_contiguous()?))
+    Ok((y, next.counted_force_contiguous()?))
 }
 
 /// [`causal_conv1d_cached`] with the next cache left as a view into the op's output (which it
@@ -281,12 +283,20 @@ fn causal_conv1d_cached_view(
             .filter(|l| l.iter().any(|&n| n != seq_len))
             .map(|l| l.iter().map(|&n| n as u32).collect()),
     };
-    let out = as_row_view(x)?.apply_op3_no_bwd(&cache.contiguous()?, &weight.contiguous()?, &op)?;
+    let (x, cache, weight) = (
+        as_row_view(x)?,
+        cache.counted_contiguous()?,
+        weight.counted_contiguous()?,
+    );
+    record("causal-conv1d", 1);
+    let out = x.apply_op3_no_bwd(&cache, &weight, &op)?;
     let ny = b_sz * seq_len * channels;
-    let y = out.narrow(0, 0, ny)?.reshape((b_sz, seq_len, channels))?;
+    let y = out
+        .narrow(0, 0, ny)?
+        .counted_reshape((b_sz, seq_len, channels))?;
     let next = out
         .narrow(0, ny, b_sz * (k - 1) * channels)?
-        .reshape((b_sz, k - 1, channels))?;
+        .counted_reshape((b_sz, k - 1, channels))?;
     Ok((y, next))
 }
 
@@ -338,10 +348,20 @@ pub fn causal_conv1d_split(
     if let Some(y) = fused_causal_conv1d_split(x_state, x_branches, weight, split)? {
         return split.parts(&y);
     }
+    composed_causal_conv1d_split(x_state, x_branches, weight, split)
+}
+
+/// [`causal_conv1d_split`] off its fused kernel: two [`causal_conv1d_cached`] ops and a gather.
+fn composed_causal_conv1d_split(
+    x_state: &Tensor,
+    x_branches: &Tensor,
+    weight: &Tensor,
+    split: &SplitBatch,
+) -> Result<(Tensor, Tensor)> {
     // The windows stay views into the conv's output: the states' are read once (copied to the
     // branch rows), the branches' never.
     let (channels, k) = weight.dims2()?;
-    let zeros = Tensor::zeros(
+    let zeros = counted_zeros(
         (split.states(), k - 1, channels),
         x_state.dtype(),
         x_state.device(),
@@ -383,13 +403,29 @@ pub fn fused_causal_conv1d_split(
             weight.dtype()
         )
     }
-    if !x_state.device().is_cuda() || states * s_len == 0 || b_sz * t_len == 0 {
+    if backend(x_state.device()) != Backend::Cuda || states * s_len == 0 || b_sz * t_len == 0 {
         return Ok(None);
     }
-    let out = as_row_view(x_state)?.apply_op3_no_bwd(
-        &as_row_view(x_branches)?,
-        &weight.contiguous()?,
-        &CausalConv1dSplit(split.clone()),
+    let (state_rows, branch_rows, packed_weight) = (
+        as_row_view(x_state)?,
+        as_row_view(x_branches)?,
+        weight.counted_contiguous()?,
+    );
+    let out = dispatch::launch(
+        "causal-conv1d-split",
+        1,
+        x_state.device(),
+        || {
+            state_rows.apply_op3_no_bwd(
+                &branch_rows,
+                &packed_weight,
+                &CausalConv1dSplit(split.clone()),
+            )
+        },
+        || {
+            let (y_s, y_b) = composed_causal_conv1d_split(x_state, x_branches, weight, split)?;
+            split.join(&y_s, &y_b)
+        },
     )?;
     Ok(Some(out))
 }

@@ -19,6 +19,7 @@ use candle_core::{bail, CustomOp3, DType, Result, Tensor};
 
 use crate::backend::cuda::cuda_gpu;
 use crate::backend::cuda::sources::FLASH_SMEM;
+use crate::dispatch::{self, backend, Backend, CountedTensor};
 use crate::gather::RowIndex;
 
 /// The one head dim the CUDA kernel is built for (Qwen3.5's full attention).
@@ -205,7 +206,7 @@ pub(crate) fn flash_attention_checked(
         && hkv <= 65535
         && i32::try_from(hq / hkv * t_len).is_ok()
         && i32::try_from(s_len + l_len).is_ok();
-    let runs = if q.device().is_metal() {
+    let runs = if backend(q.device()) == Backend::Metal {
         // Metal: any float dtype shared by the operands, head dims contiguous, hd ≤ 256.
         matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16)
             && hd <= FLASH_METAL_MAX_HEAD_DIM
@@ -223,10 +224,17 @@ pub(crate) fn flash_attention_checked(
     }
     let op = FlashAttention {
         past: past.map(|p| (p.k.clone(), p.v.clone(), p.owners.tensor().clone())),
-        bias: key_bias.contiguous()?,
+        bias: key_bias.counted_contiguous()?,
         scale: scale as f32,
     };
-    Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
+    let out = dispatch::launch(
+        "flash-attention",
+        1,
+        q.device(),
+        || q.apply_op3_no_bwd(k, v, &op),
+        || crate::attention::composed_attention(q, past, k, v, key_bias, scale),
+    )?;
+    Ok(Some(out))
 }
 
 /// The multiprocessor count of `t`'s device where it runs the kernel: a CUDA GPU with tensor
@@ -249,7 +257,7 @@ fn flash_multiprocessors(t: &Tensor) -> Option<usize> {
 /// On Metal: always (where the kernel runs), one dispatch in place of the two matmuls, the
 /// softmax and the copies between them; not measured against them on Apple hardware.
 pub fn flash_attention_fills_gpu(q: &Tensor, num_kv_heads: usize) -> Result<bool> {
-    if q.device().is_metal() {
+    if backend(q.device()) == Backend::Metal {
         return Ok(true);
     }
     let (b_sz, hq, t_len, _) = q.dims4()?;

@@ -50,8 +50,7 @@ pub(crate) fn gated_delta_rule(
     gl: &Layout,
 ) -> Result<()> {
     let dims = op.dims;
-    // (An empty sequence has no chunk to launch a grid over.)
-    if op.chunked() && op.seq_len > 0 && dims.head_k_dim.max(dims.head_v_dim) <= MAX_DIM {
+    if op.cuda_chunked() {
         return gated_delta_rule_chunked(op, state, sl, qkv, ql, gates, gl);
     }
     let nk = dims.head_k_dim.div_ceil(32).next_power_of_two();

@@ -28,6 +28,7 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Te
 
 use crate::backend::cuda::cuda_gpu;
 use crate::causal_conv1d::causal_conv1d_split;
+use crate::dispatch::{self, backend, counted_zeros, record, CountedTensor};
 use crate::layout::rows::{as_row_view, RowView};
 use crate::layout::split::SplitBatch;
 use op::{check, GatedDeltaRule, GatedDeltaRuleSplit};
@@ -86,6 +87,18 @@ pub fn gated_delta_rule_split(
     if let Some(o) = fused_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)? {
         return Ok(o);
     }
+    composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)
+}
+
+/// [`gated_delta_rule_split`] off its fused kernels: the states' [`gated_delta_rule`] from a
+/// zero state, the state rows gathered per branch, the branches' from them, the outputs joined.
+fn composed_gated_delta_rule_split(
+    state_qkv: &Tensor,
+    branch_qkv: &Tensor,
+    gates: &Tensor,
+    dims: GdrDims,
+    split: &SplitBatch,
+) -> Result<Tensor> {
     let (gates_s, gates_b) = split.parts(gates)?;
     let shape = (
         split.states(),
@@ -93,7 +106,7 @@ pub fn gated_delta_rule_split(
         dims.head_k_dim,
         dims.head_v_dim,
     );
-    let state = Tensor::zeros(shape, DType::F32, state_qkv.device())?;
+    let state = counted_zeros(shape, DType::F32, state_qkv.device())?;
     let lengths_s = Some(split.state_lengths());
     let o_s = gated_delta_rule(state_qkv, &gates_s, &state, dims, lengths_s)?;
     let state_b = split.to_branches(&state)?;
@@ -125,11 +138,20 @@ pub fn fused_gated_delta_rule_split(
         split: split.clone(),
         conv: None,
     };
-    Ok(Some(state_qkv.contiguous()?.apply_op3_no_bwd(
-        &branch_qkv.contiguous()?,
-        &gates.contiguous()?,
-        &op,
-    )?))
+    let (packed_state, packed_branches, packed_gates) = (
+        state_qkv.counted_contiguous()?,
+        branch_qkv.counted_contiguous()?,
+        gates.counted_contiguous()?,
+    );
+    // A preparation over both parts, then a scan per part (`cuda::gated_delta_rule_split`).
+    let out = dispatch::launch(
+        name,
+        3,
+        state_qkv.device(),
+        || packed_state.apply_op3_no_bwd(&packed_branches, &packed_gates, &op),
+        || composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split),
+    )?;
+    Ok(Some(out))
 }
 
 /// [`causal_conv1d_split`] followed by [`gated_delta_rule_split`]: the layer's conv and delta
@@ -201,10 +223,10 @@ pub fn fused_conv_gated_delta_rule_split(
     if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gates, dims, split)? {
         return Ok(None);
     }
-    let (state_raw, branch_raw, weight) = (
+    let (state_rows, branch_rows, packed_weight) = (
         as_row_view(state_raw)?,
         as_row_view(branch_raw)?,
-        weight.contiguous()?,
+        weight.counted_contiguous()?,
     );
     // Rows at multiples of 4 elements (8 bytes), the weight at a multiple of 8 (read two
     // channels' taps, 16 bytes, at a time).
@@ -212,22 +234,31 @@ pub fn fused_conv_gated_delta_rule_split(
         RowView::of(t.layout())
             .is_some_and(|r| r.offset.is_multiple_of(4) && r.stride.is_multiple_of(4))
     };
-    let aligned = in_fours(&state_raw)
-        && in_fours(&branch_raw)
-        && weight.layout().start_offset().is_multiple_of(8);
+    let aligned = in_fours(&state_rows)
+        && in_fours(&branch_rows)
+        && packed_weight.layout().start_offset().is_multiple_of(8);
     if !aligned {
         return Ok(None);
     }
     let op = GatedDeltaRuleSplit {
         dims,
         split: split.clone(),
-        conv: Some(weight),
+        conv: Some(packed_weight),
     };
-    Ok(Some(state_raw.apply_op3_no_bwd(
-        &branch_raw,
-        &gates.contiguous()?,
-        &op,
-    )?))
+    let packed_gates = gates.counted_contiguous()?;
+    // The conv inside the preparation: the same three launches as the unfused split form.
+    let out = dispatch::launch(
+        name,
+        3,
+        state_raw.device(),
+        || state_rows.apply_op3_no_bwd(&branch_rows, &packed_gates, &op),
+        || {
+            let (state_qkv, branch_qkv) =
+                causal_conv1d_split(state_raw, branch_raw, weight, split)?;
+            gated_delta_rule_split(&state_qkv, &branch_qkv, gates, dims, split)
+        },
+    )?;
+    Ok(Some(out))
 }
 
 /// The split wrappers' checks (errors naming what does not fit), then whether the fused form
@@ -367,7 +398,9 @@ pub fn gated_delta_rule_as(
         form,
         out: Mutex::new(None),
     };
-    state.inplace_op3(&qkv.contiguous()?, &gates.contiguous()?, &op)?;
+    let (qkv, gates) = (qkv.counted_contiguous()?, gates.counted_contiguous()?);
+    record("gated-delta-rule", op.launches(backend(state.device())));
+    state.inplace_op3(&qkv, &gates, &op)?;
     let out = op
         .out
         .into_inner()

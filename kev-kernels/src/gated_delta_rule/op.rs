@@ -4,6 +4,8 @@ use std::sync::Mutex;
 
 use candle_core::{bail, DType, Result, Storage, Tensor};
 
+use crate::backend::cuda::sources::MAX_DIM;
+use crate::dispatch::Backend;
 use crate::layout::split::SplitBatch;
 
 /// From this many steps on (one chunk), [`GdrForm::Auto`] runs the chunked kernels on CUDA (a
@@ -90,7 +92,6 @@ pub(crate) struct GatedDeltaRule {
 
 impl GatedDeltaRule {
     /// Whether CUDA should run its chunked kernels ([`CHUNKED_MIN_LEN`]).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn chunked(&self) -> bool {
         self.chunked_from(CHUNKED_MIN_LEN)
     }
@@ -105,6 +106,26 @@ impl GatedDeltaRule {
             GdrForm::Auto => self.out_dtype != DType::F32 && self.seq_len >= min_len,
             GdrForm::Recurrent => false,
             GdrForm::Chunked => true,
+        }
+    }
+
+    /// Whether CUDA runs the chunked kernels (a preparation and a scan) rather than the
+    /// recurrent one: where the op asks for them and Dk, Dv ≤ 128 (an empty sequence has no
+    /// chunk to launch a grid over).
+    pub(crate) fn cuda_chunked(&self) -> bool {
+        let widest = self.dims.head_k_dim.max(self.dims.head_v_dim);
+        self.chunked() && self.seq_len > 0 && widest <= MAX_DIM
+    }
+
+    /// The kernels this op launches on `backend` (counted by [`crate::dispatch`]).
+    pub(crate) fn launches(&self, backend: Backend) -> usize {
+        let outputs = self.b_sz * self.seq_len * self.dims.num_v_heads * self.dims.head_v_dim;
+        match backend {
+            Backend::Cuda if self.cuda_chunked() => 2,
+            Backend::Cuda => 1,
+            // `metal::gated_delta_rule` encodes its one dispatch only for a non-empty output.
+            Backend::Metal => usize::from(outputs > 0),
+            Backend::Cpu => 0,
         }
     }
 

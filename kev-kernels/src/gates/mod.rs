@@ -12,6 +12,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use rayon::prelude::*;
 
 use crate::backend::cpu::as_f32;
+use crate::dispatch::{record, CountedTensor};
 use crate::layout::rows::{as_row_view, rounder, row_view};
 
 pub use reference::deltanet_gates_ref;
@@ -115,5 +116,11 @@ pub fn deltanet_gates(ba: &Tensor, dt_bias: &Tensor, neg_a: &Tensor) -> Result<T
             neg_a.dims()
         )
     }
-    as_row_view(ba)?.apply_op3_no_bwd(&dt_bias.contiguous()?, &neg_a.contiguous()?, &Gates)
+    let (ba, dt_bias, neg_a) = (
+        as_row_view(ba)?,
+        dt_bias.counted_contiguous()?,
+        neg_a.counted_contiguous()?,
+    );
+    record("deltanet-gates", 1);
+    ba.apply_op3_no_bwd(&dt_bias, &neg_a, &Gates)
 }

@@ -12,6 +12,8 @@ use candle_core::{bail, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
 #[cfg(any(feature = "cuda", feature = "metal"))]
 use candle_core::{Layout, Shape};
 
+use crate::dispatch::{self, backend, counted_cat, Backend, CountedTensor};
+
 /// Row indices, checked and uploaded once for any number of [`gather_rows`] calls.
 #[derive(Clone)]
 pub struct RowIndex {
@@ -65,9 +67,9 @@ impl RowIndex {
 }
 
 /// Whether the CUDA word kernels can copy `t`'s rows of `row_bytes` bytes: a CUDA float tensor,
-/// contiguous, starting and breaking rows on 16-byte boundaries.
+/// contiguous, starting and breaking rows on 16-byte boundaries (CUDA: [`backend`]'s).
 fn in_words(t: &Tensor, row_bytes: usize) -> bool {
-    t.device().is_cuda()
+    backend(t.device()) == Backend::Cuda
         && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && t.is_contiguous()
         && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
@@ -75,9 +77,9 @@ fn in_words(t: &Tensor, row_bytes: usize) -> bool {
 }
 
 /// Whether the Metal kernels copy `t`'s rows of `row_bytes` bytes: a Metal float tensor,
-/// contiguous, rows of whole 2-byte units.
+/// contiguous, rows of whole 2-byte units (Metal: [`backend`]'s).
 fn on_metal(t: &Tensor, row_bytes: usize) -> bool {
-    t.device().is_metal()
+    backend(t.device()) == Backend::Metal
         && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && t.is_contiguous()
         && row_bytes.is_multiple_of(2)
@@ -134,9 +136,15 @@ pub fn gather_rows(t: &Tensor, rows: &RowIndex) -> Result<Tensor> {
     let fused = (in_words(t, row_bytes) && (1..=65535).contains(&rows.len()))
         || (on_metal(t, row_bytes) && !rows.is_empty());
     if row_bytes > 0 && fused {
-        t.apply_op2_no_bwd(&rows.idx, &GatherRows)
+        dispatch::launch(
+            "gather-rows",
+            1,
+            t.device(),
+            || t.apply_op2_no_bwd(&rows.idx, &GatherRows),
+            || t.index_select(&rows.idx, 0),
+        )
     } else {
-        t.index_select(&rows.idx, 0)
+        t.counted_index_select(&rows.idx, 0)
     }
 }
 
@@ -207,8 +215,14 @@ pub fn gather_cat(src: &Tensor, rows: &RowIndex, tail: &Tensor) -> Result<Tensor
         && (1..=65535).contains(&(n * heads));
     let metal = on_metal(src, row_bytes(s_len)) && on_metal(tail, row_bytes(t_len)) && n > 0;
     if (s_len + t_len) * d > 0 && (cuda || metal) {
-        src.apply_op3_no_bwd(&rows.idx, tail, &GatherCat)
+        dispatch::launch(
+            "gather-cat",
+            1,
+            src.device(),
+            || src.apply_op3_no_bwd(&rows.idx, tail, &GatherCat),
+            || Tensor::cat(&[&gather_rows(src, rows)?, tail], 2),
+        )
     } else {
-        Tensor::cat(&[&gather_rows(src, rows)?, tail], 2)
+        counted_cat(&[&gather_rows(src, rows)?, tail], 2)
     }
 }

@@ -6,6 +6,8 @@ use std::borrow::Cow;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Layout, Result, Tensor};
 
+use crate::dispatch::CountedTensor;
+
 /// A `[rows, cols]` view of a storage: row r starts at `offset + r·stride`, columns are contiguous.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RowView {
@@ -81,7 +83,7 @@ pub(crate) fn as_row_view(t: &Tensor) -> Result<Tensor> {
     if RowView::of(t.layout()).is_some() {
         Ok(t.clone())
     } else {
-        t.contiguous()
+        t.counted_contiguous()
     }
 }
 

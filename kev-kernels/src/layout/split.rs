@@ -6,6 +6,7 @@
 
 use candle_core::{bail, Device, Result, Tensor};
 
+use crate::dispatch::{counted_cat, CountedTensor};
 use crate::gather::{gather_rows, RowIndex};
 
 /// The two parts' shapes, real lengths and the state row of each branch row, with those owners
@@ -145,18 +146,18 @@ impl SplitBatch {
         let s_tokens = self.states() * self.state_width;
         let state = t
             .narrow(0, 0, s_tokens)?
-            .reshape(shape(self.states(), self.state_width))?;
+            .counted_reshape(shape(self.states(), self.state_width))?;
         let branches = self
             .branch_rows(t)?
-            .reshape(shape(self.branches(), self.branch_width))?;
+            .counted_reshape(shape(self.branches(), self.branch_width))?;
         Ok((state, branches))
     }
 
     /// The inverse of [`SplitBatch::parts`] (a copy): `[R, S, ..]` and `[B, T, ..]` packed as
     /// `[N, ..]`.
     pub fn join(&self, state: &Tensor, branches: &Tensor) -> Result<Tensor> {
-        let flat = |t: &Tensor| t.flatten(0, 1);
-        Tensor::cat(&[flat(state)?, flat(branches)?], 0)
+        let flat = |t: &Tensor| t.counted_flatten(0, 1);
+        counted_cat(&[flat(state)?, flat(branches)?], 0)
     }
 
     /// An error naming `op` unless `state` is `[R, S, ..]` and `branches` `[B, T, ..]`.

@@ -18,6 +18,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
+use crate::dispatch::{record, CountedTensor};
 use crate::layout::rows::{as_row_view, rounder, row_view};
 
 pub use reference::{gated_rms_norm_ref, rms_norm_ref};
@@ -231,6 +232,11 @@ impl CustomOp3 for GatedRmsNorm {
     }
 }
 
+/// `w1` as the f32 contiguous weight the kernels read.
+fn weight_f32(w1: &Tensor) -> Result<Tensor> {
+    w1.counted_to_dtype(DType::F32)?.counted_contiguous()
+}
+
 fn check_weight(x: &Tensor, w: &Tensor, what: &str) -> Result<()> {
     if w.dims() != [x.dim(D::Minus1)?] {
         bail!(
@@ -247,10 +253,9 @@ fn check_weight(x: &Tensor, w: &Tensor, what: &str) -> Result<()> {
 /// `x` may be a slice of a wider tensor (evenly spaced rows); anything else is copied first.
 pub fn rms_norm(x: &Tensor, w1: &Tensor, eps: f64) -> Result<Tensor> {
     check_weight(x, w1, "rms-norm")?;
-    as_row_view(x)?.apply_op2_no_bwd(
-        &w1.to_dtype(DType::F32)?.contiguous()?,
-        &RmsNorm { eps: eps as f32 },
-    )
+    let (x, w1) = (as_row_view(x)?, weight_f32(w1)?);
+    record("rms-norm", 1);
+    x.apply_op2_no_bwd(&w1, &RmsNorm { eps: eps as f32 })
 }
 
 /// The residual add `x + h` (in their dtype, as the model's residual stream) and its
@@ -266,11 +271,9 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, w1: &Tensor, eps: f64) -> Result<(Te
             x.dims()
         )
     }
-    let both = as_row_view(x)?.apply_op3_no_bwd(
-        &as_row_view(h)?,
-        &w1.to_dtype(DType::F32)?.contiguous()?,
-        &AddRmsNorm(RmsNorm { eps: eps as f32 }),
-    )?;
+    let (x, h, w1) = (as_row_view(x)?, as_row_view(h)?, weight_f32(w1)?);
+    record("add-rms-norm", 1);
+    let both = x.apply_op3_no_bwd(&h, &w1, &AddRmsNorm(RmsNorm { eps: eps as f32 }))?;
     Ok((both.get(0)?, both.get(1)?))
 }
 
@@ -289,9 +292,11 @@ pub fn gated_rms_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Te
             x.dims()
         )
     }
-    x.contiguous()?.apply_op3_no_bwd(
-        &as_row_view(z)?,
-        &w.contiguous()?,
-        &GatedRmsNorm { eps: eps as f32 },
-    )
+    let (x, z, w) = (
+        x.counted_contiguous()?,
+        as_row_view(z)?,
+        w.counted_contiguous()?,
+    );
+    record("gated-rms-norm", 1);
+    x.apply_op3_no_bwd(&z, &w, &GatedRmsNorm { eps: eps as f32 })
 }

@@ -12,6 +12,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, D}
 use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
+use crate::dispatch::{record, CountedTensor};
 use crate::layout::rows::rounder;
 
 pub use reference::swiglu_ref;
@@ -77,5 +78,7 @@ pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
     if width % 2 != 0 {
         bail!("swiglu: last dim {width} is not [gate | up]")
     }
-    gate_up.contiguous()?.apply_op1_no_bwd(&SwiGlu)
+    let gate_up = gate_up.counted_contiguous()?;
+    record("swiglu", 1);
+    gate_up.apply_op1_no_bwd(&SwiGlu)
 }

@@ -33,10 +33,22 @@ impl Gpu {
     }
 }
 
+/// The H200 (sm_90): the GPU a dispatch count for CUDA chooses for (`dispatch::Backend::Cuda`).
+const COUNTED_H200: Gpu = Gpu {
+    tensor_cores: true,
+    multiprocessors: 132,
+    shared_memory_per_block: 227 * 1024,
+    compute_capability: (9, 0),
+};
+
 /// The GPU of `device` where it is a CUDA one: `None` on the other backends, in a build without
-/// CUDA, and where the driver does not answer. The one question an op's wrapper asks to know
-/// whether a CUDA kernel of its can run (a kernel's own launcher asks [`gpu`]).
+/// CUDA, and where the driver does not answer; on the CPU while counting for CUDA, the H200.
+/// The one question an op's wrapper asks to know whether a CUDA kernel of its can run (a
+/// kernel's own launcher asks [`gpu`]).
 pub(crate) fn cuda_gpu(device: &Device) -> Option<Gpu> {
+    if device.is_cpu() && crate::dispatch::backend(device) == crate::dispatch::Backend::Cuda {
+        return Some(COUNTED_H200);
+    }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
         return gpu(dev).ok();

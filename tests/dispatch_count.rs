@@ -1,0 +1,89 @@
+//! The GPU dispatch count of whole forwards (`kev_kernels::dispatch`, the table of
+//! `examples/dispatch_count`), on the CPU with the fixture model in bf16: the prefix form of
+//! one record and the batch form of all fixture records, counted as CUDA and as Metal would
+//! run them.
+//!
+//! Asserted: every composed path that ran was counted; counting changes no probability; and per
+//! attention layer Metal dispatches fewer than CUDA's eager path (its flash kernel against
+//! CUDA's matmuls around the softmax, where CUDA's flash kernel does not run). Not
+//! asserted, because it does not hold: the same per DeltaNet layer of the one-pass prefix form
+//! at the 0.8B shapes, where CUDA fuses the conv and delta rule of both parts into three
+//! launches and Metal composes them (BENCHMARKS.md, "GPU dispatches per forward").
+
+use std::path::Path;
+
+use kev::{Backend, DType, DecisionModel, LoadOptions, Record};
+use kev_candle::qwen35::LayerType;
+use kev_kernels::dispatch::{self, count, Tally};
+
+fn records() -> Vec<Record> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/records.jsonl");
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| Record::from_json_str(l, None).unwrap())
+        .collect()
+}
+
+type Probabilities = Vec<Vec<Vec<f32>>>;
+
+/// A form's scoring of the fixture records.
+type Scoring<'a> = Box<dyn Fn() -> kev::Result<Probabilities> + 'a>;
+
+/// `score` run plainly on the CPU, then counted as CUDA and as Metal.
+fn counted(score: impl Fn() -> kev::Result<Probabilities>) -> [(Probabilities, Tally); 2] {
+    let plain = score().unwrap();
+    [dispatch::Backend::Cuda, dispatch::Backend::Metal].map(|backend| {
+        let (probs, tally) = count(backend, &score);
+        let probs = probs.unwrap();
+        assert!(tally.is_complete(), "{backend:?}: {tally:?}");
+        assert_eq!(
+            probs, plain,
+            "{backend:?}: counting changed the probabilities"
+        );
+        (probs, tally)
+    })
+}
+
+#[test]
+fn metal_dispatches_fewer_than_cuda_per_attention_layer() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kev-small");
+    let options = LoadOptions {
+        backend: Backend::Cpu,
+        dtype: DType::BF16,
+        ..LoadOptions::default()
+    };
+    // Loaded as a GPU loads it (the projections' layout, bf16 activations).
+    let (model, _) = count(dispatch::Backend::Cuda, || {
+        DecisionModel::load(&dir, &options)
+    });
+    let model = model.unwrap();
+    let kinds = model.backbone().config().layer_types.clone();
+    assert!(kinds.contains(&LayerType::FullAttention));
+    let records = records();
+    let forms: [(&str, Scoring); 2] = [
+        (
+            "prefix",
+            Box::new(|| model.probs(&records[0]).map(|p| vec![p])),
+        ),
+        ("batch", Box::new(|| model.probs_batch(&records))),
+    ];
+    for (form, score) in forms {
+        let [(_, cuda), (_, metal)] = counted(score);
+        for (layer, kind) in kinds.iter().enumerate() {
+            let (on_cuda, on_metal) = (cuda.of_layer(Some(layer)), metal.of_layer(Some(layer)));
+            assert!(
+                on_cuda > 0 && on_metal > 0,
+                "{form}: layer {layer} counted nothing"
+            );
+            // The fixture's head dim (32) leaves CUDA's flash kernel out (it takes 256), so
+            // Metal's flash kernel makes its count strictly lower, not merely no higher.
+            if *kind == LayerType::FullAttention {
+                assert!(
+                    on_metal < on_cuda,
+                    "{form}: attention layer {layer}: Metal {on_metal}, CUDA {on_cuda}"
+                );
+            }
+        }
+    }
+}
