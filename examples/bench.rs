@@ -463,6 +463,7 @@ fn main() -> Result<()> {
                 "peak_rss_mib": (peak_rss_mib() * 10.0).round() / 10.0,
                 "peak_rss_reset": rss_reset,
                 "load_s": load_s,
+                "load_breakdown": model.load_breakdown(),
                 "first_run_ms": first_run_ms,
                 "encode_ms": encode_ms,
                 "first_probs": first

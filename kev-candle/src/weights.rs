@@ -3,7 +3,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
@@ -28,6 +30,43 @@ pub struct Weights {
     device: Device,
     /// Text-model tensors read so far (full names), for [`Weights::check_all_used`].
     used: Mutex<BTreeSet<String>>,
+    /// Time spent in each step of [`Weights::get_as`], summed over the threads that call it.
+    times: StepTimes,
+}
+
+/// Nanoseconds spent in each step of [`Weights::get_as`], summed over threads: the steps run on
+/// several threads at once, so the sums may exceed the load's wall-clock time.
+#[derive(Default)]
+struct StepTimes {
+    read: AtomicU64,
+    fold: AtomicU64,
+    convert: AtomicU64,
+    upload: AtomicU64,
+}
+
+/// Seconds spent in each step of reading the base weights ([`Weights::step_seconds`]), summed
+/// over the threads that read them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct StepSeconds {
+    /// Copying the stored tensors out of the mapped files.
+    pub read: f64,
+    /// Folding the adapter in (`B·A` and the pass over the weight, rounding included).
+    pub fold: f64,
+    /// Converting the other tensors to their dtype.
+    pub convert: f64,
+    /// Moving the tensors to the device.
+    pub upload: f64,
+}
+
+impl StepTimes {
+    /// Runs `step`, adding its time to `counter`.
+    fn time<T>(counter: &AtomicU64, step: impl FnOnce() -> T) -> T {
+        let started = Instant::now();
+        let out = step();
+        let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        counter.fetch_add(nanos, Ordering::Relaxed);
+        out
+    }
 }
 
 impl Weights {
@@ -71,6 +110,7 @@ impl Weights {
             projections: dtype,
             device,
             used: Mutex::default(),
+            times: StepTimes::default(),
         };
         if let Some(adapter) = &weights.adapter {
             let missing = adapter
@@ -119,7 +159,8 @@ impl Weights {
 
     /// Like [`Weights::get`] but in `dtype` (for the few tensors kept in f32).
     pub fn get_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let stored = self.stored(name)?;
+        let times = &self.times;
+        let stored = StepTimes::time(&times.read, || self.stored(name))?;
         if stored.dims() != shape {
             return Err(Error::Tensor {
                 name: format!("{}{name}", self.prefix),
@@ -131,16 +172,32 @@ impl Weights {
         // rounds once).
         let w = match &self.adapter {
             Some(adapter) if adapter.touches(name) => {
-                match adapter.fold(name, &stored, self.lora_scale, dtype)? {
+                let folded = StepTimes::time(&times.fold, || {
+                    adapter.fold(name, &stored, self.lora_scale, dtype)
+                })?;
+                match folded {
                     Ok(w) => w,
                     Err(bad) => return Err(self.unfit(name, bad, dtype)),
                 }
             }
             _ => stored,
         };
-        w.to_dtype(dtype)
-            .and_then(|w| w.to_device(&self.device))
-            .map_err(|e| self.err(name, e))
+        let w =
+            StepTimes::time(&times.convert, || w.to_dtype(dtype)).map_err(|e| self.err(name, e))?;
+        StepTimes::time(&times.upload, || w.to_device(&self.device)).map_err(|e| self.err(name, e))
+    }
+
+    /// The time spent so far in each step of [`Weights::get_as`], summed over threads.
+    pub fn step_seconds(&self) -> StepSeconds {
+        let seconds = |counter: &AtomicU64| {
+            Duration::from_nanos(counter.load(Ordering::Relaxed)).as_secs_f64()
+        };
+        StepSeconds {
+            read: seconds(&self.times.read),
+            fold: seconds(&self.times.fold),
+            convert: seconds(&self.times.convert),
+            upload: seconds(&self.times.upload),
+        }
     }
 
     /// The error for a folded weight that holds `bad`, a value that is not finite or that
