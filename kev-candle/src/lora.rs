@@ -170,18 +170,7 @@ impl Adapter {
     ) -> Result<std::result::Result<Tensor, f32>> {
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
         if let Some(pair) = self.pairs.get(name) {
-            let (out_f, in_f) = stored.dims2().map_err(ctx)?;
-            if pair.b.dims()[0] != out_f || pair.a.dims()[1] != in_f {
-                return Err(tensor_err(
-                    name,
-                    format!(
-                        "LoRA A {:?} · B {:?} does not fit base weight [{out_f}, {in_f}]",
-                        pair.a.dims(),
-                        pair.b.dims()
-                    ),
-                ));
-            }
-            let delta = pair.b.matmul(&pair.a).map_err(ctx)?;
+            let delta = self.delta(name, pair, stored.dims())?;
             return fold_update(stored, &delta, pair.scaling * lora_scale, dtype).map_err(ctx);
         }
         let mut weight = stored.to_dtype(DType::F32).map_err(ctx)?;
@@ -199,6 +188,63 @@ impl Adapter {
         }
         weight.to_dtype(dtype).map(Ok).map_err(ctx)
     }
+
+    /// [`Adapter::fold`] of a LoRA pair into `values`, the stored weight of `shape` borrowed
+    /// where it lies (the mapped file), without a copy of it first: the same bits. `None` when
+    /// the adapter has no LoRA pair for `name` (trained token rows fold through
+    /// [`Adapter::fold`]).
+    pub fn fold_values(
+        &self,
+        name: &str,
+        values: StoredValues<'_>,
+        shape: &[usize],
+        lora_scale: f64,
+        dtype: DType,
+    ) -> Result<Option<std::result::Result<Tensor, f32>>> {
+        let Some(pair) = self.pairs.get(name) else {
+            return Ok(None);
+        };
+        let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
+        let delta = self.delta(name, pair, shape)?;
+        let delta = delta.contiguous().map_err(ctx)?;
+        let (delta_storage, delta_layout) = delta.storage_and_layout();
+        let delta = cpu_slice::<f32>(&delta_storage, delta_layout).map_err(ctx)?;
+        let fold = Fold {
+            delta,
+            scale: (pair.scaling * lora_scale) as f32,
+            dtype,
+            shape,
+        };
+        fold.values(values).map(Some).map_err(ctx)
+    }
+
+    /// `B·A` of `pair`, after checking that it fits the base weight's `shape`.
+    fn delta(&self, name: &str, pair: &LoraPair, shape: &[usize]) -> Result<Tensor> {
+        let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
+        let (out_f, in_f) = candle_core::Shape::from(shape).dims2().map_err(ctx)?;
+        if pair.b.dims()[0] != out_f || pair.a.dims()[1] != in_f {
+            return Err(tensor_err(
+                name,
+                format!(
+                    "LoRA A {:?} · B {:?} does not fit base weight [{out_f}, {in_f}]",
+                    pair.a.dims(),
+                    pair.b.dims()
+                ),
+            ));
+        }
+        pair.b.matmul(&pair.a).map_err(ctx)
+    }
+}
+
+/// A stored weight's values in one of the dtypes the fold reads.
+#[derive(Clone, Copy)]
+pub enum StoredValues<'a> {
+    /// Stored as bf16.
+    Bf16(&'a [half::bf16]),
+    /// Stored as f16.
+    F16(&'a [half::f16]),
+    /// Stored as f32.
+    F32(&'a [f32]),
 }
 
 /// Whether the folded value `v` can be rounded to `dtype` without becoming infinite.
@@ -243,11 +289,11 @@ fn fold_update(
         dtype,
         shape: base.dims(),
     };
-    match base.dtype() {
-        DType::BF16 => fold.from(cpu_slice::<bf16>(&storage, layout)?),
-        DType::F16 => fold.from(cpu_slice::<f16>(&storage, layout)?),
-        _ => fold.from(cpu_slice::<f32>(&storage, layout)?),
-    }
+    fold.values(match base.dtype() {
+        DType::BF16 => StoredValues::Bf16(cpu_slice::<bf16>(&storage, layout)?),
+        DType::F16 => StoredValues::F16(cpu_slice::<f16>(&storage, layout)?),
+        _ => StoredValues::F32(cpu_slice::<f32>(&storage, layout)?),
+    })
 }
 
 /// The contiguous elements of a CPU tensor's storage.
@@ -273,6 +319,17 @@ struct Fold<'a> {
 }
 
 impl Fold<'_> {
+    fn values(
+        &self,
+        base: StoredValues<'_>,
+    ) -> candle_core::Result<std::result::Result<Tensor, f32>> {
+        match base {
+            StoredValues::Bf16(base) => self.from(base),
+            StoredValues::F16(base) => self.from(base),
+            StoredValues::F32(base) => self.from(base),
+        }
+    }
+
     /// The fold of `base` (bf16, f16 or f32) in `self.dtype`.
     fn from<I: Widen>(&self, base: &[I]) -> candle_core::Result<std::result::Result<Tensor, f32>> {
         use half::{bf16, f16};

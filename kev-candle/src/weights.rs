@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use kev_core::{Error, Result};
+use safetensors::tensor::TensorView;
 
-use crate::lora::Adapter;
+use crate::lora::{Adapter, StoredValues};
 use crate::safetensors_header::check_header;
 
 /// Prefixes of the text model in the published multimodal layout and the text-only layout.
@@ -158,29 +159,51 @@ impl Weights {
     }
 
     /// Like [`Weights::get`] but in `dtype` (for the few tensors kept in f32).
+    ///
+    /// Where it can, a tensor goes from the mapped file to the device without a host copy first:
+    /// a LoRA fold reads the stored values where they lie, and a tensor stored in `dtype` that
+    /// the adapter leaves alone is uploaded straight from the map. Either gives the bits of the
+    /// copy-then-convert path below, which every other tensor takes.
     pub fn get_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
         let times = &self.times;
-        let stored = StepTimes::time(&times.read, || self.stored(name))?;
-        if stored.dims() != shape {
+        let full = self.mark_used(name);
+        let view = self.st.get(&full).map_err(|_| self.missing(&full))?;
+        if view.shape() != shape {
             return Err(Error::Tensor {
-                name: format!("{}{name}", self.prefix),
-                message: format!("expected shape {shape:?}, found {:?}", stored.dims()),
+                name: full,
+                message: format!("expected shape {shape:?}, found {:?}", view.shape()),
             });
         }
+        let touched = self.adapter.as_ref().filter(|a| a.touches(name));
+        if let (Some(adapter), Some(values)) = (touched, stored_values(&view)) {
+            let folded = StepTimes::time(&times.fold, || {
+                adapter.fold_values(name, values, shape, self.lora_scale, dtype)
+            })?;
+            if let Some(folded) = folded {
+                let w = folded.map_err(|bad| self.unfit(name, bad, dtype))?;
+                return StepTimes::time(&times.upload, || w.to_device(&self.device))
+                    .map_err(|e| self.err(name, e));
+            }
+        }
+        if touched.is_none() && stored_dtype(&view) == Some(dtype) {
+            return StepTimes::time(&times.upload, || {
+                Tensor::from_raw_buffer(view.data(), dtype, shape, &self.device)
+            })
+            .map_err(|e| self.err(name, e));
+        }
+        let stored = StepTimes::time(&times.read, || self.st.load(&full, &Device::Cpu))
+            .map_err(|_| self.missing(&full))?;
         // Only tensors the adapter changes are folded (in f32, rounded once to `dtype`); the
         // others go straight to their dtype (the same values: bf16 → f32 is exact, f32 → bf16
         // rounds once).
-        let w = match &self.adapter {
-            Some(adapter) if adapter.touches(name) => {
+        let w = match touched {
+            Some(adapter) => {
                 let folded = StepTimes::time(&times.fold, || {
                     adapter.fold(name, &stored, self.lora_scale, dtype)
                 })?;
-                match folded {
-                    Ok(w) => w,
-                    Err(bad) => return Err(self.unfit(name, bad, dtype)),
-                }
+                folded.map_err(|bad| self.unfit(name, bad, dtype))?
             }
-            _ => stored,
+            None => stored,
         };
         let w =
             StepTimes::time(&times.convert, || w.to_dtype(dtype)).map_err(|e| self.err(name, e))?;
@@ -255,23 +278,54 @@ impl Weights {
         Error::from_all(errors)
     }
 
-    /// The stored tensor, in its stored dtype, on the CPU.
-    fn stored(&self, name: &str) -> Result<Tensor> {
+    /// Records text-model tensor `name` as read; its full name.
+    fn mark_used(&self, name: &str) -> String {
         let full = format!("{}{name}", self.prefix);
         self.used
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(full.clone());
-        self.st
-            .load(&full, &Device::Cpu)
-            .map_err(|_| Error::Tensor {
-                name: full.clone(),
-                message: format!("missing from {}", list(&self.files)),
-            })
+        full
+    }
+
+    fn missing(&self, full: &str) -> Error {
+        Error::Tensor {
+            name: full.to_string(),
+            message: format!("missing from {}", list(&self.files)),
+        }
     }
 
     fn err(&self, name: &str, e: candle_core::Error) -> Error {
         Error::backend(format!("loading tensor `{}{name}`", self.prefix), e)
+    }
+}
+
+/// The candle dtype of a tensor stored as bf16, f16 or f32 (the dtypes weights are kept in).
+fn stored_dtype(view: &TensorView<'_>) -> Option<DType> {
+    match view.dtype() {
+        safetensors::Dtype::BF16 => Some(DType::BF16),
+        safetensors::Dtype::F16 => Some(DType::F16),
+        safetensors::Dtype::F32 => Some(DType::F32),
+        _ => None,
+    }
+}
+
+/// The stored values where they lie in the map, when they are bf16, f16 or f32 and aligned for
+/// their type (safetensors does not promise alignment; the others are copied first).
+fn stored_values<'a>(view: &TensorView<'a>) -> Option<StoredValues<'a>> {
+    /// The bytes as `T`s, when they are aligned for `T` and a whole number of them.
+    fn cast<T: Copy>(bytes: &[u8]) -> Option<&[T]> {
+        // SAFETY: bf16, f16 and f32 are plain bits (every bit pattern is a value), and
+        // `align_to` gives the aligned middle part only; the ends must be empty.
+        let (head, values, tail) = unsafe { bytes.align_to::<T>() };
+        (head.is_empty() && tail.is_empty()).then_some(values)
+    }
+    let bytes = view.data();
+    match view.dtype() {
+        safetensors::Dtype::BF16 => cast::<half::bf16>(bytes).map(StoredValues::Bf16),
+        safetensors::Dtype::F16 => cast::<half::f16>(bytes).map(StoredValues::F16),
+        safetensors::Dtype::F32 => cast::<f32>(bytes).map(StoredValues::F32),
+        _ => None,
     }
 }
 
