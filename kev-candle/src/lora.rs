@@ -446,7 +446,10 @@ fn fold_block_plain<I: Widen, O>(
     let mut unfit = 0u32;
     for ((o, &w), &d) in out.iter_mut().zip(base).zip(delta) {
         let v = w.widen() + (d * s + 0.0);
-        unfit |= u32::from(!(v.abs() <= limit));
+        // Negated so that NaN counts as unfit (one comparison, which vectorises).
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        let bad = !(v.abs() <= limit);
+        unfit |= u32::from(bad);
         o.write(round(v));
     }
     unfit == 0
