@@ -49,13 +49,13 @@ struct StepTimes {
 /// over the threads that read them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct StepSeconds {
-    /// Copying the stored tensors out of the mapped files.
+    /// Copying stored tensors out of the mapped files (those not read where they lie).
     pub read: f64,
     /// Folding the adapter in (`B·A` and the pass over the weight, rounding included).
     pub fold: f64,
-    /// Converting the other tensors to their dtype.
+    /// Converting the tensors that were copied out to their dtype.
     pub convert: f64,
-    /// Moving the tensors to the device.
+    /// Moving the tensors to the device (those uploaded straight from the map included).
     pub upload: f64,
 }
 
