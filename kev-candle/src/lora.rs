@@ -170,8 +170,9 @@ impl Adapter {
     ) -> Result<std::result::Result<Tensor, f32>> {
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
         if let Some(pair) = self.pairs.get(name) {
-            let delta = self.delta(name, pair, stored.dims())?;
-            return fold_update(stored, &delta, pair.scaling * lora_scale, dtype).map_err(ctx);
+            self.check_fits(name, pair, stored.dims())?;
+            let scale = pair.scaling * lora_scale;
+            return fold_update(stored, &pair.b, &pair.a, scale, dtype).map_err(ctx);
         }
         let mut weight = stored.to_dtype(DType::F32).map_err(ctx)?;
         if name == "embed_tokens.weight" {
@@ -205,12 +206,10 @@ impl Adapter {
             return Ok(None);
         };
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
-        let delta = self.delta(name, pair, shape)?;
-        let delta = delta.contiguous().map_err(ctx)?;
-        let (delta_storage, delta_layout) = delta.storage_and_layout();
-        let delta = cpu_slice::<f32>(&delta_storage, delta_layout).map_err(ctx)?;
+        self.check_fits(name, pair, shape)?;
         let fold = Fold {
-            delta,
+            b: &pair.b,
+            a: &pair.a,
             scale: (pair.scaling * lora_scale) as f32,
             dtype,
             shape,
@@ -218,8 +217,8 @@ impl Adapter {
         fold.values(values).map(Some).map_err(ctx)
     }
 
-    /// `B·A` of `pair`, after checking that it fits the base weight's `shape`.
-    fn delta(&self, name: &str, pair: &LoraPair, shape: &[usize]) -> Result<Tensor> {
+    /// Whether `B·A` of `pair` fits the base weight's `shape`.
+    fn check_fits(&self, name: &str, pair: &LoraPair, shape: &[usize]) -> Result<()> {
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
         let (out_f, in_f) = candle_core::Shape::from(shape).dims2().map_err(ctx)?;
         if pair.b.dims()[0] != out_f || pair.a.dims()[1] != in_f {
@@ -232,7 +231,7 @@ impl Adapter {
                 ),
             ));
         }
-        pair.b.matmul(&pair.a).map_err(ctx)
+        Ok(())
     }
 }
 
@@ -262,29 +261,30 @@ fn largest(dtype: DType) -> f32 {
     }
 }
 
-/// `W + Δ·s` rounded to `dtype`, for `base` (`W`, as stored) and `delta` (`Δ = B·A`, f32), in
+/// `W + Δ·s` rounded to `dtype`, for `base` (`W`, as stored) and `Δ = B·A` (`b`, `a`: f32), in
 /// one pass over the weight on every core. The arithmetic is candle's
-/// `(W.to_dtype(f32) + Δ * s).to_dtype(dtype)` element for element (`Δ * s` is `Δ·(s as f32) +
-/// 0`), so the weights are the bits that chain gives; but it writes the weight once instead of
-/// five times, and folding is most of a large checkpoint's load. `Err(v)`: the first value in
-/// order that does not fit ([`fits`]).
+/// `(W.to_dtype(f32) + B.matmul(A) * s).to_dtype(dtype)` element for element (`Δ * s` is
+/// `Δ·(s as f32) + 0`), so the weights are the bits that chain gives; but it writes the weight
+/// once instead of five times, and computes `Δ` a block of rows at a time, where the pass reads
+/// it (a row of `B·A` is the same product whichever rows are multiplied with it), instead of
+/// writing a whole f32 copy of the weight first. Folding is most of a large checkpoint's load.
+/// `Err(v)`: the first value in order that does not fit ([`fits`]).
 fn fold_update(
     base: &Tensor,
-    delta: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
     scale: f64,
     dtype: DType,
 ) -> candle_core::Result<std::result::Result<Tensor, f32>> {
     use half::{bf16, f16};
-    let delta = delta.contiguous()?;
-    let (delta_storage, delta_layout) = delta.storage_and_layout();
-    let delta = cpu_slice::<f32>(&delta_storage, delta_layout)?;
     let base = match base.dtype() {
         DType::BF16 | DType::F16 | DType::F32 => base.contiguous()?,
         _ => base.to_dtype(DType::F32)?,
     };
     let (storage, layout) = base.storage_and_layout();
     let fold = Fold {
-        delta,
+        b,
+        a,
         scale: scale as f32,
         dtype,
         shape: base.dims(),
@@ -312,7 +312,9 @@ fn cpu_slice<'a, T: candle_core::WithDType>(
 
 /// One weight's fold: [`fold_update`]'s operands other than the base.
 struct Fold<'a> {
-    delta: &'a [f32],
+    /// LoRA's `B` (`[out, r]`) and `A` (`[r, in]`), f32 on the CPU.
+    b: &'a Tensor,
+    a: &'a Tensor,
     scale: f32,
     dtype: DType,
     shape: &'a [usize],
@@ -349,28 +351,56 @@ impl Fold<'_> {
         round: impl Fn(f32) -> O + Sync,
     ) -> candle_core::Result<std::result::Result<Tensor, f32>> {
         use rayon::prelude::*;
-        // Large enough to amortise a task, small enough to share a layer's weight among cores.
+        // About this many elements a task: large enough to amortise a task and a product, small
+        // enough to share a layer's weight among cores and keep a block of `Δ` in the cache.
         const BLOCK: usize = 1 << 16;
-        if base.len() != self.delta.len() {
-            candle_core::bail!("{} weights for {} updates", base.len(), self.delta.len())
+        let (rows, cols) = candle_core::Shape::from(self.shape).dims2()?;
+        if base.len() != rows * cols || self.b.dims()[0] != rows || self.a.dims()[1] != cols {
+            candle_core::bail!(
+                "{} weights of shape {:?} for an update of {:?} · {:?}",
+                base.len(),
+                self.shape,
+                self.b.dims(),
+                self.a.dims()
+            )
         }
         let (s, dtype) = (self.scale, self.dtype);
         let limit = largest(dtype);
-        let folded = |w: I, d: f32| w.widen() + (d * s + 0.0);
+        let block_rows = (BLOCK / cols.max(1)).max(1);
+        let block = block_rows * cols;
+        // `Δ` for rows `first..first + count`.
+        let delta_rows = |first: usize, count: usize| -> candle_core::Result<Vec<f32>> {
+            self.b
+                .narrow(0, first, count)?
+                .matmul(self.a)?
+                .flatten_all()?
+                .to_vec1()
+        };
         let mut out: Vec<O> = Vec::with_capacity(base.len());
-        let fit: Vec<bool> = out.spare_capacity_mut()[..base.len()]
-            .par_chunks_mut(BLOCK)
-            .zip(base.par_chunks(BLOCK).zip(self.delta.par_chunks(BLOCK)))
-            .map(|(out, (base, delta))| fold_block(out, base, delta, s, limit, &round))
-            .collect();
+        let fit: Vec<bool> = if block == 0 {
+            Vec::new()
+        } else {
+            out.spare_capacity_mut()[..base.len()]
+                .par_chunks_mut(block)
+                .zip(base.par_chunks(block))
+                .enumerate()
+                .map(|(i, (out, base))| {
+                    let delta = delta_rows(i * block_rows, base.len() / cols)?;
+                    Ok(fold_block(out, base, &delta, s, limit, &round))
+                })
+                .collect::<candle_core::Result<_>>()?
+        };
         // SAFETY: the blocks above cover `base.len()` elements and wrote every one.
         unsafe { out.set_len(base.len()) };
         // The first value that does not fit, in order, for the error.
-        if let Some(block) = fit.iter().position(|&all| !all) {
-            let at = block * BLOCK;
-            let end = (at + BLOCK).min(base.len());
-            let bad = (at..end)
-                .map(|i| folded(base[i], self.delta[i]))
+        if let Some(i) = fit.iter().position(|&all| !all) {
+            let first = i * block_rows;
+            let count = block_rows.min(rows - first);
+            let delta = delta_rows(first, count)?;
+            let bad = base[first * cols..(first + count) * cols]
+                .iter()
+                .zip(&delta)
+                .map(|(&w, &d)| w.widen() + (d * s + 0.0))
                 .find(|&v| !fits(v, dtype))
                 .unwrap_or(f32::NAN);
             return Ok(Err(bad));
@@ -640,10 +670,21 @@ mod tests {
     /// blocks of more than one task.
     #[test]
     fn fold_update_is_candle_chain_bit_for_bit() {
-        let (out_f, in_f) = (37, 4099);
-        let delta = Tensor::from_vec(values(out_f * in_f, 7), (out_f, in_f), &Device::Cpu).unwrap();
-        let base32 =
-            Tensor::from_vec(values(out_f * in_f, 3), (out_f, in_f), &Device::Cpu).unwrap();
+        // Shapes whose rows split into several blocks of `Δ`, the last one short.
+        for (out_f, in_f, rank) in [(37, 4099, 16), (300, 512, 5), (1030, 2560, 16)] {
+            let tensor = |n: usize, seed: u32, shape: (usize, usize)| {
+                Tensor::from_vec(values(n, seed), shape, &Device::Cpu).unwrap()
+            };
+            // Factors small enough that every fold fits f16.
+            let b = (tensor(out_f * rank, 7, (out_f, rank)) * 0.03).unwrap();
+            let a = (tensor(rank * in_f, 11, (rank, in_f)) * 0.03).unwrap();
+            let base32 = tensor(out_f * in_f, 3, (out_f, in_f));
+            check_fold_update(&base32, &b, &a);
+        }
+    }
+
+    fn check_fold_update(base32: &Tensor, b: &Tensor, a: &Tensor) {
+        let delta = b.matmul(a).unwrap();
         for stored in [DType::BF16, DType::F16, DType::F32] {
             let base = base32.to_dtype(stored).unwrap();
             for target in [DType::BF16, DType::F16, DType::F32] {
@@ -652,7 +693,7 @@ mod tests {
                         .unwrap()
                         .to_dtype(target)
                         .unwrap();
-                    let got = fold_update(&base, &delta, scale, target).unwrap().unwrap();
+                    let got = fold_update(&base, b, a, scale, target).unwrap().unwrap();
                     assert_eq!(got.dtype(), target);
                     assert_eq!(got.dims(), want.dims());
                     // Widening to f32 is exact, and a no-op for f32.
@@ -708,18 +749,23 @@ mod tests {
     /// A value the target dtype cannot hold is reported, the first in order.
     #[test]
     fn fold_update_reports_the_first_unfit_value() {
-        let n = 3 * (1 << 16) + 5;
-        let base = Tensor::zeros((1, n), DType::F32, &Device::Cpu).unwrap();
-        let mut d = vec![1.0f32; n];
-        d[(1 << 16) + 9] = 1e30;
-        d[2 * (1 << 16)] = f32::NAN;
-        let delta = Tensor::from_vec(d, (1, n), &Device::Cpu).unwrap();
+        // 7 rows of 20,000: blocks of `Δ` of 3, 3 and 1 rows.
+        let (rows, cols) = (7, 20_000);
+        // `B = I`, so `Δ = A`: the values below land where they are put.
+        let b = Tensor::eye(rows, DType::F32, &Device::Cpu).unwrap();
+        let mut d = vec![1.0f32; rows * cols];
+        d[4 * cols + 9] = 1e30;
+        let a = Tensor::from_vec(d, (rows, cols), &Device::Cpu).unwrap();
+        // A NaN in the base, in the last block (in `Δ`, `0·NaN` would spread it down a column).
+        let mut w = vec![0.0f32; rows * cols];
+        w[6 * cols] = f32::NAN;
+        let base = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
         // bf16 and f32 hold 1e30 (f32's exponent range); f16 does not.
         for dtype in [DType::BF16, DType::F32] {
-            let got = fold_update(&base, &delta, 1.0, dtype).unwrap();
+            let got = fold_update(&base, &b, &a, 1.0, dtype).unwrap();
             assert!(got.unwrap_err().is_nan(), "{dtype:?}");
         }
-        let got = fold_update(&base, &delta, 1.0, DType::F16).unwrap();
+        let got = fold_update(&base, &b, &a, 1.0, DType::F16).unwrap();
         assert_eq!(got.unwrap_err(), 1e30);
     }
 }
