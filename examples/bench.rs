@@ -14,7 +14,8 @@
 //! question), model FLOPs and TFLOP/s (the count of `bench/common.py`), peak RSS (VmHWM, reset per
 //! workload where the kernel allows), on CUDA the GPU memory in use sampled with `nvidia-smi`
 //! (peak over the workload minus the figure before loading) and the memory pool's high-water mark
-//! (`peak_gpu_alloc_mib`: tensors only, as the peers' `max_memory_allocated`), the load time,
+//! (`peak_gpu_alloc_mib`: tensors only, as the peers' `max_memory_allocated`), the load time and
+//! where it went (`load_breakdown`, [`DecisionModel::load_breakdown`]),
 //! the first (untimed) pass's time of each form (`first_run_ms`: the cold start of the first),
 //! and the first record's probabilities (a parity check against the peers). On CUDA the prefix
 //! form of a one-record workload replays a CUDA graph from its second run on (so the default
@@ -463,6 +464,7 @@ fn main() -> Result<()> {
                 "peak_rss_mib": (peak_rss_mib() * 10.0).round() / 10.0,
                 "peak_rss_reset": rss_reset,
                 "load_s": load_s,
+                "load_breakdown": model.load_breakdown(),
                 "first_run_ms": first_run_ms,
                 "encode_ms": encode_ms,
                 "first_probs": first

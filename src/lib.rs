@@ -31,8 +31,8 @@
 pub mod score;
 
 pub use kev_candle::{
-    qwen35, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, PointerHead, Prefix,
-    PrefixCache, PrefixCacheStats, Prefixed,
+    qwen35, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown,
+    PointerHead, Prefix, PrefixCache, PrefixCacheStats, Prefixed,
 };
 pub use kev_core::{
     Backend, BaseFiles, BaseRef, Checkpoint, DType, Encoder, Encoding, Error, JsonlRecords,

@@ -17,7 +17,9 @@ pub mod qwen35;
 mod safetensors_header;
 pub mod weights;
 
-pub use decision::{state_pass_tokens, DecisionModel, EncodedRecord, Prefix, Prefixed};
+pub use decision::{
+    state_pass_tokens, DecisionModel, EncodedRecord, LoadBreakdown, Prefix, Prefixed,
+};
 pub use graphs::GraphStats;
 pub use head::PointerHead;
 pub use prefix_cache::{PrefixCache, PrefixCacheStats};

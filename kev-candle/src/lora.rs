@@ -170,19 +170,9 @@ impl Adapter {
     ) -> Result<std::result::Result<Tensor, f32>> {
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
         if let Some(pair) = self.pairs.get(name) {
-            let (out_f, in_f) = stored.dims2().map_err(ctx)?;
-            if pair.b.dims()[0] != out_f || pair.a.dims()[1] != in_f {
-                return Err(tensor_err(
-                    name,
-                    format!(
-                        "LoRA A {:?} · B {:?} does not fit base weight [{out_f}, {in_f}]",
-                        pair.a.dims(),
-                        pair.b.dims()
-                    ),
-                ));
-            }
-            let delta = pair.b.matmul(&pair.a).map_err(ctx)?;
-            return fold_update(stored, &delta, pair.scaling * lora_scale, dtype).map_err(ctx);
+            self.check_fits(name, pair, stored.dims())?;
+            let scale = pair.scaling * lora_scale;
+            return fold_update(stored, &pair.b, &pair.a, scale, dtype).map_err(ctx);
         }
         let mut weight = stored.to_dtype(DType::F32).map_err(ctx)?;
         if name == "embed_tokens.weight" {
@@ -199,50 +189,111 @@ impl Adapter {
         }
         weight.to_dtype(dtype).map(Ok).map_err(ctx)
     }
+
+    /// [`Adapter::fold`] of a LoRA pair into `values`, the stored weight of `shape` borrowed
+    /// where it lies (the mapped file), without a copy of it first: the same bits. `None` when
+    /// the adapter has no LoRA pair for `name` (trained token rows fold through
+    /// [`Adapter::fold`]).
+    pub fn fold_values(
+        &self,
+        name: &str,
+        values: StoredValues<'_>,
+        shape: &[usize],
+        lora_scale: f64,
+        dtype: DType,
+    ) -> Result<Option<std::result::Result<Tensor, f32>>> {
+        let Some(pair) = self.pairs.get(name) else {
+            return Ok(None);
+        };
+        let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
+        self.check_fits(name, pair, shape)?;
+        let fold = Fold {
+            b: &pair.b,
+            a: &pair.a,
+            scale: (pair.scaling * lora_scale) as f32,
+            dtype,
+            shape,
+        };
+        fold.values(values).map(Some).map_err(ctx)
+    }
+
+    /// Whether `B·A` of `pair` fits the base weight's `shape`.
+    fn check_fits(&self, name: &str, pair: &LoraPair, shape: &[usize]) -> Result<()> {
+        let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
+        let (out_f, in_f) = candle_core::Shape::from(shape).dims2().map_err(ctx)?;
+        if pair.b.dims()[0] != out_f || pair.a.dims()[1] != in_f {
+            return Err(tensor_err(
+                name,
+                format!(
+                    "LoRA A {:?} · B {:?} does not fit base weight [{out_f}, {in_f}]",
+                    pair.a.dims(),
+                    pair.b.dims()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A stored weight's values in one of the dtypes the fold reads.
+#[derive(Clone, Copy)]
+pub enum StoredValues<'a> {
+    /// Stored as bf16.
+    Bf16(&'a [half::bf16]),
+    /// Stored as f16.
+    F16(&'a [half::f16]),
+    /// Stored as f32.
+    F32(&'a [f32]),
 }
 
 /// Whether the folded value `v` can be rounded to `dtype` without becoming infinite.
 fn fits(v: f32, dtype: DType) -> bool {
-    let limit = match dtype {
+    v.abs() <= largest(dtype)
+}
+
+/// The largest finite value of `dtype`, as f32 (f32's own for the others). Comparing `|v|` with
+/// it also refuses infinities and NaN (every comparison with NaN is false).
+fn largest(dtype: DType) -> f32 {
+    match dtype {
         DType::F16 => f32::from(half::f16::MAX),
         DType::BF16 => f32::from(half::bf16::MAX),
         _ => f32::MAX,
-    };
-    v.is_finite() && v.abs() <= limit
+    }
 }
 
-/// `W + Δ·s` rounded to `dtype`, for `base` (`W`, as stored) and `delta` (`Δ = B·A`, f32), in
+/// `W + Δ·s` rounded to `dtype`, for `base` (`W`, as stored) and `Δ = B·A` (`b`, `a`: f32), in
 /// one pass over the weight on every core. The arithmetic is candle's
-/// `(W.to_dtype(f32) + Δ * s).to_dtype(dtype)` element for element (`Δ * s` is `Δ·(s as f32) +
-/// 0`), so the weights are the bits that chain gives; but it writes the weight once instead of
-/// five times, and folding is most of a large checkpoint's load. `Err(v)`: the first value in
-/// order that does not fit ([`fits`]).
+/// `(W.to_dtype(f32) + B.matmul(A) * s).to_dtype(dtype)` element for element (`Δ * s` is
+/// `Δ·(s as f32) + 0`), so the weights are the bits that chain gives; but it writes the weight
+/// once instead of five times, and computes `Δ` a block of rows at a time, where the pass reads
+/// it (a row of `B·A` is the same product whichever rows are multiplied with it), instead of
+/// writing a whole f32 copy of the weight first. Folding is most of a large checkpoint's load.
+/// `Err(v)`: the first value in order that does not fit ([`fits`]).
 fn fold_update(
     base: &Tensor,
-    delta: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
     scale: f64,
     dtype: DType,
 ) -> candle_core::Result<std::result::Result<Tensor, f32>> {
     use half::{bf16, f16};
-    let delta = delta.contiguous()?;
-    let (delta_storage, delta_layout) = delta.storage_and_layout();
-    let delta = cpu_slice::<f32>(&delta_storage, delta_layout)?;
     let base = match base.dtype() {
         DType::BF16 | DType::F16 | DType::F32 => base.contiguous()?,
         _ => base.to_dtype(DType::F32)?,
     };
     let (storage, layout) = base.storage_and_layout();
     let fold = Fold {
-        delta,
+        b,
+        a,
         scale: scale as f32,
         dtype,
         shape: base.dims(),
     };
-    match base.dtype() {
-        DType::BF16 => fold.from(cpu_slice::<bf16>(&storage, layout)?),
-        DType::F16 => fold.from(cpu_slice::<f16>(&storage, layout)?),
-        _ => fold.from(cpu_slice::<f32>(&storage, layout)?),
-    }
+    fold.values(match base.dtype() {
+        DType::BF16 => StoredValues::Bf16(cpu_slice::<bf16>(&storage, layout)?),
+        DType::F16 => StoredValues::F16(cpu_slice::<f16>(&storage, layout)?),
+        _ => StoredValues::F32(cpu_slice::<f32>(&storage, layout)?),
+    })
 }
 
 /// The contiguous elements of a CPU tensor's storage.
@@ -261,59 +312,95 @@ fn cpu_slice<'a, T: candle_core::WithDType>(
 
 /// One weight's fold: [`fold_update`]'s operands other than the base.
 struct Fold<'a> {
-    delta: &'a [f32],
+    /// LoRA's `B` (`[out, r]`) and `A` (`[r, in]`), f32 on the CPU.
+    b: &'a Tensor,
+    a: &'a Tensor,
     scale: f32,
     dtype: DType,
     shape: &'a [usize],
 }
 
 impl Fold<'_> {
+    fn values(
+        &self,
+        base: StoredValues<'_>,
+    ) -> candle_core::Result<std::result::Result<Tensor, f32>> {
+        match base {
+            StoredValues::Bf16(base) => self.from(base),
+            StoredValues::F16(base) => self.from(base),
+            StoredValues::F32(base) => self.from(base),
+        }
+    }
+
     /// The fold of `base` (bf16, f16 or f32) in `self.dtype`.
     fn from<I: Widen>(&self, base: &[I]) -> candle_core::Result<std::result::Result<Tensor, f32>> {
         use half::{bf16, f16};
         match self.dtype {
-            DType::BF16 => self.into::<I, bf16>(base, bf16::from_f32),
+            DType::BF16 => self.into::<I, bf16>(base, round_to_bf16),
             DType::F16 => self.into::<I, f16>(base, f16::from_f32),
             DType::F32 => self.into::<I, f32>(base, |v| v),
             other => candle_core::bail!("folding into {other:?} weights"),
         }
     }
 
+    /// `round` is generic, not a function pointer, so that it is inlined and the loop below
+    /// vectorised: the pass is most of a folded load's time.
     fn into<I: Widen, O: candle_core::WithDType>(
         &self,
         base: &[I],
-        round: fn(f32) -> O,
+        round: impl Fn(f32) -> O + Sync,
     ) -> candle_core::Result<std::result::Result<Tensor, f32>> {
         use rayon::prelude::*;
-        // Large enough to amortise a task, small enough to share a layer's weight among cores.
+        // About this many elements a task: large enough to amortise a task and a product, small
+        // enough to share a layer's weight among cores and keep a block of `Δ` in the cache.
         const BLOCK: usize = 1 << 16;
-        if base.len() != self.delta.len() {
-            candle_core::bail!("{} weights for {} updates", base.len(), self.delta.len())
+        let (rows, cols) = candle_core::Shape::from(self.shape).dims2()?;
+        if base.len() != rows * cols || self.b.dims()[0] != rows || self.a.dims()[1] != cols {
+            candle_core::bail!(
+                "{} weights of shape {:?} for an update of {:?} · {:?}",
+                base.len(),
+                self.shape,
+                self.b.dims(),
+                self.a.dims()
+            )
         }
         let (s, dtype) = (self.scale, self.dtype);
-        let folded = |w: I, d: f32| w.widen() + (d * s + 0.0);
+        let limit = largest(dtype);
+        let block_rows = (BLOCK / cols.max(1)).max(1);
+        let block = block_rows * cols;
+        // `Δ` for rows `first..first + count`.
+        let delta_rows = |first: usize, count: usize| -> candle_core::Result<Vec<f32>> {
+            self.b
+                .narrow(0, first, count)?
+                .matmul(self.a)?
+                .flatten_all()?
+                .to_vec1()
+        };
         let mut out: Vec<O> = Vec::with_capacity(base.len());
-        let fit: Vec<bool> = out.spare_capacity_mut()[..base.len()]
-            .par_chunks_mut(BLOCK)
-            .zip(base.par_chunks(BLOCK).zip(self.delta.par_chunks(BLOCK)))
-            .map(|(out, (base, delta))| {
-                let mut all = true;
-                for ((o, &w), &d) in out.iter_mut().zip(base).zip(delta) {
-                    let v = folded(w, d);
-                    all &= fits(v, dtype);
-                    o.write(round(v));
-                }
-                all
-            })
-            .collect();
+        let fit: Vec<bool> = if block == 0 {
+            Vec::new()
+        } else {
+            out.spare_capacity_mut()[..base.len()]
+                .par_chunks_mut(block)
+                .zip(base.par_chunks(block))
+                .enumerate()
+                .map(|(i, (out, base))| {
+                    let delta = delta_rows(i * block_rows, base.len() / cols)?;
+                    Ok(fold_block(out, base, &delta, s, limit, &round))
+                })
+                .collect::<candle_core::Result<_>>()?
+        };
         // SAFETY: the blocks above cover `base.len()` elements and wrote every one.
         unsafe { out.set_len(base.len()) };
         // The first value that does not fit, in order, for the error.
-        if let Some(block) = fit.iter().position(|&all| !all) {
-            let at = block * BLOCK;
-            let end = (at + BLOCK).min(base.len());
-            let bad = (at..end)
-                .map(|i| folded(base[i], self.delta[i]))
+        if let Some(i) = fit.iter().position(|&all| !all) {
+            let first = i * block_rows;
+            let count = block_rows.min(rows - first);
+            let delta = delta_rows(first, count)?;
+            let bad = base[first * cols..(first + count) * cols]
+                .iter()
+                .zip(&delta)
+                .map(|(&w, &d)| w.widen() + (d * s + 0.0))
                 .find(|&v| !fits(v, dtype))
                 .unwrap_or(f32::NAN);
             return Ok(Err(bad));
@@ -322,24 +409,124 @@ impl Fold<'_> {
     }
 }
 
+/// One block of [`Fold::into`]'s pass: writes `out[i] = round(base[i] + (delta[i]·s + 0))`;
+/// whether every value is within `±limit`. On x86-64 the loop runs in the widest vectors the CPU
+/// has (AVX-512, else AVX2, else SSE2): the pass is most of a folded load's time, and the
+/// instructions are the same elementwise operations, so the bits do not depend on the width.
+fn fold_block<I: Widen, O>(
+    out: &mut [std::mem::MaybeUninit<O>],
+    base: &[I],
+    delta: &[f32],
+    s: f32,
+    limit: f32,
+    round: &impl Fn(f32) -> O,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { fold_block_avx512(out, base, delta, s, limit, round) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: as above.
+            return unsafe { fold_block_avx2(out, base, delta, s, limit, round) };
+        }
+    }
+    fold_block_plain(out, base, delta, s, limit, round)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn fold_block_avx512<I: Widen, O>(
+    out: &mut [std::mem::MaybeUninit<O>],
+    base: &[I],
+    delta: &[f32],
+    s: f32,
+    limit: f32,
+    round: &impl Fn(f32) -> O,
+) -> bool {
+    fold_block_plain(out, base, delta, s, limit, round)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn fold_block_avx2<I: Widen, O>(
+    out: &mut [std::mem::MaybeUninit<O>],
+    base: &[I],
+    delta: &[f32],
+    s: f32,
+    limit: f32,
+    round: &impl Fn(f32) -> O,
+) -> bool {
+    fold_block_plain(out, base, delta, s, limit, round)
+}
+
+/// [`fold_block`]'s loop, branch-free so that it vectorises (inlined into each variant).
+#[inline(always)]
+fn fold_block_plain<I: Widen, O>(
+    out: &mut [std::mem::MaybeUninit<O>],
+    base: &[I],
+    delta: &[f32],
+    s: f32,
+    limit: f32,
+    round: &impl Fn(f32) -> O,
+) -> bool {
+    let mut unfit = 0u32;
+    for ((o, &w), &d) in out.iter_mut().zip(base).zip(delta) {
+        let v = w.widen() + (d * s + 0.0);
+        // Negated so that NaN counts as unfit (one comparison, which vectorises).
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        let bad = !(v.abs() <= limit);
+        unfit |= u32::from(bad);
+        o.write(round(v));
+    }
+    unfit == 0
+}
+
+/// `bf16::from_f32` without branches, so that the fold's loop vectorises: the same bits for
+/// every input (round to nearest, ties to even; a NaN keeps its sign and upper payload bits,
+/// with the quiet bit set).
+#[inline(always)]
+fn round_to_bf16(v: f32) -> half::bf16 {
+    let bits = v.to_bits();
+    let nan = bits & 0x7FFF_FFFF > 0x7F80_0000;
+    // Up when the dropped half is over 0x8000, or exactly 0x8000 with an odd kept part.
+    let up = u32::from(bits & 0x8000 != 0 && bits & 0x1_7FFF != 0);
+    let rounded = if nan {
+        (bits >> 16) | 0x40
+    } else {
+        (bits >> 16) + up
+    };
+    half::bf16::from_bits(rounded as u16)
+}
+
 /// A stored weight element, widened exactly to f32.
 trait Widen: Copy + Send + Sync {
     fn widen(self) -> f32;
 }
 
 impl Widen for half::bf16 {
+    /// `bf16::to_f32` without branches (a NaN gets its quiet bit, as there), so that the fold's
+    /// loop vectorises.
+    #[inline(always)]
     fn widen(self) -> f32 {
-        self.to_f32()
+        let bits = u32::from(self.to_bits());
+        let nan = bits & 0x7FFF > 0x7F80;
+        f32::from_bits(if nan { (bits | 0x40) << 16 } else { bits << 16 })
     }
 }
 
 impl Widen for half::f16 {
+    #[inline(always)]
     fn widen(self) -> f32 {
         self.to_f32()
     }
 }
 
 impl Widen for f32 {
+    #[inline(always)]
     fn widen(self) -> f32 {
         self
     }
@@ -483,10 +670,21 @@ mod tests {
     /// blocks of more than one task.
     #[test]
     fn fold_update_is_candle_chain_bit_for_bit() {
-        let (out_f, in_f) = (37, 4099);
-        let delta = Tensor::from_vec(values(out_f * in_f, 7), (out_f, in_f), &Device::Cpu).unwrap();
-        let base32 =
-            Tensor::from_vec(values(out_f * in_f, 3), (out_f, in_f), &Device::Cpu).unwrap();
+        // Shapes whose rows split into several blocks of `Δ`, the last one short.
+        for (out_f, in_f, rank) in [(37, 4099, 16), (300, 512, 5), (1030, 2560, 16)] {
+            let tensor = |n: usize, seed: u32, shape: (usize, usize)| {
+                Tensor::from_vec(values(n, seed), shape, &Device::Cpu).unwrap()
+            };
+            // Factors small enough that every fold fits f16.
+            let b = (tensor(out_f * rank, 7, (out_f, rank)) * 0.03).unwrap();
+            let a = (tensor(rank * in_f, 11, (rank, in_f)) * 0.03).unwrap();
+            let base32 = tensor(out_f * in_f, 3, (out_f, in_f));
+            check_fold_update(&base32, &b, &a);
+        }
+    }
+
+    fn check_fold_update(base32: &Tensor, b: &Tensor, a: &Tensor) {
+        let delta = b.matmul(a).unwrap();
         for stored in [DType::BF16, DType::F16, DType::F32] {
             let base = base32.to_dtype(stored).unwrap();
             for target in [DType::BF16, DType::F16, DType::F32] {
@@ -495,7 +693,7 @@ mod tests {
                         .unwrap()
                         .to_dtype(target)
                         .unwrap();
-                    let got = fold_update(&base, &delta, scale, target).unwrap().unwrap();
+                    let got = fold_update(&base, b, a, scale, target).unwrap().unwrap();
                     assert_eq!(got.dtype(), target);
                     assert_eq!(got.dims(), want.dims());
                     // Widening to f32 is exact, and a no-op for f32.
@@ -513,21 +711,61 @@ mod tests {
         }
     }
 
+    /// The branch-free rounding gives `half`'s bits for every sign and exponent, with low
+    /// halves around every rounding boundary, NaN payloads and infinities included.
+    #[test]
+    fn round_to_bf16_is_half_bit_for_bit() {
+        let lows = [
+            0x0000, 0x0001, 0x3FFF, 0x7FFF, 0x8000, 0x8001, 0xBFFF, 0xC000, 0xFFFE, 0xFFFF,
+        ];
+        let mut checked = 0;
+        for high in 0..=u32::from(u16::MAX) {
+            for low in lows
+                .iter()
+                .copied()
+                .chain(values(4, high).iter().map(|v| v.to_bits() & 0xFFFF))
+            {
+                let v = f32::from_bits(high << 16 | low);
+                let (got, want) = (
+                    round_to_bf16(v).to_bits(),
+                    half::bf16::from_f32(v).to_bits(),
+                );
+                assert_eq!(got, want, "{:#010x}", v.to_bits());
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 65_536 * 14);
+    }
+
+    /// The branch-free widening gives `half`'s bits for every bf16.
+    #[test]
+    fn widen_bf16_is_half_bit_for_bit() {
+        for bits in 0..=u16::MAX {
+            let v = half::bf16::from_bits(bits);
+            assert_eq!(v.widen().to_bits(), v.to_f32().to_bits(), "{bits:#06x}");
+        }
+    }
+
     /// A value the target dtype cannot hold is reported, the first in order.
     #[test]
     fn fold_update_reports_the_first_unfit_value() {
-        let n = 3 * (1 << 16) + 5;
-        let base = Tensor::zeros((1, n), DType::F32, &Device::Cpu).unwrap();
-        let mut d = vec![1.0f32; n];
-        d[(1 << 16) + 9] = 1e30;
-        d[2 * (1 << 16)] = f32::NAN;
-        let delta = Tensor::from_vec(d, (1, n), &Device::Cpu).unwrap();
+        // 7 rows of 20,000: blocks of `Δ` of 3, 3 and 1 rows.
+        let (rows, cols) = (7, 20_000);
+        // `B = I`, so `Δ = A`: the values below land where they are put.
+        let b = Tensor::eye(rows, DType::F32, &Device::Cpu).unwrap();
+        let mut d = vec![1.0f32; rows * cols];
+        d[4 * cols + 9] = 1e30;
+        let a = Tensor::from_vec(d, (rows, cols), &Device::Cpu).unwrap();
+        // A NaN in the base, in the last block (in `Δ`, `0·NaN` would spread it down a column).
+        let mut w = vec![0.0f32; rows * cols];
+        w[6 * cols] = f32::NAN;
+        let base = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
         // bf16 and f32 hold 1e30 (f32's exponent range); f16 does not.
         for dtype in [DType::BF16, DType::F32] {
-            let got = fold_update(&base, &delta, 1.0, dtype).unwrap();
+            let got = fold_update(&base, &b, &a, 1.0, dtype).unwrap();
             assert!(got.unwrap_err().is_nan(), "{dtype:?}");
         }
-        let got = fold_update(&base, &delta, 1.0, DType::F16).unwrap();
+        let got = fold_update(&base, &b, &a, 1.0, DType::F16).unwrap();
         assert_eq!(got.unwrap_err(), 1e30);
     }
 }

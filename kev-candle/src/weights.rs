@@ -3,13 +3,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use kev_core::{Error, Result};
+use safetensors::tensor::TensorView;
 
-use crate::lora::Adapter;
+use crate::lora::{Adapter, StoredValues};
 use crate::safetensors_header::check_header;
 
 /// Prefixes of the text model in the published multimodal layout and the text-only layout.
@@ -28,6 +31,43 @@ pub struct Weights {
     device: Device,
     /// Text-model tensors read so far (full names), for [`Weights::check_all_used`].
     used: Mutex<BTreeSet<String>>,
+    /// Time spent in each step of [`Weights::get_as`], summed over the threads that call it.
+    times: StepTimes,
+}
+
+/// Nanoseconds spent in each step of [`Weights::get_as`], summed over threads: the steps run on
+/// several threads at once, so the sums may exceed the load's wall-clock time.
+#[derive(Default)]
+struct StepTimes {
+    read: AtomicU64,
+    fold: AtomicU64,
+    convert: AtomicU64,
+    upload: AtomicU64,
+}
+
+/// Seconds spent in each step of reading the base weights ([`Weights::step_seconds`]), summed
+/// over the threads that read them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct StepSeconds {
+    /// Copying stored tensors out of the mapped files (those not read where they lie).
+    pub read: f64,
+    /// Folding the adapter in (`B·A` and the pass over the weight, rounding included).
+    pub fold: f64,
+    /// Converting the tensors that were copied out to their dtype.
+    pub convert: f64,
+    /// Moving the tensors to the device (those uploaded straight from the map included).
+    pub upload: f64,
+}
+
+impl StepTimes {
+    /// Runs `step`, adding its time to `counter`.
+    fn time<T>(counter: &AtomicU64, step: impl FnOnce() -> T) -> T {
+        let started = Instant::now();
+        let out = step();
+        let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        counter.fetch_add(nanos, Ordering::Relaxed);
+        out
+    }
 }
 
 impl Weights {
@@ -71,6 +111,7 @@ impl Weights {
             projections: dtype,
             device,
             used: Mutex::default(),
+            times: StepTimes::default(),
         };
         if let Some(adapter) = &weights.adapter {
             let missing = adapter
@@ -118,29 +159,68 @@ impl Weights {
     }
 
     /// Like [`Weights::get`] but in `dtype` (for the few tensors kept in f32).
+    ///
+    /// Where it can, a tensor goes from the mapped file to the device without a host copy first:
+    /// a LoRA fold reads the stored values where they lie, and a tensor stored in `dtype` that
+    /// the adapter leaves alone is uploaded straight from the map. Either gives the bits of the
+    /// copy-then-convert path below, which every other tensor takes.
     pub fn get_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let stored = self.stored(name)?;
-        if stored.dims() != shape {
+        let times = &self.times;
+        let full = self.mark_used(name);
+        let view = self.st.get(&full).map_err(|_| self.missing(&full))?;
+        if view.shape() != shape {
             return Err(Error::Tensor {
-                name: format!("{}{name}", self.prefix),
-                message: format!("expected shape {shape:?}, found {:?}", stored.dims()),
+                name: full,
+                message: format!("expected shape {shape:?}, found {:?}", view.shape()),
             });
         }
+        let touched = self.adapter.as_ref().filter(|a| a.touches(name));
+        if let (Some(adapter), Some(values)) = (touched, stored_values(&view)) {
+            let folded = StepTimes::time(&times.fold, || {
+                adapter.fold_values(name, values, shape, self.lora_scale, dtype)
+            })?;
+            if let Some(folded) = folded {
+                let w = folded.map_err(|bad| self.unfit(name, bad, dtype))?;
+                return StepTimes::time(&times.upload, || w.to_device(&self.device))
+                    .map_err(|e| self.err(name, e));
+            }
+        }
+        if touched.is_none() && stored_dtype(&view) == Some(dtype) {
+            return StepTimes::time(&times.upload, || {
+                Tensor::from_raw_buffer(view.data(), dtype, shape, &self.device)
+            })
+            .map_err(|e| self.err(name, e));
+        }
+        let stored = StepTimes::time(&times.read, || self.st.load(&full, &Device::Cpu))
+            .map_err(|_| self.missing(&full))?;
         // Only tensors the adapter changes are folded (in f32, rounded once to `dtype`); the
         // others go straight to their dtype (the same values: bf16 → f32 is exact, f32 → bf16
         // rounds once).
-        let w = match &self.adapter {
-            Some(adapter) if adapter.touches(name) => {
-                match adapter.fold(name, &stored, self.lora_scale, dtype)? {
-                    Ok(w) => w,
-                    Err(bad) => return Err(self.unfit(name, bad, dtype)),
-                }
+        let w = match touched {
+            Some(adapter) => {
+                let folded = StepTimes::time(&times.fold, || {
+                    adapter.fold(name, &stored, self.lora_scale, dtype)
+                })?;
+                folded.map_err(|bad| self.unfit(name, bad, dtype))?
             }
-            _ => stored,
+            None => stored,
         };
-        w.to_dtype(dtype)
-            .and_then(|w| w.to_device(&self.device))
-            .map_err(|e| self.err(name, e))
+        let w =
+            StepTimes::time(&times.convert, || w.to_dtype(dtype)).map_err(|e| self.err(name, e))?;
+        StepTimes::time(&times.upload, || w.to_device(&self.device)).map_err(|e| self.err(name, e))
+    }
+
+    /// The time spent so far in each step of [`Weights::get_as`], summed over threads.
+    pub fn step_seconds(&self) -> StepSeconds {
+        let seconds = |counter: &AtomicU64| {
+            Duration::from_nanos(counter.load(Ordering::Relaxed)).as_secs_f64()
+        };
+        StepSeconds {
+            read: seconds(&self.times.read),
+            fold: seconds(&self.times.fold),
+            convert: seconds(&self.times.convert),
+            upload: seconds(&self.times.upload),
+        }
     }
 
     /// The error for a folded weight that holds `bad`, a value that is not finite or that
@@ -198,23 +278,54 @@ impl Weights {
         Error::from_all(errors)
     }
 
-    /// The stored tensor, in its stored dtype, on the CPU.
-    fn stored(&self, name: &str) -> Result<Tensor> {
+    /// Records text-model tensor `name` as read; its full name.
+    fn mark_used(&self, name: &str) -> String {
         let full = format!("{}{name}", self.prefix);
         self.used
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(full.clone());
-        self.st
-            .load(&full, &Device::Cpu)
-            .map_err(|_| Error::Tensor {
-                name: full.clone(),
-                message: format!("missing from {}", list(&self.files)),
-            })
+        full
+    }
+
+    fn missing(&self, full: &str) -> Error {
+        Error::Tensor {
+            name: full.to_string(),
+            message: format!("missing from {}", list(&self.files)),
+        }
     }
 
     fn err(&self, name: &str, e: candle_core::Error) -> Error {
         Error::backend(format!("loading tensor `{}{name}`", self.prefix), e)
+    }
+}
+
+/// The candle dtype of a tensor stored as bf16, f16 or f32 (the dtypes weights are kept in).
+fn stored_dtype(view: &TensorView<'_>) -> Option<DType> {
+    match view.dtype() {
+        safetensors::Dtype::BF16 => Some(DType::BF16),
+        safetensors::Dtype::F16 => Some(DType::F16),
+        safetensors::Dtype::F32 => Some(DType::F32),
+        _ => None,
+    }
+}
+
+/// The stored values where they lie in the map, when they are bf16, f16 or f32 and aligned for
+/// their type (safetensors does not promise alignment; the others are copied first).
+fn stored_values<'a>(view: &TensorView<'a>) -> Option<StoredValues<'a>> {
+    /// The bytes as `T`s, when they are aligned for `T` and a whole number of them.
+    fn cast<T: Copy>(bytes: &[u8]) -> Option<&[T]> {
+        // SAFETY: bf16, f16 and f32 are plain bits (every bit pattern is a value), and
+        // `align_to` gives the aligned middle part only; the ends must be empty.
+        let (head, values, tail) = unsafe { bytes.align_to::<T>() };
+        (head.is_empty() && tail.is_empty()).then_some(values)
+    }
+    let bytes = view.data();
+    match view.dtype() {
+        safetensors::Dtype::BF16 => cast::<half::bf16>(bytes).map(StoredValues::Bf16),
+        safetensors::Dtype::F16 => cast::<half::f16>(bytes).map(StoredValues::F16),
+        safetensors::Dtype::F32 => cast::<f32>(bytes).map(StoredValues::F32),
+        _ => None,
     }
 }
 

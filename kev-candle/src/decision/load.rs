@@ -2,6 +2,7 @@
 //! (backbone with its adapter folded in, pointer head), the encoder, and the checkpoint.
 
 use std::path::Path;
+use std::time::Instant;
 
 use candle_core::DType;
 use kev_core::{Checkpoint, Encoder, Error, LoadOptions, Result};
@@ -11,13 +12,54 @@ use crate::executor::Executor;
 use crate::head::PointerHead;
 use crate::lora::Adapter;
 use crate::qwen35::{Config, Model};
-use crate::weights::Weights;
+use crate::weights::{StepSeconds, Weights};
 
 /// What loading yields; the model around it is assembled by the caller.
 pub(super) struct Loaded {
     pub(super) executor: Executor,
     pub(super) encoder: Encoder,
     pub(super) checkpoint: Checkpoint,
+    pub(super) breakdown: LoadBreakdown,
+}
+
+/// Where a load's time went ([`super::DecisionModel::load_breakdown`]), in seconds of wall-clock
+/// time for the parts done one after the other, and summed over threads for the steps of
+/// reading the weights, which the decoder layers run in parallel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct LoadBreakdown {
+    /// The whole load.
+    pub total_s: f64,
+    /// Resolving `kev.json` and the files it names.
+    pub checkpoint_s: f64,
+    /// Opening the device (on CUDA, creating its context).
+    pub device_s: f64,
+    /// Reading the base config, and reading and checking the adapter.
+    pub adapter_s: f64,
+    /// Checking the safetensors headers and mapping the base files.
+    pub open_weights_s: f64,
+    /// Building the backbone: reading, folding, converting and uploading every weight, and
+    /// laying the weights out for the backend (concatenations, packing).
+    pub backbone_s: f64,
+    /// The steps of reading the weights within `backbone_s`, summed over threads.
+    pub weight_steps_cpu_s: StepSeconds,
+    /// Checking that every tensor and adapter module was used.
+    pub check_s: f64,
+    /// Loading the pointer head.
+    pub head_s: f64,
+    /// Loading the tokenizer and checking its ids against the embeddings.
+    pub tokenizer_s: f64,
+    /// Waiting for the GPU's kernels, compiled and loaded beside the weights (CUDA).
+    pub kernels_wait_s: f64,
+    /// Waiting for the device's queued work and handing freed memory back.
+    pub settle_s: f64,
+}
+
+/// Wall-clock seconds since `started`, restarting it.
+fn lap(started: &mut Instant) -> f64 {
+    let now = Instant::now();
+    let seconds = now.duration_since(*started).as_secs_f64();
+    *started = now;
+    seconds
 }
 
 /// The GPU's kernels being compiled and loaded beside the weights (CUDA), so that the first
@@ -56,8 +98,13 @@ impl Kernels {
 /// Loads the checkpoint in `dir` (a folder with `kev.json`) as `options` say.
 pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     options.validate()?;
+    let load_started = Instant::now();
+    let mut clock = load_started;
+    let mut breakdown = LoadBreakdown::default();
     let checkpoint = Checkpoint::open(dir)?;
+    breakdown.checkpoint_s = lap(&mut clock);
     let device = select_device(options.backend)?;
+    breakdown.device_s = lap(&mut clock);
     let kernels = prepare_kernels(&device);
     let dtype = select_dtype(options.dtype, &device);
     // The CPU's bf16 mode where it has AVX512-BF16: the projections and the embedding table
@@ -80,6 +127,7 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
         (Some(c), Some(w)) => Some(Adapter::load(&c, &w)?),
         _ => None,
     };
+    breakdown.adapter_s = lap(&mut clock);
     let weights = Weights::open(
         &checkpoint.base.weights,
         adapter,
@@ -88,8 +136,13 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
         device.clone(),
     )?
     .with_projection_dtype(weights_dtype);
+    breakdown.open_weights_s = lap(&mut clock);
     let model = Model::new(&cfg, &weights)?;
+    breakdown.backbone_s = lap(&mut clock);
+    breakdown.weight_steps_cpu_s = weights.step_seconds();
     weights.check_all_used()?;
+    drop(weights);
+    breakdown.check_s = lap(&mut clock);
     let head_cfg = &checkpoint.config.head;
     let head = PointerHead::load(
         &checkpoint.head_path,
@@ -98,6 +151,7 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
         head_cfg.temperature,
         &device,
     )?;
+    breakdown.head_s = lap(&mut clock);
     let encoder = checkpoint.encoder()?;
     // Every id the tokenizer can produce needs an embedding row; checked here, not when a
     // record first meets the token.
@@ -112,12 +166,17 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
             ),
         });
     }
+    breakdown.tokenizer_s = lap(&mut clock);
     kernels.finish()?;
+    breakdown.kernels_wait_s = lap(&mut clock);
     settle(&device)?;
     release_freed_memory();
+    breakdown.settle_s = lap(&mut clock);
+    breakdown.total_s = load_started.elapsed().as_secs_f64();
     Ok(Loaded {
         executor: Executor::new(model, head, options.prefill_chunk),
         encoder,
         checkpoint,
+        breakdown,
     })
 }

@@ -32,6 +32,7 @@ mod prefix;
 mod prefixed;
 
 pub use crate::plan::state_pass_tokens;
+pub use load::LoadBreakdown;
 pub use prefix::Prefix;
 pub use prefixed::{EncodedRecord, Prefixed};
 
@@ -43,6 +44,7 @@ pub struct DecisionModel {
     exec: Executor,
     encoder: Encoder,
     checkpoint: Checkpoint,
+    breakdown: LoadBreakdown,
     /// Forwards (one record or a batch) replayed as CUDA graphs ([`LoadOptions::cuda_graphs`]).
     #[cfg(feature = "cuda")]
     graphs: Option<crate::graphs::Graphs>,
@@ -59,7 +61,13 @@ impl DecisionModel {
             exec: loaded.executor,
             encoder: loaded.encoder,
             checkpoint: loaded.checkpoint,
+            breakdown: loaded.breakdown,
         })
+    }
+
+    /// Where the load's time went, for finding what makes a load slow.
+    pub fn load_breakdown(&self) -> &LoadBreakdown {
+        &self.breakdown
     }
 
     /// The checkpoint this model was loaded from.

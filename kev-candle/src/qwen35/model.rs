@@ -167,19 +167,27 @@ pub struct Model {
 impl Model {
     /// Builds the model from `weights` (names relative to the text model).
     pub fn new(cfg: &Config, w: &Weights) -> kev_core::Result<Self> {
-        let embed = w.get_as(
-            "embed_tokens.weight",
-            &[cfg.vocab_size, cfg.hidden_size],
-            w.projection_dtype(),
-        )?;
         // Layers load in parallel: widening, LoRA folding and rounding are CPU work per tensor,
-        // and one thread per layer keeps every core busy (the 4B load is mostly this). A
-        // dispatch count's backend goes with them (it picks the projections' layout).
+        // and one thread per layer keeps every core busy (the 4B load is mostly this). The
+        // embedding table, the largest single tensor, loads beside them rather than before. A
+        // dispatch count's backend goes with the layers (it picks the projections' layout).
         let backend = dispatch::counting_for();
-        let layers = (0..cfg.num_hidden_layers)
-            .into_par_iter()
-            .map(|i| dispatch::choose_as(backend, || DecoderLayer::new(cfg, w, i)))
-            .collect::<kev_core::Result<Vec<_>>>()?;
+        let (embed, layers) = rayon::join(
+            || {
+                w.get_as(
+                    "embed_tokens.weight",
+                    &[cfg.vocab_size, cfg.hidden_size],
+                    w.projection_dtype(),
+                )
+            },
+            || {
+                (0..cfg.num_hidden_layers)
+                    .into_par_iter()
+                    .map(|i| dispatch::choose_as(backend, || DecoderLayer::new(cfg, w, i)))
+                    .collect::<kev_core::Result<Vec<_>>>()
+            },
+        );
+        let (embed, layers) = (embed?, layers?);
         let norm =
             ZeroCenteredRmsNorm::new(&w.get("norm.weight", &[cfg.hidden_size])?, cfg.rms_norm_eps)
                 .map_err(|e| kev_core::Error::backend("`norm.weight`", e))?;
