@@ -312,7 +312,7 @@ impl CustomOp3 for CausalConv1dSplit {
     }
 
     cuda_only_cpu_fwd!(
-        "causal-conv1d-split: CUDA and Metal only (`causal_conv1d_split` composes elsewhere)",
+        "causal-conv1d-split: CUDA and Metal only (`causal_conv1d_split` composes on the CPU)",
         _a _la, _b _lb, _c _lc
     );
 
