@@ -25,6 +25,21 @@
 //   3 lengths  [B] u32, real steps per row: the next cache is window rows len .. len+K−2
 //   4 out      [y: B·T·C | next cache: B·(K−1)·C] X                                  output
 //   5 params   ConvCachedParams                                                      set_bytes
+//
+// causal_conv1d_split_{x}_{w}: the records' convs in one dispatch (causal_conv1d.cu's
+// conv_split): the state rows from zeros, then the branch rows, branch b continuing the last K−1
+// real inputs of state row owners[b], read in place. One thread per output element (grid as
+// above over (R·S + B·T)·C). Window row p of state row r is 0 for p < K−1, else xs[r, p − K + 1];
+// of branch b, xb[b, p − K + 1] for p ≥ K−1, else xs[o, e + p − K + 1] (o = owners[b],
+// e = state_lengths[o]) where that step is ≥ 0, else 0: the window the cached form reads after
+// the state row's next cache is copied to the branch, so the same products in the same order.
+//   0 xs             [R·S, C] rows X, row i at i·s_stride                             input
+//   1 xb             [B·T, C] rows X, row i at i·b_stride                             input
+//   2 w              [C, K] W                                                         input
+//   3 state_lengths  [R] u32, the state rows' real steps                              input
+//   4 owners         [B] u32, the state row each branch continues                     input
+//   5 out            [R·S + B·T, C] X: the states' rows, then the branches'           output
+//   6 params         ConvSplitParams                                                  set_bytes
 
 #include <metal_stdlib>
 using namespace metal;
@@ -42,6 +57,17 @@ struct ConvCachedParams {
     uint c;        // channels
     uint k;        // kernel size
     uint x_stride; // elements between rows of x
+};
+
+struct ConvSplitParams {
+    uint r;        // state rows
+    uint s;        // steps per state row
+    uint b;        // branch rows
+    uint t;        // steps per branch row
+    uint c;        // channels
+    uint k;        // kernel size
+    uint s_stride; // elements between rows of xs
+    uint b_stride; // elements between rows of xb
 };
 
 // bf16 travels as ushort: widen by shifting into the high half of an f32.
@@ -128,6 +154,49 @@ inline void conv_cached_impl(
     out[gid] = from_f32<X>(conv_window(x, cache, p, b, lengths[b] + r, c));
 }
 
+template <typename X, typename W>
+inline void conv_split_impl(
+    const device X* xs,
+    const device X* xb,
+    const device W* w,
+    const device uint* state_lengths,
+    const device uint* owners,
+    device X* out,
+    constant ConvSplitParams& p,
+    uint gid
+) {
+    const uint n_state = p.r * p.s * p.c;
+    if (gid >= n_state + p.b * p.t * p.c) {
+        return;
+    }
+    const bool state = gid < n_state;
+    const uint i = state ? gid : gid - n_state;
+    const uint c = i % p.c;
+    const uint token = i / p.c;
+    const uint width = state ? p.s : p.t;
+    const uint t = token % width;
+    const uint row = token / width;
+    const uint owner = state ? row : owners[row];
+    // Where the owner's real inputs end (a branch's window starts before it); 0 for a state row,
+    // whose window starts with zeros.
+    const uint end = state ? 0 : state_lengths[owner];
+    const device W* ws = w + ulong(c) * p.k;
+    float acc = 0.0f;
+    for (uint j = 0; j < p.k; ++j) {
+        const uint q = t + j;
+        float x = 0.0f;
+        if (q >= p.k - 1) {
+            const ulong step = q - (p.k - 1);
+            x = state ? to_f32(xs[(ulong(row) * p.s + step) * p.s_stride + c])
+                      : to_f32(xb[(ulong(row) * p.t + step) * p.b_stride + c]);
+        } else if (end + q >= p.k - 1) {
+            x = to_f32(xs[(ulong(owner) * p.s + end + q - (p.k - 1)) * p.s_stride + c]);
+        }
+        acc += to_f32(ws[j]) * x;
+    }
+    out[gid] = from_f32<X>(acc / (1.0f + exp(-acc)));
+}
+
 #define CONV_ENTRY(XNAME, X, WNAME, W)                                                          \
     kernel void causal_conv1d_##XNAME##_##WNAME(                                                \
         const device X* x [[buffer(0)]],                                                        \
@@ -148,6 +217,18 @@ inline void conv_cached_impl(
         uint gid [[thread_position_in_grid]]                                                    \
     ) {                                                                                         \
         conv_cached_impl<X, W>(x, cache, w, lengths, out, p, gid);                              \
+    }                                                                                           \
+    kernel void causal_conv1d_split_##XNAME##_##WNAME(                                          \
+        const device X* xs [[buffer(0)]],                                                       \
+        const device X* xb [[buffer(1)]],                                                       \
+        const device W* w [[buffer(2)]],                                                        \
+        const device uint* state_lengths [[buffer(3)]],                                         \
+        const device uint* owners [[buffer(4)]],                                                \
+        device X* out [[buffer(5)]],                                                            \
+        constant ConvSplitParams& p [[buffer(6)]],                                              \
+        uint gid [[thread_position_in_grid]]                                                    \
+    ) {                                                                                         \
+        conv_split_impl<X, W>(xs, xb, w, state_lengths, owners, out, p, gid);                   \
     }
 
 #define CONV_ENTRIES(XNAME, X)                                                                  \

@@ -1,6 +1,7 @@
 //! The causal conv1d on Metal (`causal_conv1d.metal`): one thread per output element, the plain
 //! conv over a window and the cached form (window read from the cache and the input in place,
-//! the next cache written beside the output).
+//! the next cache written beside the output), and the split form over records' state and branch
+//! rows in one dispatch.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, Layout, MetalStorage, Result, Shape};
@@ -10,6 +11,7 @@ use crate::backend::metal::{
     as_u32, byte_offset, dispatch, dtype_suffix, input, output, pipeline, Source,
 };
 use crate::layout::rows::row_view;
+use crate::layout::split::SplitBatch;
 
 const SOURCE: Source = Source {
     name: "causal_conv1d",
@@ -167,4 +169,102 @@ pub(crate) fn causal_conv1d_cached(
         CONV_THREADS_PER_GROUP,
     )?;
     Ok(MetalStorage::new(out, dev, n, xs.dtype()))
+}
+
+/// `ConvSplitParams` of causal_conv1d.metal.
+#[repr(C)]
+struct ConvSplitParams {
+    r: u32,
+    s: u32,
+    b: u32,
+    t: u32,
+    c: u32,
+    k: u32,
+    s_stride: u32,
+    b_stride: u32,
+}
+
+// The MSL struct has the same fields; the emulation harness asserts the same size.
+const _: () = assert!(std::mem::size_of::<ConvSplitParams>() == 32);
+
+/// The records' convs in one dispatch (`causal_conv1d_split_*`): the state rows `xs` from zeros,
+/// the branch rows `xb` from their state rows' last K−1 real inputs, read in place; packed
+/// `[R·S + B·T, C]` in the dtype of the inputs.
+pub(crate) fn causal_conv1d_split(
+    split: &SplitBatch,
+    ss: &MetalStorage,
+    sl: &Layout,
+    bs: &MetalStorage,
+    bl: &Layout,
+    ws: &MetalStorage,
+    wl: &Layout,
+) -> Result<MetalStorage> {
+    let channels = sl.dims()[2];
+    let k = wl.dims()[1];
+    if bs.dtype() != ss.dtype() {
+        bail!(
+            "causal-conv1d-split: branches {:?} are not the states' {:?} on Metal",
+            bs.dtype(),
+            ss.dtype()
+        )
+    }
+    let x_suffix = dtype_suffix(ss.dtype(), "causal-conv1d-split x")?;
+    let w_suffix = dtype_suffix(ws.dtype(), "causal-conv1d-split weight")?;
+    let (state_rows, branch_rows) = (
+        row_view(sl, "causal-conv1d-split states")?,
+        row_view(bl, "causal-conv1d-split branches")?,
+    );
+    let w_off = byte_offset(wl, ws.dtype(), "causal-conv1d-split: weight")?;
+    let n = split.tokens() * channels;
+    as_u32(n, "causal-conv1d-split: output elements")?;
+    as_u32(state_rows.span().end, "causal-conv1d-split: state elements")?;
+    as_u32(
+        branch_rows.span().end,
+        "causal-conv1d-split: branch elements",
+    )?;
+    let params = ConvSplitParams {
+        r: as_u32(split.states(), "causal-conv1d-split: state rows")?,
+        s: as_u32(split.state_width(), "causal-conv1d-split: state steps")?,
+        b: as_u32(split.branches(), "causal-conv1d-split: branch rows")?,
+        t: as_u32(split.branch_width(), "causal-conv1d-split: branch steps")?,
+        c: channels as u32,
+        k: as_u32(k, "causal-conv1d-split: K")?,
+        s_stride: as_u32(state_rows.stride, "causal-conv1d-split: state row stride")?,
+        b_stride: as_u32(branch_rows.stride, "causal-conv1d-split: branch row stride")?,
+    };
+    // Metal has no empty buffers: an empty part still gets one (unread) entry.
+    let as_buffer_data = |v: &[usize]| -> Vec<u32> {
+        let v: Vec<u32> = v.iter().map(|&x| x as u32).collect();
+        if v.is_empty() {
+            vec![0]
+        } else {
+            v
+        }
+    };
+    let dev = ss.device().clone();
+    let pipeline = pipeline(
+        &dev,
+        &SOURCE,
+        &format!("causal_conv1d_split_{x_suffix}_{w_suffix}"),
+    )?;
+    let lengths_buf = dev.new_buffer_with_data(&as_buffer_data(split.state_lengths()))?;
+    let owners_buf = dev.new_buffer_with_data(&as_buffer_data(split.owners()))?;
+    let out = dev.new_buffer(n.max(1), ss.dtype(), "causal-conv1d-split out")?;
+    let elem = ss.dtype().size_in_bytes();
+    dispatch(
+        &dev,
+        &pipeline,
+        &[
+            input(ss.buffer(), state_rows.offset * elem),
+            input(bs.buffer(), branch_rows.offset * elem),
+            input(ws.buffer(), w_off),
+            input(&lengths_buf, 0),
+            input(&owners_buf, 0),
+            output(&out, 0),
+        ],
+        &params,
+        n.div_ceil(CONV_THREADS_PER_GROUP),
+        CONV_THREADS_PER_GROUP,
+    )?;
+    Ok(MetalStorage::new(out, dev, n, ss.dtype()))
 }

@@ -302,8 +302,8 @@ fn causal_conv1d_cached_view(
 
 /// The one-pass forward's conv: `[x_state; x_branches]` run as [`causal_conv1d_cached`] would be
 /// run twice (the states from zeros, each branch from its state row's last K−1 real inputs), in
-/// one CUDA launch; inputs rows (possibly strided), `weight: [C, K]`. CUDA only.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// one CUDA launch or Metal dispatch; inputs rows (possibly strided), `weight: [C, K]`. GPU only.
+#[cfg_attr(not(any(feature = "cuda", feature = "metal")), allow(dead_code))]
 struct CausalConv1dSplit(SplitBatch);
 
 impl CustomOp3 for CausalConv1dSplit {
@@ -312,7 +312,7 @@ impl CustomOp3 for CausalConv1dSplit {
     }
 
     cuda_only_cpu_fwd!(
-        "causal-conv1d-split: CUDA only (`causal_conv1d_split` composes elsewhere)",
+        "causal-conv1d-split: CUDA and Metal only (`causal_conv1d_split` composes on the CPU)",
         _a _la, _b _lb, _c _lc
     );
 
@@ -329,14 +329,28 @@ impl CustomOp3 for CausalConv1dSplit {
         let out = cuda::causal_conv1d_split(&self.0, ss, sl, bs, bl, ws, wl)?;
         Ok((out, Shape::from((self.0.tokens(), sl.dims()[2]))))
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        ss: &candle_core::MetalStorage,
+        sl: &Layout,
+        bs: &candle_core::MetalStorage,
+        bl: &Layout,
+        ws: &candle_core::MetalStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let out = metal::causal_conv1d_split(&self.0, ss, sl, bs, bl, ws, wl)?;
+        Ok((out, Shape::from((self.0.tokens(), sl.dims()[2]))))
+    }
 }
 
 /// Records' convs: the states `x_state: [R, S, C]` from zeros, then the branches
 /// `x_branches: [B, T, C]`, each continuing the last K−1 real inputs of its state row (`split`:
 /// lengths and owners). Returns the states' `[R, S, C]` and the branches' `[B, T, C]` (padded
-/// steps included, as [`causal_conv1d_cached`] computes them). On CUDA one launch writing both
-/// into one packed output (the parts are views of it), the state rows' windows read in place;
-/// elsewhere, and where a part is empty, [`causal_conv1d_cached`] on the states from zeros and
+/// steps included, as [`causal_conv1d_cached`] computes them). On CUDA and Metal one launch
+/// writing both into one packed output (the parts are views of it), the state rows' windows read
+/// in place; on the CPU, and where a part is empty, [`causal_conv1d_cached`] on the states from zeros and
 /// on the branches from their state rows' windows: the same products per output, so the same
 /// numbers.
 pub fn causal_conv1d_split(
@@ -375,7 +389,7 @@ fn composed_causal_conv1d_split(
 }
 
 /// [`causal_conv1d_split`]'s one-launch form alone (its checks first), packed `[R·S + B·T, C]`:
-/// `None` where it does not run (off CUDA, an empty part). Public through [`crate::testing`],
+/// `None` where it does not run (on the CPU, an empty part). Public through [`crate::testing`],
 /// for the tests that it runs where it should.
 pub fn fused_causal_conv1d_split(
     x_state: &Tensor,
@@ -403,7 +417,7 @@ pub fn fused_causal_conv1d_split(
             weight.dtype()
         )
     }
-    if backend(x_state.device()) != Backend::Cuda || states * s_len == 0 || b_sz * t_len == 0 {
+    if backend(x_state.device()) == Backend::Cpu || states * s_len == 0 || b_sz * t_len == 0 {
         return Ok(None);
     }
     let (state_rows, branch_rows, packed_weight) = (

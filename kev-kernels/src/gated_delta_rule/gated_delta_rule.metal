@@ -24,6 +24,16 @@
 //   5 params  GdrParams                                                 input (set_bytes)
 //
 // Entry points: gated_delta_rule_{f32,bf16,f16}_nk{1,2,4,8} (Dk ≤ 32·NK).
+//
+// The split form (records' state rows, then branch rows continuing them: two dispatches, the
+// second ordered after the first by the buffer it reads) has two more entry points per variant,
+// the same buffers and grid, the state's role changed (GDR_FROM_ZERO, GDR_FROM_OWNER below):
+//   gated_delta_rule_states_*: each row starts from a zero state; state [B, Hv, Dk, Dv] is
+//     output only (the rows' final states).
+//   gated_delta_rule_branches_*: row b starts from state row owners[b] (buffer 6, [B] u32) of
+//     state [R, Hv, Dk, Dv], the states' final states; state is input only, nothing is stored.
+// The arithmetic is the in-place entry's: the numbers of a zero state filled, or of the state
+// rows copied to the branch rows, then the in-place entry.
 
 #include <metal_stdlib>
 using namespace metal;
@@ -59,7 +69,12 @@ template <> inline ushort from_f32<ushort>(float x) {
 
 constant uint SIMD_W = 32;
 
-template <typename T, uint NK>
+// Where a row's initial state comes from and where its final state goes.
+constexpr constant uint GDR_IN_PLACE = 0;   // read state row b, write it back
+constexpr constant uint GDR_FROM_ZERO = 1;  // start from zeros, write state row b
+constexpr constant uint GDR_FROM_OWNER = 2; // start from state row owners[b], store nothing
+
+template <typename T, uint NK, uint MODE>
 inline void gdr_impl(
     const device T* qkv,
     const device float* gb,
@@ -67,6 +82,7 @@ inline void gdr_impl(
     device T* o,
     constant uint* lengths,
     constant GdrParams& p,
+    const device uint* owners,
     uint3 tg,
     uint sg,
     uint sgs,
@@ -82,11 +98,12 @@ inline void gdr_impl(
     const uint channels = 2 * p.hk * p.dk + p.hv * p.dv;
     const uint len = min(lengths[b], p.t);
 
-    device float* s_col = state + (ulong(b) * p.hv + h) * p.dk * p.dv + j;
+    const uint source = MODE == GDR_FROM_OWNER ? owners[b] : b;
+    device float* s_col = state + (ulong(source) * p.hv + h) * p.dk * p.dv + j;
     float s[NK];
     for (uint r = 0; r < NK; ++r) {
         const uint i = lane + SIMD_W * r;
-        s[r] = i < p.dk ? s_col[ulong(i) * p.dv] : 0.0f;
+        s[r] = MODE != GDR_FROM_ZERO && i < p.dk ? s_col[ulong(i) * p.dv] : 0.0f;
     }
 
     for (uint t = 0; t < len; ++t) {
@@ -143,7 +160,7 @@ inline void gdr_impl(
 
     for (uint r = 0; r < NK; ++r) {
         const uint i = lane + SIMD_W * r;
-        if (i < p.dk) {
+        if (MODE != GDR_FROM_OWNER && i < p.dk) {
             s_col[ulong(i) * p.dv] = s[r];
         }
     }
@@ -162,7 +179,39 @@ inline void gdr_impl(
         uint sgs [[simdgroups_per_threadgroup]],                                                \
         uint lane [[thread_index_in_simdgroup]]                                                 \
     ) {                                                                                         \
-        gdr_impl<T, NK>(qkv, gb, state, o, lengths, p, tg, sg, sgs, lane);                      \
+        gdr_impl<T, NK, GDR_IN_PLACE>(qkv, gb, state, o, lengths, p, nullptr, tg, sg, sgs,      \
+                                      lane);                                                    \
+    }                                                                                           \
+    kernel void gated_delta_rule_states_##TNAME##_nk##NK(                                       \
+        const device T* qkv [[buffer(0)]],                                                      \
+        const device float* gb [[buffer(1)]],                                                   \
+        device float* state [[buffer(2)]],                                                      \
+        device T* o [[buffer(3)]],                                                              \
+        constant uint* lengths [[buffer(4)]],                                                   \
+        constant GdrParams& p [[buffer(5)]],                                                    \
+        uint3 tg [[threadgroup_position_in_grid]],                                              \
+        uint sg [[simdgroup_index_in_threadgroup]],                                             \
+        uint sgs [[simdgroups_per_threadgroup]],                                                \
+        uint lane [[thread_index_in_simdgroup]]                                                 \
+    ) {                                                                                         \
+        gdr_impl<T, NK, GDR_FROM_ZERO>(qkv, gb, state, o, lengths, p, nullptr, tg, sg, sgs,     \
+                                       lane);                                                   \
+    }                                                                                           \
+    kernel void gated_delta_rule_branches_##TNAME##_nk##NK(                                     \
+        const device T* qkv [[buffer(0)]],                                                      \
+        const device float* gb [[buffer(1)]],                                                   \
+        device float* state [[buffer(2)]],                                                      \
+        device T* o [[buffer(3)]],                                                              \
+        constant uint* lengths [[buffer(4)]],                                                   \
+        constant GdrParams& p [[buffer(5)]],                                                    \
+        const device uint* owners [[buffer(6)]],                                                \
+        uint3 tg [[threadgroup_position_in_grid]],                                              \
+        uint sg [[simdgroup_index_in_threadgroup]],                                             \
+        uint sgs [[simdgroups_per_threadgroup]],                                                \
+        uint lane [[thread_index_in_simdgroup]]                                                 \
+    ) {                                                                                         \
+        gdr_impl<T, NK, GDR_FROM_OWNER>(qkv, gb, state, o, lengths, p, owners, tg, sg, sgs,     \
+                                        lane);                                                  \
     }
 
 #define GDR_ENTRIES(TNAME, T)                                                                   \
@@ -207,7 +256,8 @@ GDR_ENTRIES(f16, half)
 //   stage [SG][C][8]  each simdgroup's staging of v, o and state tiles to and from device memory
 // Buffers 0–5 as the recurrent kernel's.
 //
-// Entry points: gated_delta_rule_chunked_{f32,bf16,f16}_dk{32,64,128} (Dk ≤ the suffix).
+// Entry points: gated_delta_rule_chunked_{f32,bf16,f16}_dk{32,64,128} (Dk ≤ the suffix), and the
+// split form's gated_delta_rule_chunked_{states,branches}_* as the recurrent kernel's above.
 
 // Steps per chunk. 16 so that the chunk's q̂ and k̂ at Dk = 128 (2·16·128 f32) and the rest
 // (about 7 KiB with 4 simdgroups) fit in 32 KiB, every Apple GPU's threadgroup memory.
@@ -243,7 +293,7 @@ inline void gdrc_chunk_product(
     }
 }
 
-template <typename T, uint KT>
+template <typename T, uint KT, uint MODE>
 inline void gdrc_impl(
     const device T* qkv,
     const device float* gb,
@@ -251,6 +301,7 @@ inline void gdrc_impl(
     device T* o,
     constant uint* lengths,
     constant GdrParams& p,
+    const device uint* owners,
     threadgroup float* shared,
     uint3 tg,
     uint sg,
@@ -287,7 +338,8 @@ inline void gdrc_impl(
     const uint kh = h / (p.hv / p.hk);
     const uint channels = 2 * p.hk * p.dk + p.hv * p.dv;
     const uint len = min(lengths[b], p.t);
-    device float* s_head = state + (ulong(b) * p.hv + h) * p.dk * p.dv;
+    const uint source = MODE == GDR_FROM_OWNER ? owners[b] : b;
+    device float* s_head = state + (ulong(source) * p.hv + h) * p.dk * p.dv;
 
     // The slab of the state, 8 rows a matrix; rows ≥ Dk and columns ≥ Dv held as 0.
     simdgroup_float8x8 s[KT];
@@ -296,7 +348,8 @@ inline void gdrc_impl(
             for (uint e = lane; e < 64; e += SIMD_W) {
                 const uint i = r * 8 + e / 8;
                 const uint j = j0 + e % 8;
-                stage[e] = i < p.dk && j < p.dv ? s_head[ulong(i) * p.dv + j] : 0.0f;
+                stage[e] = MODE != GDR_FROM_ZERO && i < p.dk && j < p.dv ? s_head[ulong(i) * p.dv + j]
+                                                                          : 0.0f;
             }
             simdgroup_barrier(mem_flags::mem_threadgroup);
             simdgroup_load(s[r], stage, 8);
@@ -529,7 +582,7 @@ inline void gdrc_impl(
             for (uint e = lane; e < 64; e += SIMD_W) {
                 const uint i = r * 8 + e / 8;
                 const uint j = j0 + e % 8;
-                if (i < p.dk && j < p.dv) {
+                if (MODE != GDR_FROM_OWNER && i < p.dk && j < p.dv) {
                     s_head[ulong(i) * p.dv + j] = stage[e];
                 }
             }
@@ -538,22 +591,33 @@ inline void gdrc_impl(
     }
 }
 
-#define GDRC_ENTRY(TNAME, T, DK)                                                                \
-    kernel void gated_delta_rule_chunked_##TNAME##_dk##DK(                                      \
+#define GDRC_ENTRY_AS(NAME, T, DK, MODE, OWNERS_PARAM, OWNERS)                                 \
+    kernel void NAME(                                                                           \
         const device T* qkv [[buffer(0)]],                                                      \
         const device float* gb [[buffer(1)]],                                                   \
         device float* state [[buffer(2)]],                                                      \
         device T* o [[buffer(3)]],                                                              \
         constant uint* lengths [[buffer(4)]],                                                   \
         constant GdrParams& p [[buffer(5)]],                                                    \
+        OWNERS_PARAM                                                                            \
         threadgroup float* shared [[threadgroup(0)]],                                           \
         uint3 tg [[threadgroup_position_in_grid]],                                              \
         uint sg [[simdgroup_index_in_threadgroup]],                                             \
         uint sgs [[simdgroups_per_threadgroup]],                                                \
         uint lane [[thread_index_in_simdgroup]]                                                 \
     ) {                                                                                         \
-        gdrc_impl<T, DK / 8>(qkv, gb, state, o, lengths, p, shared, tg, sg, sgs, lane);         \
+        gdrc_impl<T, DK / 8, MODE>(qkv, gb, state, o, lengths, p, OWNERS, shared, tg, sg, sgs,  \
+                                   lane);                                                       \
     }
+
+#define GDRC_OWNERS_BUFFER const device uint* owners [[buffer(6)]],
+
+#define GDRC_ENTRY(TNAME, T, DK)                                                                \
+    GDRC_ENTRY_AS(gated_delta_rule_chunked_##TNAME##_dk##DK, T, DK, GDR_IN_PLACE, , nullptr)    \
+    GDRC_ENTRY_AS(gated_delta_rule_chunked_states_##TNAME##_dk##DK, T, DK, GDR_FROM_ZERO, ,     \
+                  nullptr)                                                                      \
+    GDRC_ENTRY_AS(gated_delta_rule_chunked_branches_##TNAME##_dk##DK, T, DK, GDR_FROM_OWNER,    \
+                  GDRC_OWNERS_BUFFER, owners)
 
 #define GDRC_ENTRIES(TNAME, T)                                                                  \
     GDRC_ENTRY(TNAME, T, 32)                                                                    \

@@ -1,13 +1,15 @@
 //! The gated delta rule on Metal (`gated_delta_rule.metal`): step by step, one 32-lane simdgroup
 //! per (row, value head, state column) with the state in registers; or chunked (the UT/WY form,
 //! chunks of 16 steps) on the simdgroup matrix units, one simdgroup per 8 state columns, for long
-//! bf16/f16 calls ([`METAL_CHUNKED_MIN_LEN`]).
+//! bf16/f16 calls ([`METAL_CHUNKED_MIN_LEN`]); and the split form, the records' state rows from
+//! zero states then their branch rows from the states' final states, in two dispatches.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, DType, Layout, MetalStorage, Result};
+use candle_core::{bail, DType, Layout, MetalDevice, MetalStorage, Result, Shape};
+use candle_metal_kernels::metal::Buffer;
 use objc2_metal::{MTLComputePipelineState, MTLSize};
 
-use super::op::{GatedDeltaRule, GdrDims, METAL_CHUNKED_MIN_LEN};
+use super::op::{GatedDeltaRule, GatedDeltaRuleSplit, GdrDims, METAL_CHUNKED_MIN_LEN};
 use crate::backend::cuda::sources::L2NORM_EPS;
 use crate::backend::metal::{as_u32, byte_offset, dtype_suffix, pipeline, Source, SET_BYTES_LIMIT};
 
@@ -90,13 +92,6 @@ pub(crate) fn gated_delta_rule(
     gates: &MetalStorage,
     gl: &Layout,
 ) -> Result<()> {
-    let GdrDims {
-        num_k_heads: hk,
-        num_v_heads: hv,
-        head_k_dim: dk,
-        head_v_dim: dv,
-    } = op.dims;
-    let (b_sz, seq_len) = (op.b_sz, op.seq_len);
     if state.dtype() != DType::F32 || gates.dtype() != DType::F32 {
         bail!("gated-delta-rule: state and gates must be f32")
     }
@@ -107,16 +102,86 @@ pub(crate) fn gated_delta_rule(
             op.out_dtype
         )
     }
-    let suffix = dtype_suffix(qkv.dtype(), "gated-delta-rule qkv")?;
-    // The chunked kernel where the op asks for it and Dk has a variant (an empty sequence has no
-    // chunk to run), as CUDA chooses.
+    if op.lengths.len() != op.b_sz {
+        bail!(
+            "gated-delta-rule: {} lengths for a batch of {}",
+            op.lengths.len(),
+            op.b_sz
+        )
+    }
+    let dev = state.device().clone();
+    let o_elems = op.b_sz * op.seq_len * op.dims.num_v_heads * op.dims.head_v_dim;
+    let o = dev.new_buffer(o_elems.max(1), op.out_dtype, "gated-delta-rule o")?;
+    let pass = Pass {
+        b_sz: op.b_sz,
+        seq_len: op.seq_len,
+        lengths: &op.lengths,
+        chunked: op.chunked_from(METAL_CHUNKED_MIN_LEN),
+        qkv: (
+            qkv.buffer(),
+            byte_offset(ql, qkv.dtype(), "gated-delta-rule: qkv")?,
+        ),
+        gates: (
+            gates.buffer(),
+            byte_offset(gl, DType::F32, "gated-delta-rule: gates")?,
+        ),
+        state: (
+            state.buffer(),
+            byte_offset(sl, DType::F32, "gated-delta-rule: state")?,
+        ),
+        o: (&o, 0),
+        role: StateRole::InPlace,
+    };
+    encode(&dev, op.dims, qkv.dtype(), &pass)?;
+    op.set_output(candle_core::Storage::Metal(MetalStorage::new(
+        o,
+        dev,
+        o_elems,
+        op.out_dtype,
+    )));
+    Ok(())
+}
+
+/// What a dispatch does with the state buffer (the kernel's `GDR_*` modes).
+enum StateRole<'a> {
+    /// Each row starts from its state row and writes the final state back.
+    InPlace,
+    /// Each row starts from zeros and writes its final state (the split form's state rows).
+    FromZero,
+    /// Row b starts from state row `owners[b]` and stores nothing (the split form's branches).
+    FromOwner(&'a Buffer),
+}
+
+/// One dispatch of the recurrence: a buffer and byte offset per operand.
+struct Pass<'a> {
+    b_sz: usize,
+    seq_len: usize,
+    /// Real steps per row.
+    lengths: &'a [u32],
+    /// Whether the op asks for the chunked kernel (it runs where Dk has a variant).
+    chunked: bool,
+    qkv: (&'a Buffer, usize),
+    gates: (&'a Buffer, usize),
+    state: (&'a Buffer, usize),
+    o: (&'a Buffer, usize),
+    role: StateRole<'a>,
+}
+
+/// Encodes `pass` (nothing for an empty output): the chunked kernel where it asks for it and Dk
+/// has a variant (an empty sequence has no chunk to run), as CUDA chooses, else step by step.
+fn encode(dev: &MetalDevice, dims: GdrDims, dtype: DType, pass: &Pass<'_>) -> Result<()> {
+    let GdrDims {
+        num_k_heads: hk,
+        num_v_heads: hv,
+        head_k_dim: dk,
+        head_v_dim: dv,
+    } = dims;
+    let (b_sz, seq_len) = (pass.b_sz, pass.seq_len);
+    let suffix = dtype_suffix(dtype, "gated-delta-rule qkv")?;
     let chunked_dk = CHUNKED_HEAD_K_DIMS
         .into_iter()
         .find(|&d| d >= dk)
-        .filter(|_| op.chunked_from(METAL_CHUNKED_MIN_LEN) && seq_len > 0);
-    let q_off = byte_offset(ql, qkv.dtype(), "gated-delta-rule: qkv")?;
-    let g_off = byte_offset(gl, DType::F32, "gated-delta-rule: gates")?;
-    let s_off = byte_offset(sl, DType::F32, "gated-delta-rule: state")?;
+        .filter(|_| pass.chunked && seq_len > 0);
     let o_elems = b_sz * seq_len * hv * dv;
     let params = GdrParams {
         b: as_u32(b_sz, "gated-delta-rule: batch")?,
@@ -128,34 +193,35 @@ pub(crate) fn gated_delta_rule(
         scale: 1.0 / (dk as f32).sqrt(),
         eps: L2NORM_EPS,
     };
-    if op.lengths.len() != b_sz {
-        bail!(
-            "gated-delta-rule: {} lengths for a batch of {b_sz}",
-            op.lengths.len()
-        )
-    }
+    let role = match pass.role {
+        StateRole::InPlace => "",
+        StateRole::FromZero => "states_",
+        StateRole::FromOwner(_) => "branches_",
+    };
 
     // (entry point, threadgroups along x, threads per threadgroup, threadgroup memory)
     let (entry, groups_x, threads, threadgroup_bytes) = match chunked_dk {
         Some(dk_padded) => {
             let simdgroups = CHUNKED_COLUMNS_PER_GROUP / CHUNKED_COLUMNS_PER_SIMDGROUP;
             (
-                format!("gated_delta_rule_chunked_{suffix}_dk{dk_padded}"),
+                format!("gated_delta_rule_chunked_{role}{suffix}_dk{dk_padded}"),
                 dv.div_ceil(CHUNKED_COLUMNS_PER_GROUP),
                 SIMD_WIDTH * simdgroups,
                 Some(chunked_threadgroup_bytes(dk_padded, simdgroups)),
             )
         }
         None => (
-            format!("gated_delta_rule_{suffix}_nk{}", gdr_rows_per_lane(dk)?),
+            format!(
+                "gated_delta_rule_{role}{suffix}_nk{}",
+                gdr_rows_per_lane(dk)?
+            ),
             dv.div_ceil(COLUMNS_PER_GROUP),
             SIMD_WIDTH * COLUMNS_PER_GROUP,
             None,
         ),
     };
 
-    let dev = state.device().clone();
-    let pipeline = pipeline(&dev, &SOURCE, &entry)?;
+    let pipeline = pipeline(dev, &SOURCE, &entry)?;
     let width = pipeline.as_ref().threadExecutionWidth();
     if width != SIMD_WIDTH {
         bail!("gated-delta-rule: the kernel needs {SIMD_WIDTH}-wide simdgroups, this GPU runs {width}")
@@ -165,49 +231,153 @@ pub(crate) fn gated_delta_rule(
         bail!("gated-delta-rule: {entry} takes at most {max_threads} threads a threadgroup, it needs {threads}")
     }
     // Everything that allocates comes before the encoder (it holds the command mutex).
-    let o = dev.new_buffer(o_elems.max(1), op.out_dtype, "gated-delta-rule o")?;
-    let lengths_bytes = std::mem::size_of_val(op.lengths.as_slice());
+    let lengths_bytes = std::mem::size_of_val(pass.lengths);
     let lengths_buf = if lengths_bytes > SET_BYTES_LIMIT {
-        Some(dev.new_buffer_with_data(&op.lengths)?)
+        Some(dev.new_buffer_with_data(pass.lengths)?)
     } else {
         None
     };
-    if o_elems > 0 {
-        let guard = dev.command_encoder()?;
-        let enc: &candle_metal_kernels::metal::ComputeCommandEncoder = guard.as_ref();
-        enc.set_compute_pipeline_state(&pipeline);
-        enc.set_input_buffer(0, Some(qkv.buffer()), q_off);
-        enc.set_input_buffer(1, Some(gates.buffer()), g_off);
-        // Read and written: declared as an output, so candle orders this dispatch after earlier
-        // readers and writers of the state.
-        enc.set_output_buffer(2, Some(state.buffer()), s_off);
-        enc.set_output_buffer(3, Some(&o), 0);
-        match &lengths_buf {
-            Some(buf) => enc.set_input_buffer(4, Some(buf), 0),
-            None => enc.set_bytes_directly(4, lengths_bytes, op.lengths.as_ptr().cast()),
-        }
-        enc.set_bytes(5, &params);
-        if let Some(bytes) = threadgroup_bytes {
-            enc.set_threadgroup_memory_length(0, bytes);
-        }
-        enc.dispatch_thread_groups(
-            MTLSize {
-                width: groups_x,
-                height: hv,
-                depth: b_sz,
-            },
-            MTLSize {
-                width: threads,
-                height: 1,
-                depth: 1,
-            },
-        );
+    if o_elems == 0 {
+        return Ok(());
     }
-    op.set_output(candle_core::Storage::Metal(MetalStorage::new(
-        o,
-        dev,
-        o_elems,
-        op.out_dtype,
-    )));
+    let guard = dev.command_encoder()?;
+    let enc: &candle_metal_kernels::metal::ComputeCommandEncoder = guard.as_ref();
+    enc.set_compute_pipeline_state(&pipeline);
+    enc.set_input_buffer(0, Some(pass.qkv.0), pass.qkv.1);
+    enc.set_input_buffer(1, Some(pass.gates.0), pass.gates.1);
+    match pass.role {
+        // Read by the branches' dispatch: declared as an input, so candle orders it after the
+        // states' dispatch that wrote it.
+        StateRole::FromOwner(owners) => {
+            enc.set_input_buffer(2, Some(pass.state.0), pass.state.1);
+            enc.set_input_buffer(6, Some(owners), 0);
+        }
+        // Written (and, in place, read): declared as an output, so candle orders this dispatch
+        // after earlier readers and writers of the state.
+        StateRole::InPlace | StateRole::FromZero => {
+            enc.set_output_buffer(2, Some(pass.state.0), pass.state.1)
+        }
+    }
+    enc.set_output_buffer(3, Some(pass.o.0), pass.o.1);
+    match &lengths_buf {
+        Some(buf) => enc.set_input_buffer(4, Some(buf), 0),
+        None => enc.set_bytes_directly(4, lengths_bytes, pass.lengths.as_ptr().cast()),
+    }
+    enc.set_bytes(5, &params);
+    if let Some(bytes) = threadgroup_bytes {
+        enc.set_threadgroup_memory_length(0, bytes);
+    }
+    enc.dispatch_thread_groups(
+        MTLSize {
+            width: groups_x,
+            height: hv,
+            depth: b_sz,
+        },
+        MTLSize {
+            width: threads,
+            height: 1,
+            depth: 1,
+        },
+    );
     Ok(())
+}
+
+/// The split form ([`super::gated_delta_rule_split`]) in two dispatches writing one packed `o`:
+/// the state rows from zero states into a state buffer of their own, then the branch rows, each
+/// starting from its owner's final state there. Inputs contiguous (`qa` the states' `[R, S, C]`,
+/// `qb` the branches' `[B, T, C]`, `gates` packed `[R·S + B·T, Hv, 2]`); each part takes the
+/// chunked or the step-by-step kernel as [`super::gated_delta_rule`] would for it alone.
+pub(crate) fn gated_delta_rule_split(
+    op: &GatedDeltaRuleSplit,
+    qa: &MetalStorage,
+    la: &Layout,
+    qb: &MetalStorage,
+    lb: &Layout,
+    gates: &MetalStorage,
+    lg: &Layout,
+) -> Result<(MetalStorage, Shape)> {
+    let dims = op.dims;
+    let split = &op.split;
+    let dtype = qa.dtype();
+    if qb.dtype() != dtype || gates.dtype() != DType::F32 {
+        bail!(
+            "gated-delta-rule-split: states {dtype:?} and branches {:?} must share a dtype, gates must be f32 (got {:?})",
+            qb.dtype(),
+            gates.dtype()
+        )
+    }
+    if dims.head_k_dim == 0 || dims.head_v_dim == 0 {
+        bail!("gated-delta-rule-split: empty heads in {dims:?}")
+    }
+    if op.conv.is_some() {
+        bail!("gated-delta-rule-split: the conv runs inside the delta rule on CUDA only")
+    }
+    let (hv, dk, dv) = (dims.num_v_heads, dims.head_k_dim, dims.head_v_dim);
+    let (states, s_len) = (split.states(), split.state_width());
+    let (branches, t_len) = (split.branches(), split.branch_width());
+    let (o_s, o_all) = (states * s_len * hv * dv, split.tokens() * hv * dv);
+    let to_u32 = |v: &[usize], width: usize| -> Vec<u32> {
+        v.iter().map(|&l| l.min(width) as u32).collect()
+    };
+    let (lengths_s, lengths_b) = (
+        to_u32(split.state_lengths(), s_len),
+        to_u32(split.branch_lengths(), t_len),
+    );
+    // Auto's choice per part, as `gated_delta_rule` makes it for that part alone.
+    let chunked = |seq_len: usize| dtype != DType::F32 && seq_len >= METAL_CHUNKED_MIN_LEN;
+    let gates_off = byte_offset(lg, DType::F32, "gated-delta-rule-split: gates")?;
+    let dev = qa.device().clone();
+    // Metal has no empty buffers: the caller runs this with both parts non-empty.
+    let owners: Vec<u32> = split.owners().iter().map(|&o| o as u32).collect();
+    let owners_buf = dev.new_buffer_with_data(&owners)?;
+    let state = dev.new_buffer(
+        (states * hv * dk * dv).max(1),
+        DType::F32,
+        "gated-delta-rule-split states",
+    )?;
+    let o = dev.new_buffer(o_all.max(1), dtype, "gated-delta-rule-split o")?;
+    let elem = dtype.size_in_bytes();
+    encode(
+        &dev,
+        dims,
+        dtype,
+        &Pass {
+            b_sz: states,
+            seq_len: s_len,
+            lengths: &lengths_s,
+            chunked: chunked(s_len),
+            qkv: (
+                qa.buffer(),
+                byte_offset(la, dtype, "gated-delta-rule-split: states")?,
+            ),
+            gates: (gates.buffer(), gates_off),
+            state: (&state, 0),
+            o: (&o, 0),
+            role: StateRole::FromZero,
+        },
+    )?;
+    encode(
+        &dev,
+        dims,
+        dtype,
+        &Pass {
+            b_sz: branches,
+            seq_len: t_len,
+            lengths: &lengths_b,
+            chunked: chunked(t_len),
+            qkv: (
+                qb.buffer(),
+                byte_offset(lb, dtype, "gated-delta-rule-split: branches")?,
+            ),
+            gates: (
+                gates.buffer(),
+                gates_off + states * s_len * hv * 2 * DType::F32.size_in_bytes(),
+            ),
+            state: (&state, 0),
+            o: (&o, o_s * elem),
+            role: StateRole::FromOwner(&owners_buf),
+        },
+    )?;
+    let shape = Shape::from((split.tokens(), hv, dv));
+    Ok((MetalStorage::new(o, dev, o_all, dtype), shape))
 }

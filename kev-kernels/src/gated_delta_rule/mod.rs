@@ -28,7 +28,7 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Te
 
 use crate::backend::cuda::cuda_gpu;
 use crate::causal_conv1d::causal_conv1d_split;
-use crate::dispatch::{self, backend, counted_zeros, record, CountedTensor};
+use crate::dispatch::{self, backend, counted_zeros, record, Backend, CountedTensor};
 use crate::layout::rows::{as_row_view, RowView};
 use crate::layout::split::SplitBatch;
 use op::{check, GatedDeltaRule, GatedDeltaRuleSplit};
@@ -42,7 +42,10 @@ impl candle_core::CustomOp3 for GatedDeltaRuleSplit {
         "gated-delta-rule-split"
     }
 
-    cuda_only_cpu_fwd!("gated-delta-rule-split runs on CUDA only", _a _la, _b _lb, _c _lc);
+    cuda_only_cpu_fwd!(
+        "gated-delta-rule-split runs on CUDA and Metal only",
+        _a _la, _b _lb, _c _lc
+    );
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -55,6 +58,19 @@ impl candle_core::CustomOp3 for GatedDeltaRuleSplit {
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         cuda::gated_delta_rule_split(self, qa, la, qb, lb, gates, lg)
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        qa: &candle_core::MetalStorage,
+        la: &Layout,
+        qb: &candle_core::MetalStorage,
+        lb: &Layout,
+        gates: &candle_core::MetalStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        metal::gated_delta_rule_split(self, qa, la, qb, lb, gates, lg)
     }
 }
 
@@ -72,8 +88,11 @@ impl candle_core::CustomOp3 for GatedDeltaRuleSplit {
 /// eight (a zero state, two preparations, two scans, the states copied to the branch rows, two
 /// copies joining the outputs): one preparation grid for both parts, the states' scan from zero,
 /// then the branches' scan reading its state row's final state in place; both write one packed
-/// output, with the same kernels, blocks and sums as the composition. Elsewhere the two
-/// [`gated_delta_rule`] calls.
+/// output, with the same kernels, blocks and sums as the composition. On Metal two dispatches
+/// where the composition takes six (a zero state, two delta rules, the gather, two copies
+/// joining the outputs): the states' from zero states, then the branches' from their state
+/// rows' final states, read in place, both into one packed output, each with the kernel the
+/// composition would choose for it. On the CPU the two [`gated_delta_rule`] calls.
 ///
 /// Errors name what does not fit: shapes against `split`, head counts (Hv a multiple of Hk > 0),
 /// the two parts' dtypes, gates other than f32.
@@ -143,10 +162,16 @@ pub fn fused_gated_delta_rule_split(
         branch_qkv.counted_contiguous()?,
         gates.counted_contiguous()?,
     );
-    // A preparation over both parts, then a scan per part (`cuda::gated_delta_rule_split`).
+    // CUDA: a preparation over both parts, then a scan per part (`cuda::gated_delta_rule_split`);
+    // Metal: a dispatch per part (`metal::gated_delta_rule_split`).
+    let launches = if backend(state_qkv.device()) == Backend::Metal {
+        2
+    } else {
+        3
+    };
     let out = dispatch::launch(
         name,
-        3,
+        launches,
         state_qkv.device(),
         || packed_state.apply_op3_no_bwd(&packed_branches, &packed_gates, &op),
         || composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split),
@@ -220,7 +245,13 @@ pub fn fused_conv_gated_delta_rule_split(
     let heads_fit = dims.num_v_heads == dims.num_k_heads
         && dims.head_k_dim.is_multiple_of(4)
         && dims.head_v_dim.is_multiple_of(4);
-    if !heads_fit || k != 4 || !split_applies(name, state_raw, branch_raw, gates, dims, split)? {
+    // CUDA only: Metal runs the conv and the delta rule as their own split forms.
+    let cuda = backend(state_raw.device()) == Backend::Cuda;
+    if !split_applies(name, state_raw, branch_raw, gates, dims, split)?
+        || !cuda
+        || !heads_fit
+        || k != 4
+    {
         return Ok(None);
     }
     let (state_rows, branch_rows, packed_weight) = (
@@ -301,9 +332,13 @@ fn split_applies(
         && fused_split_applies(state_qkv, dims, s_len, width))
 }
 
-/// Whether [`gated_delta_rule_split`] has its fused form here: the conditions under which
+/// Whether [`gated_delta_rule_split`] has its fused form here: on Metal always (each part takes
+/// the kernel [`gated_delta_rule`] would), on CUDA under the conditions under which
 /// [`gated_delta_rule`] would run both parts on the chunked tensor-core kernels.
 fn fused_split_applies(x: &Tensor, dims: GdrDims, s_len: usize, width: usize) -> bool {
+    if backend(x.device()) == Backend::Metal {
+        return true;
+    }
     x.dtype() != DType::F32
         && cuda_gpu(x.device()).is_some_and(|gpu| gpu.tensor_cores)
         && dims.head_k_dim.max(dims.head_v_dim) <= 128

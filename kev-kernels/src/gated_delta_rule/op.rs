@@ -65,9 +65,9 @@ impl GdrDims {
 }
 
 /// The op of [`gated_delta_rule_split`] and [`conv_gated_delta_rule_split`]: inputs the states'
-/// `[q | k | v]` rows, the branches' and the packed gates; output the packed `o`. CUDA only:
-/// elsewhere the wrappers compose the per-part calls.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// `[q | k | v]` rows, the branches' and the packed gates; output the packed `o`. CUDA and Metal
+/// only: on the CPU the wrappers compose the per-part calls.
+#[cfg_attr(not(any(feature = "cuda", feature = "metal")), allow(dead_code))]
 pub(crate) struct GatedDeltaRuleSplit {
     pub(crate) dims: GdrDims,
     pub(crate) split: SplitBatch,

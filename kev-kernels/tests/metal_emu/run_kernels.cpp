@@ -1317,6 +1317,279 @@ static void conv_cached_tests() {
     conv_cached_case<half, half>(2, 5, 20, 4, 33, {3, 5});
 }
 
+
+// ---------------------------------------------------------------- the split forms
+// The records' state rows and the branch rows continuing them, as src/causal_conv1d/metal.rs and
+// src/gated_delta_rule/metal.rs launch them, against the composition they replace run through
+// the per-part kernels above (states from zeros, the states' next caches or final states copied
+// to their branch rows, the branches from those): the same products in the same order, so the
+// same bits; and the tolerances of the brief besides (f32 1e-6, 16-bit one rounding).
+struct SplitShape {
+    std::vector<uint> state_len; // R rows of S steps
+    uint s;
+    std::vector<uint> branch_len; // B rows of T steps
+    uint t;
+    std::vector<uint> owners;
+    uint r() const { return uint(state_len.size()); }
+    uint b() const { return uint(branch_len.size()); }
+};
+
+static std::string split_name(const std::string& tag, const SplitShape& sp) {
+    std::string n = tag + " R=" + std::to_string(sp.r()) + " S=" + std::to_string(sp.s) +
+                    " B=" + std::to_string(sp.b()) + " T=" + std::to_string(sp.t) + " owners=";
+    for (uint o : sp.owners) n += std::to_string(o);
+    return n;
+}
+
+static_assert(sizeof(conv::ConvSplitParams) == 32, "ConvSplitParams layout");
+template <class X, class W> struct ConvSplitEntry;
+#define CONV_SPLIT_TABLE(XN, X, WN, W)                                                         \
+    template <> struct ConvSplitEntry<X, W> {                                                  \
+        static constexpr auto fn = conv::causal_conv1d_split_##XN##_##WN;                      \
+    };
+CONV_SPLIT_TABLE(f32, float, f32, float)
+CONV_SPLIT_TABLE(bf16, ushort, bf16, ushort)
+CONV_SPLIT_TABLE(f16, half, f16, half)
+
+/// The split conv: state rows xs (stride ss) and branch rows xb (stride bs) of C channels, K taps.
+template <class X> static void conv_split_case(const SplitShape& sp, uint c, uint k, uint ss, uint bs) {
+    const std::string tag = std::string("causal_conv1d_split_") + Dt<X>::name;
+    const uint R = sp.r(), S = sp.s, B = sp.b(), T = sp.t;
+    const auto xs_f = patterned(size_t(R) * S * ss, 0.3f, 2.0f);
+    const auto xb_f = patterned(size_t(B) * T * bs, 1.1f, 2.0f);
+    const auto w_f = patterned(size_t(c) * k, 2.4f, 0.5f);
+    auto xs = upload<X>(xs_f, nullptr);
+    auto xb = upload<X>(xb_f, nullptr);
+    auto w = upload<X>(w_f, nullptr);
+    Buf<uint> state_len(R), owners(B);
+    for (uint i = 0; i < R; ++i) state_len[i] = sp.state_len[i];
+    for (uint i = 0; i < B; ++i) owners[i] = sp.owners[i];
+    const size_t n_s = size_t(R) * S * c, n = n_s + size_t(B) * T * c;
+    Buf<X> out(n);
+    const conv::ConvSplitParams p{R, S, B, T, c, k, ss, bs};
+    flat_dispatch(uint(n), [&](uint gid) {
+        ConvSplitEntry<X, X>::fn(xs.data(), xb.data(), w.data(), state_len.data(), owners.data(),
+                                 out.data(), p, gid);
+    });
+    xs.check(tag + " xs");
+    xb.check(tag + " xb");
+    state_len.check(tag + " state lengths");
+    owners.check(tag + " owners");
+    const auto got = download(out, tag + " out");
+
+    // The composition: the cached kernel on the states from a zero cache, each state row's next
+    // cache copied to its branch rows, the cached kernel on the branches from those.
+    std::vector<double> composed;
+    Buf<X> zeros(size_t(R) * (k - 1) * c);
+    for (size_t i = 0; i < zeros.n; ++i) zeros[i] = Dt<X>::from(0.0f);
+    const size_t ny_s = n_s, nn_s = size_t(R) * (k - 1) * c;
+    Buf<X> out_s(ny_s + nn_s);
+    const conv::ConvCachedParams ps{R, S, c, k, ss};
+    flat_dispatch(uint(ny_s + nn_s), [&](uint gid) {
+        ConvCachedEntry<X, X>::fn(xs.data(), zeros.data(), w.data(), state_len.data(), out_s.data(),
+                                  ps, gid);
+    });
+    const auto got_s = download(out_s, tag + " composed states");
+    composed.insert(composed.end(), got_s.begin(), got_s.begin() + ny_s);
+    Buf<X> cache_b(size_t(B) * (k - 1) * c);
+    for (uint b = 0; b < B; ++b)
+        for (size_t i = 0; i < size_t(k - 1) * c; ++i)
+            cache_b[size_t(b) * (k - 1) * c + i] = out_s[ny_s + size_t(sp.owners[b]) * (k - 1) * c + i];
+    Buf<uint> branch_len(B);
+    for (uint i = 0; i < B; ++i) branch_len[i] = sp.branch_len[i];
+    const size_t ny_b = size_t(B) * T * c, nn_b = size_t(B) * (k - 1) * c;
+    Buf<X> out_b(ny_b + nn_b);
+    const conv::ConvCachedParams pb{B, T, c, k, bs};
+    flat_dispatch(uint(ny_b + nn_b), [&](uint gid) {
+        ConvCachedEntry<X, X>::fn(xb.data(), cache_b.data(), w.data(), branch_len.data(), out_b.data(),
+                                  pb, gid);
+    });
+    const auto got_b = download(out_b, tag + " composed branches");
+    composed.insert(composed.end(), got_b.begin(), got_b.begin() + ny_b);
+
+    const std::string name = split_name(tag, sp) + " C=" + std::to_string(c) + " K=" + std::to_string(k);
+    compare(name + " vs composed", got, composed, F32_ABS, Dt<X>::rel);
+    expect_identical(name + " vs composed", got, composed);
+}
+
+static void conv_split_tests() {
+    // Padded states (one shorter than the window, one empty), branches out of order.
+    conv_split_case<float>({{9, 2, 0}, 9, {5, 3, 5, 1}, 5, {1, 0, 2, 1}}, 24, 4, 40, 30);
+    conv_split_case<float>({{37}, 37, {1, 1}, 1, {0, 0}}, 16, 4, 16, 20);
+    conv_split_case<float>({{6, 11}, 11, {7, 7, 7}, 7, {1, 1, 0}}, 33, 3, 50, 33);
+    conv_split_case<ushort>({{9, 2}, 9, {5, 3, 5}, 5, {1, 0, 1}}, 24, 4, 28, 24);
+    conv_split_case<half>({{13, 5, 8}, 13, {4, 4, 2, 4}, 4, {2, 0, 1, 2}}, 20, 4, 33, 21);
+}
+
+template <class T> struct GdrSplitEntries;
+#define GDR_SPLIT_TABLE(TN, T)                                                                 \
+    template <> struct GdrSplitEntries<T> {                                                    \
+        using Rec = decltype(&gdr::gated_delta_rule_states_##TN##_nk1);                        \
+        using Chunk = decltype(&gdr::gated_delta_rule_chunked_states_##TN##_dk32);             \
+        static Rec rec(uint nk) {                                                              \
+            switch (nk) {                                                                      \
+            case 1: return gdr::gated_delta_rule_states_##TN##_nk1;                            \
+            case 2: return gdr::gated_delta_rule_states_##TN##_nk2;                            \
+            case 4: return gdr::gated_delta_rule_states_##TN##_nk4;                            \
+            case 8: return gdr::gated_delta_rule_states_##TN##_nk8;                            \
+            }                                                                                  \
+            emu::fail("no split gated_delta_rule variant for NK " + std::to_string(nk));       \
+        }                                                                                      \
+        using RecB = decltype(&gdr::gated_delta_rule_branches_##TN##_nk1);                     \
+        static RecB rec_branches(uint nk) {                                                    \
+            switch (nk) {                                                                      \
+            case 1: return gdr::gated_delta_rule_branches_##TN##_nk1;                          \
+            case 2: return gdr::gated_delta_rule_branches_##TN##_nk2;                          \
+            case 4: return gdr::gated_delta_rule_branches_##TN##_nk4;                          \
+            case 8: return gdr::gated_delta_rule_branches_##TN##_nk8;                          \
+            }                                                                                  \
+            emu::fail("no split gated_delta_rule variant for NK " + std::to_string(nk));       \
+        }                                                                                      \
+        static Chunk chunk(uint dkp) {                                                         \
+            switch (dkp) {                                                                     \
+            case 32: return gdr::gated_delta_rule_chunked_states_##TN##_dk32;                  \
+            case 64: return gdr::gated_delta_rule_chunked_states_##TN##_dk64;                  \
+            case 128: return gdr::gated_delta_rule_chunked_states_##TN##_dk128;                \
+            }                                                                                  \
+            emu::fail("no split chunked variant for Dk " + std::to_string(dkp));               \
+        }                                                                                      \
+        using ChunkB = decltype(&gdr::gated_delta_rule_chunked_branches_##TN##_dk32);          \
+        static ChunkB chunk_branches(uint dkp) {                                               \
+            switch (dkp) {                                                                     \
+            case 32: return gdr::gated_delta_rule_chunked_branches_##TN##_dk32;                \
+            case 64: return gdr::gated_delta_rule_chunked_branches_##TN##_dk64;                \
+            case 128: return gdr::gated_delta_rule_chunked_branches_##TN##_dk128;              \
+            }                                                                                  \
+            emu::fail("no split chunked variant for Dk " + std::to_string(dkp));               \
+        }                                                                                      \
+    };
+GDR_SPLIT_TABLE(f32, float)
+GDR_SPLIT_TABLE(bf16, ushort)
+GDR_SPLIT_TABLE(f16, half)
+
+/// One part's dispatch of the split delta rule as metal.rs encodes it: the states' (from zero
+/// states, `owners` null) or the branches' (from state rows `owners[b]`), Auto's kernel choice
+/// for the part's width. Returns whether it ran chunked.
+template <class T>
+static bool gdr_split_part(const GdrShape& s, T* qkv, float* gb, float* state, T* o, uint* lengths,
+                           uint* owners) {
+    const bool chunked = gdr_auto_chunked<T>(s) && s.t > 0;
+    const gdr::GdrParams p{s.b, s.t, s.hk, s.hv, s.dk, s.dv, 1.0f / std::sqrt(float(s.dk)), 1e-6f};
+    using E = GdrSplitEntries<T>;
+    if (chunked) {
+        const uint dkp = gdrc_dk_variant(s.dk), simdgroups = GDRC_COLS / 8;
+        const uint3 groups = {(s.dv + GDRC_COLS - 1) / GDRC_COLS, s.hv, s.b};
+        const uint3 tg = {SIMD_W * simdgroups, 1, 1};
+        emu::dispatch_thread_groups(
+            groups, tg,
+            [&](const emu::Ids& id) {
+                float* shared = reinterpret_cast<float*>(id.threadgroup_memory);
+                if (owners) {
+                    E::chunk_branches(dkp)(qkv, gb, state, o, lengths, p, owners, shared,
+                                           id.threadgroup_position_in_grid,
+                                           id.simdgroup_index_in_threadgroup,
+                                           id.simdgroups_per_threadgroup, id.thread_index_in_simdgroup);
+                } else {
+                    E::chunk(dkp)(qkv, gb, state, o, lengths, p, shared, id.threadgroup_position_in_grid,
+                                  id.simdgroup_index_in_threadgroup, id.simdgroups_per_threadgroup,
+                                  id.thread_index_in_simdgroup);
+                }
+            },
+            gdrc_threadgroup_bytes(dkp, simdgroups));
+    } else {
+        const uint nk = gdr_nk(s.dk);
+        const uint3 groups = {(s.dv + GDR_COLS - 1) / GDR_COLS, s.hv, s.b};
+        const uint3 tg = {SIMD_W * GDR_COLS, 1, 1};
+        emu::dispatch_thread_groups(groups, tg, [&](const emu::Ids& id) {
+            if (owners) {
+                E::rec_branches(nk)(qkv, gb, state, o, lengths, p, owners,
+                                    id.threadgroup_position_in_grid, id.simdgroup_index_in_threadgroup,
+                                    id.simdgroups_per_threadgroup, id.thread_index_in_simdgroup);
+            } else {
+                E::rec(nk)(qkv, gb, state, o, lengths, p, id.threadgroup_position_in_grid,
+                                  id.simdgroup_index_in_threadgroup, id.simdgroups_per_threadgroup,
+                                  id.thread_index_in_simdgroup);
+            }
+        });
+    }
+    return chunked;
+}
+
+/// The split delta rule (two dispatches into one packed output) against the composition through
+/// the in-place kernel (a zero state, the states' run, their final states copied to the branch
+/// rows, the branches' run from those).
+template <class T> static void gdr_split_case(const SplitShape& sp, uint hk, uint hv, uint dk, uint dv) {
+    const std::string tag = std::string("gated_delta_rule_split_") + Dt<T>::name;
+    const uint R = sp.r(), B = sp.b();
+    const GdrShape s_shape{R, sp.s, hk, hv, dk, dv}, b_shape{B, sp.t, hk, hv, dk, dv};
+    const GdrData ds = gdr_data(s_shape, 0.4f), db = gdr_data(b_shape, 1.9f);
+    const size_t head = size_t(hv) * dv, state_row = size_t(hv) * dk * dv;
+    const size_t o_s = size_t(R) * sp.s * head, o_all = o_s + size_t(B) * sp.t * head;
+
+    // The split form: packed gates, a state buffer the states' dispatch fills (guard NaNs before:
+    // a read of it from the zero-state entry shows), one packed output.
+    auto qs = upload<T>(ds.qkv, nullptr);
+    auto qb = upload<T>(db.qkv, nullptr);
+    Buf<float> gb(ds.gb.size() + db.gb.size());
+    std::copy(ds.gb.begin(), ds.gb.end(), gb.data());
+    std::copy(db.gb.begin(), db.gb.end(), gb.data() + ds.gb.size());
+    Buf<float> state(R * state_row);
+    Buf<T> o(o_all);
+    Buf<uint> len_s(R), len_b(B), owners(B);
+    for (uint i = 0; i < R; ++i) len_s[i] = sp.state_len[i];
+    for (uint i = 0; i < B; ++i) len_b[i] = sp.branch_len[i], owners[i] = sp.owners[i];
+    const bool chunked_s = gdr_split_part<T>(s_shape, qs.data(), gb.data(), state.data(), o.data(),
+                                             len_s.data(), nullptr);
+    const bool chunked_b =
+        gdr_split_part<T>(b_shape, qb.data(), gb.data() + ds.gb.size(), state.data(), o.data() + o_s,
+                          len_b.data(), owners.data());
+    qs.check(tag + " states qkv");
+    qb.check(tag + " branches qkv");
+    gb.check(tag + " gates");
+    state.check(tag + " state");
+    owners.check(tag + " owners");
+    const auto got = download(o, tag + " o");
+
+    // The composition through the in-place kernel, Auto's choice per part.
+    std::vector<float> st(R * state_row, 0.0f);
+    const GdrOut rs = gdr_emu<T>(s_shape, ds.qkv, ds.gb, st, sp.state_len, GdrKernel::Auto);
+    std::vector<float> st_b;
+    for (uint o_row : sp.owners)
+        st_b.insert(st_b.end(), st.begin() + o_row * state_row, st.begin() + (o_row + 1) * state_row);
+    const GdrOut rb = gdr_emu<T>(b_shape, db.qkv, db.gb, st_b, sp.branch_len, GdrKernel::Auto);
+    std::vector<double> composed = rs.o;
+    composed.insert(composed.end(), rb.o.begin(), rb.o.end());
+    std::vector<double> got_state(state.v.begin() + Buf<float>::GUARD,
+                                  state.v.begin() + Buf<float>::GUARD + state.n);
+
+    const std::string name = split_name(tag, sp) + (chunked_s ? " chunked" : " recurrent") + "/" +
+                             (chunked_b ? "chunked" : "recurrent") + " Dk=" + std::to_string(dk);
+    if (chunked_s != rs.chunked || chunked_b != rb.chunked) {
+        std::printf("%-58s FAIL (kernel choice differs from the composition's)\n", name.c_str());
+        ++g_failures;
+    }
+    compare(name + " o vs composed", got, composed, F32_ABS, Dt<T>::rel);
+    expect_identical(name + " o vs composed", got, composed);
+    expect_identical(name + " states' final states", got_state, rs.state);
+    gdr_expect_padding_zero(name + " states", s_shape, sp.state_len,
+                            std::vector<double>(got.begin(), got.begin() + o_s));
+    gdr_expect_padding_zero(name + " branches", b_shape, sp.branch_len,
+                            std::vector<double>(got.begin() + o_s, got.end()));
+}
+
+static void gdr_split_tests() {
+    // Step by step: f32, padded states, a branch of 0 steps, owners out of order.
+    gdr_split_case<float>({{37, 20}, 37, {9, 4, 0, 9}, 9, {1, 0, 1, 0}}, 1, 2, 32, 16);
+    gdr_split_case<float>({{5, 13, 1}, 13, {3, 3, 1}, 3, {2, 0, 1}}, 2, 2, 40, 12);
+    // bf16: both parts chunked (padded, lengths no multiple of the chunk), then chunked states
+    // with step-by-step branches.
+    gdr_split_case<ushort>({{70, 41}, 70, {66, 50, 13}, 66, {1, 0, 0}}, 1, 2, 32, 16);
+    gdr_split_case<ushort>({{70, 64, 3}, 70, {9, 5, 9}, 9, {2, 0, 1}}, 1, 1, 64, 8);
+    // f16: Dk padded to the chunked variant, both chunked; then short, step by step.
+    gdr_split_case<half>({{65, 30}, 65, {64, 17}, 64, {0, 1}}, 1, 2, 40, 20);
+    gdr_split_case<half>({{7, 7}, 7, {2, 1, 2}, 2, {1, 1, 0}}, 1, 2, 32, 16);
+}
+
 // ---------------------------------------------------------------- the harness itself
 // Broken kernels the harness must reject: each runs in a forked child that must exit with the
 // harness's failure status (3), or, for a race, must give schedule-dependent results.
@@ -1510,6 +1783,8 @@ int main(int argc, char** argv) {
     flash_tests(seed);
     gather_tests();
     conv_cached_tests();
+    conv_split_tests();
+    gdr_split_tests();
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::printf("emulated %llu Metal threads, %llu fiber switches, %.2f s (shuffle seed %llu)\n",
