@@ -5,6 +5,7 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, Layout, Result};
 
+use super::gate::GatePart;
 use crate::backend::cuda::kernel::{contiguous, grid_for, Kernel};
 use crate::backend::cuda::sources::{ATTENTION, ROPE_WARPS};
 use crate::layout::rows::strided4;
@@ -105,74 +106,10 @@ pub(crate) fn causal_softmax(
     })
 }
 
-pub(crate) fn attention_gate(
-    os: &CudaStorage,
-    ol: &Layout,
-    gs: &CudaStorage,
-    gl: &Layout,
-) -> Result<CudaStorage> {
-    let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
-    let (off, [sb, st, sh]) = strided4(gl, "attention-gate gate")?;
-    let part = GatePart {
-        storage: os,
-        o: ol,
-        rows: (b_sz, t_len),
-        gate_at: off,
-        strides: [sb, st, sh],
-    };
-    gate_launches(gs, &[part], heads, hd)
-}
-
-/// [`crate::attention_gate_join`]: the states' part, then the branches', into one output.
-/// `gl`: the packed gate `[R·S + B·T, H, hd]` (last dim contiguous).
-pub(crate) fn attention_gate_join(
-    ss: &CudaStorage,
-    sl: &Layout,
-    bs: &CudaStorage,
-    bl: &Layout,
-    gs: &CudaStorage,
-    gl: &Layout,
-) -> Result<CudaStorage> {
-    let (r, heads, s_len, hd) = sl.shape().dims4()?;
-    let (b, _, t_len, _) = bl.shape().dims4()?;
-    let g = gl.stride();
-    if gl.dims().len() != 3 || (hd > 1 && g[2] != 1) {
-        bail!("attention-gate-join: the gate must be [N, H, hd] with a contiguous last dim, got {gl:?}")
-    }
-    let (sn, sh) = (g[0], g[1]);
-    let parts = [
-        GatePart {
-            storage: ss,
-            o: sl,
-            rows: (r, s_len),
-            gate_at: gl.start_offset(),
-            strides: [s_len * sn, sn, sh],
-        },
-        GatePart {
-            storage: bs,
-            o: bl,
-            rows: (b, t_len),
-            gate_at: gl.start_offset() + r * s_len * sn,
-            strides: [t_len * sn, sn, sh],
-        },
-    ];
-    gate_launches(gs, &parts, heads, hd)
-}
-
-/// One `attn_gate_*` launch's inputs: `o` (contiguous `[B, H, T, hd]`, in `storage`), its
-/// `(B, T)`, and where its gate rows start in the gate storage, with their strides (b, t, h).
-struct GatePart<'a> {
-    storage: &'a CudaStorage,
-    o: &'a Layout,
-    rows: (usize, usize),
-    gate_at: usize,
-    strides: [usize; 3],
-}
-
 /// `attn_gate_*` once per part, into one output holding each part's `[B·T, H·hd]` rows in turn.
-fn gate_launches(
+pub(super) fn gate_launches(
     gs: &CudaStorage,
-    parts: &[GatePart],
+    parts: &[GatePart<CudaStorage>],
     heads: usize,
     hd: usize,
 ) -> Result<CudaStorage> {

@@ -4,6 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, DType, Layout, MetalStorage, Result};
 
+use super::gate::GatePart;
 use crate::backend::metal::{
     as_u32, byte_offset, check_simd_width, dispatch, dtype_suffix, input, output, pipeline, Source,
     SIMD_WIDTH,
@@ -174,21 +175,11 @@ pub(crate) fn causal_softmax(
     Ok(MetalStorage::new(out, dev, n, ss.dtype()))
 }
 
-/// One `attention_gate_*` dispatch's inputs: `o` (contiguous `[B, H, T, hd]`, in `storage`), its
-/// `(B, T)`, and where its gate rows start in the gate storage, with their strides (b, t, h).
-struct GatePart<'a> {
-    storage: &'a MetalStorage,
-    o: &'a Layout,
-    rows: (usize, usize),
-    gate_at: usize,
-    strides: [usize; 3],
-}
-
 /// `attention_gate_*` once per part, into one output holding each part's `[B·T, H·hd]` rows in
 /// turn (each dispatch writes its own range of the buffer).
-fn gate_dispatches(
+pub(super) fn gate_dispatches(
     gs: &MetalStorage,
-    parts: &[GatePart],
+    parts: &[GatePart<MetalStorage>],
     heads: usize,
     hd: usize,
 ) -> Result<MetalStorage> {
@@ -242,58 +233,4 @@ fn gate_dispatches(
         at += n;
     }
     Ok(MetalStorage::new(out, dev, total, dtype))
-}
-
-pub(crate) fn attention_gate(
-    os: &MetalStorage,
-    ol: &Layout,
-    gs: &MetalStorage,
-    gl: &Layout,
-) -> Result<MetalStorage> {
-    let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
-    let (off, strides) = strided4(gl, "attention-gate gate")?;
-    let part = GatePart {
-        storage: os,
-        o: ol,
-        rows: (b_sz, t_len),
-        gate_at: off,
-        strides,
-    };
-    gate_dispatches(gs, &[part], heads, hd)
-}
-
-/// [`crate::attention_gate_join`]: the states' part, then the branches', into one output.
-/// `gl`: the packed gate `[R·S + B·T, H, hd]` (last dim contiguous).
-pub(crate) fn attention_gate_join(
-    ss: &MetalStorage,
-    sl: &Layout,
-    bs: &MetalStorage,
-    bl: &Layout,
-    gs: &MetalStorage,
-    gl: &Layout,
-) -> Result<MetalStorage> {
-    let (r, heads, s_len, hd) = sl.shape().dims4()?;
-    let (b, _, t_len, _) = bl.shape().dims4()?;
-    let g = gl.stride();
-    if gl.dims().len() != 3 || (hd > 1 && g[2] != 1) {
-        bail!("attention-gate-join: the gate must be [N, H, hd] with a contiguous last dim, got {gl:?}")
-    }
-    let (sn, sh) = (g[0], g[1]);
-    let parts = [
-        GatePart {
-            storage: ss,
-            o: sl,
-            rows: (r, s_len),
-            gate_at: gl.start_offset(),
-            strides: [s_len * sn, sn, sh],
-        },
-        GatePart {
-            storage: bs,
-            o: bl,
-            rows: (b, t_len),
-            gate_at: gl.start_offset() + r * s_len * sn,
-            strides: [t_len * sn, sn, sh],
-        },
-    ];
-    gate_dispatches(gs, &parts, heads, hd)
 }

@@ -14,6 +14,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(any(feature = "cuda", feature = "metal"))]
+mod gate;
 #[cfg(feature = "metal")]
 mod metal;
 mod reference;
@@ -229,7 +231,8 @@ impl CustomOp2 for AttentionGate {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
-        let out = cuda::attention_gate(os, ol, gs, gl)?;
+        let runs = gate::single(os, ol, gl)?;
+        let out = cuda::gate_launches(gs, &runs.parts, runs.heads, runs.hd)?;
         Ok((out, Shape::from((b_sz, t_len, heads * hd))))
     }
 
@@ -242,7 +245,8 @@ impl CustomOp2 for AttentionGate {
         gl: &Layout,
     ) -> Result<(candle_core::MetalStorage, Shape)> {
         let (b_sz, t_len, heads, hd) = gl.shape().dims4()?;
-        let out = metal::attention_gate(os, ol, gs, gl)?;
+        let runs = gate::single(os, ol, gl)?;
+        let out = metal::gate_dispatches(gs, &runs.parts, runs.heads, runs.hd)?;
         Ok((out, Shape::from((b_sz, t_len, heads * hd))))
     }
 }
@@ -445,7 +449,8 @@ impl CustomOp3 for AttentionGateJoin {
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (n, heads, hd) = gl.shape().dims3()?;
-        let out = cuda::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
+        let runs = gate::join(ss, sl, bs, bl, gl)?;
+        let out = cuda::gate_launches(gs, &runs.parts, runs.heads, runs.hd)?;
         Ok((out, Shape::from((n, heads * hd))))
     }
 
@@ -460,7 +465,8 @@ impl CustomOp3 for AttentionGateJoin {
         gl: &Layout,
     ) -> Result<(candle_core::MetalStorage, Shape)> {
         let (n, heads, hd) = gl.shape().dims3()?;
-        let out = metal::attention_gate_join(ss, sl, bs, bl, gs, gl)?;
+        let runs = gate::join(ss, sl, bs, bl, gl)?;
+        let out = metal::gate_dispatches(gs, &runs.parts, runs.heads, runs.hd)?;
         Ok((out, Shape::from((n, heads * hd))))
     }
 }
