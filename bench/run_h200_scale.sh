@@ -41,8 +41,8 @@ if has parity; then
   KEV_TEST_BACKEND=cuda .gpu/parity --test-threads 1 2>&1 | tee $O/parity.txt | grep -E "^test result|FAILED|panicked"
 fi
 if has coldstart; then
-  runs="fresh:bench warm:bench warm:bench"
-  [ -x .gpu/bench-base ] && runs="fresh:bench fresh:bench-base warm:bench warm:bench-base warm:bench warm:bench-base"
+  runs="fresh:bench fresh:bench warm:bench warm:bench"
+  [ -x .gpu/bench-base ] && runs="fresh:bench fresh:bench-base fresh:bench fresh:bench-base warm:bench warm:bench-base warm:bench warm:bench-base"
   for run in $runs; do
     mode=${run%%:*} bin=${run##*:} env=""; [ $mode = fresh ] && env="CUDA_CACHE_DISABLE=1"
     s=$(date +%s.%N)

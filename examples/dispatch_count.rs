@@ -2,7 +2,8 @@
 //! the model runs on the CPU while every op makes the choices it would make on CUDA (the H200)
 //! or on Metal and counts what it would launch there. Prints a table per records file: per
 //! layer kind, the dispatches of one layer (the range over the layers of that kind), and those
-//! outside the layers (embedding, final norm, pointer head).
+//! outside the layers (embedding, final norm, pointer head); then the dispatches that launch a
+//! kernel of candle's own ([`Tally::candle_kernels`]).
 //!
 //! ```sh
 //! python bench/make_checkpoint.py --size 0.8b --out bench/.cache/kev-0.8b
@@ -53,7 +54,7 @@ fn main() -> Result<()> {
     };
     // Loaded as a GPU would load it (projections in the checkpoint's layout, bf16 activations):
     // the same for both GPU backends, so one load serves both counts.
-    let (model, _) = dispatch::count(dispatch::Backend::Cuda, || {
+    let (model, load_tally) = dispatch::count(dispatch::Backend::Cuda, || {
         DecisionModel::load(&args.checkpoint, &options)
     });
     let model = model.with_context(|| format!("loading `{}`", args.checkpoint.display()))?;
@@ -67,6 +68,9 @@ fn main() -> Result<()> {
             LayerType::FullAttention => "attention layer",
         })
         .collect();
+    if args.ops {
+        println!("load, CUDA: {}", op_list(&load_tally, None));
+    }
     for path in &args.records {
         let records = read_records(path)?;
         let form = if records.len() == 1 {
@@ -88,6 +92,19 @@ fn main() -> Result<()> {
         }
         println!("\n{} ({form}, {} records)\n", path.display(), records.len());
         print_table(&kinds, &tallies);
+        for (tally, (_, name)) in tallies.iter().zip(BACKENDS) {
+            let mut per_op: BTreeMap<&str, usize> = BTreeMap::new();
+            for (_, op, n) in tally.candle_kernels() {
+                *per_op.entry(op).or_default() += n;
+            }
+            let candle: Vec<String> = per_op.iter().map(|(op, n)| format!("{op} {n}")).collect();
+            let listed = if candle.is_empty() {
+                "none".to_string()
+            } else {
+                candle.join(", ")
+            };
+            println!("\ncandle's own kernels, {name}: {listed}");
+        }
         if args.ops {
             print_ops(&kinds, &tallies);
         }
@@ -141,7 +158,7 @@ fn print_table(kinds: &[&str], tallies: &[Tally]) {
     );
 }
 
-/// Each op's dispatches in the first layer of each kind, per backend.
+/// Each op's dispatches in the first layer of each kind and outside the layers, per backend.
 fn print_ops(kinds: &[&str], tallies: &[Tally]) {
     let mut firsts: BTreeMap<&str, usize> = BTreeMap::new();
     for (i, kind) in kinds.iter().enumerate() {
@@ -149,14 +166,22 @@ fn print_ops(kinds: &[&str], tallies: &[Tally]) {
     }
     for (kind, layer) in firsts {
         for (tally, (_, name)) in tallies.iter().zip(BACKENDS) {
-            let ops: Vec<String> = tally
-                .entries()
-                .filter(|(l, _, n)| *l == Some(layer) && *n > 0)
-                .map(|(_, op, n)| format!("{op} {n}"))
-                .collect();
-            println!("{kind} {layer}, {name}: {}", ops.join(", "));
+            println!("{kind} {layer}, {name}: {}", op_list(tally, Some(layer)));
         }
     }
+    for (tally, (_, name)) in tallies.iter().zip(BACKENDS) {
+        println!("outside the layers, {name}: {}", op_list(tally, None));
+    }
+}
+
+/// `op n, …` for the dispatches of `layer` (`None`: outside the layers).
+fn op_list(tally: &Tally, layer: Option<usize>) -> String {
+    let ops: Vec<String> = tally
+        .entries()
+        .filter(|(l, _, n)| *l == layer && *n > 0)
+        .map(|(_, op, n)| format!("{op} {n}"))
+        .collect();
+    ops.join(", ")
 }
 
 fn read_records(path: &Path) -> Result<Vec<Record>> {

@@ -44,30 +44,59 @@ fn counted(score: impl Fn() -> kev::Result<Probabilities>) -> [(Probabilities, T
     })
 }
 
-#[test]
-fn metal_dispatches_no_more_than_cuda_per_layer() {
+/// The fixture model loaded as a GPU loads it (the projections' layout, bf16 activations).
+fn gpu_model() -> DecisionModel {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kev-small");
     let options = LoadOptions {
         backend: Backend::Cpu,
         dtype: DType::BF16,
         ..LoadOptions::default()
     };
-    // Loaded as a GPU loads it (the projections' layout, bf16 activations).
     let (model, _) = count(dispatch::Backend::Cuda, || {
         DecisionModel::load(&dir, &options)
     });
-    let model = model.unwrap();
-    let kinds = model.backbone().config().layer_types.clone();
-    assert!(kinds.contains(&LayerType::FullAttention));
-    let records = records();
-    let forms: [(&str, Scoring); 2] = [
+    model.unwrap()
+}
+
+/// The prefix form of the first fixture record and the batch form of all of them.
+fn forms<'a>(model: &'a DecisionModel, records: &'a [Record]) -> [(&'static str, Scoring<'a>); 2] {
+    [
         (
             "prefix",
             Box::new(|| model.probs(&records[0]).map(|p| vec![p])),
         ),
-        ("batch", Box::new(|| model.probs_batch(&records))),
-    ];
-    for (form, score) in forms {
+        ("batch", Box::new(|| model.probs_batch(records))),
+    ]
+}
+
+/// A CUDA forward launches Kev's kernels, cuBLAS GEMMs, memsets and device-to-device copies,
+/// and no kernel of candle's: those come in PTX modules that the driver translates when a
+/// process first uses one, seconds each on a fresh machine (the cold start in BENCHMARKS.md).
+/// Metal's count, whose GEMMs are candle's, shows the tally does see candle kernels.
+#[test]
+fn cuda_forward_launches_no_candle_kernel() {
+    let model = gpu_model();
+    let records = records();
+    for (form, score) in forms(&model, &records) {
+        let [(_, cuda), (_, metal)] = counted(score);
+        assert_eq!(cuda.candle_kernels(), vec![], "{form}: CUDA");
+        assert!(
+            metal
+                .candle_kernels()
+                .iter()
+                .any(|(_, op, _)| *op == "matmul"),
+            "{form}: Metal's GEMMs are not counted as candle's: {metal:?}"
+        );
+    }
+}
+
+#[test]
+fn metal_dispatches_no_more_than_cuda_per_layer() {
+    let model = gpu_model();
+    let kinds = model.backbone().config().layer_types.clone();
+    assert!(kinds.contains(&LayerType::FullAttention));
+    let records = records();
+    for (form, score) in forms(&model, &records) {
         let [(_, cuda), (_, metal)] = counted(score);
         for (layer, kind) in kinds.iter().enumerate() {
             let (on_cuda, on_metal) = (cuda.of_layer(Some(layer)), metal.of_layer(Some(layer)));

@@ -204,16 +204,13 @@ impl Executor {
         let (_, width, h) = hidden.dims3().map_err(&err)?;
         let flat = hidden.counted_reshape(((), h)).map_err(&err)?;
         let (decide, opts, owner) = head_positions(rows, width);
-        let pick = |idx: Vec<u32>| -> candle_core::Result<Tensor> {
-            let n = idx.len();
-            flat.counted_index_select(&kev_kernels::uploads::upload(idx, n, self.device())?, 0)
+        let index = |idx: Vec<u32>| {
+            let idx: Vec<usize> = idx.into_iter().map(|i| i as usize).collect();
+            RowIndex::new(&idx, self.device())
         };
+        let (decide, opts) = (index(decide).map_err(&err)?, index(opts).map_err(&err)?);
         self.head
-            .logits_on_device(
-                &pick(decide).map_err(&err)?,
-                &pick(opts).map_err(&err)?,
-                &owner,
-            )
+            .logits_at(&flat, &decide, &opts, &owner)
             .map_err(&err)
     }
 }

@@ -3,9 +3,10 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use kev_core::{Error, Result};
-use kev_kernels::dispatch::{counted, CountedTensor};
+use kev_kernels::dispatch::CountedTensor;
+use kev_kernels::RowIndex;
 
 /// The head's weights and settings.
 pub struct PointerHead {
@@ -107,19 +108,51 @@ impl PointerHead {
         h_opts: &Tensor,
         owner: &[u32],
     ) -> candle_core::Result<Tensor> {
-        let h_decide = h_decide.counted_to_dtype(DType::F32)?;
-        let h_opts = h_opts.counted_to_dtype(DType::F32)?;
+        self.logits_of_f32(
+            &kev_kernels::rows_f32(h_decide, None)?,
+            &kev_kernels::rows_f32(h_opts, None)?,
+            owner,
+        )
+    }
+
+    /// [`PointerHead::logits_on_device`] reading its rows from `hidden: [R, H]`: row
+    /// `decide[j]` for question j, row `opts[i]` for option i.
+    pub fn logits_at(
+        &self,
+        hidden: &Tensor,
+        decide: &RowIndex,
+        opts: &RowIndex,
+        owner: &[u32],
+    ) -> candle_core::Result<Tensor> {
+        self.logits_of_f32(
+            &kev_kernels::rows_f32(hidden, Some(decide))?,
+            &kev_kernels::rows_f32(hidden, Some(opts))?,
+            owner,
+        )
+    }
+
+    /// The logits from the read rows, already f32.
+    fn logits_of_f32(
+        &self,
+        h_decide: &Tensor,
+        h_opts: &Tensor,
+        owner: &[u32],
+    ) -> candle_core::Result<Tensor> {
+        let questions = h_decide.dim(0)?;
+        if let Some(bad) = owner.iter().find(|&&o| o as usize >= questions) {
+            candle_core::bail!("pointer head: option owned by question {bad} of {questions}")
+        }
         let q = h_decide.counted_matmul(&self.q_weight.t()?)?;
-        let q = counted("broadcast-add", || q.broadcast_add(&self.q_bias))?;
         let k = h_opts.counted_matmul(&self.k_weight.t()?)?;
-        let k = counted("broadcast-add", || k.broadcast_add(&self.k_bias))?;
         let owner = kev_kernels::uploads::upload(owner.to_vec(), owner.len(), q.device())?;
-        let q = q.counted_index_select(&owner, 0)?;
-        let products = counted("mul", || q * k)?;
-        let sums = counted("sum", || products.sum(D::Minus1))?;
-        counted("affine", || {
-            sums / ((self.dim as f64).sqrt() * self.temperature)
-        })
+        kev_kernels::pointer_logits(
+            &q,
+            &k,
+            &self.q_bias,
+            &self.k_bias,
+            &owner,
+            1.0 / ((self.dim as f64).sqrt() * self.temperature),
+        )
     }
 
     /// [`PointerHead::logits_on_device`], read back.

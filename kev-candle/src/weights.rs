@@ -362,3 +362,14 @@ fn list(files: &[PathBuf]) -> String {
     let names: Vec<String> = files.iter().map(|f| format!("`{}`", f.display())).collect();
     names.join(", ")
 }
+
+/// `f` applied to `t` on the CPU, the result put back on `t`'s device: load-time arithmetic on
+/// a few small tensors (norm weights, decay rates) stays off the GPU, so that a GPU process
+/// launches no candle kernel, whose PTX modules take the driver seconds each to translate in a
+/// fresh process.
+pub(crate) fn on_host(
+    t: &Tensor,
+    f: impl FnOnce(Tensor) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    f(t.to_device(&Device::Cpu)?)?.to_device(t.device())
+}

@@ -21,7 +21,7 @@
 //! Off counting, each hook costs one thread-local read (none for the choices on a GPU device).
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use candle_core::{DType, Device, Result, Shape, Tensor};
 
@@ -43,6 +43,8 @@ pub const UNCOUNTED: &str = "uncounted composed path";
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Tally {
     counts: BTreeMap<(Option<usize>, &'static str), usize>,
+    /// The ops among them that launch a kernel of candle's own ([`Tally::candle_kernels`]).
+    candle: BTreeSet<&'static str>,
 }
 
 impl Tally {
@@ -63,6 +65,16 @@ impl Tally {
     /// Per (layer, op name), in order.
     pub fn entries(&self) -> impl Iterator<Item = (Option<usize>, &'static str, usize)> + '_ {
         self.counts.iter().map(|(&(l, op), &n)| (l, op, n))
+    }
+
+    /// The dispatches that launch a kernel of candle's own, per (layer, op name): on CUDA one
+    /// from candle's PTX modules, which the driver translates when a process first uses one
+    /// (seconds each on a fresh machine); on Metal one from candle's Metal libraries, compiled
+    /// at first use. cuBLAS GEMMs, memsets and device-to-device copies are not among them.
+    pub fn candle_kernels(&self) -> Vec<(Option<usize>, &'static str, usize)> {
+        self.entries()
+            .filter(|(_, op, _)| self.candle.contains(op))
+            .collect()
     }
 
     /// Whether every composed path that ran was counted (none recorded [`UNCOUNTED`]).
@@ -137,6 +149,16 @@ pub fn record(op: &'static str, dispatches: usize) {
     });
 }
 
+/// [`record`] for an op that launches candle kernels ([`Tally::candle_kernels`]).
+fn record_candle(op: &'static str, dispatches: usize) {
+    COUNTER.with(|c| {
+        if let Some(c) = c.borrow_mut().as_mut().filter(|c| !c.paused) {
+            *c.tally.counts.entry((c.layer, op)).or_default() += dispatches;
+            c.tally.candle.insert(op);
+        }
+    });
+}
+
 /// The backend whose choices the ops make for `device`: its own, or on the CPU while a count
 /// runs, the counted one.
 pub fn backend(device: &Device) -> Backend {
@@ -199,17 +221,26 @@ pub(crate) fn launch<T>(
 /// `cuda_backend` and `metal_backend`; `candle_nn::Embedding::forward`, one `index_select`
 /// between views), recorded as `op`.
 pub fn counted<T>(op: &'static str, run: impl FnOnce() -> Result<T>) -> Result<T> {
-    record(op, 1);
+    record_candle(op, 1);
     run()
+}
+
+/// Records one GEMM on `device`'s backend: cuBLAS on CUDA, candle's own kernel on Metal.
+pub fn record_matmul(device: &Device) {
+    if backend(device) == Backend::Metal {
+        record_candle("matmul", 1);
+    } else {
+        record("matmul", 1);
+    }
 }
 
 /// Candle's tensor ops that may launch work, each recording what it launches on a GPU.
 ///
 /// Per candle-core 0.11.1: a copy (`Tensor::contiguous`, `force_contiguous`, `reshape` of a
-/// non-contiguous tensor) is one `copy_strided_src` (CUDA: `memcpy_dtod` or a `ucopy_*` kernel;
-/// Metal: a blit or a strided copy kernel); `to_dtype` to another dtype one cast kernel;
-/// `matmul` one GEMM call (cuBLAS `gemm_strided_batched`, Metal `call_mlx_gemm`);
-/// `index_select` one kernel.
+/// non-contiguous tensor) is one `copy_strided_src` (CUDA: `memcpy_dtod` for a contiguous
+/// source, else a `ucopy_*` kernel; Metal: a blit or a strided copy kernel); `to_dtype` to
+/// another dtype one cast kernel; `matmul` one GEMM call (cuBLAS `gemm_strided_batched`, Metal
+/// `call_mlx_gemm`, a candle kernel); `index_select` one kernel.
 pub trait CountedTensor: Sized {
     /// `contiguous`: a copy unless it already is.
     fn counted_contiguous(&self) -> Result<Tensor>;
@@ -230,44 +261,48 @@ pub trait CountedTensor: Sized {
 impl CountedTensor for Tensor {
     fn counted_contiguous(&self) -> Result<Tensor> {
         if !self.is_contiguous() {
-            record("copy", 1);
+            record_candle("copy", 1);
         }
         self.contiguous()
     }
 
     fn counted_force_contiguous(&self) -> Result<Tensor> {
-        record("copy", 1);
+        if self.is_contiguous() {
+            record("memcpy", 1);
+        } else {
+            record_candle("copy", 1);
+        }
         self.force_contiguous()
     }
 
     fn counted_reshape<S: candle_core::shape::ShapeWithOneHole>(&self, shape: S) -> Result<Tensor> {
         if !self.is_contiguous() {
-            record("copy", 1);
+            record_candle("copy", 1);
         }
         self.reshape(shape)
     }
 
     fn counted_flatten(&self, start: usize, end: usize) -> Result<Tensor> {
         if start < end && !self.is_contiguous() {
-            record("copy", 1);
+            record_candle("copy", 1);
         }
         self.flatten(start, end)
     }
 
     fn counted_to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if self.dtype() != dtype {
-            record("cast", 1);
+            record_candle("cast", 1);
         }
         self.to_dtype(dtype)
     }
 
     fn counted_matmul(&self, rhs: &Tensor) -> Result<Tensor> {
-        record("matmul", 1);
+        record_matmul(self.device());
         self.matmul(rhs)
     }
 
     fn counted_index_select(&self, ids: &Tensor, dim: usize) -> Result<Tensor> {
-        record("index-select", 1);
+        record_candle("index-select", 1);
         self.index_select(ids, dim)
     }
 }
@@ -276,7 +311,7 @@ impl CountedTensor for Tensor {
 /// `copy_strided_src`), none for a single part.
 pub fn counted_cat<A: AsRef<Tensor>>(parts: &[A], dim: usize) -> Result<Tensor> {
     if parts.len() > 1 {
-        record("cat", parts.len());
+        record_candle("cat", parts.len());
     }
     Tensor::cat(parts, dim)
 }

@@ -93,6 +93,7 @@ mod flash_attention;
 mod gated_delta_rule;
 mod gates;
 mod gather;
+mod head;
 mod layout;
 mod norm;
 mod swiglu;
@@ -106,8 +107,8 @@ pub use attention::{
 };
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
-    keep_device_memory, pool_peak_bytes, prepare_kernels, profiler_range, release_device_memory,
-    release_device_memory_of,
+    keep_device_memory, kernel_seconds, pool_peak_bytes, prepare_kernels, profiler_range,
+    release_device_memory, release_device_memory_of,
 };
 pub use bf16_gemm::{bf16_gemm_available, PackedBf16};
 pub use causal_conv1d::{
@@ -121,7 +122,8 @@ pub use gated_delta_rule::{
     METAL_CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
-pub use gather::{gather_cat, gather_rows, RowIndex};
+pub use gather::{copy_rows, embed, gather_cat, gather_rows, join_rows, RowIndex};
+pub use head::{pointer_logits, rows_f32};
 pub use layout::split::SplitBatch;
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
 pub use swiglu::{swiglu, swiglu_ref};

@@ -50,6 +50,11 @@ pub struct LoadBreakdown {
     pub tokenizer_s: f64,
     /// Waiting for the GPU's kernels, compiled and loaded beside the weights (CUDA).
     pub kernels_wait_s: f64,
+    /// Compiling Kev's CUDA sources with NVRTC, summed over the sources compiled in parallel:
+    /// 0 on a GPU the build carried machine code for (`kev-kernels/build.rs`).
+    pub kernels_compile_cpu_s: f64,
+    /// Loading their machine code into the driver, summed over the sources.
+    pub kernels_load_cpu_s: f64,
     /// Waiting for the device's queued work and handing freed memory back.
     pub settle_s: f64,
 }
@@ -169,6 +174,13 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     breakdown.tokenizer_s = lap(&mut clock);
     kernels.finish()?;
     breakdown.kernels_wait_s = lap(&mut clock);
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        (
+            breakdown.kernels_compile_cpu_s,
+            breakdown.kernels_load_cpu_s,
+        ) = kev_kernels::kernel_seconds();
+    }
     settle(&device)?;
     release_freed_memory();
     breakdown.settle_s = lap(&mut clock);

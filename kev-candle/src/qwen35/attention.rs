@@ -9,8 +9,8 @@ use candle_core::{Module, Result, Tensor};
 use kev_kernels::dispatch::{counted_cat, CountedTensor};
 
 use kev_kernels::{
-    attention_gate, attention_gate_join, causal_attention, flash_attention_fills_gpu, qk_norm_rope,
-    AttentionPast, SplitBatch,
+    attention_gate, attention_gate_join, causal_attention, copy_rows, flash_attention_fills_gpu,
+    qk_norm_rope, AttentionPast, SplitBatch,
 };
 
 use super::config::Config;
@@ -192,10 +192,12 @@ impl Attention {
                     *cache = Some(all.clone());
                     Ok::<_, candle_core::Error>(all)
                 };
-                let (k, v) = (
-                    joined(k_cache, k)?,
-                    joined(v_cache, v.counted_force_contiguous()?)?,
-                );
+                let v = if v.is_contiguous() {
+                    v.counted_force_contiguous()?
+                } else {
+                    copy_rows(&v)?
+                };
+                let (k, v) = (joined(k_cache, k)?, joined(v_cache, v)?);
                 causal_attention(&q, None, &k, &v, key_bias, scale)?
             }
             Past::Fresh(handed) => {
@@ -204,7 +206,7 @@ impl Attention {
                 let v = if flash_attention_fills_gpu(&q, nkv)? {
                     v
                 } else {
-                    v.counted_contiguous()?
+                    copy_rows(&v)?
                 };
                 let out = causal_attention(&q, None, &k, &v, key_bias, scale)?;
                 *handed = Some((k, v));

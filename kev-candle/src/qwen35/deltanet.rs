@@ -12,7 +12,7 @@ use super::config::Config;
 use super::linear::{linear, linear_cat, Projection};
 use super::norm::GatedRmsNorm;
 use super::split::Outputs;
-use crate::weights::Weights;
+use crate::weights::{on_host, Weights};
 
 /// One Gated DeltaNet layer.
 pub struct GatedDeltaNet {
@@ -44,13 +44,10 @@ impl GatedDeltaNet {
         let conv1d = conv1d.squeeze(1).map_err(ctx("conv1d.weight"))?;
         // HF computes `-A_log.float().exp()` from the parameter as held in the backbone dtype.
         let a_log = w.get(&format!("{prefix}.A_log"), &[hv])?;
-        let neg_a = a_log
-            .to_dtype(DType::F32)
-            .and_then(|a| a.exp())
-            .and_then(|a| a.neg());
-        let dt_bias = w
-            .get(&format!("{prefix}.dt_bias"), &[hv])?
-            .to_dtype(DType::F32);
+        let neg_a = on_host(&a_log, |a| a.to_dtype(DType::F32)?.exp()?.neg());
+        let dt_bias = on_host(&w.get(&format!("{prefix}.dt_bias"), &[hv])?, |b| {
+            b.to_dtype(DType::F32)
+        });
         Ok(Self {
             in_proj: linear_cat(
                 w,

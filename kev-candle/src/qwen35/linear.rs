@@ -54,7 +54,7 @@ impl Projection {
 impl Module for Projection {
     /// One GEMM on a GPU (candle's `Linear`: views of the weight around one `matmul`).
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        dispatch::record("matmul", 1);
+        dispatch::record_matmul(xs.device());
         match self {
             Self::Candle(l) => l.forward(xs),
             Self::Bf16(p) => p.forward(&xs.contiguous()?),
@@ -80,7 +80,9 @@ pub(super) fn linear_cat(
         })
         .collect::<kev_core::Result<Vec<_>>>()?;
     let names = || parts.iter().map(|p| p.0).collect::<Vec<_>>();
-    candle_core::Tensor::cat(&weights, 0)
+    // Device-to-device copies on CUDA: candle's `cat` would launch a kernel of its own.
+    let weights: Vec<&candle_core::Tensor> = weights.iter().collect();
+    kev_kernels::join_rows(&weights)
         .and_then(Projection::new)
         .map_err(|e| kev_core::Error::backend(format!("merging {:?}", names()), e))
 }

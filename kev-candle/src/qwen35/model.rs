@@ -1,9 +1,8 @@
 //! The Qwen3.5 text backbone: embeddings, decoder layers, final norm (no lm_head: Kev reads
 //! hidden states).
 
-use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::Embedding;
-use kev_kernels::dispatch::{self, counted, counted_cat, CountedTensor};
+use candle_core::{DType, Device, Result, Tensor};
+use kev_kernels::dispatch::{self, counted, CountedTensor};
 use kev_kernels::{gather_rows, RowIndex, SplitBatch};
 use rayon::prelude::*;
 
@@ -154,7 +153,8 @@ impl DecoderLayer {
 /// The text backbone.
 pub struct Model {
     cfg: Config,
-    embed_tokens: Embedding,
+    /// `[vocab, H]`.
+    embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
     norm: ZeroCenteredRmsNorm,
     rope: Rope,
@@ -201,7 +201,7 @@ impl Model {
         };
         Ok(Self {
             cfg: cfg.clone(),
-            embed_tokens: Embedding::new(embed, cfg.hidden_size),
+            embed_tokens: embed,
             layers,
             norm,
             rope: Rope::new(cfg.rope_theta, rotary_dim),
@@ -227,9 +227,10 @@ impl Model {
         self.weights_dtype
     }
 
-    /// The embeddings of `ids`, in the activation dtype.
-    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        counted("index-select", || self.embed_tokens.forward(ids))?.counted_to_dtype(self.dtype)
+    /// The embeddings of every id of `ids`, one part after another, `[N, H]` in the
+    /// activation dtype.
+    fn embed(&self, ids: &[&Tensor]) -> Result<Tensor> {
+        kev_kernels::embed(&self.embed_tokens, ids)?.counted_to_dtype(self.dtype)
     }
 
     /// The device.
@@ -297,7 +298,7 @@ impl Model {
             key_bias,
             lengths,
         };
-        let mut xs = self.embed(ids)?;
+        let mut xs = self.embed(&[ids])?.counted_reshape((b_sz, seq_len, ()))?;
         let mut pending = None;
         for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
         {
@@ -389,8 +390,7 @@ impl Model {
             cos_sin: (rope(&vec![0; states], s_len)?, rope(&owner_lengths, width)?),
             key_bias,
         };
-        let ids = counted_cat(&[state_ids.flatten_all()?, branch_ids.flatten_all()?], 0)?;
-        let mut xs = self.embed(&ids)?; // [R·S + B·T, H]
+        let mut xs = self.embed(&[state_ids, branch_ids])?; // [R·S + B·T, H]
         let mut pending = None;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {

@@ -13,7 +13,7 @@ impl ZeroCenteredRmsNorm {
     /// `weight` in the backbone dtype (as HF holds it), `[dim]`.
     pub fn new(weight: &Tensor, eps: f64) -> Result<Self> {
         Ok(Self {
-            one_plus_w: (weight.to_dtype(DType::F32)? + 1.0)?,
+            one_plus_w: crate::weights::on_host(weight, |w| w.to_dtype(DType::F32)? + 1.0)?,
             eps,
         })
     }

@@ -3,7 +3,6 @@
 //! checkpoint reduces to plain 1-D RoPE because all three position axes are equal.
 
 use candle_core::{DType, Device, Result, Tensor};
-use kev_kernels::dispatch::CountedTensor;
 
 /// Inverse frequencies for the rotary dims.
 pub struct Rope {
@@ -50,6 +49,6 @@ impl Rope {
             (*c, *s) = (angle.cos(), angle.sin());
         }
         let shape = (2, start.len(), seq_len, self.rotary_dim);
-        kev_kernels::uploads::upload(cos_sin, shape, device)?.counted_to_dtype(dtype)
+        kev_kernels::uploads::upload_f32_as(cos_sin, shape, dtype, device)
     }
 }

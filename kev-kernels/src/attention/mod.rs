@@ -28,7 +28,7 @@ use crate::backend::cpu::{as_f32, from_f32};
 use crate::backend::cuda::sources::ROPE_MAX_HEAD_DIM;
 use crate::dispatch::{self, backend, counted_cat, record, Backend, CountedTensor, UNCOUNTED};
 use crate::flash_attention::{self, flash_attention_fills_gpu, AttentionPast};
-use crate::gather::gather_cat;
+use crate::gather::{copy_rows, gather_cat};
 use crate::layout::rows::{rounder, strided4, whole_f32};
 
 pub use reference::{attention_gate_ref, causal_softmax_ref, qk_norm_rope_ref};
@@ -364,14 +364,10 @@ pub(crate) fn composed_attention(
 ) -> Result<Tensor> {
     let (k, v) = match past {
         Some(p) => (
-            gather_cat(&p.k.counted_contiguous()?, p.owners, k)?,
-            gather_cat(
-                &p.v.counted_contiguous()?,
-                p.owners,
-                &v.counted_contiguous()?,
-            )?,
+            gather_cat(&copy_rows(p.k)?, p.owners, k)?,
+            gather_cat(&copy_rows(p.v)?, p.owners, &copy_rows(v)?)?,
         ),
-        None => (k.clone(), v.counted_contiguous()?),
+        None => (k.clone(), copy_rows(v)?),
     };
     attention_matmuls(q, &k, &v, key_bias, scale)
 }

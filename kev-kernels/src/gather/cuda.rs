@@ -1,8 +1,10 @@
 //! Row gathers on CUDA (`gather.cu`): whole 16-byte words, any dtype.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, Layout, Result};
 
 use crate::backend::cuda::kernel::{contiguous, Kernel};
@@ -15,26 +17,105 @@ pub(crate) fn gather_rows(
     is: &CudaStorage,
     il: &Layout,
 ) -> Result<CudaStorage> {
+    let (i0, i1) = contiguous(il, "gather-rows index")?;
+    let n = i1 - i0;
+    let row_elems = tl.shape().elem_count() / tl.dims()[0].max(1);
+    by_dtype!(ts.dtype(), "gather-rows", |T| {
+        // SAFETY: `gather_parts` writes all n rows.
+        let mut out = unsafe { ts.device().alloc::<T>(n * row_elems) }?;
+        gather_parts::<T>(ts, tl, &[(is, il)], &mut out)?;
+        Ok(CudaStorage::wrap_cuda_slice(out, ts.device().clone()))
+    })
+}
+
+/// The rows of `ts` each part of indices picks, one part after another into `out` (16-byte
+/// words; the caller checked the sizes and the alignment).
+pub(crate) fn gather_parts<T: DeviceRepr + CudaDType>(
+    ts: &CudaStorage,
+    tl: &Layout,
+    parts: &[(&CudaStorage, &Layout)],
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
     let k = Kernel::load(&GATHER, ts.device(), "gather_rows16")?;
     let (t0, t1) = contiguous(tl, "gather-rows input")?;
-    let (i0, i1) = contiguous(il, "gather-rows index")?;
-    let (src_rows, n) = (tl.dims()[0], i1 - i0);
+    let src_rows = tl.dims()[0];
     let row_elems = (t1 - t0) / src_rows.max(1);
     let units = row_elems * ts.dtype().size_in_bytes() / 16;
-    let idx = is.as_cuda_slice::<u32>()?.slice(i0..i1);
     let (units_, rows_) = (units as i64, src_rows as i32);
+    let src = ts.as_cuda_slice::<T>()?.slice(t0..t1);
+    let mut at = 0;
+    for (is, il) in parts {
+        let (i0, i1) = contiguous(il, "gather-rows index")?;
+        let n = i1 - i0;
+        if n == 0 {
+            continue;
+        }
+        let idx = is.as_cuda_slice::<u32>()?.slice(i0..i1);
+        let mut dst = out.slice_mut(at * row_elems..(at + n) * row_elems);
+        let n_ = n as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                units.div_ceil(256).clamp(1, 1024) as u32,
+                n.min(65535) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = k.stream.launch_builder(&k.func);
+        b.arg(&src)
+            .arg(&idx)
+            .arg(&mut dst)
+            .arg(&units_)
+            .arg(&rows_)
+            .arg(&n_);
+        // SAFETY: argument types and order match `gather_rows16` in gather.cu; rows are whole
+        // 16-byte words (the wrapper checked), the grid strides over the rows and a row's words.
+        unsafe { b.launch(cfg) }.w()?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// `copy_rows16`: the strided view `sl` of `ss` made contiguous, rows of 16-byte words
+/// (gather.rs checked the last dim's stride, the row size and the alignment).
+pub(crate) fn copy_rows(ss: &CudaStorage, sl: &Layout) -> Result<CudaStorage> {
+    let k = Kernel::load(&GATHER, ss.device(), "copy_rows16")?;
+    let size = ss.dtype().size_in_bytes();
+    let dims = sl.dims();
+    let rank = dims.len();
+    if !(1..=4).contains(&rank) {
+        candle_core::bail!("copy-rows: rank {rank} is not 1 to 4")
+    }
+    let row_elems = dims[rank - 1];
+    let units = row_elems * size / 16;
+    let words = |stride: usize| (stride * size / 16) as i64;
+    // The outer dims as (d0, d1, d2) with their strides in words, leading ones of size 1.
+    let (mut d, mut st) = ([1usize; 3], [0i64; 3]);
+    for (i, j) in (0..rank - 1).rev().zip((0..3).rev()) {
+        d[j] = dims[i];
+        st[j] = words(sl.stride()[i]);
+    }
+    let rows = d.iter().product::<usize>();
+    let start = sl.start_offset();
     let cfg = LaunchConfig {
-        grid_dim: (units.div_ceil(256).clamp(1, 1024) as u32, n as u32, 1),
+        grid_dim: (
+            units.div_ceil(256).clamp(1, 1024) as u32,
+            rows.clamp(1, 65535) as u32,
+            1,
+        ),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    by_dtype!(ts.dtype(), "gather-rows", |T| {
-        let src = ts.as_cuda_slice::<T>()?.slice(t0..t1);
-        let out = k.output::<T>(n * row_elems)?;
+    let (units_, d1, d2, rows_) = (units as i64, d[1] as i32, d[2] as i32, rows as i64);
+    by_dtype!(ss.dtype(), "copy-rows", |T| {
+        let src = ss.as_cuda_slice::<T>()?.slice(start..);
+        let out = k.output::<T>(rows * row_elems)?;
         let mut b = k.stream.launch_builder(&k.func);
-        b.arg(&src).arg(&idx).arg(&out).arg(&units_).arg(&rows_);
-        // SAFETY: argument types and order match `gather_rows16` in gather.cu; rows are whole
-        // 16-byte words and n ≤ 65535 (the wrapper checked), the grid strides over a row.
+        b.arg(&src).arg(&out).arg(&units_).arg(&d1).arg(&d2);
+        b.arg(&st[0]).arg(&st[1]).arg(&st[2]).arg(&rows_);
+        // SAFETY: argument types and order match `copy_rows16` in gather.cu; every row read lies
+        // in the view `sl` of `ss` (its strides and dims), the grid strides over the rows.
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })
@@ -81,4 +162,38 @@ pub(crate) fn gather_cat(
         unsafe { b.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, k.dev.clone()))
     })
+}
+
+/// Contiguous `parts` one after another in a new buffer, by device-to-device copies on the
+/// stream (gather.rs checked the dtypes and the trailing dims).
+pub(crate) fn join_rows(parts: &[(&CudaStorage, &Layout)]) -> Result<CudaStorage> {
+    let dev = parts[0].0.device().clone();
+    match parts[0].0.dtype() {
+        candle_core::DType::U32 => Ok(CudaStorage::wrap_cuda_slice(copy_parts::<u32>(parts)?, dev)),
+        dtype => by_dtype!(dtype, "join-rows", |T| Ok(CudaStorage::wrap_cuda_slice(
+            copy_parts::<T>(parts)?,
+            dev
+        ))),
+    }
+}
+
+fn copy_parts<T: DeviceRepr + CudaDType>(
+    parts: &[(&CudaStorage, &Layout)],
+) -> Result<CudaSlice<T>> {
+    let dev = parts[0].0.device();
+    let stream = dev.cuda_stream();
+    let total: usize = parts.iter().map(|(_, l)| l.shape().elem_count()).sum();
+    // SAFETY: the copies below fill all `total` elements.
+    let mut out = unsafe { dev.alloc::<T>(total) }?;
+    let mut at = 0;
+    for (s, l) in parts {
+        let (a, e) = contiguous(l, "join-rows part")?;
+        if e > a {
+            let src = s.as_cuda_slice::<T>()?.slice(a..e);
+            let mut dst = out.slice_mut(at..e - a + at);
+            stream.memcpy_dtod(&src, &mut dst).w()?;
+        }
+        at += e - a;
+    }
+    Ok(out)
 }

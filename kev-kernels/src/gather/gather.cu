@@ -2,17 +2,34 @@
 // read and written as 16-bit integers); the constants shared with the Rust launcher come as
 // -D defines (backend/cuda/sources.rs).
 
-// gather_rows16: out row r = src row idx[r], rows of `units` 16-byte words (any dtype). An index
-// at or past `rows` (the host checks them) writes zeros rather than reading outside the source.
-// grid = (word blocks, output rows).
+// gather_rows16: out row r = src row idx[r], rows of `units` 16-byte words (any dtype), n rows.
+// An index at or past `rows` (the host checks them) writes zeros rather than reading outside the
+// source. grid = (word blocks, up to 65535 output rows, striding).
 extern "C" __global__ void gather_rows16(const uint4* src, const unsigned int* idx, uint4* out,
-                                         long units, int rows) {
-    const unsigned int from = idx[blockIdx.y];
-    const uint4* s = src + (size_t)from * units;
-    uint4* o = out + (size_t)blockIdx.y * units;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < units;
-         i += (long)gridDim.x * blockDim.x)
-        o[i] = from < (unsigned int)rows ? s[i] : make_uint4(0u, 0u, 0u, 0u);
+                                         long units, int rows, int n) {
+    for (int r = blockIdx.y; r < n; r += gridDim.y) {
+        const unsigned int from = idx[r];
+        const uint4* s = src + (size_t)from * units;
+        uint4* o = out + (size_t)r * units;
+        for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < units;
+             i += (long)gridDim.x * blockDim.x)
+            o[i] = from < (unsigned int)rows ? s[i] : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// copy_rows16: a strided view made contiguous, whole rows of `units` 16-byte words (any dtype):
+// row (a, b, c) of dims (d0, d1, d2) is read at a·s0 + b·s1 + c·s2 words and written at its
+// place in row-major order. grid = (word blocks, up to 65535 rows, striding over d0·d1·d2).
+extern "C" __global__ void copy_rows16(const uint4* src, uint4* out, long units, int d1, int d2,
+                                       long s0, long s1, long s2, long rows) {
+    for (long r = blockIdx.y; r < rows; r += gridDim.y) {
+        const long c = r % d2, b = (r / d2) % d1, a = r / ((long)d1 * d2);
+        const uint4* s = src + a * s0 + b * s1 + c * s2;
+        uint4* o = out + r * units;
+        for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < units;
+             i += (long)gridDim.x * blockDim.x)
+            o[i] = s[i];
+    }
 }
 
 // gather_cat16: out[b, h] = src[idx[b], h] followed by tail[b, h] (any dtype), `us` and `ut`

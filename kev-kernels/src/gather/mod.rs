@@ -1,14 +1,17 @@
-//! Whole rows picked by index ([`gather_rows`]): the prefix cache copied once per branch; and
-//! picked rows each followed by rows of their own ([`gather_cat`]): a branch's attention keys.
+//! Whole rows picked by index ([`gather_rows`]): the prefix cache copied once per branch; token
+//! embeddings ([`embed`]); picked rows each followed by rows of their own ([`gather_cat`]): a
+//! branch's attention keys; and a strided view's rows made contiguous ([`copy_rows`]).
 //! candle's CUDA `index_select` finds every element's source with 64-bit divisions; whole rows
-//! can move as 16-byte words, a few times faster on the 4B model's f32 recurrent states.
+//! can move as 16-byte words, a few times faster on the 4B model's f32 recurrent states. And a
+//! forward that launches no candle kernel never loads candle's PTX modules, which the driver
+//! takes seconds each to translate in a fresh process.
 
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "metal")]
 mod metal;
 
-use candle_core::{bail, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
+use candle_core::{bail, CustomOp1, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
 #[cfg(any(feature = "cuda", feature = "metal"))]
 use candle_core::{Layout, Shape};
 
@@ -133,8 +136,7 @@ pub fn gather_rows(t: &Tensor, rows: &RowIndex) -> Result<Tensor> {
         .elem_count()
         .checked_div(src_rows)
         .map_or(0, |elems| elems * t.dtype().size_in_bytes());
-    let fused = (in_words(t, row_bytes) && (1..=65535).contains(&rows.len()))
-        || (on_metal(t, row_bytes) && !rows.is_empty());
+    let fused = (in_words(t, row_bytes) || on_metal(t, row_bytes)) && !rows.is_empty();
     if row_bytes > 0 && fused {
         dispatch::launch(
             "gather-rows",
@@ -224,5 +226,211 @@ pub fn gather_cat(src: &Tensor, rows: &RowIndex, tail: &Tensor) -> Result<Tensor
         )
     } else {
         counted_cat(&[&gather_rows(src, rows)?, tail], 2)
+    }
+}
+
+/// The CUDA op of [`embed`]: the table is its operand, the id parts ride along.
+// Read by the CUDA launch only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Embed {
+    ids: Vec<Tensor>,
+}
+
+impl CustomOp1 for Embed {
+    fn name(&self) -> &'static str {
+        "embed"
+    }
+
+    cuda_only_cpu_fwd!("embed: the CPU takes index_select", _a _la);
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ts: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let guards: Vec<_> = self.ids.iter().map(|t| t.storage_and_layout()).collect();
+        let parts = guards
+            .iter()
+            .map(|(s, l)| Ok((crate::backend::cuda::kernel::cuda_of(s, "embed: ids")?, *l)))
+            .collect::<Result<Vec<_>>>()?;
+        let n: usize = self.ids.iter().map(Tensor::elem_count).sum();
+        let hidden = tl.dims()[1];
+        let out = by_dtype!(ts.dtype(), "embed", |T| {
+            // SAFETY: `gather_parts` writes all n rows.
+            let mut out = unsafe { ts.device().alloc::<T>(n * hidden) }?;
+            cuda::gather_parts::<T>(ts, tl, &parts, &mut out)?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, ts.device().clone())
+        });
+        Ok((out, Shape::from((n, hidden))))
+    }
+}
+
+/// The rows of `table: [V, H]` for every id of `ids` (u32 tensors of any shape, one part after
+/// another): `[N, H]`, as `index_select` of the joined ids. On CUDA (rows of whole 16-byte words)
+/// one kernel per part writes them straight into place; elsewhere the ids are joined and
+/// `index_select` picks. Ids come checked against the vocabulary (the tokenizer's largest id
+/// at load); on CUDA one past the table would read as a row of zeros.
+pub fn embed(table: &Tensor, ids: &[&Tensor]) -> Result<Tensor> {
+    let (_, hidden) = table.dims2()?;
+    let flat = ids
+        .iter()
+        .map(|t| t.flatten_all())
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(bad) = flat.iter().find(|t| t.dtype() != DType::U32) {
+        bail!("embed: ids of {:?}, not u32", bad.dtype())
+    }
+    let n: usize = flat.iter().map(Tensor::elem_count).sum();
+    let composed = || index_select_joined(table, &flat);
+    if n > 0 && in_words(table, hidden * table.dtype().size_in_bytes()) {
+        dispatch::launch(
+            "embed",
+            flat.iter().filter(|t| t.elem_count() > 0).count(),
+            table.device(),
+            || {
+                let flat = flat
+                    .iter()
+                    .map(Tensor::contiguous)
+                    .collect::<Result<Vec<_>>>()?;
+                table.apply_op1_no_bwd(&Embed { ids: flat })
+            },
+            composed,
+        )
+    } else {
+        composed()
+    }
+}
+
+/// `index_select` of the ids joined, counted.
+fn index_select_joined(table: &Tensor, ids: &[Tensor]) -> Result<Tensor> {
+    table.counted_index_select(&counted_cat(ids, 0)?, 0)
+}
+
+/// `t` with storage of its own, contiguous (a copy unless it already is). On CUDA, where the
+/// last dim is contiguous and its rows and the outer strides are whole 16-byte words, one Kev
+/// kernel copies whole rows; otherwise candle's copy.
+pub fn copy_rows(t: &Tensor) -> Result<Tensor> {
+    if t.is_contiguous() {
+        return Ok(t.clone());
+    }
+    let size = t.dtype().size_in_bytes();
+    let l = t.layout();
+    let rank = t.rank();
+    let words = |elems: usize| (elems * size).is_multiple_of(16);
+    let fits = backend(t.device()) == Backend::Cuda
+        && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && (2..=4).contains(&rank)
+        && l.stride()[rank - 1] == 1
+        && words(t.dims()[rank - 1])
+        && words(l.start_offset())
+        && l.stride()[..rank - 1].iter().all(|&s| words(s))
+        && t.elem_count() > 0;
+    if fits {
+        dispatch::launch(
+            "copy-rows",
+            1,
+            t.device(),
+            || t.apply_op1_no_bwd(&CopyRows),
+            || t.contiguous(),
+        )
+    } else {
+        t.counted_contiguous()
+    }
+}
+
+/// The CUDA op of [`copy_rows`].
+struct CopyRows;
+
+impl CustomOp1 for CopyRows {
+    fn name(&self) -> &'static str {
+        "copy-rows"
+    }
+
+    cuda_only_cpu_fwd!("copy-rows: the CPU takes contiguous", _a _la);
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::copy_rows(ss, sl)?, sl.shape().clone()))
+    }
+}
+
+/// `parts` (each `[n_i, ..]`, the same trailing dims and dtype) joined along the first dim, as
+/// `Tensor::cat(parts, 0)`. On CUDA device-to-device copies into one buffer (candle's `cat`
+/// launches a kernel from one of its PTX modules); elsewhere `cat`.
+pub fn join_rows(parts: &[&Tensor]) -> Result<Tensor> {
+    let Some(first) = parts.first() else {
+        bail!("join-rows: no part")
+    };
+    let (dtype, rest) = (first.dtype(), &first.dims()[1.min(first.rank())..]);
+    if let Some(bad) = parts
+        .iter()
+        .find(|p| p.rank() == 0 || p.dtype() != dtype || &p.dims()[1..] != rest)
+    {
+        bail!(
+            "join-rows: {:?} {:?} does not join {:?} {:?}",
+            bad.dims(),
+            bad.dtype(),
+            first.dims(),
+            dtype
+        )
+    }
+    let on_cuda = backend(first.device()) == Backend::Cuda
+        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::U32);
+    if parts.len() > 1 && on_cuda {
+        let parts = parts
+            .iter()
+            .map(|p| p.counted_contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        let copies = parts.iter().filter(|p| p.elem_count() > 0).count();
+        // Device-to-device copies: no kernel of candle's or Kev's.
+        dispatch::record("memcpy", copies);
+        if dispatch::stands_in(first.device()) {
+            return dispatch::uncounted(|| Tensor::cat(&parts, 0));
+        }
+        let op = JoinRows {
+            rest: parts[1..].to_vec(),
+        };
+        return parts[0].apply_op1_no_bwd(&op);
+    }
+    counted_cat(parts, 0)
+}
+
+/// The CUDA op of [`join_rows`]: the first part is the operand, the others ride along.
+// Read by the CUDA launch only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct JoinRows {
+    rest: Vec<Tensor>,
+}
+
+impl CustomOp1 for JoinRows {
+    fn name(&self) -> &'static str {
+        "join-rows"
+    }
+
+    cuda_only_cpu_fwd!("join-rows: the CPU takes cat", _a _la);
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        fs: &candle_core::CudaStorage,
+        fl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let guards: Vec<_> = self.rest.iter().map(|t| t.storage_and_layout()).collect();
+        let mut parts = vec![(fs, fl)];
+        for (s, l) in &guards {
+            parts.push((
+                crate::backend::cuda::kernel::cuda_of(s, "join-rows: a part")?,
+                *l,
+            ));
+        }
+        let out = cuda::join_rows(&parts)?;
+        let mut dims = fl.dims().to_vec();
+        dims[0] = parts.iter().map(|(_, l)| l.dims()[0]).sum();
+        Ok((out, Shape::from(dims)))
     }
 }

@@ -6,8 +6,8 @@
 
 use candle_core::{bail, Device, Result, Tensor};
 
-use crate::dispatch::{counted_cat, CountedTensor};
-use crate::gather::{gather_rows, RowIndex};
+use crate::dispatch::CountedTensor;
+use crate::gather::{gather_rows, join_rows, RowIndex};
 
 /// The two parts' shapes, real lengths and the state row of each branch row, with those owners
 /// also on the device (uploaded once, for every layer's copies of state rows to branch rows).
@@ -157,7 +157,7 @@ impl SplitBatch {
     /// `[N, ..]`.
     pub fn join(&self, state: &Tensor, branches: &Tensor) -> Result<Tensor> {
         let flat = |t: &Tensor| t.counted_flatten(0, 1);
-        counted_cat(&[flat(state)?, flat(branches)?], 0)
+        join_rows(&[&flat(state)?, &flat(branches)?])
     }
 
     /// An error naming `op` unless `state` is `[R, S, ..]` and `branches` `[B, T, ..]`.

@@ -1,9 +1,12 @@
-//! Loading and launching Kev's kernels: NVRTC compiles each [`Source`] once per process to
-//! machine code for the GPU at hand (so building needs no nvcc for our own code, and the driver
-//! has no PTX to translate at first use), and every launcher loads its entry point through
-//! [`Kernel::load`] or [`Kernel::for_dtype`]. The helpers below are what the launchers share.
+//! Loading and launching Kev's kernels: each [`Source`] as machine code for the GPU at hand,
+//! built with the crate for the GPUs the build named (build.rs) or compiled once per process by
+//! NVRTC for any other (the driver has no PTX to translate at first use either way), and every
+//! launcher loads its entry point through [`Kernel::load`] or [`Kernel::for_dtype`]. The
+//! helpers below are what the launchers share.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -17,14 +20,23 @@ use super::gpu::gpu;
 use super::sources::{Source, ALL};
 
 impl Source {
-    /// The machine code (CUBIN) for the process's GPU, `arch` as `sm_XY`, compiled by NVRTC by
-    /// the first caller. Machine code for the exact GPU leaves the driver nothing to translate
-    /// at the first launch: PTX is compiled by the driver on first use, seconds per module on a
-    /// machine whose driver cache is empty.
+    /// The machine code (CUBIN) for the process's GPU, `arch` as `sm_XY`: built with the crate
+    /// where the build named that GPU ([`PREBUILT`]), else compiled by NVRTC by the first
+    /// caller. NVRTC's compile goes through the driver's cache, so a fresh machine pays it in
+    /// full (~15 s for all sources on the H200 machine, 2.5 s with the cache filled).
     fn image(&self, arch: &str) -> Result<&[u8]> {
-        let compiled = self
-            .image
-            .get_or_init(|| compile_cubin(&self.text(), self.file, arch, &self.define_options()));
+        if let Some((_, _, image)) = PREBUILT
+            .iter()
+            .find(|(module, built_for, _)| *module == self.module && *built_for == arch)
+        {
+            return Ok(image);
+        }
+        let compiled = self.image.get_or_init(|| {
+            let started = Instant::now();
+            let image = compile_cubin(&self.text(), self.file, arch, &self.define_options());
+            COMPILE_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            image
+        });
         match compiled {
             Ok(image) => Ok(image),
             Err(e) => bail!(
@@ -33,6 +45,23 @@ impl Source {
             ),
         }
     }
+}
+
+/// Machine code built with the crate (build.rs) per (module, `sm_XY`): loaded as it is, where
+/// NVRTC would take a fresh machine ~15 s for all sources.
+static PREBUILT: &[(&str, &str, &[u8])] = include!(concat!(env!("OUT_DIR"), "/cuda_images.rs"));
+
+/// Nanoseconds this process spent compiling Kev's sources with NVRTC and loading their machine
+/// code, summed over sources (they run on parallel threads).
+static COMPILE_NANOS: AtomicU64 = AtomicU64::new(0);
+static LOAD_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Seconds this process has spent compiling Kev's CUDA sources (NVRTC) and loading their
+/// machine code into the driver, each summed over sources: where a slow [`prepare_kernels`]
+/// went.
+pub fn kernel_seconds() -> (f64, f64) {
+    let seconds = |n: &AtomicU64| n.load(Ordering::Relaxed) as f64 * 1e-9;
+    (seconds(&COMPILE_NANOS), seconds(&LOAD_NANOS))
 }
 
 /// NVRTC's CUBIN of `text` for `arch` (`sm_XY`) with `defines`, or NVRTC's error and log.
@@ -99,39 +128,25 @@ fn module(source: &Source, dev: &CudaDevice) -> Result<Arc<CudaModule>> {
     if let Some(found) = find(&modules) {
         return Ok(found);
     }
+    let started = Instant::now();
     let loaded = ctx.load_module(Ptx::from_binary(image)).w()?;
+    LOAD_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
     modules.push((ordinal, source.module, loaded.clone()));
     Ok(loaded)
 }
 
-/// Compiles and loads every kernel of Kev and of candle the forward uses on `dev`, so that
-/// the first forward pays for none of it: NVRTC compiles Kev's sources in parallel, and the
-/// driver translates candle's PTX modules (machine code is not shipped for them). A model load
-/// runs this beside reading its weights.
+/// Compiles and loads every Kev kernel on `dev` (NVRTC compiles the sources in parallel), so
+/// that the first forward pays for none of it. A model load runs this beside reading its
+/// weights. The forward launches no candle kernel: candle's modules are PTX, which the driver
+/// would take seconds each to translate in a fresh process.
 pub fn prepare_kernels(dev: &CudaDevice) -> Result<()> {
-    use candle_kernels as ck;
-    // One entry point of each candle module the forward uses (copies and casts, index
-    // selects, elementwise ops, the head's sum and scale): loading it loads the module. A module
-    // this list misses is translated at its first use, as without this.
-    let candle_modules: [(&str, &ck::Module); 6] = [
-        ("affine_f32", &ck::AFFINE),
-        ("bsub_f32", &ck::BINARY),
-        ("cast_u32_f32", &ck::CAST),
-        ("is_u32_f32", &ck::INDEXING),
-        ("fast_sum_f64", &ck::REDUCE),
-        ("ucopy_f32", &ck::UNARY),
-    ];
     std::thread::scope(|scope| {
         let ours: Vec<_> = ALL
             .iter()
             .filter(|s| !s.tensor_cores || gpu(dev).is_ok_and(|g| g.tensor_cores))
             .map(|&s| scope.spawn(move || module(s, dev).map(drop)))
             .collect();
-        let theirs: Vec<_> = candle_modules
-            .iter()
-            .map(|&(name, m)| scope.spawn(move || dev.get_or_load_func(name, m).map(drop)))
-            .collect();
-        ours.into_iter().chain(theirs).try_for_each(|h| {
+        ours.into_iter().try_for_each(|h| {
             h.join()
                 .unwrap_or_else(|_| bail!("a kernel compile panicked"))
         })

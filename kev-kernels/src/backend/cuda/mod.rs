@@ -13,7 +13,7 @@ mod memory;
 mod profiler;
 
 #[cfg(feature = "cuda")]
-pub use kernel::prepare_kernels;
+pub use kernel::{kernel_seconds, prepare_kernels};
 #[cfg(feature = "cuda")]
 pub use memory::{
     keep_device_memory, pool_peak_bytes, release_device_memory, release_device_memory_of,
