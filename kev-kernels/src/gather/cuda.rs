@@ -7,7 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, Layout, Result};
 
-use crate::backend::cuda::kernel::{contiguous, Kernel};
+use crate::backend::cuda::kernel::{contiguous, rows_grid, Kernel};
 use crate::backend::cuda::sources::GATHER;
 
 /// Rows of 16-byte words (gather.rs checked the sizes, the alignment and the indices).
@@ -53,15 +53,7 @@ pub(crate) fn gather_parts<T: DeviceRepr + CudaDType>(
         let idx = is.as_cuda_slice::<u32>()?.slice(i0..i1);
         let mut dst = out.slice_mut(at * row_elems..(at + n) * row_elems);
         let n_ = n as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                units.div_ceil(256).clamp(1, 1024) as u32,
-                n.min(65535) as u32,
-                1,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_grid(units, n);
         let mut b = k.stream.launch_builder(&k.func);
         b.arg(&src)
             .arg(&idx)
@@ -98,15 +90,7 @@ pub(crate) fn copy_rows(ss: &CudaStorage, sl: &Layout) -> Result<CudaStorage> {
     }
     let rows = d.iter().product::<usize>();
     let start = sl.start_offset();
-    let cfg = LaunchConfig {
-        grid_dim: (
-            units.div_ceil(256).clamp(1, 1024) as u32,
-            rows.clamp(1, 65535) as u32,
-            1,
-        ),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = rows_grid(units, rows);
     let (units_, d1, d2, rows_) = (units as i64, d[1] as i32, d[2] as i32, rows as i64);
     by_dtype!(ss.dtype(), "copy-rows", |T| {
         let src = ss.as_cuda_slice::<T>()?.slice(start..);

@@ -5,7 +5,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKern
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result};
 
-use crate::backend::cuda::kernel::{contiguous, Kernel};
+use crate::backend::cuda::kernel::{contiguous, rows_grid, Kernel};
 use crate::backend::cuda::sources::HEAD;
 
 /// Warps per block of `pointer_logits`, one option each.
@@ -28,15 +28,7 @@ pub(crate) fn rows_f32(
         })
         .transpose()?;
     let n = idx.as_ref().map_or(src_rows, |i| i.len());
-    let cfg = LaunchConfig {
-        grid_dim: (
-            cols.div_ceil(256).clamp(1, 1024) as u32,
-            n.clamp(1, 65535) as u32,
-            1,
-        ),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = rows_grid(cols, n);
     let (n_, cols_, rows_) = (n as i32, cols as i64, src_rows as i32);
     let out = k.output::<f32>(n * cols)?;
     by_dtype!(ts.dtype(), "rows-f32", |T| {

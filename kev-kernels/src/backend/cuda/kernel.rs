@@ -270,6 +270,20 @@ pub(crate) fn grid_for(n: usize, block: u32) -> LaunchConfig {
     }
 }
 
+/// A row-striding launch: blocks of 256 threads over `units` per row (at most 1024 blocks,
+/// striding), one block row per row up to CUDA's 65535 (the kernel strides over the rest).
+pub(crate) fn rows_grid(units: usize, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            units.div_ceil(256).clamp(1, 1024) as u32,
+            rows.clamp(1, 65535) as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The CUDA storage of an input an op carries beside its operands.
 pub(crate) fn cuda_of<'a>(s: &'a candle_core::Storage, what: &str) -> Result<&'a CudaStorage> {
     match s {
