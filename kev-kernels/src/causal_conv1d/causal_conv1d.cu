@@ -1,6 +1,6 @@
-// Compiled at run time with NVRTC, common.cuh prepended (no CUDA headers: bf16 and f16 are
+// Compiled by nvcc (build.rs) or NVRTC, common.cuh prepended (no CUDA headers: bf16 and f16 are
 // read and written as 16-bit integers); the constants shared with the Rust launcher come as
-// -D defines (backend/cuda/sources.rs).
+// -D defines (backend/cuda/catalog.rs).
 //
 // conv_<dtype>: causal depthwise conv1d + SiLU, one thread per output element.
 //   Inputs: x [B, K-1+T, C] (dtype, the K-1 cached steps first), w [C, K] (dtype).

@@ -18,7 +18,7 @@
 // causal compare.
 #if __CUDA_ARCH__ >= 800
 
-// From the launcher (-D defines, backend/cuda/sources.rs): FLASH_HEAD_DIM the head dim, FLASH_ROWS query rows
+// From the launcher (-D defines, backend/cuda/catalog.rs): FLASH_HEAD_DIM the head dim, FLASH_ROWS query rows
 // per block, FLASH_THREADS, FLASH_SMEM the dynamic shared memory (101632 bytes, checked below).
 #define FLASH_KEYS 64                  // keys per tile
 #define FLASH_PITCH (FLASH_HEAD_DIM + 8)          // tile pitch (elements): 528 bytes ≡ 16 (mod 128), see ldsm4

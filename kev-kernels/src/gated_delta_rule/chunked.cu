@@ -30,7 +30,7 @@
 //   columns per block (grid.x = ceil(Dv/NCOL)), W, Q' and Aqk by rows and K' transposed in
 //   scratch (for ldmatrix), in bf16. See the tensor-core section below.
 
-// From the launcher (-D defines, backend/cuda/sources.rs): CHUNK steps per chunk, FMA_THREADS
+// From the launcher (-D defines, backend/cuda/catalog.rs): CHUNK steps per chunk, FMA_THREADS
 // threads of the FMA kernels, MMA_THREADS of the tensor-core kernels (8 warps share a chunk's
 // work, so one block, what a short call has per multiprocessor, issues from every scheduler), MAX_DIM
 // the padded Dk and Dv; the shared memory of each kernel (checked against the layouts below);

@@ -1,6 +1,6 @@
-// Compiled at run time with NVRTC, common.cuh prepended (no CUDA headers: bf16 and f16 are
+// Compiled by nvcc (build.rs) or NVRTC, common.cuh prepended (no CUDA headers: bf16 and f16 are
 // read and written as 16-bit integers); the constants shared with the Rust launcher come as
-// -D defines (backend/cuda/sources.rs).
+// -D defines (backend/cuda/catalog.rs).
 //
 // gdr_<dtype>_nk<NK>: the gated delta rule, recurrent form (docs/BACKBONE.md §3 step 7).
 //   grid  = (ceil(Dv / (RECURRENT_WARPS·COLS)), B·Hv), block = 32·RECURRENT_WARPS threads.

@@ -1,6 +1,6 @@
-// Compiled at run time with NVRTC, common.cuh prepended (no CUDA headers: bf16 and f16 are
+// Compiled by nvcc (build.rs) or NVRTC, common.cuh prepended (no CUDA headers: bf16 and f16 are
 // read and written as 16-bit integers); the constants shared with the Rust launcher come as
-// -D defines (backend/cuda/sources.rs).
+// -D defines (backend/cuda/catalog.rs).
 
 // gather_rows16: out row r = src row idx[r], rows of `units` 16-byte words (any dtype), n rows.
 // An index at or past `rows` (the host checks them) writes zeros rather than reading outside the

@@ -1,4 +1,4 @@
-// Compiled at run time with NVRTC, common.cuh prepended (backend/cuda/sources.rs).
+// Compiled by nvcc (build.rs) or NVRTC, common.cuh prepended (backend/cuda/catalog.rs).
 
 // rows_f32_<dtype>: out row r (f32) = src row idx[r] (row r where idx is null), `cols` values a
 // row, widened exactly. An index at or past `rows` (the host checks them) gives zeros rather

@@ -1,6 +1,6 @@
-// Compiled at run time with NVRTC, common.cuh prepended (no CUDA headers: bf16 and f16 are
+// Compiled by nvcc (build.rs) or NVRTC, common.cuh prepended (no CUDA headers: bf16 and f16 are
 // read and written as 16-bit integers); the constants shared with the Rust launcher come as
-// -D defines (backend/cuda/sources.rs).
+// -D defines (backend/cuda/catalog.rs).
 //
 // Inputs marked "rows" are [rows, cols] views whose rows start `stride` elements apart (a slice
 // of a wider projection). Rounding to the activation dtype happens exactly where HF's PyTorch

@@ -70,8 +70,8 @@ pub(crate) enum Value {
     Float(f32),
 }
 
-/// A CUDA source file, compiled by NVRTC on first use and loaded as its own module, so a
-/// process pays only for the sources it runs.
+/// A CUDA source file, compiled by nvcc with the crate (build.rs) or by NVRTC on first use,
+/// and loaded as its own module.
 pub(crate) struct Source {
     pub(crate) file: &'static str,
     pub(crate) module: &'static str,
@@ -85,7 +85,7 @@ pub(crate) struct Source {
 }
 
 impl Source {
-    /// The text NVRTC compiles: the headers, then the file.
+    /// The text the compiler sees: the headers, then the file.
     pub(crate) fn text(&self) -> String {
         let headers: &[&str] = if self.tensor_cores {
             &[COMMON, MMA]
@@ -97,7 +97,7 @@ impl Source {
         text
     }
 
-    /// The `-D` options NVRTC compiles it with.
+    /// The `-D` options it is compiled with (nvcc and NVRTC alike).
     pub(crate) fn define_options(&self) -> Vec<String> {
         self.defines
             .iter()

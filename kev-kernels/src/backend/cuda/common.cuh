@@ -1,4 +1,4 @@
-// Shared by Kev's CUDA sources (prepended to each before NVRTC compiles it): the activation
+// Shared by Kev's CUDA sources (prepended to each before nvcc or NVRTC compiles it): the activation
 // dtypes, read and written as 16-bit integers (no CUDA headers), and warp reductions.
 
 // `FAST`: whether SiLU, sigmoid and the softmax's exp may use the fast intrinsics (see `silu`

@@ -20,12 +20,12 @@ pub(crate) struct Gpu {
     pub(crate) multiprocessors: usize,
     /// The most shared memory a block may ask for (227 KB on Hopper, 99 KB on sm_86/89).
     pub(crate) shared_memory_per_block: usize,
-    /// Compute capability (major, minor): the machine code NVRTC compiles for.
+    /// Compute capability (major, minor): which machine code the GPU runs.
     pub(crate) compute_capability: (i32, i32),
 }
 
 impl Gpu {
-    /// NVRTC's name of the GPU's machine code, `sm_XY`.
+    /// The name of the GPU's machine code, `sm_XY` (nvcc's and NVRTC's).
     #[cfg(feature = "cuda")]
     pub(crate) fn arch(&self) -> String {
         let (major, minor) = self.compute_capability;

@@ -1,5 +1,5 @@
 //! The CUDA layer under the ops' launchers: the kernel sources and their constants
-//! ([`sources`]), NVRTC compilation and loading ([`kernel`]), the GPU's capabilities, the
+//! ([`sources`]), loading their machine code or compiling them with NVRTC ([`kernel`]), the GPU's capabilities, the
 //! device memory pool and the profiler. It knows no op.
 
 pub(crate) mod gpu;

@@ -1,4 +1,4 @@
-//! Kev's CUDA sources: which file each NVRTC module compiles, the headers prepended to it, and the
+//! Kev's CUDA sources: which file each module compiles, the headers prepended to it, and the
 //! constants it shares with its launcher. Each constant has its one definition here and reaches
 //! the kernel as a `-D` define of the same name, so the two sides cannot drift apart. Compiled without the `cuda`
 //! feature too: the CPU tests check the sources, and the CPU code reads some constants.
@@ -26,7 +26,7 @@ mod tests {
             .collect()
     }
 
-    /// What NVRTC sees: every shared constant comes once, as a `-D` define, and no header or
+    /// What the compiler sees: every shared constant comes once, as a `-D` define, and no header or
     /// source defines it again; every constant any source takes is given to each source that
     /// uses it; the L2 norm epsilon keeps its C spelling.
     #[test]
@@ -75,7 +75,7 @@ mod tests {
             .contains(&"-DFLASH_SMEM=101632".to_string()));
     }
 
-    /// Each NVRTC module has its own name (candle caches functions by module name).
+    /// Each module has its own name (candle caches functions by module name).
     #[test]
     fn module_names_differ() {
         for (i, a) in ALL.iter().enumerate() {
