@@ -88,7 +88,7 @@ impl Executor {
             // One piece each (every state within `prefill_chunk`): one pass over the layers, the
             // last layer's MLP only on the rows the head reads.
             let (decide, opts, owner) = head_positions(&plan.rows, branches.width);
-            let picked: Vec<usize> = decide.iter().chain(&opts).map(|&i| i as usize).collect();
+            let picked: Vec<usize> = decide.iter().chain(&opts).copied().collect();
             let hidden = SplitBatch::new(
                 state.width,
                 state.lengths.clone(),
@@ -204,11 +204,8 @@ impl Executor {
         let (_, width, h) = hidden.dims3().map_err(&err)?;
         let flat = hidden.counted_reshape(((), h)).map_err(&err)?;
         let (decide, opts, owner) = head_positions(rows, width);
-        let index = |idx: Vec<u32>| {
-            let idx: Vec<usize> = idx.into_iter().map(|i| i as usize).collect();
-            RowIndex::new(&idx, self.device())
-        };
-        let (decide, opts) = (index(decide).map_err(&err)?, index(opts).map_err(&err)?);
+        let index = |idx: &[usize]| RowIndex::new(idx, self.device()).map_err(&err);
+        let (decide, opts) = (index(&decide)?, index(&opts)?);
         self.head
             .logits_at(&flat, &decide, &opts, &owner)
             .map_err(&err)

@@ -142,16 +142,16 @@ pub fn state_pass_tokens(lengths: &[usize]) -> usize {
 
 /// Where the head reads rows `rows` of width `width` (flat indices into their `B·width`
 /// positions): each row's `[DECIDE]`, every row's options in order, and each option's row.
-pub(crate) fn head_positions(rows: &[Row], width: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+pub(crate) fn head_positions(rows: &[Row], width: usize) -> (Vec<usize>, Vec<usize>, Vec<u32>) {
     let decide = rows
         .iter()
         .enumerate()
-        .map(|(i, r)| (i * width + r.decide) as u32)
+        .map(|(i, r)| i * width + r.decide)
         .collect();
     let mut opts = Vec::new();
     let mut owner = Vec::new();
     for (i, r) in rows.iter().enumerate() {
-        opts.extend(r.opts.iter().map(|&o| (i * width + o) as u32));
+        opts.extend(r.opts.iter().map(|&o| i * width + o));
         owner.extend(std::iter::repeat_n(i as u32, r.opts.len()));
     }
     (decide, opts, owner)

@@ -142,19 +142,21 @@ pub fn choose_as<T>(backend: Option<Backend>, run: impl FnOnce() -> T) -> T {
 
 /// Adds `dispatches` of `op` to the running count (none running: nothing).
 pub fn record(op: &'static str, dispatches: usize) {
-    COUNTER.with(|c| {
-        if let Some(c) = c.borrow_mut().as_mut().filter(|c| !c.paused) {
-            *c.tally.counts.entry((c.layer, op)).or_default() += dispatches;
-        }
-    });
+    record_as(op, dispatches, false);
 }
 
 /// [`record`] for an op that launches candle kernels ([`Tally::candle_kernels`]).
 fn record_candle(op: &'static str, dispatches: usize) {
+    record_as(op, dispatches, true);
+}
+
+fn record_as(op: &'static str, dispatches: usize, candle: bool) {
     COUNTER.with(|c| {
         if let Some(c) = c.borrow_mut().as_mut().filter(|c| !c.paused) {
             *c.tally.counts.entry((c.layer, op)).or_default() += dispatches;
-            c.tally.candle.insert(op);
+            if candle {
+                c.tally.candle.insert(op);
+            }
         }
     });
 }

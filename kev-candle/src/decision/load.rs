@@ -50,10 +50,11 @@ pub struct LoadBreakdown {
     pub tokenizer_s: f64,
     /// Waiting for the GPU's kernels, compiled and loaded beside the weights (CUDA).
     pub kernels_wait_s: f64,
-    /// Compiling Kev's CUDA sources with NVRTC, summed over the sources compiled in parallel:
-    /// 0 on a GPU the build carried machine code for (`kev-kernels/build.rs`).
+    /// Compiling Kev's CUDA sources with NVRTC for this load, summed over the sources compiled
+    /// in parallel: 0 on a GPU the build carried machine code for (`kev-kernels/build.rs`), and
+    /// for a later load in the same process.
     pub kernels_compile_cpu_s: f64,
-    /// Loading their machine code into the driver, summed over the sources.
+    /// Loading their machine code into the driver for this load, summed over the sources.
     pub kernels_load_cpu_s: f64,
     /// Waiting for the device's queued work and handing freed memory back.
     pub settle_s: f64,
@@ -110,6 +111,8 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     breakdown.checkpoint_s = lap(&mut clock);
     let device = select_device(options.backend)?;
     breakdown.device_s = lap(&mut clock);
+    #[cfg(feature = "cuda")]
+    let kernel_seconds_before = kev_kernels::kernel_seconds();
     let kernels = prepare_kernels(&device);
     let dtype = select_dtype(options.dtype, &device);
     // The CPU's bf16 mode where it has AVX512-BF16: the projections and the embedding table
@@ -176,10 +179,11 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     breakdown.kernels_wait_s = lap(&mut clock);
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        (
-            breakdown.kernels_compile_cpu_s,
-            breakdown.kernels_load_cpu_s,
-        ) = kev_kernels::kernel_seconds();
+        // The process's totals grow only by what this load compiled and loaded: a module is
+        // compiled and loaded once per process and device.
+        let (compile, load) = kev_kernels::kernel_seconds();
+        breakdown.kernels_compile_cpu_s = compile - kernel_seconds_before.0;
+        breakdown.kernels_load_cpu_s = load - kernel_seconds_before.1;
     }
     settle(&device)?;
     release_freed_memory();

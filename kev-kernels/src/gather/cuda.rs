@@ -10,27 +10,25 @@ use candle_core::{CudaStorage, Layout, Result};
 use crate::backend::cuda::kernel::{contiguous, rows_grid, Kernel};
 use crate::backend::cuda::sources::GATHER;
 
-/// Rows of 16-byte words (gather.rs checked the sizes, the alignment and the indices).
-pub(crate) fn gather_rows(
+/// The rows of `ts` each part of indices picks, one part after another in a new buffer (16-byte
+/// words; gather.rs checked the sizes, the alignment and the indices).
+pub(crate) fn gather_parts(
     ts: &CudaStorage,
     tl: &Layout,
-    is: &CudaStorage,
-    il: &Layout,
+    parts: &[(&CudaStorage, &Layout)],
 ) -> Result<CudaStorage> {
-    let (i0, i1) = contiguous(il, "gather-rows index")?;
-    let n = i1 - i0;
+    let n: usize = parts.iter().map(|(_, l)| l.shape().elem_count()).sum();
     let row_elems = tl.shape().elem_count() / tl.dims()[0].max(1);
     by_dtype!(ts.dtype(), "gather-rows", |T| {
-        // SAFETY: `gather_parts` writes all n rows.
+        // SAFETY: `gather_into` writes all n rows.
         let mut out = unsafe { ts.device().alloc::<T>(n * row_elems) }?;
-        gather_parts::<T>(ts, tl, &[(is, il)], &mut out)?;
+        gather_into::<T>(ts, tl, parts, &mut out)?;
         Ok(CudaStorage::wrap_cuda_slice(out, ts.device().clone()))
     })
 }
 
-/// The rows of `ts` each part of indices picks, one part after another into `out` (16-byte
-/// words; the caller checked the sizes and the alignment).
-pub(crate) fn gather_parts<T: DeviceRepr + CudaDType>(
+/// [`gather_parts`] into `out`.
+fn gather_into<T: DeviceRepr + CudaDType>(
     ts: &CudaStorage,
     tl: &Layout,
     parts: &[(&CudaStorage, &Layout)],

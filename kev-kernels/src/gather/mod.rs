@@ -108,7 +108,7 @@ impl CustomOp2 for GatherRows {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let mut dims = tl.dims().to_vec();
         dims[0] = il.dims()[0];
-        Ok((cuda::gather_rows(ts, tl, is, il)?, Shape::from(dims)))
+        Ok((cuda::gather_parts(ts, tl, &[(is, il)])?, Shape::from(dims)))
     }
 
     #[cfg(feature = "metal")]
@@ -249,21 +249,14 @@ impl CustomOp1 for Embed {
         ts: &candle_core::CudaStorage,
         tl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         let guards: Vec<_> = self.ids.iter().map(|t| t.storage_and_layout()).collect();
         let parts = guards
             .iter()
             .map(|(s, l)| Ok((crate::backend::cuda::kernel::cuda_of(s, "embed: ids")?, *l)))
             .collect::<Result<Vec<_>>>()?;
         let n: usize = self.ids.iter().map(Tensor::elem_count).sum();
-        let hidden = tl.dims()[1];
-        let out = by_dtype!(ts.dtype(), "embed", |T| {
-            // SAFETY: `gather_parts` writes all n rows.
-            let mut out = unsafe { ts.device().alloc::<T>(n * hidden) }?;
-            cuda::gather_parts::<T>(ts, tl, &parts, &mut out)?;
-            candle_core::CudaStorage::wrap_cuda_slice(out, ts.device().clone())
-        });
-        Ok((out, Shape::from((n, hidden))))
+        let out = cuda::gather_parts(ts, tl, &parts)?;
+        Ok((out, Shape::from((n, tl.dims()[1]))))
     }
 }
 
