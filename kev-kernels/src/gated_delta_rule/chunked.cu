@@ -10,8 +10,8 @@
 //   S     ← e^{G_CH}·S + K'ᵀ·Δ          K'_t = e^{G_CH−G_t}·k̂_t
 // Steps at or past a row's length get g = β = 0 and k̂ = q̂ = v = 0: they output 0 and leave the
 // state alone, like the recurrent kernel. Everything is f32 (the tensor-core pair below: f32 with
-// TF32 products in the preparation, of q and k as loaded, which are exact in TF32, with their
-// norms applied after; bf16 ones in the scan); the output is rounded to the dtype.
+// exact products of q and k as loaded, 16-bit, with their norms applied after, and TF32 ones for
+// W and U in the preparation; bf16 ones in the scan); the output is rounded to the dtype.
 // Dk and Dv are at most 128 (zero-padded to it inside).
 //
 // Every product is register-tiled (each thread a 4×4 to 4×16 block of outputs, operands read as
@@ -233,10 +233,19 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
         const int r0 = NCH * (is_v ? grp : is_k ? grp - gk : grp);  // the channel in its head
         const int c0 = is_v ? 2 * hk * dk + h * dv + r0 : (is_k ? hk + kh : kh) * dk + r0;
         uint2 win[RUN + 3];
-        #pragma unroll
-        for (int p = 0; p < RUN + 3; p++) {
-            const E* src = raw(t0 + i0 + p - 3);
-            win[p] = src ? *reinterpret_cast<const uint2*>(src + c0) : make_uint2(0u, 0u);
+        const int tw = t0 + i0 - 3;  // the window's first step
+        if (tw >= 0 && tw + RUN + 3 <= len) {
+            // The whole window inside the row (most items): one pointer, no per-step checks.
+            const E* src = x + (size_t)tw * cv.pitch + c0;
+            #pragma unroll
+            for (int p = 0; p < RUN + 3; p++, src += cv.pitch)
+                win[p] = *reinterpret_cast<const uint2*>(src);
+        } else {
+            #pragma unroll
+            for (int p = 0; p < RUN + 3; p++) {
+                const E* src = raw(tw + p);
+                win[p] = src ? *reinterpret_cast<const uint2*>(src + c0) : make_uint2(0u, 0u);
+            }
         }
         // The run's outputs, rounded to the dtype in pairs of steps (zero past len), before
         // any store: q and k go out as a word per pair of steps, v as 4 channels of a step.
@@ -609,12 +618,13 @@ __device__ void gdrc_scan(const float* __restrict__ wt, const float* __restrict_
         }
 }
 
-#if __CUDA_ARCH__ >= 800  // mma.sync on TF32 (compiled for compute_80 where the GPU has it)
+#if __CUDA_ARCH__ >= 800  // mma.sync on TF32 and bf16 (compiled for compute_80 where the GPU has it)
 // ---- Tensor-core kernels (bf16 and f16 models) ----
 // The same two kernels with every product a warp-wide mma.sync (f32 accumulate). The FMA forms
 // above issue thousands of instructions per thread and chunk at low occupancy and are bound by
 // their latency (ncu, 4B heads: prep 0.45 ms and scan 0.71 ms for 4096 steps). The preparation
-// multiplies TF32 operands (m16n8k8): its products build the triangular solve's inputs. The scan
+// multiplies q and k as loaded in their 16-bit dtype (m16n8k8, mma_qk: exact products) and W, U
+// on TF32 operands (m16n8k8, mma8): its products build the triangular solve's inputs. The scan
 // multiplies bf16 operands (m16n8k16, mma16 in mma.cuh): half the bytes and instructions of TF32, the
 // rounding flash-linear-attention's chunked kernels apply; its state is accumulated in f32 (the
 // mma's C operand), so the rounding does not compound across chunks. f32 models keep the FMA
@@ -652,33 +662,67 @@ __device__ __forceinline__ void frag_b(unsigned (&b)[2], const float* x, int p, 
     b[0] = tf<R>(x[(k0 + c) * p + n0 + g]);
     b[1] = tf<R>(x[(k0 + c + 4) * p + n0 + g]);
 }
-// acc[n] += X[m0..m0+15, 0..K)·Y[0..K, 8n..8n+7] for n < NT: a warp's 16 × 8·NT product, X
-// stored transposed (x[k][m], pitch xp), Y by rows (y[k][n], pitch yp), both 16-bit activations
-// of dtype D as loaded and swizzled (swz: the preparation's qᵀ and kᵀ tiles, its KKᵀ and QKᵀ),
-// by scalar fragment loads; m0 and the columns of y a multiple of 8. A bf16 or f16 value is
-// exact in TF32, so the products are exact. A 4-way unroll: fully unrolled, the preparation
-// measured 2 µs slower.
-template <typename D, int K, int NT>
-__device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const unsigned short* x, int xp,
-                                         int m0, const unsigned short* y, int yp, int g, int c) {
-    const unsigned short* xa = x + c * xp + m0;
-    const unsigned short* yb = y + c * yp;
-    #pragma unroll 4
-    for (int k0 = 0; k0 < K; k0 += 8) {
-        // Rows k0 + c and k0 + c + 4 (c < 4): swizzled by k0 / 8.
-        const int g0 = swz(k0, g);
-        unsigned a[4];
-        a[0] = tf<false>(D::load(&xa[k0 * xp + g0]));
-        a[1] = tf<false>(D::load(&xa[k0 * xp + 8 + g0]));
-        a[2] = tf<false>(D::load(&xa[(k0 + 4) * xp + g0]));
-        a[3] = tf<false>(D::load(&xa[(k0 + 4) * xp + 8 + g0]));
+// d += a·b for one 16×8 tile over k = 8 on 16-bit operands of dtype D (bf16 or f16; PTX ISA
+// m16n8k8 fragments: a0 row g, a1 row g + 8, each k 2c, 2c + 1; b0 k 2c, 2c + 1 of column g).
+template <typename D>
+struct Is16;  // whether the 16-bit dtype D is bf16 (else f16): the mma's operand type
+template <>
+struct Is16<BF16> { static constexpr bool BF = true; };
+template <>
+struct Is16<F16> { static constexpr bool BF = false; };
+template <typename D>
+__device__ __forceinline__ void mma8h(float (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
+    if constexpr (Is16<D>::BF)
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(b0));
+    else
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(b0));
+}
+// acc[n] = Σ_r x[r][m0 + i]·y[r][n0 + 8n + j] over the MAX_DIM features r (i < 16, j < 8, n < 2):
+// a warp's 16 × 16 block of XᵀY for the preparation's qᵀ and kᵀ tiles (16-bit as loaded, pitch
+// p ≡ 16 (mod 128) bytes, swizzled: swz). Products of 16-bit values are exact in f32, as TF32 ones were.
+// ldmatrix.trans hands lane (g, c) features 2c, 2c + 1 of the step at position g of an 8 × 8
+// tile, which is the m16n8k8 fragment; but swz puts step t at position t ^ S in a feature
+// block whose S = swz(r, 0) is one of 4 values, so the mma's rows and columns are those
+// positions. Blocks of one S go to one accumulator, which is then moved by shuffles to
+// the lanes of the steps it holds and added.
+template <typename D>
+__device__ __forceinline__ void mma_qk(float (&acc)[2][4], const unsigned short* x,
+                                       const unsigned short* y, int p, int m0, int n0, int lane) {
+    static_assert(MAX_DIM % 64 == 0, "feature blocks in groups of 4 S values, 2 a load");
+    const int g = lane / 4, c = lane % 4;
+    // Tiles of a load: lanes 8i.. address tile i = (block +0 / +4, steps +0 / +8).
+    const int row = (lane & 7) + 32 * (lane >> 4), col = 8 * ((lane >> 3) & 1);
+    const unsigned short* xa = x + row * p + m0 + col;
+    const unsigned short* yb = y + row * p + n0 + col;
+    #pragma unroll
+    for (int n = 0; n < 2; n++)
         #pragma unroll
-        for (int n = 0; n < NT; n++) {
-            unsigned bf[2];
-            bf[0] = tf<false>(D::load(&yb[k0 * yp + 8 * n + g0]));
-            bf[1] = tf<false>(D::load(&yb[(k0 + 4) * yp + 8 * n + g0]));
-            mma8(acc[n], a, bf);
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
+    #pragma unroll 1
+    for (int s = 0; s < 4; s++) {  // blocks s, s + 4, ...: rows 8s.. of each 32
+        float part[2][4] = {};
+        #pragma unroll
+        for (int b = 8 * s; b < MAX_DIM; b += 64) {
+            unsigned a[4], bf[4];
+            ldsm4t(a, xa + b * p);   // block b: a[0], a[1]; block b + 32: a[2], a[3]
+            ldsm4t(bf, yb + b * p);  // block b: n-tiles 0, 1; block b + 32: n-tiles 0, 1
+            mma8h<D>(part[0], a[0], a[1], bf[0]);
+            mma8h<D>(part[1], a[0], a[1], bf[1]);
+            mma8h<D>(part[0], a[2], a[3], bf[2]);
+            mma8h<D>(part[1], a[2], a[3], bf[3]);
         }
+        // The lane holding steps (g, 2c) at positions (g ^ S, 2c ^ S), S = 2s.
+        const int src = 4 * (g ^ (2 * s)) + (c ^ s);
+        #pragma unroll
+        for (int n = 0; n < 2; n++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) acc[n][i] += __shfl_sync(0xffffffffu, part[n][i], src);
     }
 }
 
@@ -697,8 +741,8 @@ __device__ __forceinline__ void mma_16xn(float (&acc)[NT][4], const unsigned sho
 #define PT_G (PT_V + CHUNK * PT_VP)         // G, β, β·e^G, e^G, e^{G_CH−G}, q's and k's norm
                                          // factors [CHUNK] each
 #define PT_WS 132                        // pitch of W [CHUNK][..] on its way out in v's tile
-#define PT_QS 129                        // pitch of Q' [CHUNK][..] on its way out from kᵀ's tile
-                                         // on (odd, so a lane per step stores to distinct banks)
+#define PT_QS 136                        // pitch of Q' [CHUNK][..] (bf16) on its way out in kᵀ's
+                                         // tile (68 words: a store's 4·t + c banks are distinct)
 // PREPARE_MMA_SMEM = (PT_G + 7 * CHUNK) * 4 = 48512 bytes.
 
 // MMA_THREADS (8 warps) per block; the products split as 16 × 16 (step 2) and 32 × 32 (step 4)
@@ -741,7 +785,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
         const int mt = 16 * (warp % 2), nt = 16 * ((warp / 2) % 2);
         const float* lhs_n = is_k ? kn_s : qn_s;
         float acc[2][4] = {};
-        mma_16xn<D, MAX_DIM, 2>(acc, is_k ? kT : qT, PT_P16, mt, kT + nt, PT_P16, g, c);  // swizzled
+        mma_qk<D>(acc, is_k ? kT : qT, kT, PT_P16, mt, nt, lane);
         #pragma unroll
         for (int n = 0; n < 2; n++)
             #pragma unroll
@@ -771,11 +815,16 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
     if (warp == 0) {
         solve_unit_lower(a_s, tT, PT_P, lane);
     } else {
+        // A half warp per row and a lane per pair of steps (swz keeps pairs side by side).
+        const int t = 2 * (lane % 16);
+        const float kf0 = egc_s[t] * kn_s[t], kf1 = egc_s[t + 1] * kn_s[t + 1];
         if (warp == 1) bg_s[lane] *= kn_s[lane];
-        const float gc = g_s[CHUNK - 1], kf = egc_s[lane] * kn_s[lane];
-        for (int r = warp - 1; r < MAX_DIM; r += MMA_THREADS / 32 - 1)
-            k16[(cb * MAX_DIM + r) * CHUNK + lane] = bf16r(kf * D::load(&kT[r * PT_P16 + swz(r, lane)]));
-        if (tid == 32) gtot[cb] = expf(gc);
+        for (int r = 2 * (warp - 1) + lane / 16; r < MAX_DIM; r += 2 * (MMA_THREADS / 32 - 1)) {
+            const uint2 pair = make_uint2(*reinterpret_cast<const unsigned*>(&kT[r * PT_P16 + swz(r, t)]), 0u);
+            *reinterpret_cast<unsigned*>(&k16[(cb * MAX_DIM + r) * CHUNK + t]) =
+                bf16x2(kf0 * unpack4<D>(pair, 0), kf1 * unpack4<D>(pair, 1));
+        }
+        if (tid == 32) gtot[cb] = expf(g_s[CHUNK - 1]);
     }
     __syncthreads();
 
@@ -816,7 +865,8 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
             }
         }
         __syncthreads();  // kᵀ, A, Tmᵀ and v are consumed: they hold W and Q' on their way out
-        float *w_st = vr, *q_st = sm + PT_KT;
+        float* w_st = vr;
+        bf16_t* q_st = reinterpret_cast<bf16_t*>(sm + PT_KT);
         // U goes straight out in bf16, a pair of columns per store.
         const bool pairs = dv % 2 == 0;
         bf16_t* u16 = reinterpret_cast<bf16_t*>(u);
@@ -839,10 +889,23 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
                         if (col + 1 < dv) ur[col + 1] = bf16r(v1);
                     }
                 }
-        // Q' = diag(e^G)·Q̂, transposed from qᵀ: a lane per step on both sides, no bank shared.
-        for (int e = tid; e < CHUNK * MAX_DIM; e += MMA_THREADS) {
-            const int t = e % CHUNK, r = e / CHUNK;
-            q_st[t * PT_QS + r] = eg_s[t] * qn_s[t] * D::load(&qT[r * PT_P16 + swz(r, t)]);
+        // Q' = diag(e^G)·Q̂, transposed from qᵀ by ldmatrix.trans: each of qᵀ's 64 tiles of 8
+        // features × 8 steps (16 bytes of a row: swz permutes steps only within them) gives lane
+        // (g, c) features 2c, 2c + 1 of the tile's step at position g; a word per pair to q_st.
+        constexpr int Q_LOADS = MAX_DIM / 8 / (MMA_THREADS / 32);  // feature blocks a warp
+        #pragma unroll
+        for (int k = 0; k < Q_LOADS; k++) {
+            const int r0 = 8 * (Q_LOADS * warp + k);  // 4 tiles: features r0.., each step block
+            unsigned v[4];
+            ldsm4t(v, qT + (r0 + (lane & 7)) * PT_P16 + 8 * (lane >> 3));
+            #pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int t = swz(r0, 8 * m + g);
+                const float f = eg_s[t] * qn_s[t];
+                const uint2 pair = make_uint2(v[m], 0u);
+                *reinterpret_cast<unsigned*>(&q_st[t * PT_QS + r0 + 2 * c]) =
+                    bf16x2(f * unpack4<D>(pair, 0), f * unpack4<D>(pair, 1));
+            }
         }
         __syncthreads();
         for (int e = tid; e < CHUNK * MAX_DIM / 8; e += MMA_THREADS) {  // 8 bf16 (16 bytes) a thread
@@ -852,10 +915,10 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
                 make_uint4(bf16x2(lo.x, lo.y), bf16x2(lo.z, lo.w), bf16x2(hi.x, hi.y),
                            bf16x2(hi.z, hi.w));
         }
-        for (int e = tid; e < CHUNK * MAX_DIM / 2; e += MMA_THREADS) {  // 2 bf16 a thread
-            const int t = e / (MAX_DIM / 2), r = 2 * (e % (MAX_DIM / 2));
-            *reinterpret_cast<unsigned*>(&q16[(cb * CHUNK + t) * MAX_DIM + r]) =
-                bf16x2(q_st[t * PT_QS + r], q_st[t * PT_QS + r + 1]);
+        for (int e = tid; e < CHUNK * MAX_DIM / 8; e += MMA_THREADS) {  // 8 bf16 a thread
+            const int t = e / (MAX_DIM / 8), r = 8 * (e % (MAX_DIM / 8));
+            *reinterpret_cast<uint4*>(&q16[(cb * CHUNK + t) * MAX_DIM + r]) =
+                *reinterpret_cast<const uint4*>(&q_st[t * PT_QS + r]);
         }
     }
 }
@@ -1204,7 +1267,7 @@ GDRC(f16, F16)
 GDRC_TC(bf16, BF16)
 GDRC_TC(f16, F16)
 static_assert(PREPARE_MMA_SMEM == (PT_G + 7 * CHUNK) * 4, "PREPARE_MMA_SMEM");
-static_assert(CHUNK * PT_WS <= CHUNK * PT_VP && PT_KT + CHUNK * PT_QS <= PT_V, "W and Q' fit where they leave");
+static_assert(CHUNK * PT_WS <= CHUNK * PT_VP && PT_KT + CHUNK * PT_QS / 2 <= PT_V, "W and Q' fit where they leave");
 static_assert(PT_A % 4 == 0 && PT_TT % 4 == 0 && PT_V % 4 == 0, "float4-aligned tiles");
 static_assert(ScanTc<64>::BYTES == SCAN_MMA64_SMEM && ScanTc<32>::BYTES == SCAN_MMA32_SMEM &&
                   ScanTc<16>::BYTES == SCAN_MMA16_SMEM,
