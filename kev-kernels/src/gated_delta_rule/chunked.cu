@@ -683,7 +683,7 @@ __device__ __forceinline__ void mma8h(float (&d)[4], unsigned a0, unsigned a1, u
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a0), "r"(a1), "r"(b0));
 }
-// acc[n] = Σ_r x[r][m0 + i]·y[r][n0 + 8n + j] over the MAX_DIM features r (i < 16, j < 8, n < 2):
+// acc[n] += Σ_r x[r][m0 + i]·y[r][n0 + 8n + j] over the MAX_DIM features r (i < 16, j < 8, n < 2):
 // a warp's 16 × 16 block of XᵀY for the preparation's qᵀ and kᵀ tiles (16-bit as loaded, pitch
 // p ≡ 16 (mod 128) bytes, swizzled: swz). Products of 16-bit values are exact in f32, as TF32 ones were.
 // ldmatrix.trans hands lane (g, c) features 2c, 2c + 1 of the step at position g of an 8 × 8
@@ -700,10 +700,6 @@ __device__ __forceinline__ void mma_qk(float (&acc)[2][4], const unsigned short*
     const int row = (lane & 7) + 32 * (lane >> 4), col = 8 * ((lane >> 3) & 1);
     const unsigned short* xa = x + row * p + m0 + col;
     const unsigned short* yb = y + row * p + n0 + col;
-    #pragma unroll
-    for (int n = 0; n < 2; n++)
-        #pragma unroll
-        for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
     #pragma unroll 1
     for (int s = 0; s < 4; s++) {  // blocks s, s + 4, ...: rows 8s.. of each 32
         float part[2][4] = {};
@@ -1266,6 +1262,8 @@ GDRC(f16, F16)
     GDRC_SCAN_TC(gdrc_scan_tc16_##TAG, 16, D)
 GDRC_TC(bf16, BF16)
 GDRC_TC(f16, F16)
+static_assert(CHUNK == 32, "the preparation's warps take a step per lane (decays) or a pair per lane "
+                            "of a half warp (K'), and Q' four 8-step blocks");
 static_assert(PREPARE_MMA_SMEM == (PT_G + 7 * CHUNK) * 4, "PREPARE_MMA_SMEM");
 static_assert(CHUNK * PT_WS <= CHUNK * PT_VP && PT_KT + CHUNK * PT_QS / 2 <= PT_V, "W and Q' fit where they leave");
 static_assert(PT_A % 4 == 0 && PT_TT % 4 == 0 && PT_V % 4 == 0, "float4-aligned tiles");
