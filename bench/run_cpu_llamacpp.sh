@@ -57,11 +57,13 @@ if [ ! -d "$SRC" ]; then
   tar xzf "$LLAMA/sdist.tar.gz" -C "$LLAMA" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 fi
 if [ ! -x "$BENCH" ]; then
-  command -v cmake >/dev/null || "$PYTHON" -m pip install -q cmake
+  # PyPI's cmake lands in the Python environment's scripts folder, which need not be on PATH.
+  CMAKE=$(command -v cmake || { "$PYTHON" -m pip install -q cmake >&2 &&
+    "$PYTHON" -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))'; })
   echo "== building llama-bench (CPU, native)" >&2
-  cmake -S "$SRC" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  "$CMAKE" -S "$SRC" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
-  cmake --build "$LLAMA/build" --target llama-bench -j "$JOBS" >&2
+  "$CMAKE" --build "$LLAMA/build" --target llama-bench -j "$JOBS" >&2
 fi
 
 : > "$RESULTS"

@@ -207,6 +207,50 @@ fn batch_equals_one_by_one() {
     assert!(worst <= TOL_FORMS_F32, "{worst:e}");
 }
 
+/// A long batch of states from about 100 to 600 tokens in no order of length (so many length
+/// groups, each its own pass) equals its records one by one, in input order; a record that fails
+/// to encode late in the batch fails it with that record's error, the first in input order.
+#[test]
+fn long_batch_equals_one_by_one_in_order() {
+    let model = load("kev-small", 1.0, DType::F32);
+    let base = records();
+    let recs: Vec<Record> = (0..48)
+        .map(|i| {
+            let mut r = base[i % base.len()].clone();
+            r.id = Some(format!("long{i}"));
+            let unit = format!("{} ", r.state);
+            // (States stay short enough that the longest branch still fits `max_tokens`.)
+            let want = 100 + (i * 37) % 500;
+            while model.encoder().encode_state(&r.state).unwrap().len() < want {
+                r.state.push_str(&unit);
+            }
+            r
+        })
+        .collect();
+    let batch = model.probs_batch(&recs).unwrap();
+    assert_eq!(batch.len(), recs.len());
+    let worst = recs
+        .iter()
+        .zip(&batch)
+        .map(|(rec, b)| max_delta(&model.probs(rec).unwrap(), b))
+        .fold(0f32, f32::max);
+    println!(
+        "batch of {} records vs one by one: max|Δp| {worst:.2e}",
+        recs.len()
+    );
+    assert!(worst <= TOL_FORMS_F32, "{worst:e}");
+
+    let mut bad = recs.clone();
+    bad[40].state = "word ".repeat(2000);
+    bad[44].questions[0].prompt = "<|kev_decide|>".into();
+    let err = model.probs_batch(&bad).unwrap_err();
+    match &err {
+        kev::Error::TooLong { id, .. } => assert_eq!(id.as_deref(), Some("long40")),
+        other => panic!("expected record long40 too long, got {other}"),
+    }
+    println!("late encoding error: {err}");
+}
+
 /// `record` with two words of its state swapped: other token ids, most often the same token
 /// shapes (the caller checks).
 fn swapped_state(record: &Record) -> Record {
