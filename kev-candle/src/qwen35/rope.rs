@@ -55,8 +55,9 @@ impl Rope {
         let len = len.max((2 * slot.len).min(1 << 16));
         let rd = self.rotary_dim;
         let (mut cos, mut sin) = (vec![0f32; len * rd], vec![0f32; len * rd]);
-        cos.par_chunks_mut(rd)
-            .zip(sin.par_chunks_mut(rd))
+        // (`max(1)`: a head with no rotary dims has empty tables, and chunks must not be empty.)
+        cos.par_chunks_mut(rd.max(1))
+            .zip(sin.par_chunks_mut(rd.max(1)))
             .enumerate()
             .for_each(|(pos, (c, s))| {
                 // HF concatenates the frequencies twice: cos/sin cover both rotate halves.
