@@ -189,11 +189,9 @@ fn prefix_is_reused_and_checked() {
     println!("prefix from another state: {err}");
 }
 
-#[test]
-fn batch_equals_one_by_one() {
-    let model = load("kev-small", 1.0, DType::F32);
-    let recs = records();
-    let batch = model.probs_batch(&recs).unwrap();
+/// `probs_batch(recs)` gives each record what `probs` gives it alone, in input order.
+fn assert_batch_equals_one_by_one(model: &DecisionModel, recs: &[Record]) {
+    let batch = model.probs_batch(recs).unwrap();
     assert_eq!(batch.len(), recs.len());
     let worst = recs
         .iter()
@@ -205,6 +203,13 @@ fn batch_equals_one_by_one() {
         recs.len()
     );
     assert!(worst <= TOL_FORMS_F32, "{worst:e}");
+}
+
+#[test]
+fn batch_equals_one_by_one() {
+    let model = load("kev-small", 1.0, DType::F32);
+    let recs = records();
+    assert_batch_equals_one_by_one(&model, &recs);
 }
 
 /// A long batch of states from about 100 to 600 tokens in no order of length (so many length
@@ -227,18 +232,7 @@ fn long_batch_equals_one_by_one_in_order() {
             r
         })
         .collect();
-    let batch = model.probs_batch(&recs).unwrap();
-    assert_eq!(batch.len(), recs.len());
-    let worst = recs
-        .iter()
-        .zip(&batch)
-        .map(|(rec, b)| max_delta(&model.probs(rec).unwrap(), b))
-        .fold(0f32, f32::max);
-    println!(
-        "batch of {} records vs one by one: max|Δp| {worst:.2e}",
-        recs.len()
-    );
-    assert!(worst <= TOL_FORMS_F32, "{worst:e}");
+    assert_batch_equals_one_by_one(&model, &recs);
 
     let mut bad = recs.clone();
     bad[40].state = "word ".repeat(2000);
