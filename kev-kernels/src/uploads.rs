@@ -106,30 +106,6 @@ thread_local! {
     static MODE: RefCell<Mode> = const { RefCell::new(Mode::Direct) };
 }
 
-/// `values` rounded to `dtype` on the host (f32, bf16 or f16; to nearest, ties to even, as
-/// candle's casts round) and uploaded ([`upload`]): the device runs no cast kernel for them.
-pub fn upload_f32_as(
-    values: Vec<f32>,
-    shape: impl Into<Shape>,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    match dtype {
-        DType::F32 => upload(values, shape, device),
-        DType::BF16 => upload(
-            values.into_iter().map(half::bf16::from_f32).collect(),
-            shape,
-            device,
-        ),
-        DType::F16 => upload(
-            values.into_iter().map(half::f16::from_f32).collect(),
-            shape,
-            device,
-        ),
-        other => bail!("an upload of f32 values as {other:?}"),
-    }
-}
-
 /// `values` as a tensor of `shape` on `device`: a copy, or under [`recording`] / [`replaying`]
 /// the memo's tensor of the same content.
 pub fn upload<T: Upload>(
