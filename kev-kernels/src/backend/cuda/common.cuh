@@ -17,11 +17,19 @@ struct BF16 {
     static __device__ __forceinline__ float load(const unsigned short* p) {
         return __uint_as_float(((unsigned int)*p) << 16);
     }
+    // Rounded to nearest, ties to even (NaN stays NaN): one conversion instruction where the GPU
+    // has it; the integer form took ~7, which bound the elementwise kernels by issue (ncu).
     static __device__ __forceinline__ void store(unsigned short* p, float v) {
+#if __CUDA_ARCH__ >= 800
+        unsigned short h;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        *p = h;
+#else
         unsigned int u = __float_as_uint(v);
         if ((u & 0x7fffffffu) > 0x7f800000u) { *p = 0x7fc0; return; }  // NaN
         u += 0x7fffu + ((u >> 16) & 1u);                               // round to nearest even
         *p = (unsigned short)(u >> 16);
+#endif
     }
     static __device__ __forceinline__ float round(float v) {
         unsigned short h;
@@ -132,18 +140,26 @@ __device__ __forceinline__ unsigned pack16(float v) {
 __device__ __forceinline__ bool aligned16(const void* p) { return ((size_t)p & 15) == 0; }
 
 // SiLU and sigmoid in f32, for results rounded to the dtype D. For bf16 and f16 (8 and 11
-// significant bits) they use __expf and __fdividef: a few f32 ulp off torch's expf and IEEE
-// division, which moves a rounded result by one unit of the dtype about once in 10^4 (bf16) to
-// 10^3 (f16) values, far inside what parity allows; and the elementwise kernels around them were
-// bound by issuing expf's and the division's instructions, not by memory (ncu, session 9). f32
-// keeps torch's exact formula, which the f32 parity checks hold to 1e-5.
+// significant bits) they use the approximate e^x (ex2.approx, as __expf) and __fdividef: a few
+// f32 ulp off torch's expf and IEEE division, which moves a rounded result by one unit of the
+// dtype about once in 10^4 (bf16) to 10^3 (f16) values, far inside what parity allows; and the
+// elementwise kernels around them were bound by issuing expf's and the division's instructions,
+// not by memory (ncu). f32 keeps torch's exact formula, which the f32 parity checks hold to 1e-5.
+// e^{−x} only enters them as 1 + e^{−x}, so exp_neg's flush of results below 2^−126 to zero
+// (ex2.approx.ftz: two instructions, against five for __expf's subnormal fix-up) leaves the f32
+// sum, and so the result, exactly as __expf gives it.
+__device__ __forceinline__ float exp_neg(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * -1.4426950408889634f));
+    return r;
+}
 template <typename D>
 __device__ __forceinline__ float silu(float x) {
-    return D::FAST ? __fdividef(x, 1.f + __expf(-x)) : x / (1.f + expf(-x));
+    return D::FAST ? __fdividef(x, 1.f + exp_neg(x)) : x / (1.f + expf(-x));
 }
 template <typename D>
 __device__ __forceinline__ float sigmoid(float x) {
-    return D::FAST ? __fdividef(1.f, 1.f + __expf(-x)) : 1.f / (1.f + expf(-x));
+    return D::FAST ? __fdividef(1.f, 1.f + exp_neg(x)) : 1.f / (1.f + expf(-x));
 }
 
 // e^x for probabilities rounded to the dtype D, as silu above.
