@@ -2,10 +2,12 @@
 //! dims of each head rotate, NeoX style (`rotate_half`). For text, the interleaved mRoPE of the
 //! checkpoint reduces to plain 1-D RoPE because all three position axes are equal.
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use candle_core::{DType, Device, Result, Tensor};
+use kev_kernels::dispatch::{self, Backend, CountedTensor};
 use kev_kernels::uploads::{upload, Upload};
+use kev_kernels::{gather_rows, RowIndex};
 use rayon::prelude::*;
 
 /// Inverse frequencies for the rotary dims, and the cos and sin of every position asked for so
@@ -17,6 +19,21 @@ pub struct Rope {
     /// rows repeat the same positions (every state starts at 0): computing cos and sin per row
     /// and step held back a 64-record batch's first kernel on the H200 by ~18 ms (1/8 of it).
     table: RwLock<Arc<Table>>,
+    /// The table on a GPU, for [`Rope::at`] to gather rows from there: a 64-record batch's
+    /// rows are ~12 MB, whose copy from pageable memory held back its first kernel by ~3.5 ms
+    /// on the H200, against ~0.4 MB of row indices.
+    on_device: Mutex<Option<DeviceTable>>,
+}
+
+/// The table in a dtype on a device, `[2·len, rotary_dim]`: cos rows, then sin rows.
+struct DeviceTable {
+    len: usize,
+    dtype: DType,
+    device: Device,
+    rows: Tensor,
+    /// The tables it replaced, kept alive: a captured CUDA graph reads the table it was
+    /// captured with. Each one at least doubles, so they add up to less than the last.
+    retired: Vec<Tensor>,
 }
 
 /// cos and sin of positions `0..len`, `[len, rotary_dim]` each.
@@ -37,6 +54,7 @@ impl Rope {
             inv_freq,
             rotary_dim,
             table: RwLock::default(),
+            on_device: Mutex::default(),
         }
     }
 
@@ -50,9 +68,9 @@ impl Rope {
         if slot.len >= len {
             return Arc::clone(&slot);
         }
-        // Doubling (up to 64k positions), so a growing stream of lengths computes each position
-        // a few times at most.
-        let len = len.max((2 * slot.len).min(1 << 16));
+        // Doubling, so a growing stream of lengths computes each position a few times at most
+        // (and the device copies it leaves behind add up to less than the last).
+        let len = len.max(2 * slot.len).max(64);
         let rd = self.rotary_dim;
         let (mut cos, mut sin) = (vec![0f32; len * rd], vec![0f32; len * rd]);
         // (`max(1)`: a head with no rotary dims has empty tables, and chunks must not be empty.)
@@ -85,6 +103,19 @@ impl Rope {
         let end = start.iter().map(|&s| s + seq_len).max().unwrap_or(0);
         let table = self.table(end);
         let shape = (2, start.len(), seq_len, self.rotary_dim);
+        if dispatch::backend(device) != Backend::Cpu && self.rotary_dim > 0 && end > 0 {
+            let (rows, len) = self.device_rows(&table, dtype, device)?;
+            let index: Vec<usize> = [0, len]
+                .iter()
+                .flat_map(|&part| {
+                    start
+                        .iter()
+                        .flat_map(move |&s| (s..s + seq_len).map(move |p| part + p))
+                })
+                .collect();
+            let index = RowIndex::new(&index, device)?;
+            return gather_rows(&rows, &index)?.counted_reshape(shape);
+        }
         match dtype {
             DType::F32 => upload(self.rows(&table, start, seq_len, |x| x), shape, device),
             DType::BF16 => upload(
@@ -99,6 +130,47 @@ impl Rope {
             ),
             other => candle_core::bail!("rotary tables in {other:?}"),
         }
+    }
+
+    /// `table` as [`DeviceTable`] rows in `dtype` on `device` (uploaded when it grew), and
+    /// the number of positions they hold.
+    fn device_rows(&self, table: &Table, dtype: DType, device: &Device) -> Result<(Tensor, usize)> {
+        let mut slot = self.on_device.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = slot.as_ref() {
+            if t.len >= table.len && t.dtype == dtype && t.device.same_device(device) {
+                return Ok((t.rows.clone(), t.len));
+            }
+        }
+        let all: Vec<usize> = (0..table.len).collect();
+        let shape = (2 * table.len, self.rotary_dim);
+        // Not through `upload`: the table outlives any one forward and its graph's memo.
+        let rows = match dtype {
+            DType::F32 => Tensor::from_vec(self.rows(table, &all, 1, |x| x), shape, device),
+            DType::BF16 => Tensor::from_vec(
+                self.rows(table, &all, 1, half::bf16::from_f32),
+                shape,
+                device,
+            ),
+            DType::F16 => Tensor::from_vec(
+                self.rows(table, &all, 1, half::f16::from_f32),
+                shape,
+                device,
+            ),
+            other => candle_core::bail!("rotary tables in {other:?}"),
+        }?;
+        let mut retired = Vec::new();
+        if let Some(old) = slot.take() {
+            retired = old.retired;
+            retired.push(old.rows);
+        }
+        *slot = Some(DeviceTable {
+            len: table.len,
+            dtype,
+            device: device.clone(),
+            rows: rows.clone(),
+            retired: retired,
+        });
+        Ok((rows, table.len))
     }
 
     /// The cos rows of positions `start[b]..start[b] + seq_len` for every b, then the sin rows,
@@ -125,5 +197,48 @@ impl Rope {
             });
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rows a GPU gathers from its table (counted as CUDA, the CPU stands in for the
+    /// gather) are the host's rows, bit for bit, as the table grows and in every dtype.
+    #[test]
+    fn device_rows_equal_host_rows() -> Result<()> {
+        let rope = Rope::new(10_000_000.0, 64);
+        let dev = Device::Cpu;
+        let shapes: [(&[usize], usize); 4] =
+            [(&[0, 0], 5), (&[3, 40, 0], 30), (&[0], 300), (&[700, 2], 9)];
+        for (start, len) in shapes {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let host = rope.at(start, len, dtype, &dev)?;
+                let (gathered, tally) =
+                    dispatch::count(Backend::Cuda, || rope.at(start, len, dtype, &dev));
+                let gathered = gathered?;
+                assert_eq!(tally.total(), 1, "one gather: {tally:?}");
+                assert_eq!(gathered.dims(), [2, start.len(), len, 64]);
+                let (h, g) = (host.to_dtype(DType::F32)?, gathered.to_dtype(DType::F32)?);
+                let (h, g) = (
+                    h.flatten_all()?.to_vec1::<f32>()?,
+                    g.flatten_all()?.to_vec1::<f32>()?,
+                );
+                assert!(
+                    h.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{start:?} {len} {dtype:?}"
+                );
+            }
+        }
+        let table = rope.on_device.lock().unwrap();
+        let table = table.as_ref().expect("a device table");
+        assert!(
+            table.len >= 709 && table.retired.len() >= 2,
+            "{} {}",
+            table.len,
+            table.retired.len()
+        );
+        Ok(())
     }
 }
