@@ -15,7 +15,7 @@
 //! A composed fallback is counted by running it through these wrappers, not by a number typed
 //! for it; a fallback not routed through them records itself as [`UNCOUNTED`] instead, so a
 //! count that reached one says so. Views (narrow, squeeze, transpose, a reshape of a contiguous
-//! tensor) launch nothing. Host-to-device uploads (token ids, RoPE tables, key biases, lengths,
+//! tensor) launch nothing. Host-to-device uploads (token ids, RoPE positions, key biases, lengths,
 //! the dims and strides CUDA's strided candle kernels upload) are not counted.
 //!
 //! Off counting, each hook costs one thread-local read (none for the choices on a GPU device).

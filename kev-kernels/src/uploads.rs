@@ -2,7 +2,7 @@
 //! from the same host code that runs a forward eagerly.
 //!
 //! A captured graph may not copy from pageable host memory, and its replays must find the small
-//! host-built tensors of a forward (row lengths, RoPE tables, masks, row indices) where the
+//! host-built tensors of a forward (row lengths, RoPE positions, masks, row indices) where the
 //! capture saw them. So the caller first runs the forward eagerly under [`recording`], which
 //! keeps every upload in an [`UploadMemo`] keyed by its content, then captures it under
 //! [`replaying`], where each upload returns the recorded tensor instead of copying; an upload

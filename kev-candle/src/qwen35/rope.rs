@@ -92,7 +92,8 @@ impl Rope {
     /// cos and sin for per-row positions `start[b] + t`, t < `seq_len`, computed in f32 and
     /// held in `dtype` (HF rotates in the activation dtype): `[2, B, T, rotary_dim]`, the layout
     /// [`kev_kernels::qk_norm_rope`] reads. Rounded on the host (to nearest, ties to even, as
-    /// candle's casts round), so the device runs no cast kernel for them.
+    /// candle's casts round), so the device runs no cast kernel for them; on a GPU gathered
+    /// from the device's table.
     pub fn at(
         &self,
         start: &[usize],
@@ -168,7 +169,7 @@ impl Rope {
             dtype,
             device: device.clone(),
             rows: rows.clone(),
-            retired: retired,
+            retired,
         });
         Ok((rows, table.len))
     }
