@@ -282,6 +282,9 @@ def main():
                     sync(device)
                     if i >= args.warmup:
                         times.append(time.perf_counter() - t)
+                    if args.compile:  # where a compiled run's minutes go (compiling, recording)
+                        print(f"{Path(path).stem} {form} pass {i}: {time.perf_counter() - t:.1f} s",
+                              file=sys.stderr, flush=True)
             med = statistics.median(times)
             fl = flops(tc, segs)
             line = dict(common)
