@@ -52,15 +52,16 @@ fn new_cuda(ordinal: usize) -> candle_core::Result<Device> {
     Device::new_cuda(ordinal)
 }
 
-/// Kev runs everything on the device's one stream, so cudarc's per-buffer event tracking
-/// (two CUDA events created and destroyed with every allocation) buys nothing and costs time on
-/// every op of a launch-bound forward. Freed memory stays in the device's pool for the next
+/// cudarc's per-buffer event tracking (two CUDA events created and destroyed with every
+/// allocation) costs time on every op of a launch-bound forward, and Kev orders its few
+/// cross-thread tensors itself (docs/DESIGN.md, "Event tracking"). Freed memory stays in the device's pool for the next
 /// request ([`kev_kernels::keep_device_memory`]); where the driver refuses, it is only slower.
 fn single_stream(dev: &Device) {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
-        // SAFETY: no tensor of this device is ever used on another stream: candle and our ops
-        // launch on the device's own stream only.
+        // SAFETY: a tensor is used on another thread's stream only once complete (the weights
+        // after the load's `settle`, a prefix after its logits were read back, the rotary
+        // tables after their upload's synchronisation; docs/DESIGN.md, "Event tracking").
         unsafe { d.disable_event_tracking() }
         let _ = kev_kernels::keep_device_memory(d);
     }

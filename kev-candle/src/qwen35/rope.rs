@@ -22,18 +22,27 @@ pub struct Rope {
     /// The table on a GPU, for [`Rope::at`] to gather rows from there: a 64-record batch's
     /// rows are ~12 MB, whose copy from pageable memory held back its first kernel by ~3.5 ms
     /// on the H200, against ~0.4 MB of row indices.
-    on_device: Mutex<Option<DeviceTable>>,
+    on_device: Mutex<DeviceTables>,
 }
 
-/// The table in a dtype on a device, `[2·len, rotary_dim]`: cos rows, then sin rows.
+/// The table on the devices (and in the dtypes) asked for, and the copies growth replaced.
+#[derive(Default)]
+struct DeviceTables {
+    tables: Vec<DeviceTable>,
+    /// Kept alive: a captured CUDA graph reads the table it was captured with. Tables grow by
+    /// doubling, so the copies one replaced add up to less than it.
+    retired: Vec<Tensor>,
+}
+
+/// The table in a dtype on a device, `[2·len, rotary_dim]`, interleaved: row 2p the cos of
+/// position p, row 2p + 1 its sin. A forward's row indices then do not depend on `len`, so a
+/// table grown by another thread between a graph's recording and its capture leaves the
+/// recorded index upload valid.
 struct DeviceTable {
     len: usize,
     dtype: DType,
     device: Device,
     rows: Tensor,
-    /// The tables it replaced, kept alive: a captured CUDA graph reads the table it was
-    /// captured with. Each one at least doubles, so they add up to less than the last.
-    retired: Vec<Tensor>,
 }
 
 /// cos and sin of positions `0..len`, `[len, rotary_dim]` each.
@@ -104,14 +113,18 @@ impl Rope {
         let end = start.iter().map(|&s| s + seq_len).max().unwrap_or(0);
         let table = self.table(end);
         let shape = (2, start.len(), seq_len, self.rotary_dim);
-        if dispatch::backend(device) != Backend::Cpu && self.rotary_dim > 0 && end > 0 {
-            let (rows, len) = self.device_rows(&table, dtype, device)?;
-            let index: Vec<usize> = [0, len]
+        // Whole rows move as 16-byte words in Kev's gather (other widths would fall back to a
+        // candle kernel).
+        let rd = self.rotary_dim;
+        let words = rd > 0 && (rd * dtype.size_in_bytes()).is_multiple_of(16);
+        if dispatch::backend(device) != Backend::Cpu && words && seq_len > 0 && !start.is_empty() {
+            let rows = self.device_rows(&table, end, dtype, device)?;
+            let index: Vec<usize> = [0, 1]
                 .iter()
                 .flat_map(|&part| {
                     start
                         .iter()
-                        .flat_map(move |&s| (s..s + seq_len).map(move |p| part + p))
+                        .flat_map(move |&s| (s..s + seq_len).map(move |p| 2 * p + part))
                 })
                 .collect();
             let index = RowIndex::new(&index, device)?;
@@ -133,45 +146,62 @@ impl Rope {
         }
     }
 
-    /// `table` as [`DeviceTable`] rows in `dtype` on `device` (uploaded when it grew), and
-    /// the number of positions they hold.
-    fn device_rows(&self, table: &Table, dtype: DType, device: &Device) -> Result<(Tensor, usize)> {
+    /// The [`DeviceTable`] in `dtype` on `device`, holding at least positions `0..end` (copied
+    /// from `table`, which does, when it holds fewer).
+    fn device_rows(
+        &self,
+        table: &Table,
+        end: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
         let mut slot = self.on_device.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = slot.as_ref() {
-            if t.len >= table.len && t.dtype == dtype && t.device.same_device(device) {
-                return Ok((t.rows.clone(), t.len));
-            }
+        let at = slot
+            .tables
+            .iter()
+            .position(|t| t.dtype == dtype && t.device.same_device(device));
+        if let Some(t) = at.map(|i| &slot.tables[i]).filter(|t| t.len >= end) {
+            return Ok(t.rows.clone());
         }
-        let all: Vec<usize> = (0..table.len).collect();
-        let shape = (2 * table.len, self.rotary_dim);
+        let rd = self.rotary_dim;
+        let mut host = Vec::with_capacity(2 * table.len * rd);
+        for (c, s) in table.cos.chunks(rd).zip(table.sin.chunks(rd)) {
+            host.extend_from_slice(c);
+            host.extend_from_slice(s);
+        }
+        let shape = (2 * table.len, rd);
         // Not through `upload`: the table outlives any one forward and its graph's memo.
         let rows = match dtype {
-            DType::F32 => Tensor::from_vec(self.rows(table, &all, 1, |x| x), shape, device),
+            DType::F32 => Tensor::from_vec(host, shape, device),
             DType::BF16 => Tensor::from_vec(
-                self.rows(table, &all, 1, half::bf16::from_f32),
+                host.into_iter().map(half::bf16::from_f32).collect(),
                 shape,
                 device,
             ),
             DType::F16 => Tensor::from_vec(
-                self.rows(table, &all, 1, half::f16::from_f32),
+                host.into_iter().map(half::f16::from_f32).collect(),
                 shape,
                 device,
             ),
             other => candle_core::bail!("rotary tables in {other:?}"),
         }?;
-        let mut retired = Vec::new();
-        if let Some(old) = slot.take() {
-            retired = old.retired;
-            retired.push(old.rows);
-        }
-        *slot = Some(DeviceTable {
+        // Each thread issues on its own stream, with no ordering between streams: the copy
+        // must have landed before another thread's forward gathers from it.
+        device.synchronize()?;
+        let fresh = DeviceTable {
             len: table.len,
             dtype,
             device: device.clone(),
             rows: rows.clone(),
-            retired,
-        });
-        Ok((rows, table.len))
+        };
+        match at {
+            Some(i) => {
+                let old = std::mem::replace(&mut slot.tables[i], fresh);
+                slot.retired.push(old.rows);
+            }
+            None => slot.tables.push(fresh),
+        }
+        Ok(rows)
     }
 
     /// The cos rows of positions `start[b]..start[b] + seq_len` for every b, then the sin rows,
@@ -206,13 +236,19 @@ mod tests {
     use super::*;
 
     /// The rows a GPU gathers from its table (counted as CUDA, the CPU stands in for the
-    /// gather) are the host's rows, bit for bit, as the table grows and in every dtype.
+    /// gather) are the host's rows, bit for bit, as the table grows (the same positions asked
+    /// for again after growth too) and in every dtype.
     #[test]
     fn device_rows_equal_host_rows() -> Result<()> {
         let rope = Rope::new(10_000_000.0, 64);
         let dev = Device::Cpu;
-        let shapes: [(&[usize], usize); 4] =
-            [(&[0, 0], 5), (&[3, 40, 0], 30), (&[0], 300), (&[700, 2], 9)];
+        let shapes: [(&[usize], usize); 5] = [
+            (&[0, 0], 5),
+            (&[3, 40, 0], 30),
+            (&[0], 300),
+            (&[700, 2], 9),
+            (&[0, 0], 5),
+        ];
         for (start, len) in shapes {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let host = rope.at(start, len, dtype, &dev)?;
@@ -232,14 +268,11 @@ mod tests {
                 );
             }
         }
-        let table = rope.on_device.lock().unwrap();
-        let table = table.as_ref().expect("a device table");
-        assert!(
-            table.len >= 709 && table.retired.len() >= 2,
-            "{} {}",
-            table.len,
-            table.retired.len()
-        );
+        // One table per dtype, each replaced on growth only: 64, 128, 300, then 709 positions.
+        let tables = rope.on_device.lock().unwrap();
+        assert_eq!(tables.tables.len(), 3);
+        assert!(tables.tables.iter().all(|t| t.len == 709));
+        assert_eq!(tables.retired.len(), 9);
         Ok(())
     }
 }
