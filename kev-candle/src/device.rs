@@ -54,8 +54,9 @@ fn new_cuda(ordinal: usize) -> candle_core::Result<Device> {
 
 /// cudarc's per-buffer event tracking (two CUDA events created and destroyed with every
 /// allocation) costs time on every op of a launch-bound forward, and Kev orders its few
-/// cross-thread tensors itself (docs/DESIGN.md, "Event tracking"). Freed memory stays in the device's pool for the next
-/// request ([`kev_kernels::keep_device_memory`]); where the driver refuses, it is only slower.
+/// cross-thread tensors itself (docs/DESIGN.md, "Event tracking"). Freed memory stays in the
+/// device's pool for the next request ([`kev_kernels::keep_device_memory`]); where the driver
+/// refuses, it is only slower.
 fn single_stream(dev: &Device) {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {

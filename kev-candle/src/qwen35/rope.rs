@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, RwLock};
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Shape, Tensor};
 use kev_kernels::dispatch::{self, Backend, CountedTensor};
 use kev_kernels::uploads::{upload, Upload};
 use kev_kernels::{gather_rows, RowIndex};
@@ -130,20 +130,13 @@ impl Rope {
             let index = RowIndex::new(&index, device)?;
             return gather_rows(&rows, &index)?.counted_reshape(shape);
         }
-        match dtype {
-            DType::F32 => upload(self.rows(&table, start, seq_len, |x| x), shape, device),
-            DType::BF16 => upload(
-                self.rows(&table, start, seq_len, half::bf16::from_f32),
-                shape,
-                device,
-            ),
-            DType::F16 => upload(
-                self.rows(&table, start, seq_len, half::f16::from_f32),
-                shape,
-                device,
-            ),
-            other => candle_core::bail!("rotary tables in {other:?}"),
-        }
+        in_dtype(
+            self.rows(&table, start, seq_len),
+            shape,
+            dtype,
+            device,
+            true,
+        )
     }
 
     /// The [`DeviceTable`] in `dtype` on `device`, holding at least positions `0..end` (copied
@@ -169,22 +162,8 @@ impl Rope {
             host.extend_from_slice(c);
             host.extend_from_slice(s);
         }
-        let shape = (2 * table.len, rd);
         // Not through `upload`: the table outlives any one forward and its graph's memo.
-        let rows = match dtype {
-            DType::F32 => Tensor::from_vec(host, shape, device),
-            DType::BF16 => Tensor::from_vec(
-                host.into_iter().map(half::bf16::from_f32).collect(),
-                shape,
-                device,
-            ),
-            DType::F16 => Tensor::from_vec(
-                host.into_iter().map(half::f16::from_f32).collect(),
-                shape,
-                device,
-            ),
-            other => candle_core::bail!("rotary tables in {other:?}"),
-        }?;
+        let rows = in_dtype(host, (2 * table.len, rd), dtype, device, false)?;
         // Each thread issues on its own stream, with no ordering between streams: the copy
         // must have landed before another thread's forward gathers from it.
         device.synchronize()?;
@@ -204,30 +183,57 @@ impl Rope {
         Ok(rows)
     }
 
-    /// The cos rows of positions `start[b]..start[b] + seq_len` for every b, then the sin rows,
-    /// each value through `cast` (rows filled on rayon's threads).
-    fn rows<T: Upload + Send>(
-        &self,
-        table: &Table,
-        start: &[usize],
-        seq_len: usize,
-        cast: impl Fn(f32) -> T + Sync,
-    ) -> Vec<T> {
+    /// The cos rows of positions `start[b]..start[b] + seq_len` for every b, then the sin rows
+    /// (filled on rayon's threads).
+    fn rows(&self, table: &Table, start: &[usize], seq_len: usize) -> Vec<f32> {
         let row = seq_len * self.rotary_dim;
-        let mut out = vec![cast(0.0); 2 * start.len() * row];
+        let mut out = vec![0f32; 2 * start.len() * row];
         if row == 0 {
             return out;
         }
         let (cos, sin) = out.split_at_mut(start.len() * row);
         for (part, src) in [(cos, &table.cos), (sin, &table.sin)] {
             part.par_chunks_mut(row).zip(start).for_each(|(dst, &s)| {
-                let src = &src[s * self.rotary_dim..][..row];
-                for (d, &v) in dst.iter_mut().zip(src) {
-                    *d = cast(v);
-                }
+                dst.copy_from_slice(&src[s * self.rotary_dim..][..row]);
             });
         }
         out
+    }
+}
+
+/// `values` rounded to `dtype` on the host (to nearest, ties to even, as candle's casts round)
+/// and put on `device`: through [`upload`] (`memo`: a forward's tensor, which a graph capture
+/// finds in its record) or as a plain copy. The device runs no cast kernel for them.
+fn in_dtype(
+    values: Vec<f32>,
+    shape: impl Into<Shape>,
+    dtype: DType,
+    device: &Device,
+    memo: bool,
+) -> Result<Tensor> {
+    fn put<T: Upload>(values: Vec<T>, shape: Shape, device: &Device, memo: bool) -> Result<Tensor> {
+        if memo {
+            upload(values, shape, device)
+        } else {
+            Tensor::from_vec(values, shape, device)
+        }
+    }
+    let shape = shape.into();
+    match dtype {
+        DType::F32 => put(values, shape, device, memo),
+        DType::BF16 => put(
+            values.into_iter().map(half::bf16::from_f32).collect(),
+            shape,
+            device,
+            memo,
+        ),
+        DType::F16 => put(
+            values.into_iter().map(half::f16::from_f32).collect(),
+            shape,
+            device,
+            memo,
+        ),
+        other => candle_core::bail!("rotary tables in {other:?}"),
     }
 }
 
