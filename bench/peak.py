@@ -5,7 +5,10 @@ so that "% of peak" is against what this machine delivers today rather than a da
     python bench/peak.py --device cpu --dtype f32 --threads 2
 
 Prints one JSON line {"impl": "peak", "device", "dtype", "tflop_per_s", "n"}; bench/report.py
-takes it as the peak for that device.
+takes it as the peak for that device. `tflop_per_s` is the best single product after a pause
+(the GPU at its boost clock). With --sustained S the line also carries `sustained_tflop_per_s`:
+products back to back for S seconds, timed as one, which on a power-capped GPU (the H200 holds
+700 W by lowering its clock) is the rate a long batch can have.
 """
 
 import argparse
@@ -20,6 +23,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--sustained", type=float, default=0.0,
+                    help="also time products back to back for this many seconds")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -39,8 +44,21 @@ def main():
         sync()
         times.append(time.perf_counter() - start)
     best = min(times)
-    print(json.dumps({"impl": "peak", "device": args.device, "dtype": args.dtype, "n": n,
-                      "tflop_per_s": 2 * n**3 / best / 1e12}))
+    line = {"impl": "peak", "device": args.device, "dtype": args.dtype, "n": n,
+            "tflop_per_s": 2 * n**3 / best / 1e12}
+    if args.sustained > 0:
+        # Warm until the clock settles (a second of products), then time a fixed count.
+        count = max(1, int(args.sustained / best))
+        for _ in range(max(1, int(1.0 / best))):
+            a @ b
+        sync()
+        start = time.perf_counter()
+        for _ in range(count):
+            a @ b
+        sync()
+        line["sustained_tflop_per_s"] = 2 * n**3 * count / (time.perf_counter() - start) / 1e12
+        line["sustained_s"] = args.sustained
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

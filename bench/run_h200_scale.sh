@@ -53,7 +53,7 @@ fi
 if has scale; then
   kev .gpu/bench --checkpoint $C/kev-0.8b --records $R/one.jsonl --records $R/batch8.jsonl --records $R/batch64.jsonl \
     --records $R/batch256.jsonl --form prefix,batch --repeats 5 --warmup 2 --label scale
-  python3 bench/peak.py --device cuda --dtype bf16 2>/dev/null | tee -a $RES
+  python3 bench/peak.py --device cuda --dtype bf16 --sustained 5 2>/dev/null | tee -a $RES
   gen 4b
   kev .gpu/bench --checkpoint $C/kev-4b --records $R/one.jsonl --records $R/batch8.jsonl --records $R/batch64.jsonl \
     --form prefix,batch --repeats 3 --warmup 2 --label scale

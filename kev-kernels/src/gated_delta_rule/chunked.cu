@@ -76,20 +76,34 @@ __device__ __forceinline__ int swz(int r, int t) { return t ^ (((r >> 3) & 3) <<
 __device__ __forceinline__ unsigned short bits16(unsigned short x) { return x; }
 __device__ __forceinline__ unsigned short bits16(float) { return 0; }
 
-// The end of step 1: the cumulative G and β·e^G (and e^G, e^{G_CH−G}) from the chunk's g and β,
-// as a warp scan, a lane per step (CHUNK = 32). Ends with the block synchronised.
-__device__ __forceinline__ void chunk_decays(const StepTiles& s) {
+// The end of step 1, warp 0 with a lane per step (CHUNK = 32): the step's g and β (zeros at or
+// past `len`), the norms' factors qn, kn from the sums of squares the loaders left in them (16-bit
+// tiles only), then the cumulative G and β·e^G (and e^G, e^{G_CH−G}) as a warp scan. Per step in
+// the loaders, these were one lane's serial work (two loads, IEEE square roots and divisions)
+// for every warp. Ends with the block synchronised.
+__device__ __forceinline__ void chunk_decays(const StepTiles& s, const float* __restrict__ gb,
+                                             int T, int len, int t0, int b, int h, int hv,
+                                             int dk) {
     const int lane = threadIdx.x % 32;
     if (threadIdx.x / 32 == 0) {
-        float acc = s.g[lane];
+        const int t = t0 + lane;
+        const bool valid = t < len;
+        const float* gbt = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
+        const float beta = valid ? gbt[1] : 0.f;
+        if (s.qn) {
+            s.qn[lane] = rsqrtf((float)dk) / sqrtf(s.qn[lane] + L2NORM_EPS);
+            s.kn[lane] = 1.f / sqrtf(s.kn[lane] + L2NORM_EPS);
+        }
+        float acc = valid ? gbt[0] : 0.f;
         #pragma unroll
         for (int off = 1; off < 32; off *= 2) {
             const float up = __shfl_up_sync(0xffffffffu, acc, off);
             if (lane >= off) acc += up;
         }
         s.g[lane] = acc;
+        s.beta[lane] = beta;
         const float e = expf(acc);
-        s.bg[lane] = s.beta[lane] * e;
+        s.bg[lane] = beta * e;
         if (s.eg) {
             s.eg[lane] = e;
             s.egc[lane] = expf(__shfl_sync(0xffffffffu, acc, CHUNK - 1) - acc);
@@ -98,11 +112,12 @@ __device__ __forceinline__ void chunk_decays(const StepTiles& s) {
     __syncthreads();
 }
 
-// Step 1 of both preparation kernels: the chunk's q̂, k̂ (l2-normalised, q̂ scaled by 1/√Dk),
-// v, g and β, a warp per step (unrolled: the loads of a warp's steps are in flight together);
-// then the cumulative G and β·e^G. Ends with the block synchronised. UNROLL: steps a warp has
-// in flight (1 in the tensor-core preparation, whose four blocks per multiprocessor leave no
-// registers for more and hide the loads' latency with one another).
+// Step 1 of both preparation kernels: the chunk's q̂, k̂ (l2-normalised, q̂ scaled by 1/√Dk; for
+// 16-bit tiles q, k as loaded and their sums of squares), v, a warp per step (unrolled: the loads
+// of a warp's steps are in flight together); then chunk_decays. Ends with the block
+// synchronised. UNROLL: steps a warp has in flight (1 in the tensor-core preparation, whose four
+// blocks per multiprocessor leave no registers for more and hide the loads' latency with one
+// another).
 template <typename D, int NTHREADS, int UNROLL = CHUNK / (NTHREADS / 32)>
 __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv,
                                            const float* __restrict__ gb, const StepTiles& s,
@@ -128,7 +143,21 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
         }
         qq = warp_sum(qq);
         kk = warp_sum(kk);
-        const float qn = scale / sqrtf(qq + L2NORM_EPS), kn = 1.f / sqrtf(kk + L2NORM_EPS);
+        if (s.qn) {  // 16-bit tiles: the sums, made factors in chunk_decays
+            if (lane == 0) {
+                s.qn[i] = qq;
+                s.kn[i] = kk;
+            }
+        } else {
+            const float qn = scale / sqrtf(qq + L2NORM_EPS), kn = 1.f / sqrtf(kk + L2NORM_EPS);
+            #pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int r = lane + 32 * x;
+                s.qT[r * s.tp + i] = q[x] * qn;
+                s.kT[r * s.tp + i] = k[x] * kn;
+                if (s.kr) s.kr[i * s.kp + r] = k[x] * kn;
+            }
+        }
         #pragma unroll
         for (int x = 0; x < 4; x++) {
             const int r = lane + 32 * x;
@@ -136,24 +165,11 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
                 const bool in = valid && r < dk;
                 s.q16[r * s.tp + swz(r, i)] = in ? bits16(row[kh * dk + r]) : 0;
                 s.k16[r * s.tp + swz(r, i)] = in ? bits16(row[(hk + kh) * dk + r]) : 0;
-            } else {
-                s.qT[r * s.tp + i] = q[x] * qn;
-                s.kT[r * s.tp + i] = k[x] * kn;
             }
-            if (s.kr) s.kr[i * s.kp + r] = k[x] * kn;
-        }
-        if (lane == 0 && s.qn) {
-            s.qn[i] = qn;
-            s.kn[i] = kn;
-        }
-        if (lane == 0) {
-            const float* g = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
-            s.g[i] = valid ? g[0] : 0.f;
-            s.beta[i] = valid ? g[1] : 0.f;
         }
     }
     __syncthreads();
-    chunk_decays(s);
+    chunk_decays(s, gb, T, len, t0, b, h, hv, dk);
 }
 
 // Where the fused conv's preparation (gdrc_prep2c_tc_<dtype>) reads its inputs: a part's raw
@@ -190,8 +206,8 @@ struct ConvIn {
 // outputs to the tiles instead of the conv writing them to memory and load_chunk reading them
 // back. With Dk = Dv = 128 that is 3 runs a thread, in 64 registers without spills for bf16
 // (f16's conversions spill 60 bytes; with 8 channels a thread bf16 spilled 180). q and k runs are spread step-fastest over a warp, v's channel-fastest: either way a
-// warp's stores to the tiles share few banks. Then the norms' factors from the tiles, summed as
-// load_chunk sums them; g and β. The wrapper guarantees 8-byte aligned rows, a 16-byte aligned
+// warp's stores to the tiles share few banks. Then the norms' sums of squares from the tiles,
+// summed as load_chunk sums them, and chunk_decays. The wrapper guarantees 8-byte aligned rows, a 16-byte aligned
 // weight and 4 | Dk, Dv (16-bit dtypes only). Ends with the block synchronised.
 template <typename D>
 __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict__ qkv,
@@ -223,14 +239,17 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
         s.k16[r * s.tp + swz(r, i)] = 0;
     }
     for (int e = tid; e < (MAX_DIM - dv) * CHUNK; e += MMA_THREADS) s.vr[(e % CHUNK) * s.vp + dv + e / CHUNK] = 0.f;
-    const int gk = dk / NCH, gv = dv / NCH, nqk = 2 * gk * RUNS;
+    // Items laid out for MAX_DIM channels a head, so that every index below is a shift or a
+    // mask (for Dk or Dv below MAX_DIM the items past them skip; their tiles are zeros).
+    constexpr int G = MAX_DIM / NCH, NQK = 2 * G * RUNS;  // groups of NCH channels a head
     #pragma unroll 1
-    for (int item = tid; item < nqk + gv * RUNS; item += MMA_THREADS) {
-        const bool is_v = item >= nqk;
-        const int grp = is_v ? (item - nqk) % gv : item / RUNS;  // of NCH channels
-        const int i0 = RUN * (is_v ? (item - nqk) / gv : item % RUNS);
-        const bool is_k = !is_v && grp >= gk;
-        const int r0 = NCH * (is_v ? grp : is_k ? grp - gk : grp);  // the channel in its head
+    for (int item = tid; item < NQK + G * RUNS; item += MMA_THREADS) {
+        const bool is_v = item >= NQK;
+        const int grp = is_v ? (item - NQK) % G : item / RUNS;  // of NCH channels
+        const int i0 = RUN * (is_v ? (item - NQK) / G : item % RUNS);
+        const bool is_k = !is_v && grp >= G;
+        const int r0 = NCH * (is_k ? grp - G : grp);  // the channel in its head
+        if (r0 >= (is_v ? dv : dk)) continue;
         const int c0 = is_v ? 2 * hk * dk + h * dv + r0 : (is_k ? hk + kh : kh) * dk + r0;
         uint2 win[RUN + 3];
         const int tw = t0 + i0 - 3;  // the window's first step
@@ -291,9 +310,8 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
         }
     }
     __syncthreads();
-    // The norms' factors from the tiles, a warp per step and the lanes' channels as load_chunk
-    // sums them; g and β.
-    const float scale = rsqrtf((float)dk);
+    // The norms' sums of squares from the tiles, a warp per step and the lanes' channels as
+    // load_chunk sums them.
     #pragma unroll 1
     for (int i = warp; i < CHUNK; i += MMA_THREADS / 32) {
         float qq = 0.f, kk = 0.f;
@@ -308,17 +326,12 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
         qq = warp_sum(qq);
         kk = warp_sum(kk);
         if (lane == 0) {
-            const int t = t0 + i;
-            const bool valid = t < len;
-            s.qn[i] = scale / sqrtf(qq + L2NORM_EPS);
-            s.kn[i] = 1.f / sqrtf(kk + L2NORM_EPS);
-            const float* g = gb + (((size_t)b * T + (valid ? t : 0)) * hv + h) * 2;
-            s.g[i] = valid ? g[0] : 0.f;
-            s.beta[i] = valid ? g[1] : 0.f;
+            s.qn[i] = qq;
+            s.kn[i] = kk;
         }
     }
     __syncthreads();
-    chunk_decays(s);
+    chunk_decays(s, gb, T, len, t0, b, h, hv, dk);
 }
 
 // Step 3, warp 0: Tm = (I + A)⁻¹ for A strictly lower triangular (pitch A_P), by forward
@@ -950,16 +963,16 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
                               int dk, int dv, const unsigned int* owners = nullptr,
                               const typename D::T* w = nullptr, long pitch_a = 0,
                               long pitch_b = 0) {
+    // The part's arguments are selected and the body called once: called per part, the body
+    // was inlined twice, and a short call (one request) stalled on instruction fetch (ncu).
     const int i = blockIdx.x, na = nc_a * bh_a;
-    if (i < na) {
-        const ConvIn<D> cv = ConvIn<D>::state(w, pitch_a);
-        gdrc_prep_tc_at<D, CONV>(qkv_a, cv, gb_a, len_a, wt, u, qt, kd, atq, gtot, t_a, hk, hv, dk,
-                                 dv, i % nc_a, i / nc_a, i);
-    } else {
-        const ConvIn<D> cv = ConvIn<D>::branch(w, pitch_b, qkv_a, pitch_a, owners, len_a, t_a);
-        gdrc_prep_tc_at<D, CONV>(qkv_b, cv, gb_b, len_b, wt, u, qt, kd, atq, gtot, t_b, hk, hv, dk,
-                                 dv, (i - na) % nc_b, (i - na) / nc_b, i);
-    }
+    const bool st = i < na;
+    const int j = st ? i : i - na, nc = st ? nc_a : nc_b;
+    const ConvIn<D> cv = !CONV ? ConvIn<D>{}
+                         : st  ? ConvIn<D>::state(w, pitch_a)
+                               : ConvIn<D>::branch(w, pitch_b, qkv_a, pitch_a, owners, len_a, t_a);
+    gdrc_prep_tc_at<D, CONV>(st ? qkv_a : qkv_b, cv, st ? gb_a : gb_b, st ? len_a : len_b, wt, u,
+                             qt, kd, atq, gtot, st ? t_a : t_b, hk, hv, dk, dv, j % nc, j / nc, i);
 }
 
 // The scan's tensor-core blocks (bf16/f16 models): NCOL (16, 32 or 64) state columns per block of
