@@ -182,22 +182,12 @@ template <typename D>
 struct ConvIn {
     const typename D::T* w;
     long pitch;
+    // A branch row's history (its owner's row of the states `hist`); null for a state row.
     const typename D::T* hist;
     long hist_pitch;
     const unsigned int* owners;
     const unsigned int* hist_len;
     int hist_t;
-
-    // A state row's: no history.
-    static __device__ ConvIn state(const typename D::T* w, long pitch) {
-        return {w, pitch, nullptr, 0, nullptr, nullptr, 0};
-    }
-    // A branch row's: the history in its owner's row of the states `hist`.
-    static __device__ ConvIn branch(const typename D::T* w, long pitch, const typename D::T* hist,
-                                    long hist_pitch, const unsigned int* owners,
-                                    const unsigned int* hist_len, int hist_t) {
-        return {w, pitch, hist, hist_pitch, owners, hist_len, hist_t};
-    }
 };
 
 // Step 1 of the tensor-core preparation with the conv fused (conv_split's arithmetic per
@@ -299,13 +289,15 @@ __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict_
                 st4(&s.vr[(i0 + j) * s.vp + r0], v[0], v[1], v[2], v[3]);
             }
         } else {
-            unsigned short* tile = is_k ? s.k16 : s.q16;
+            // The run's channels share r / 8 (4 | r0), so one swizzled column per pair of
+            // steps serves all four rows (swz keeps a pair's two steps side by side).
+            unsigned short* tile = (is_k ? s.k16 : s.q16) + r0 * s.tp;
             #pragma unroll
-            for (int c = 0; c < NCH; c++) {
-                const int r = r0 + c;
+            for (int j = 0; j < RUN; j += 2) {
+                const int col = swz(r0, i0 + j);
                 #pragma unroll
-                for (int j = 0; j < RUN; j += 2)  // swz keeps a pair's two steps side by side
-                    *reinterpret_cast<unsigned*>(&tile[r * s.tp + swz(r, i0 + j)]) = y[c][j / 2];
+                for (int c = 0; c < NCH; c++)
+                    *reinterpret_cast<unsigned*>(&tile[c * s.tp + col]) = y[c][j / 2];
             }
         }
     }
@@ -968,9 +960,10 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
     const int i = blockIdx.x, na = nc_a * bh_a;
     const bool st = i < na;
     const int j = st ? i : i - na, nc = st ? nc_a : nc_b;
-    const ConvIn<D> cv = !CONV ? ConvIn<D>{}
-                         : st  ? ConvIn<D>::state(w, pitch_a)
-                               : ConvIn<D>::branch(w, pitch_b, qkv_a, pitch_a, owners, len_a, t_a);
+    // Built field by field: a struct selected whole lost its pointers' global address space,
+    // and their loads became generic ones.
+    const ConvIn<D> cv{w,    st ? pitch_a : pitch_b, st ? nullptr : qkv_a, pitch_a,
+                       st ? nullptr : owners, st ? nullptr : len_a, st ? 0 : t_a};
     gdrc_prep_tc_at<D, CONV>(st ? qkv_a : qkv_b, cv, st ? gb_a : gb_b, st ? len_a : len_b, wt, u,
                              qt, kd, atq, gtot, st ? t_a : t_b, hk, hv, dk, dv, j % nc, j / nc, i);
 }
