@@ -78,9 +78,9 @@ __device__ __forceinline__ unsigned short bits16(float) { return 0; }
 
 // The end of step 1, warp 0 with a lane per step (CHUNK = 32): the step's g and β (zeros at or
 // past `len`), the norms' factors qn, kn from the sums of squares the loaders left in them (16-bit
-// tiles only), then the cumulative G and β·e^G (and e^G, e^{G_CH−G}) as a warp scan. Per step in
-// the loaders, these were one lane's serial work (two loads, IEEE square roots and divisions)
-// for every warp. Ends with the block synchronised.
+// tiles only), then the cumulative G and β·e^G (and e^G, e^{G_CH−G}) as a warp scan. Done here,
+// a lane per step, so that the loaders' warps do not each run that serial tail (two loads, IEEE
+// square roots and divisions) on one lane per step. Ends with the block synchronised.
 __device__ __forceinline__ void chunk_decays(const StepTiles& s, const float* __restrict__ gb,
                                              int T, int len, int t0, int b, int h, int hv,
                                              int dk) {
@@ -195,9 +195,10 @@ struct ConvIn {
 // (8-byte loads) of a run of 4 steps: it reads the run's 4 + 3 raw rows once, and writes the
 // outputs to the tiles instead of the conv writing them to memory and load_chunk reading them
 // back. With Dk = Dv = 128 that is 3 runs a thread, in 64 registers without spills for bf16
-// (f16's conversions spill 60 bytes; with 8 channels a thread bf16 spilled 180). q and k runs are spread step-fastest over a warp, v's channel-fastest: either way a
-// warp's stores to the tiles share few banks. Then the norms' sums of squares from the tiles,
-// summed as load_chunk sums them, and chunk_decays. The wrapper guarantees 8-byte aligned rows, a 16-byte aligned
+// (f16's conversions spill 60 bytes; with 8 channels a thread bf16 spilled 180). q and k runs
+// are spread step-fastest over a warp, v's channel-fastest: either way a warp's stores to the
+// tiles share few banks. Then the norms' sums of squares from the tiles, summed as load_chunk
+// sums them, and chunk_decays. The wrapper guarantees 8-byte aligned rows, a 16-byte aligned
 // weight and 4 | Dk, Dv (16-bit dtypes only). Ends with the block synchronised.
 template <typename D>
 __device__ __forceinline__ void load_chunk_conv(const typename D::T* __restrict__ qkv,
@@ -955,14 +956,14 @@ __device__ void gdrc_prep2_tc(const typename D::T* qkv_a, const float* gb_a,
                               int dk, int dv, const unsigned int* owners = nullptr,
                               const typename D::T* w = nullptr, long pitch_a = 0,
                               long pitch_b = 0) {
-    // The part's arguments are selected and the body called once: called per part, the body
-    // was inlined twice, and a short call (one request) stalled on instruction fetch (ncu).
+    // The part's arguments are selected and the body called once: a call per part inlines the
+    // body twice, and a short call (one request) then stalls on instruction fetch (ncu).
     const int i = blockIdx.x, na = nc_a * bh_a;
     const bool st = i < na;
     const int j = st ? i : i - na, nc = st ? nc_a : nc_b;
-    // Built field by field: a struct selected whole lost its pointers' global address space,
-    // and their loads became generic ones.
-    const ConvIn<D> cv{w,    st ? pitch_a : pitch_b, st ? nullptr : qkv_a, pitch_a,
+    // Built field by field: a struct selected whole loses its pointers' global address space,
+    // and their loads become generic ones.
+    const ConvIn<D> cv{w, st ? pitch_a : pitch_b, st ? nullptr : qkv_a, pitch_a,
                        st ? nullptr : owners, st ? nullptr : len_a, st ? 0 : t_a};
     gdrc_prep_tc_at<D, CONV>(st ? qkv_a : qkv_b, cv, st ? gb_a : gb_b, st ? len_a : len_b, wt, u,
                              qt, kd, atq, gtot, st ? t_a : t_b, hk, hv, dk, dv, j % nc, j / nc, i);
