@@ -143,7 +143,16 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
         }
         qq = warp_sum(qq);
         kk = warp_sum(kk);
-        if (s.qn) {  // 16-bit tiles: the sums, made factors in chunk_decays
+        if (s.q16) {
+            // q and k as loaded (exact in 16 bits, and in TF32) and their sums of squares,
+            // which chunk_decays makes the norms' factors.
+            #pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int r = lane + 32 * x;
+                const bool in = valid && r < dk;
+                s.q16[r * s.tp + swz(r, i)] = in ? bits16(row[kh * dk + r]) : 0;
+                s.k16[r * s.tp + swz(r, i)] = in ? bits16(row[(hk + kh) * dk + r]) : 0;
+            }
             if (lane == 0) {
                 s.qn[i] = qq;
                 s.kn[i] = kk;
@@ -156,15 +165,6 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ qkv
                 s.qT[r * s.tp + i] = q[x] * qn;
                 s.kT[r * s.tp + i] = k[x] * kn;
                 if (s.kr) s.kr[i * s.kp + r] = k[x] * kn;
-            }
-        }
-        #pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int r = lane + 32 * x;
-            if (s.q16) {  // as loaded: exact in 16 bits, and in TF32
-                const bool in = valid && r < dk;
-                s.q16[r * s.tp + swz(r, i)] = in ? bits16(row[kh * dk + r]) : 0;
-                s.k16[r * s.tp + swz(r, i)] = in ? bits16(row[(hk + kh) * dk + r]) : 0;
             }
         }
     }
@@ -182,7 +182,6 @@ template <typename D>
 struct ConvIn {
     const typename D::T* w;
     long pitch;
-    // A branch row's history (its owner's row of the states `hist`); null for a state row.
     const typename D::T* hist;
     long hist_pitch;
     const unsigned int* owners;
