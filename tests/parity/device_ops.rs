@@ -762,3 +762,47 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
     );
     Ok(())
 }
+
+/// The projections' matmul: on CUDA each shape class times cuBLASLt's algorithms against
+/// cuBLAS's choice, and must give cuBLAS's numbers bit for bit whichever it keeps; on every
+/// device it must be a matmul (an f32 reference within the output dtype's rounding).
+#[test]
+fn linear_on_device_gives_cublas_numbers() -> Result<()> {
+    let dev = device();
+    // One row; the model's one-request products (704 and 192 rows); a weight that is a view
+    // of rows; a batch above `MAX_TUNED_ROWS` (candle's matmul); a 3-D input.
+    for (rows, n, k, offset) in [
+        (1usize, 64usize, 32usize, 0usize),
+        (704, 1024, 3584, 0),
+        (192, 5120, 1024, 16),
+        (3000, 2048, 1024, 0),
+        (kev_kernels::MAX_TUNED_ROWS + 64, 256, 128, 0),
+    ] {
+        for (dtype, rel) in [(DType::BF16, 2f32.powi(-7)), (DType::F16, 2f32.powi(-9))] {
+            let x = patterned(&[2, rows, k], 0.3, 0.5)?.to_dtype(dtype)?;
+            let w = patterned(&[n + offset, k], 1.7, 0.5)?.to_dtype(dtype)?;
+            let want = x
+                .to_dtype(DType::F32)?
+                .broadcast_matmul(&w.narrow(0, offset, n)?.to_dtype(DType::F32)?.t()?)?;
+            let (x, w) = (x.to_device(&dev)?, w.to_device(&dev)?.narrow(0, offset, n)?);
+            let what = format!("linear {dtype:?} {rows}x{n}x{k}");
+            let cublas = x
+                .reshape((2 * rows, k))?
+                .matmul(&w.t()?)?
+                .reshape((2, rows, n))?;
+            // The first call of a class tunes it, the second runs the choice.
+            for call in ["tuning", "tuned"] {
+                let ours = kev_kernels::linear(&x, &w)?;
+                check(&format!("{what} ({call}) vs cuBLAS"), &ours, &cublas, 0.0)?;
+            }
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            check(
+                &format!("{what} vs f32"),
+                &kev_kernels::linear(&x, &w)?.to_dtype(DType::F32)?,
+                &want,
+                scale * rel,
+            )?;
+        }
+    }
+    Ok(())
+}

@@ -9,7 +9,9 @@ use crate::weights::Weights;
 
 /// `x · Wᵀ` for a weight `W: [out, in]`.
 ///
-/// - On GPUs, candle's `Linear` on the checkpoint's layout, which their BLAS takes as it is.
+/// - On CUDA, [`kev_kernels::linear`] on the checkpoint's layout: per shape class, the
+///   cuBLASLt algorithm that ran fastest, with cuBLAS's numbers.
+/// - On Metal, candle's `Linear` on the checkpoint's layout, which its BLAS takes as it is.
 /// - On the CPU in f32 (and f16), candle's `Linear` with the weight's storage transposed once
 ///   here (the same `[out, in]` tensor, laid out `[in, out]`). `Linear` multiplies by
 ///   `weight.t()`, which is then a row-major matrix that the `gemm` crate streams as it is;
@@ -23,14 +25,18 @@ use crate::weights::Weights;
 pub enum Projection {
     Candle(Linear),
     Bf16(PackedBf16),
+    /// A CUDA weight `[out, in]` (or one counted as CUDA's, [`dispatch::backend`]).
+    Cuda(Tensor),
 }
 
 impl Projection {
     /// The layer of `weight: [out, in]`, on `weight`'s device and in its dtype (laid out as a
     /// GPU's while a dispatch count for one runs, [`dispatch::backend`]).
     pub fn new(weight: Tensor) -> Result<Self> {
-        if dispatch::backend(weight.device()) != Backend::Cpu {
-            return Ok(Self::Candle(Linear::new(weight, None)));
+        match dispatch::backend(weight.device()) {
+            Backend::Cuda => return Ok(Self::Cuda(weight)),
+            Backend::Metal => return Ok(Self::Candle(Linear::new(weight, None))),
+            Backend::Cpu => {}
         }
         if weight.dtype() == DType::BF16 && bf16_gemm_available() {
             return Ok(Self::Bf16(PackedBf16::pack(&weight)?));
@@ -47,17 +53,19 @@ impl Projection {
             // the whole weight's row pitch, which candle's `gemm` matmul takes as it is.
             Self::Candle(l) => Self::Candle(Linear::new(l.weight().narrow(0, start, len)?, None)),
             Self::Bf16(p) => Self::Bf16(p.rows(start, len)?),
+            Self::Cuda(w) => Self::Cuda(w.narrow(0, start, len)?),
         })
     }
 }
 
 impl Module for Projection {
-    /// One GEMM on a GPU (candle's `Linear`: views of the weight around one `matmul`).
+    /// One GEMM on a GPU.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         dispatch::record_matmul(xs.device());
         match self {
             Self::Candle(l) => l.forward(xs),
             Self::Bf16(p) => p.forward(&xs.contiguous()?),
+            Self::Cuda(w) => kev_kernels::linear(xs, w),
         }
     }
 }
