@@ -266,7 +266,10 @@ mod cuda {
             // candle's own small uploads (strides of non-contiguous operands) come from its
             // cache while this guard lives; the recording run fills it.
             let _candle_cache = dev.enable_cuda_graph_htod_cache();
-            let (warm, memo) = uploads::recording(|| exec.plan_logits(plan, &ids));
+            // The projections' new shape classes are timed here, so the capture takes the
+            // fastest algorithms ([`kev_kernels::tuning`]).
+            let (warm, memo) =
+                kev_kernels::tuning(|| uploads::recording(|| exec.plan_logits(plan, &ids)));
             drop(warm.map_err(|e| format!("recording run: {e}"))?);
             let capturing = Capturing::begin(&stream)?;
             let (captured, memo) = uploads::replaying(memo, || exec.plan_logits(plan, &ids));

@@ -31,8 +31,8 @@
 //! - [`causal_attention`]: on CUDA and Metal, the attention's scores, softmax and weighted sum in
 //!   one flash kernel where it pays, else the matmuls around [`causal_softmax`].
 //!
-//! - [`linear`]: `x · Wᵀ` on a GPU; on CUDA, per shape class, the fastest cuBLASLt algorithm
-//!   that computes cuBLAS's numbers.
+//! - [`linear`]: `x · Wᵀ` on a GPU; on CUDA, per shape class timed inside [`tuning`], the
+//!   fastest cuBLASLt algorithm that computes cuBLAS's numbers.
 //!
 //! - [`gather_rows`]: whole rows by index, for copying a prefix cache per branch; [`gather_cat`]:
 //!   picked rows each followed by rows of their own, for a branch's attention keys and values.
@@ -129,6 +129,6 @@ pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{copy_rows, embed, gather_cat, gather_rows, join_rows, RowIndex};
 pub use head::{pointer_logits, rows_f32};
 pub use layout::split::SplitBatch;
-pub use linear::{linear, MAX_TUNED_ROWS};
+pub use linear::{linear, tuning, MAX_TUNED_ROWS};
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
 pub use swiglu::{swiglu, swiglu_ref};

@@ -1,6 +1,8 @@
 //! cuBLASLt under [`super::linear`]: one handle per GPU, and per shape class the algorithm that
-//! ran fastest, timed on the first eager product of that class.
+//! ran fastest among those that gave cuBLAS's numbers, timed on the class's first product
+//! inside [`super::tuning`].
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -9,7 +11,9 @@ use std::time::Duration;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
-use candle_core::cuda_backend::cudarc::driver::{result as driver, CudaStream, DevicePtr};
+use candle_core::cuda_backend::cudarc::driver::{
+    result as driver, CudaStream, DevicePtr, PushKernelArg,
+};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr};
 use candle_core::cuda_backend::CudaDType;
 use candle_core::cuda_backend::WrapErr;
@@ -17,7 +21,8 @@ use candle_core::{bail, CudaStorage, CustomOp2, DType, Device, Layout, Result, S
 use half::{bf16, f16};
 
 use super::MAX_TUNED_ROWS;
-use crate::backend::cuda::kernel::contiguous;
+use crate::backend::cuda::kernel::{contiguous, grid_for, Kernel};
+use crate::backend::cuda::sources::LINEAR;
 
 /// The heuristic's candidates timed per shape class (it offers at most 8 on the H200).
 const CANDIDATES: usize = 8;
@@ -26,6 +31,19 @@ const TIMED_GPU_US: f64 = 100.0;
 /// How long the stream is held while the timed launches are queued, so that the GPU runs them
 /// back to back rather than at the host's pace (longer than queueing takes).
 const HOLD: Duration = Duration::from_millis(1);
+
+thread_local! {
+    /// Whether this thread's products time the shape classes they are the first of.
+    static TUNING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with the thread's new shape classes timed (see [`super::tuning`]).
+pub(super) fn tuning<R>(f: impl FnOnce() -> R) -> R {
+    let before = TUNING.with(|t| t.replace(true));
+    let out = f();
+    TUNING.with(|t| t.set(before));
+    out
+}
 
 /// `x: [m, k]` times `w: [n, k]` transposed, on CUDA in bf16 or f16.
 pub(super) struct TunedLinear;
@@ -341,8 +359,9 @@ fn product<T: CudaDType + DeviceRepr>(
     let known = choices().get(&class).copied();
     let choice = match known {
         Some(c) => c,
-        // A graph capture cannot time anything: cuBLAS's choice, tuned on a later eager call.
-        None if capturing(&stream)? => Choice::Cublas,
+        // Outside `tuning`, and in a graph capture (which cannot time anything), a new class
+        // runs cuBLAS's choice and stays untimed.
+        None if !TUNING.with(Cell::get) || capturing(&stream)? => Choice::Cublas,
         None => {
             let c = tune::<T>(h, xs, xl, ws, wl, mnk, &stream)?;
             choices().insert(class, c);
@@ -408,28 +427,43 @@ fn tune<T: CudaDType + DeviceRepr>(
     let mut y = unsafe { xs.device().alloc::<T>(m * n) }?;
     let ctx = stream.context();
     let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).w();
+    // cuBLAS's output, which a candidate must reproduce bit for bit to be timed.
+    let reference = run_cublas(xs, xl, ws, wl, mnk)?;
+    let reference = reference.as_cuda_slice::<T>()?;
+    let differ = Kernel::load(&LINEAR, xs.device(), "count_differences_u16")?;
+    let words = (m * n * xs.dtype().size_in_bytes() / 2) as u64;
     let timings = with_operands(xs, xl, ws, wl, &mut y, stream, |p| {
-        // One untimed call of each first (cuBLAS picks its kernel on a shape's first call);
-        // a candidate that fails to launch is dropped.
-        drop(run_cublas(xs, xl, ws, wl, mnk)?);
-        let usable: Vec<_> = algos
-            .iter()
-            .filter(|a| run_lt(h, &d, a, p, stream).is_ok())
-            .copied()
-            .collect();
+        let (r, _gr) = reference.device_ptr(stream);
+        let mut same = Vec::new();
+        for a in &algos {
+            // A candidate that fails to launch is dropped with the others.
+            if run_lt(h, &d, a, p, stream).is_err() {
+                continue;
+            }
+            let mut count = stream.alloc_zeros::<u32>(1).w()?;
+            {
+                let mut b = stream.launch_builder(&differ.func);
+                b.arg(&r).arg(&p.y).arg(&words).arg(&mut count);
+                // SAFETY: both buffers hold `words` 16-bit words; `count` one u32.
+                unsafe { b.launch(grid_for(words as usize, 256)) }.w()?;
+            }
+            if stream.clone_dtoh(&count).w()?[0] == 0 {
+                same.push(*a);
+            }
+        }
         hold(stream)?;
-        let mut marks = Vec::with_capacity(usable.len() + 1);
-        for i in 0..=usable.len() {
+        let mut marks = Vec::with_capacity(same.len() + 1);
+        for i in 0..=same.len() {
             let (start, end) = (event()?, event()?);
             start.record(stream).w()?;
             for _ in 0..reps {
-                match usable.get(i) {
+                match same.get(i) {
                     None => drop(run_cublas(xs, xl, ws, wl, mnk)?),
                     Some(a) => run_lt(h, &d, a, p, stream)?,
                 }
             }
             end.record(stream).w()?;
-            let choice = usable.get(i).map_or(Choice::Cublas, |a| Choice::Lt(*a));
+            let choice = same.get(i).map_or(Choice::Cublas, |a| Choice::Lt(*a));
             marks.push((start, end, choice));
         }
         Ok(marks)

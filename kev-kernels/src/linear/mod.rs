@@ -1,25 +1,37 @@
 //! `x · Wᵀ` for the backbone's projections on a GPU.
 //!
 //! On CUDA in bf16 and f16, a product of up to [`MAX_TUNED_ROWS`] rows runs the cuBLASLt
-//! algorithm that was fastest for its shape in this process, timed once per shape class against
-//! cuBLAS's own choice (candle's matmul, which `candle_nn::Linear` calls). On the H200 cuBLAS's
-//! choice is up to 25 % slower on the few hundred rows of one request and 7–10 % on a few
-//! thousand, where the tile shape decides how many SMs have work (`bench/gemm_probe.cu`);
-//! on larger products it is at the peak already, and it stays. Only algorithms that sum each
-//! output's products in the same order as cuBLAS's (no split-K) are candidates, so the choice
-//! never changes a number. Elsewhere (other backends, dtypes, non-contiguous weights) this is
-//! candle's matmul.
+//! algorithm that was fastest for its shape class in this process, timed once against cuBLAS's
+//! own choice (candle's matmul, which `candle_nn::Linear` calls). On the H200 cuBLAS's choice
+//! is up to 25 % slower on the few hundred rows of one request and 7–10 % on a few thousand,
+//! where the tile shape decides how many SMs have work (`bench/gemm_probe.cu`); on larger
+//! products it is at the peak already, and it stays. A candidate is timed only if its output
+//! on the class's first product equals cuBLAS's bit for bit, so the choice (which timing noise
+//! may vary between processes) does not change a number. Classes are timed only inside
+//! [`tuning`]: timing costs ~10–20 ms (loading the candidates' kernels included), which pays
+//! for shapes that come back (a CUDA graph's), not for a file's one-off batches. Elsewhere
+//! (other backends, dtypes, non-contiguous weights, classes not timed) this is candle's
+//! matmul.
 
 #[cfg(feature = "cuda")]
 mod cuda;
 
 use candle_core::{bail, Result, Tensor};
 
-/// Products with more rows than this keep cuBLAS's choice: timing a shape class costs its first
-/// product ~10–20 ms (loading the candidates' kernels included), which a batch file with many
-/// shapes would pay again and again for 1–7 % at 11,264 rows; at 45,056 cuBLAS's was as fast or
-/// faster (`bench/gemm_probe.cu`).
+/// Products with more rows than this keep cuBLAS's choice: at 11,264 rows the best candidate
+/// was 1–7 % faster, at 45,056 cuBLAS's was as fast or faster (`bench/gemm_probe.cu`), and a
+/// CUDA graph holds at most 8,192 positions.
 pub const MAX_TUNED_ROWS: usize = 8192;
+
+/// Runs `f` with the products it is the first of, per shape class, timed (and their choice
+/// kept for the process); outside it, an untimed class runs cuBLAS's choice. The CUDA graphs
+/// run the eager pass before a capture inside it.
+pub fn tuning<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(feature = "cuda")]
+    return cuda::tuning(f);
+    #[cfg(not(feature = "cuda"))]
+    f()
+}
 
 /// `x · Wᵀ` for `x: [.., k]` and a weight `w: [n, k]`; returns `[.., n]` in `x`'s dtype.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {

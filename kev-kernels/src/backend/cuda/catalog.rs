@@ -236,8 +236,16 @@ pub(crate) static HEAD: Source = source(
     &[],
 );
 
+pub(crate) static LINEAR: Source = source(
+    "linear.cu",
+    "kev_linear",
+    include_str!("../../linear/linear.cu"),
+    false,
+    &[],
+);
+
 /// Every source: the checks below, and compiling them all ahead of the first forward.
-pub(crate) const ALL: [&Source; 10] = [
+pub(crate) const ALL: [&Source; 11] = [
     &NORM,
     &GATES,
     &SWIGLU,
@@ -248,5 +256,6 @@ pub(crate) const ALL: [&Source; 10] = [
     &GDR_CHUNKED,
     &GATHER,
     &HEAD,
+    &LINEAR,
 ];
 
