@@ -3,7 +3,7 @@
 //! inside [`super::tuning`].
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
@@ -268,25 +268,68 @@ impl Drop for Descriptors {
     }
 }
 
-/// How many parts an algorithm splits the sum over k into.
-fn split_k(algo: &sys::cublasLtMatmulAlgo_t) -> i32 {
-    let mut parts = 0i32;
+/// One 32-bit (or narrower) configuration attribute of an algorithm; 0 where it cannot be read.
+fn config(
+    algo: &sys::cublasLtMatmulAlgo_t,
+    attr: sys::cublasLtMatmulAlgoConfigAttributes_t,
+) -> u32 {
+    let mut value = 0u32;
     let mut written = 0usize;
-    // SAFETY: reads one i32 attribute of a valid algorithm.
+    // SAFETY: reads one attribute of at most 4 bytes of a valid algorithm into a zeroed u32.
     let status = unsafe {
         sys::cublasLtMatmulAlgoConfigGetAttribute(
             algo,
-            sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-            (&mut parts as *mut i32).cast(),
-            std::mem::size_of::<i32>(),
+            attr,
+            (&mut value as *mut u32).cast(),
+            std::mem::size_of::<u32>(),
             &mut written,
         )
     };
     if status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        parts
+        value
     } else {
         0
     }
+}
+
+/// How many parts an algorithm splits the sum over k into.
+fn split_k(algo: &sys::cublasLtMatmulAlgo_t) -> u32 {
+    config(
+        algo,
+        sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+    )
+}
+
+/// What names an algorithm's kernel: its configuration without the problem's size.
+type KernelKey = [u32; 7];
+
+fn kernel_key(algo: &sys::cublasLtMatmulAlgo_t) -> KernelKey {
+    use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
+    [
+        A::CUBLASLT_ALGO_CONFIG_ID,
+        A::CUBLASLT_ALGO_CONFIG_TILE_ID,
+        A::CUBLASLT_ALGO_CONFIG_STAGES_ID,
+        A::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
+        A::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
+        A::CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID,
+        A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+    ]
+    .map(|attr| config(algo, attr))
+}
+
+/// The kernels this process has run, and the weight shapes `(ordinal, dtype, n, k)` it has
+/// timed a class of.
+#[derive(Default)]
+struct Seen {
+    kernels: HashSet<KernelKey>,
+    weights: HashSet<(usize, DType, usize, usize)>,
+}
+
+fn seen() -> std::sync::MutexGuard<'static, Seen> {
+    static SEEN: OnceLock<Mutex<Seen>> = OnceLock::new();
+    SEEN.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The operands of one call, as device addresses on the calling thread's stream.
@@ -416,7 +459,18 @@ fn tune<T: CudaDType + DeviceRepr>(
 ) -> Result<Choice> {
     let (m, n, k) = mnk;
     let d = Descriptors::new(xs.dtype(), mnk)?;
-    let algos = d.candidates(h);
+    let mut algos = d.candidates(h);
+    {
+        // A kernel's first launch in the process loads it (~2 ms on the H200, most of a class's
+        // timing). The first class of a weight shape tries every candidate; later ones only
+        // those whose kernels have run, so a file of many batch sizes does not load dozens.
+        let mut seen = seen();
+        let weight = (stream.context().ordinal(), xs.dtype(), n, k);
+        if !seen.weights.insert(weight) {
+            algos.retain(|a| seen.kernels.contains(&kernel_key(a)));
+        }
+        seen.kernels.extend(algos.iter().map(kernel_key));
+    }
     if algos.is_empty() {
         return Ok(Choice::Cublas);
     }

@@ -8,8 +8,9 @@
 //! products it is at the peak already, and it stays. A candidate is timed only if its output
 //! on the class's first product equals cuBLAS's bit for bit, so the choice (which timing noise
 //! may vary between processes) does not change a number. Classes are timed only inside
-//! [`tuning`]: timing costs ~10–20 ms (loading the candidates' kernels included), which pays
-//! for shapes that come back (a CUDA graph's), not for a file's one-off batches. Elsewhere
+//! [`tuning`] (the eager pass before a CUDA graph capture), and after the first class of a
+//! weight shape only candidates whose kernels the process has run already: a kernel's first
+//! launch loads it, which made a class's timing cost ~10–30 ms instead of 1–3. Elsewhere
 //! (other backends, dtypes, non-contiguous weights, classes not timed) this is candle's
 //! matmul.
 
