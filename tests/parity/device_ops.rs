@@ -769,35 +769,38 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
 #[test]
 fn linear_on_device_gives_cublas_numbers() -> Result<()> {
     let dev = device();
-    // One row; the model's one-request products (704 and 192 rows); a weight that is a view
-    // of rows; a batch above `MAX_TUNED_ROWS` (candle's matmul); a 3-D input. Off CUDA (the
-    // composed matmul, and slow in bf16 under the aarch64 emulation) the first and last.
+    // Inputs' leading dims, the weight's outputs and inputs, and the row it starts at: one row;
+    // the one-request down projection (3-D, then another row count of the same weight, timed
+    // and checked anew); a view of rows of a weight, on a 256-byte boundary and off one (cuBLAS
+    // then); 3000 rows; a batch above `MAX_TUNED_ROWS` (candle's matmul). Off CUDA (the
+    // composed matmul, slow in bf16 under the aarch64 emulation) the first and last.
     let cases = [
-        (1usize, 64usize, 32usize, 0usize),
-        (704, 1024, 3584, 0),
-        (192, 5120, 1024, 16),
-        (3000, 2048, 1024, 0),
-        (kev_kernels::MAX_TUNED_ROWS + 64, 256, 128, 0),
+        (vec![1usize], 64usize, 32usize, 0usize),
+        (vec![1, 704], 1024, 3584, 0),
+        (vec![700], 1024, 3584, 0),
+        (vec![192], 5120, 1024, 16),
+        (vec![37], 96, 100, 1),
+        (vec![3000], 2048, 1024, 0),
+        (vec![kev_kernels::MAX_TUNED_ROWS + 64], 256, 128, 0),
     ];
     let cases = if dev.is_cuda() {
-        &cases[..]
+        cases.to_vec()
     } else {
-        &[cases[0], cases[4]][..]
+        vec![cases[0].clone(), cases[6].clone()]
     };
-    for &(rows, n, k, offset) in cases {
+    for (lead, n, k, offset) in cases {
         for (dtype, rel) in [(DType::BF16, 2f32.powi(-7)), (DType::F16, 2f32.powi(-9))] {
-            let x = patterned(&[2, rows, k], 0.3, 0.5)?.to_dtype(dtype)?;
+            let rows: usize = lead.iter().product();
+            let x = patterned(&[&lead[..], &[k]].concat(), 0.3, 0.5)?.to_dtype(dtype)?;
             let w = patterned(&[n + offset, k], 1.7, 0.5)?.to_dtype(dtype)?;
             let want = x
                 .to_dtype(DType::F32)?
                 .broadcast_matmul(&w.narrow(0, offset, n)?.to_dtype(DType::F32)?.t()?)?;
             let (x, w) = (x.to_device(&dev)?, w.to_device(&dev)?.narrow(0, offset, n)?);
-            let what = format!("linear {dtype:?} {rows}x{n}x{k}");
-            let cublas = x
-                .reshape((2 * rows, k))?
-                .matmul(&w.t()?)?
-                .reshape((2, rows, n))?;
-            // The first call of a class times it, the second runs the choice.
+            let what = format!("linear {dtype:?} {rows}x{n}x{k}+{offset}");
+            let out_dims = [&lead[..], &[n]].concat();
+            let cublas = x.reshape((rows, k))?.matmul(&w.t()?)?.reshape(out_dims)?;
+            // The first call of a shape times it, the second runs the choice.
             for call in ["timing", "timed"] {
                 let ours = kev_kernels::tuning(|| kev_kernels::linear(&x, &w))?;
                 check(&format!("{what} ({call}) vs cuBLAS"), &ours, &cublas, 0.0)?;
