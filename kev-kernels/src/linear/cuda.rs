@@ -84,9 +84,16 @@ impl CustomOp2 for TunedLinear {
     ) -> Result<(CudaStorage, Shape)> {
         let (m, k) = xl.shape().dims2()?;
         let (n, _) = wl.shape().dims2()?;
+        let call = Call {
+            xs,
+            xl,
+            ws,
+            wl,
+            mnk: (m, n, k),
+        };
         let out = match xs.dtype() {
-            DType::BF16 => product::<bf16>(xs, xl, ws, wl, (m, n, k))?,
-            DType::F16 => product::<f16>(xs, xl, ws, wl, (m, n, k))?,
+            DType::BF16 => product::<bf16>(call)?,
+            DType::F16 => product::<f16>(call)?,
             other => bail!("tuned-linear: unsupported dtype {other:?}"),
         };
         Ok((out, Shape::from((m, n))))
@@ -358,8 +365,8 @@ fn seen() -> std::sync::MutexGuard<'static, Seen> {
         .unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The operands of one call, as device addresses on the calling thread's stream.
-struct Operands {
+/// A call's operands as device addresses on the calling thread's stream.
+struct Addresses {
     x: u64,
     w: u64,
     y: u64,
@@ -370,7 +377,7 @@ fn run_lt(
     h: Handle,
     d: &Descriptors,
     algo: &sys::cublasLtMatmulAlgo_t,
-    p: &Operands,
+    p: &Addresses,
     stream: &CudaStream,
 ) -> Result<()> {
     let (one, zero) = (1f32, 0f32);
@@ -400,36 +407,69 @@ fn run_lt(
     .map_err(lt_err)
 }
 
-/// candle's matmul of the same product (what `candle_nn::Linear` runs).
-fn run_cublas(
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    (m, n, k): (usize, usize, usize),
-) -> Result<CudaStorage> {
-    xs.matmul(ws, (1, m, n, k), xl, &wl.transpose(0, 1)?)
+/// One product `y = x · wᵀ` as the op received it: `x: [m, k]`, `w: [n, k]`, contiguous.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    xs: &'a CudaStorage,
+    xl: &'a Layout,
+    ws: &'a CudaStorage,
+    wl: &'a Layout,
+    mnk: (usize, usize, usize),
 }
 
-fn product<T: CudaDType + DeviceRepr>(
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    mnk: (usize, usize, usize),
-) -> Result<CudaStorage> {
-    let (m, n, k) = mnk;
-    let dev = xs.device().clone();
+impl Call<'_> {
+    /// candle's matmul of the product (what `candle_nn::Linear` runs).
+    fn cublas(&self) -> Result<CudaStorage> {
+        let (m, n, k) = self.mnk;
+        self.xs
+            .matmul(self.ws, (1, m, n, k), self.xl, &self.wl.transpose(0, 1)?)
+    }
+
+    /// Whether `x` and `w` start on [`ALIGN`]-byte boundaries (a view of a weight's rows may
+    /// not).
+    fn inputs_aligned<T: CudaDType + DeviceRepr>(&self, stream: &Arc<CudaStream>) -> Result<bool> {
+        let (xa, xe) = contiguous(self.xl, "tuned-linear input")?;
+        let (wa, we) = contiguous(self.wl, "tuned-linear weight")?;
+        let (x, w) = (
+            self.xs.as_cuda_slice::<T>()?.slice(xa..xe),
+            self.ws.as_cuda_slice::<T>()?.slice(wa..we),
+        );
+        let (x, _gx) = x.device_ptr(stream);
+        let (w, _gw) = w.device_ptr(stream);
+        Ok(x % ALIGN == 0 && w % ALIGN == 0)
+    }
+
+    /// Runs `f` with the device addresses of `x`, `w` and `y`, valid on `stream` meanwhile.
+    fn with_addresses<T: CudaDType + DeviceRepr, R>(
+        &self,
+        y: &mut CudaSlice<T>,
+        stream: &Arc<CudaStream>,
+        f: impl FnOnce(&Addresses) -> Result<R>,
+    ) -> Result<R> {
+        let (xa, xe) = contiguous(self.xl, "tuned-linear input")?;
+        let (wa, we) = contiguous(self.wl, "tuned-linear weight")?;
+        let x = self.xs.as_cuda_slice::<T>()?.slice(xa..xe);
+        let w = self.ws.as_cuda_slice::<T>()?.slice(wa..we);
+        let (x, _gx) = x.device_ptr(stream);
+        let (w, _gw) = w.device_ptr(stream);
+        let (y, _gy) = y.device_ptr_mut(stream);
+        f(&Addresses { x, w, y })
+    }
+}
+
+fn product<T: CudaDType + DeviceRepr>(call: Call) -> Result<CudaStorage> {
+    let (m, n, k) = call.mnk;
+    let dev = call.xs.device().clone();
     let stream = dev.cuda_stream();
     let Some(h) = handle(&dev) else {
-        return run_cublas(xs, xl, ws, wl, mnk);
+        return call.cublas();
     };
-    if !inputs_aligned::<T>(xs, xl, ws, wl, &stream)? {
-        return run_cublas(xs, xl, ws, wl, mnk);
+    if !call.inputs_aligned::<T>(&stream)? {
+        return call.cublas();
     }
     let shape = Product {
         ordinal: stream.context().ordinal(),
-        dtype: xs.dtype(),
+        dtype: call.xs.dtype(),
         m,
         n,
         k,
@@ -450,7 +490,7 @@ fn product<T: CudaDType + DeviceRepr>(
         None => {
             // Timing only picks a speed: where it fails (no memory for its scratch, say), the
             // class keeps cuBLAS's choice.
-            let c = tune::<T>(h, xs, xl, ws, wl, mnk, &stream).unwrap_or(Choice::Cublas);
+            let c = tune::<T>(h, call, &stream).unwrap_or(Choice::Cublas);
             let mut known = choices();
             known.classes.insert(shape.class(), c);
             // The timed candidates were checked on this very shape.
@@ -459,55 +499,50 @@ fn product<T: CudaDType + DeviceRepr>(
         }
     };
     let Choice::Lt(algo) = choice else {
-        return run_cublas(xs, xl, ws, wl, mnk);
+        return call.cublas();
     };
-    let d = Descriptors::new(xs.dtype(), mnk)?;
+    let d = Descriptors::new(call.xs.dtype(), call.mnk)?;
     let exact = match (exact, class_choice) {
         (Some(e), _) => e,
         // Just timed on this shape.
         (None, None) => true,
         (None, Some(_)) if !may_time => false,
         (None, Some(_)) => {
-            let e = reproduces::<T>(h, &d, &algo, xs, xl, ws, wl, mnk, &stream).unwrap_or(false);
+            let e = reproduces::<T>(h, &d, &algo, call, &stream).unwrap_or(false);
             choices().exact.insert(shape, e);
             e
         }
     };
     if !exact {
-        return run_cublas(xs, xl, ws, wl, mnk);
+        return call.cublas();
     }
     // SAFETY: the call below writes every element, or `y` is dropped unread.
     let mut y = unsafe { dev.alloc::<T>(m * n) }?;
     // A refused call is a status on the host, not an error left on the context.
-    let ran = with_operands(xs, xl, ws, wl, &mut y, &stream, |p| {
+    let ran = call.with_addresses(&mut y, &stream, |p| {
         Ok(p.y % ALIGN == 0 && run_lt(h, &d, &algo, p, &stream).is_ok())
     })?;
     if !ran {
-        return run_cublas(xs, xl, ws, wl, mnk);
+        return call.cublas();
     }
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
 
 /// Whether `algo`'s output on this product equals cuBLAS's bit for bit.
-#[allow(clippy::too_many_arguments)]
 fn reproduces<T: CudaDType + DeviceRepr>(
     h: Handle,
     d: &Descriptors,
     algo: &sys::cublasLtMatmulAlgo_t,
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    mnk: (usize, usize, usize),
+    call: Call,
     stream: &Arc<CudaStream>,
 ) -> Result<bool> {
-    let (m, n, _) = mnk;
-    let reference = run_cublas(xs, xl, ws, wl, mnk)?;
+    let (m, n, _) = call.mnk;
+    let reference = call.cublas()?;
     let reference = reference.as_cuda_slice::<T>()?;
-    let differ = Differ::new::<T>(xs, reference, m * n, stream)?;
+    let differ = Differ::new::<T>(call.xs, reference, m * n, stream)?;
     // SAFETY: the call writes every element before the comparison reads them.
-    let mut y = unsafe { xs.device().alloc::<T>(m * n) }?;
-    with_operands(xs, xl, ws, wl, &mut y, stream, |p| {
+    let mut y = unsafe { call.xs.device().alloc::<T>(m * n) }?;
+    call.with_addresses(&mut y, stream, |p| {
         Ok(p.y % ALIGN == 0 && run_lt(h, d, algo, p, stream).is_ok() && differ.same(p.y)?)
     })
 }
@@ -554,45 +589,6 @@ impl<'a> Differ<'a> {
     }
 }
 
-/// Whether `x` and `w` start on [`ALIGN`]-byte boundaries (a view of a weight's rows may not).
-fn inputs_aligned<T: CudaDType + DeviceRepr>(
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    stream: &Arc<CudaStream>,
-) -> Result<bool> {
-    let (xa, xe) = contiguous(xl, "tuned-linear input")?;
-    let (wa, we) = contiguous(wl, "tuned-linear weight")?;
-    let (x, w) = (
-        xs.as_cuda_slice::<T>()?.slice(xa..xe),
-        ws.as_cuda_slice::<T>()?.slice(wa..we),
-    );
-    let (x, _gx) = x.device_ptr(stream);
-    let (w, _gw) = w.device_ptr(stream);
-    Ok(x % ALIGN == 0 && w % ALIGN == 0)
-}
-
-/// Runs `f` with the device addresses of `x`, `w` and `y`, valid on `stream` meanwhile.
-fn with_operands<T: CudaDType + DeviceRepr, R>(
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    y: &mut CudaSlice<T>,
-    stream: &Arc<CudaStream>,
-    f: impl FnOnce(&Operands) -> Result<R>,
-) -> Result<R> {
-    let (xa, xe) = contiguous(xl, "tuned-linear input")?;
-    let (wa, we) = contiguous(wl, "tuned-linear weight")?;
-    let x = xs.as_cuda_slice::<T>()?.slice(xa..xe);
-    let w = ws.as_cuda_slice::<T>()?.slice(wa..we);
-    let (x, _gx) = x.device_ptr(stream);
-    let (w, _gw) = w.device_ptr(stream);
-    let (y, _gy) = y.device_ptr_mut(stream);
-    f(&Operands { x, w, y })
-}
-
 fn capturing(stream: &Arc<CudaStream>) -> Result<bool> {
     Ok(stream.capture_status().w()? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
@@ -601,16 +597,12 @@ fn capturing(stream: &Arc<CudaStream>) -> Result<bool> {
 /// returns the fastest.
 fn tune<T: CudaDType + DeviceRepr>(
     h: Handle,
-    xs: &CudaStorage,
-    xl: &Layout,
-    ws: &CudaStorage,
-    wl: &Layout,
-    mnk: (usize, usize, usize),
+    call: Call,
     stream: &Arc<CudaStream>,
 ) -> Result<Choice> {
-    let (m, n, k) = mnk;
-    let d = Descriptors::new(xs.dtype(), mnk)?;
-    let dtype = xs.dtype();
+    let (m, n, k) = call.mnk;
+    let dtype = call.xs.dtype();
+    let d = Descriptors::new(dtype, call.mnk)?;
     let mut algos = d.candidates(h);
     {
         // A kernel's first launch in the process loads it (~2 ms on the H200, most of a shape's
@@ -629,14 +621,14 @@ fn tune<T: CudaDType + DeviceRepr>(
     let flop = 2.0 * (m * n * k) as f64;
     let reps = (TIMED_GPU_US * 5e8 / flop).clamp(3.0, 10.0) as usize;
     // SAFETY: every call writes every element; nothing reads them.
-    let mut y = unsafe { xs.device().alloc::<T>(m * n) }?;
+    let mut y = unsafe { call.xs.device().alloc::<T>(m * n) }?;
     let ctx = stream.context();
     let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).w();
     // cuBLAS's output, which a candidate must reproduce bit for bit to be timed.
-    let reference = run_cublas(xs, xl, ws, wl, mnk)?;
+    let reference = call.cublas()?;
     let reference = reference.as_cuda_slice::<T>()?;
-    let differ = Differ::new::<T>(xs, reference, m * n, stream)?;
-    let timings = with_operands(xs, xl, ws, wl, &mut y, stream, |p| {
+    let differ = Differ::new::<T>(call.xs, reference, m * n, stream)?;
+    let timings = call.with_addresses(&mut y, stream, |p| {
         let mut same = Vec::new();
         for a in &algos {
             // A candidate that fails to launch is dropped with the others.
@@ -656,7 +648,7 @@ fn tune<T: CudaDType + DeviceRepr>(
             start.record(stream).w()?;
             for _ in 0..reps {
                 match &choice {
-                    Choice::Cublas => drop(run_cublas(xs, xl, ws, wl, mnk)?),
+                    Choice::Cublas => drop(call.cublas()?),
                     Choice::Lt(a) => run_lt(h, &d, a, p, stream)?,
                 }
             }
