@@ -789,7 +789,15 @@ fn linear_on_device_gives_cublas_numbers() -> Result<()> {
         vec![cases[0].clone(), cases[6].clone()]
     };
     for (lead, n, k, offset) in cases {
-        for (dtype, rel) in [(DType::BF16, 2f32.powi(-7)), (DType::F16, 2f32.powi(-9))] {
+        // The f32 bound: the output's rounding, f32 sums on CUDA. Off CUDA f16 is candle's CPU
+        // matmul, which on aarch64 sums in f16 (measured under the emulation: 4.7e-3 of the
+        // largest output).
+        let f16_rel = if dev.is_cuda() {
+            2f32.powi(-9)
+        } else {
+            2f32.powi(-5)
+        };
+        for (dtype, rel) in [(DType::BF16, 2f32.powi(-7)), (DType::F16, f16_rel)] {
             let rows: usize = lead.iter().product();
             let x = patterned(&[&lead[..], &[k]].concat(), 0.3, 0.5)?.to_dtype(dtype)?;
             let w = patterned(&[n + offset, k], 1.7, 0.5)?.to_dtype(dtype)?;
