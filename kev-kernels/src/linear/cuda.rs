@@ -1,6 +1,6 @@
-//! cuBLASLt under [`super::linear`]: one handle per GPU, and per product shape the algorithm
-//! that ran fastest among those that gave cuBLAS's numbers, timed on the shape's first product
-//! inside [`super::tuning`].
+//! cuBLASLt under [`super::linear`]: one handle per GPU; per shape class the algorithm that ran
+//! fastest among those that gave cuBLAS's numbers, timed on the class's first product inside
+//! [`super::tuning`]; per exact shape whether that algorithm gives cuBLAS's numbers there.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -14,7 +14,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::{CUevent_flags, CUstreamCapt
 use candle_core::cuda_backend::cudarc::driver::{
     result as driver, CudaStream, DevicePtr, PushKernelArg,
 };
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut, DeviceRepr};
 use candle_core::cuda_backend::CudaDType;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
@@ -56,16 +56,14 @@ pub(super) fn tuning<R>(f: impl FnOnce() -> R) -> R {
 /// `x: [m, k]` times `w: [n, k]` transposed, on CUDA in bf16 or f16.
 pub(super) struct TunedLinear;
 
-/// Whether [`TunedLinear`] runs this product (else candle's matmul does).
+/// Whether [`TunedLinear`] runs this product (else candle's matmul does; so does the op where
+/// cuBLASLt cannot start).
 pub(super) fn takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
-    let Device::Cuda(dev) = x.device() else {
-        return false;
-    };
-    matches!(x.dtype(), DType::BF16 | DType::F16)
+    matches!(x.device(), Device::Cuda(_))
+        && matches!(x.dtype(), DType::BF16 | DType::F16)
         && w.dtype() == x.dtype()
         && w.is_contiguous()
         && (1..=MAX_TUNED_ROWS).contains(&rows)
-        && handle(dev).is_some()
 }
 
 impl CustomOp2 for TunedLinear {
@@ -425,15 +423,20 @@ impl Call<'_> {
             .matmul(self.ws, (1, m, n, k), self.xl, &self.wl.transpose(0, 1)?)
     }
 
+    /// The views of `x` and `w` the product reads.
+    fn inputs<T: CudaDType + DeviceRepr>(&self) -> Result<(CudaView<'_, T>, CudaView<'_, T>)> {
+        let (xa, xe) = contiguous(self.xl, "tuned-linear input")?;
+        let (wa, we) = contiguous(self.wl, "tuned-linear weight")?;
+        Ok((
+            self.xs.as_cuda_slice::<T>()?.slice(xa..xe),
+            self.ws.as_cuda_slice::<T>()?.slice(wa..we),
+        ))
+    }
+
     /// Whether `x` and `w` start on [`ALIGN`]-byte boundaries (a view of a weight's rows may
     /// not).
     fn inputs_aligned<T: CudaDType + DeviceRepr>(&self, stream: &Arc<CudaStream>) -> Result<bool> {
-        let (xa, xe) = contiguous(self.xl, "tuned-linear input")?;
-        let (wa, we) = contiguous(self.wl, "tuned-linear weight")?;
-        let (x, w) = (
-            self.xs.as_cuda_slice::<T>()?.slice(xa..xe),
-            self.ws.as_cuda_slice::<T>()?.slice(wa..we),
-        );
+        let (x, w) = self.inputs::<T>()?;
         let (x, _gx) = x.device_ptr(stream);
         let (w, _gw) = w.device_ptr(stream);
         Ok(x % ALIGN == 0 && w % ALIGN == 0)
@@ -446,10 +449,7 @@ impl Call<'_> {
         stream: &Arc<CudaStream>,
         f: impl FnOnce(&Addresses) -> Result<R>,
     ) -> Result<R> {
-        let (xa, xe) = contiguous(self.xl, "tuned-linear input")?;
-        let (wa, we) = contiguous(self.wl, "tuned-linear weight")?;
-        let x = self.xs.as_cuda_slice::<T>()?.slice(xa..xe);
-        let w = self.ws.as_cuda_slice::<T>()?.slice(wa..we);
+        let (x, w) = self.inputs::<T>()?;
         let (x, _gx) = x.device_ptr(stream);
         let (w, _gw) = w.device_ptr(stream);
         let (y, _gy) = y.device_ptr_mut(stream);
@@ -605,8 +605,8 @@ fn tune<T: CudaDType + DeviceRepr>(
     let d = Descriptors::new(dtype, call.mnk)?;
     let mut algos = d.candidates(h);
     {
-        // A kernel's first launch in the process loads it (~2 ms on the H200, most of a shape's
-        // timing). The first shape of a weight tries every candidate; later ones only those
+        // A kernel's first launch in the process loads it (~2 ms on the H200, most of a class's
+        // timing). The first class of a weight tries every candidate; later ones only those
         // whose kernels have run, so a file of many batch sizes does not load dozens.
         let mut seen = seen();
         let weight = (stream.context().ordinal(), dtype, n, k);

@@ -30,8 +30,7 @@ pub const MAX_TUNED_ROWS: usize = 8192;
 
 /// Runs `f` with the products it is the first of, per shape class, timed, and those of other
 /// row counts checked (both kept for the process); outside it, a shape not timed or checked
-/// runs cuBLAS's choice. The CUDA graphs
-/// run the eager pass before a capture inside it.
+/// runs cuBLAS's choice. The CUDA graphs run the eager pass before a capture inside it.
 pub fn tuning<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(feature = "cuda")]
     return cuda::tuning(f);
