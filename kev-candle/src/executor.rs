@@ -7,12 +7,21 @@
 use candle_core::{Device, Tensor};
 use kev_core::{Result, Row};
 use kev_kernels::dispatch::{counted_cat, CountedTensor};
-use kev_kernels::{RowIndex, SplitBatch};
+use kev_kernels::{gather_rows, RowIndex, SplitBatch};
 
 use crate::device::backend_err;
 use crate::head::PointerHead;
 use crate::plan::{head_positions, pieces, split_logits, Piece, Plan};
 use crate::qwen35::{Cache, Model};
+
+/// A plan's inputs on the device: what differs between plans of one shape, so that a CUDA graph
+/// captured on one of them serves the others once these are rewritten.
+pub(crate) struct PlanInputs {
+    /// Each piece's token ids, [`Plan::pieces`] order.
+    pub(crate) ids: Vec<Tensor>,
+    /// Where the head reads ([`Plan::head_reads`]), `[N]` u32.
+    pub(crate) heads: Tensor,
+}
 
 /// The backbone and the head, and the longest piece one forward pass runs.
 pub(crate) struct Executor {
@@ -74,22 +83,46 @@ impl Executor {
         pieces.into_iter().map(|p| self.upload_ids(p)).collect()
     }
 
+    /// Where `plan`'s head reads ([`Plan::head_reads`]) on the device, as u32 (always a copy: a
+    /// graph's input).
+    pub(crate) fn upload_heads(&self, plan: &Plan) -> Result<Tensor> {
+        let (reads, _) = plan.head_reads();
+        let reads = reads
+            .into_iter()
+            .map(u32::try_from)
+            .collect::<std::result::Result<Vec<u32>, _>>()
+            .map_err(|_| kev_core::Error::Device {
+                message: "head positions: a batch over 2^32 token positions".to_string(),
+            })?;
+        let n = reads.len();
+        Tensor::from_vec(reads, n, self.device()).map_err(backend_err("head positions"))
+    }
+
+    /// `plan`'s inputs on the device.
+    pub(crate) fn upload_inputs(&self, plan: &Plan) -> Result<PlanInputs> {
+        Ok(PlanInputs {
+            ids: self.upload_all(plan.pieces())?,
+            heads: self.upload_heads(plan)?,
+        })
+    }
+
     /// [`Executor::plan_logits`] with fresh uploads, read back.
     pub(crate) fn plan_logits_eager(&self, plan: &Plan) -> Result<Vec<f32>> {
-        self.plan_logits(plan, &self.upload_all(plan.pieces())?)?
+        self.plan_logits(plan, &self.upload_inputs(plan)?)?
             .to_vec1::<f32>()
             .map_err(backend_err("pointer head"))
     }
 
-    /// Runs `plan` with `ids` (one tensor per piece, [`Plan::pieces`] order) and returns all
-    /// options' logits `[M]` on the device, waiting for nothing.
-    pub(crate) fn plan_logits(&self, plan: &Plan, ids: &[Tensor]) -> Result<Tensor> {
-        if let ([state], [branches]) = (&plan.state[..], &plan.branches[..]) {
+    /// Runs `plan` with `inputs` ([`Executor::upload_inputs`]) and returns all options' logits
+    /// `[M]` on the device, waiting for nothing.
+    pub(crate) fn plan_logits(&self, plan: &Plan, inputs: &PlanInputs) -> Result<Tensor> {
+        let (reads, owner) = plan.head_reads();
+        let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
+            .map_err(backend_err("head positions"))?;
+        let hidden = if let ([state], [branches]) = (&plan.state[..], &plan.branches[..]) {
             // One piece each (every state within `prefill_chunk`): one pass over the layers, the
             // last layer's MLP only on the rows the head reads.
-            let (decide, opts, owner) = head_positions(&plan.rows, branches.width);
-            let picked: Vec<usize> = decide.iter().chain(&opts).copied().collect();
-            let hidden = SplitBatch::new(
+            SplitBatch::new(
                 state.width,
                 state.lengths.clone(),
                 branches.width,
@@ -98,23 +131,27 @@ impl Executor {
                 self.device(),
             )
             .and_then(|split| {
-                let picked = RowIndex::new(&picked, self.device())?;
                 self.model
-                    .forward_split(&ids[0], &ids[1], &split, Some(&picked))
+                    .forward_split(&inputs.ids[0], &inputs.ids[1], &split, Some(&picked))
             })
-            .map_err(backend_err("backbone forward"))?;
-            let err = backend_err("pointer head");
-            let n = decide.len();
-            let decide = hidden.narrow(0, 0, n).map_err(&err)?;
-            let opts = hidden.narrow(0, n, opts.len()).map_err(&err)?;
-            return self
-                .head
-                .logits_on_device(&decide, &opts, &owner)
-                .map_err(&err);
-        }
-        let (state_ids, branch_ids) = ids.split_at(plan.state.len());
-        let cache = self.state_cache(plan.records, &plan.state, state_ids)?;
-        self.branch_logits(&cache, &plan.owners, &plan.branches, branch_ids, &plan.rows)
+            .map_err(backend_err("backbone forward"))?
+        } else {
+            let (state_ids, branch_ids) = inputs.ids.split_at(plan.state.len());
+            let cache = self.state_cache(plan.records, &plan.state, state_ids)?;
+            let hidden = self.branch_hidden(&cache, &plan.owners, &plan.branches, branch_ids)?;
+            let h = hidden.dim(2).map_err(backend_err("pointer head"))?;
+            hidden
+                .counted_reshape(((), h))
+                .and_then(|flat| gather_rows(&flat, &picked))
+                .map_err(backend_err("pointer head"))?
+        };
+        let err = backend_err("pointer head");
+        let n = plan.rows.len();
+        let decide = hidden.narrow(0, 0, n).map_err(&err)?;
+        let opts = hidden.narrow(0, n, owner.len()).map_err(&err)?;
+        self.head
+            .logits_on_device(&decide, &opts, &owner)
+            .map_err(&err)
     }
 
     /// A fresh cache of `rows` rows after `pieces` (the states; none: an empty state).
@@ -144,11 +181,23 @@ impl Executor {
         ids: &[Tensor],
         rows: &[Row],
     ) -> Result<Tensor> {
+        let hidden = self.branch_hidden(cache, owners, pieces, ids)?;
+        self.head_logits(&hidden, rows)
+    }
+
+    /// `pieces` (the branches), row i continuing row `owners[i]` of `cache` (on a copy): their
+    /// hidden states `[B, T, H]`.
+    fn branch_hidden(
+        &self,
+        cache: &Cache,
+        owners: &[usize],
+        pieces: &[Piece],
+        ids: &[Tensor],
+    ) -> Result<Tensor> {
         let mut branch_cache = cache
             .select_rows(owners)
             .map_err(backend_err("copying the prefix cache"))?;
-        let hidden = self.run_pieces(pieces, ids, &mut branch_cache)?;
-        self.head_logits(&hidden, rows)
+        self.run_pieces(pieces, ids, &mut branch_cache)
     }
 
     /// Each of `rows` run in row form: `state ++ branch` on its own from an empty cache, the

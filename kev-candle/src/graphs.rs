@@ -4,11 +4,17 @@
 //! One request is about a thousand small launches, and on the GPU its time is the host's: each
 //! candle op costs several microseconds to issue. A graph issues them all at once. The host
 //! code of a forward is fixed by the plan's token *shapes* (`PlanShape`: piece widths, row
-//! lengths, head positions), not by its token ids, so the second record of a shape is run
-//! eagerly once more to record its uploads ([`kev_kernels::uploads`]), then captured; later
-//! records of that shape only copy their ids into the graph's input tensors and launch it. The
-//! kernels and their inputs are the same as eagerly, so are the numbers. A batch is one plan
-//! (its states' rows, then all its branches), so a batch of the same shapes replays as well.
+//! lengths, options per row), not by its token ids or where its options sit, so the second
+//! record of a shape is run eagerly once more to record its uploads ([`kev_kernels::uploads`]),
+//! then captured; later records of that shape only copy their ids and head positions
+//! ([`PlanInputs`]) into the graph's input tensors and launch it. The kernels and their inputs
+//! are the same as eagerly, so are the numbers. A batch is one plan (its states' rows, then all
+//! its branches), so a batch of the same shapes replays as well.
+//!
+//! A few graphs are kept, by how often their shape comes back ([`KEEP`], [`HALVE_EVERY`]):
+//! capturing costs more than an eager forward, so a shape seen again replaces a kept graph
+//! only if it has come more often; shapes cycling through more than [`KEEP`] at the same rate
+//! then leave the first ones kept instead of each capture evicting the graph needed next.
 //! Long rows (over `MAX_ROW_POSITIONS`) and large batches (over `MAX_TOKENS` positions) stay
 //! eager: their host time is small beside their GPU time, and a graph would hold a second copy
 //! of their working memory.
@@ -31,7 +37,7 @@ pub(crate) use cuda::Graphs;
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::collections::{HashSet, VecDeque};
+    use std::collections::{HashMap, HashSet, VecDeque};
     use std::sync::{Arc, Mutex, PoisonError};
 
     use candle_core::cuda_backend::cudarc::driver::sys::{
@@ -43,13 +49,16 @@ mod cuda {
     use kev_kernels::uploads::{self, UploadMemo};
 
     use super::GraphStats;
-    use crate::executor::Executor;
+    use crate::executor::{Executor, PlanInputs};
     use crate::plan::Plan;
 
-    /// Graphs kept (the most recently used shapes). Each holds its inputs and its output; the
-    /// driver shares the rest of the graphs' memory between them.
-    const KEEP: usize = 8;
-    /// Shapes remembered as seen once, before the memory of them is dropped.
+    /// Graphs kept (the shapes that came most often, then most recently). Each holds its inputs
+    /// and its output; the driver shares the rest of the graphs' memory between them.
+    pub(super) const KEEP: usize = 8;
+    /// Every this many forwards of graph-sized plans, every shape's count is halved (and shapes
+    /// without a graph that reach zero forgotten), so the graphs follow a change of traffic.
+    pub(super) const HALVE_EVERY: u64 = 32 * KEEP as u64;
+    /// Shapes without a graph remembered at most (forgotten all at once beyond it).
     const SEEN: usize = 4096;
     /// Plans whose rows are longer than this (a long state) run eagerly. A graph reserves its own
     /// copy of the forward's working memory (the driver keeps graph memory apart from the pool
@@ -70,7 +79,8 @@ mod cuda {
         records: usize,
         pieces: Vec<(usize, Vec<usize>)>,
         owners: Vec<usize>,
-        heads: Vec<(usize, Vec<usize>)>,
+        /// Options per row (where the head reads is a graph input).
+        options: Vec<usize>,
     }
 
     impl PlanShape {
@@ -83,11 +93,7 @@ mod cuda {
                     .pieces()
                     .map(|p| (p.width, p.lengths.clone()))
                     .collect(),
-                heads: plan
-                    .rows
-                    .iter()
-                    .map(|r| (r.decide, r.opts.clone()))
-                    .collect(),
+                options: plan.rows.iter().map(|r| r.opts.len()).collect(),
             }
         }
     }
@@ -110,13 +116,56 @@ mod cuda {
 
     #[derive(Default)]
     struct State {
-        seen: HashSet<PlanShape>,
+        /// Shapes without a graph, and how often each came (halved every [`HALVE_EVERY`]).
+        seen: HashMap<PlanShape, u32>,
         failed: HashSet<PlanShape>,
         /// Shapes whose graph is out for a replay or being captured: other threads run them
         /// eagerly meanwhile rather than capture a second graph.
         busy: HashSet<PlanShape>,
-        graphs: VecDeque<(PlanShape, Captured)>,
+        /// Least recently used first.
+        graphs: VecDeque<Kept>,
+        /// Forwards of graph-sized plans, for the halving.
+        forwards: u64,
         stats: GraphStats,
+    }
+
+    /// A kept graph, and how often its shape came (the sightings before its capture included).
+    struct Kept {
+        shape: PlanShape,
+        graph: Captured,
+        count: u32,
+    }
+
+    impl State {
+        /// Counts a forward of a graph-sized plan, halving every count every [`HALVE_EVERY`].
+        fn tick(&mut self) {
+            self.forwards += 1;
+            if self.forwards.is_multiple_of(HALVE_EVERY) {
+                for kept in &mut self.graphs {
+                    kept.count /= 2;
+                }
+                self.seen.retain(|_, n| {
+                    *n /= 2;
+                    *n > 0
+                });
+            }
+        }
+
+        /// The kept graph a capture would replace: the least counted, the least recent of
+        /// those; none while there is room.
+        fn victim(&self) -> Option<usize> {
+            if self.graphs.len() < KEEP {
+                return None;
+            }
+            let least = self.graphs.iter().map(|k| k.count).min()?;
+            self.graphs.iter().position(|k| k.count == least)
+        }
+
+        /// Whether a shape without a graph that came `count` times is worth a capture: seen
+        /// before, and there is room or it came more often than the graph it would replace.
+        fn worth_capturing(&self, count: u32) -> bool {
+            count >= 2 && self.victim().is_none_or(|v| count > self.graphs[v].count)
+        }
     }
 
     /// A captured forward. Field order is drop order: the output (a graph allocation) is freed
@@ -124,7 +173,7 @@ mod cuda {
     struct Captured {
         logits: Tensor,
         graph: CudaGraph,
-        ids: Vec<Tensor>,
+        inputs: PlanInputs,
         _uploads: UploadMemo,
     }
 
@@ -161,31 +210,40 @@ mod cuda {
             // streams) go on; a graph in use is out of the list until it is done.
             let action = {
                 let mut state = self.lock();
-                if tokens(plan) > MAX_TOKENS
-                    || row_positions(plan) > MAX_ROW_POSITIONS
-                    || state.failed.contains(&shape)
-                    || state.busy.contains(&shape)
-                {
+                if tokens(plan) > MAX_TOKENS || row_positions(plan) > MAX_ROW_POSITIONS {
                     Action::Eager
-                } else if let Some(i) = state.graphs.iter().position(|(s, _)| *s == shape) {
-                    state.busy.insert(shape.clone());
-                    Action::Replay(state.graphs.remove(i).expect("in range").1)
-                } else if state.seen.remove(&shape) {
-                    state.busy.insert(shape.clone());
-                    Action::Capture
                 } else {
-                    if state.seen.len() >= SEEN {
-                        state.seen.clear();
+                    state.tick();
+                    if state.failed.contains(&shape) || state.busy.contains(&shape) {
+                        Action::Eager
+                    } else if let Some(i) = state.graphs.iter().position(|k| k.shape == shape) {
+                        state.busy.insert(shape.clone());
+                        let kept = state.graphs.remove(i).expect("in range");
+                        Action::Replay(kept.graph, kept.count + 1)
+                    } else {
+                        if state.seen.len() >= SEEN && !state.seen.contains_key(&shape) {
+                            state.seen.clear();
+                        }
+                        let count = {
+                            let n = state.seen.entry(shape.clone()).or_insert(0);
+                            *n += 1;
+                            *n
+                        };
+                        if state.worth_capturing(count) {
+                            state.seen.remove(&shape);
+                            state.busy.insert(shape.clone());
+                            Action::Capture(count)
+                        } else {
+                            Action::Eager
+                        }
                     }
-                    state.seen.insert(shape.clone());
-                    Action::Eager
                 }
             };
             match action {
                 Action::Eager => exec.plan_logits_eager(plan),
-                Action::Replay(graph) => match graph.replay(exec, plan) {
+                Action::Replay(graph, count) => match graph.replay(exec, plan) {
                     Ok(out) => {
-                        self.settle(shape, Some(graph), |stats| stats.replayed += 1);
+                        self.settle(shape, Some((graph, count)), |stats| stats.replayed += 1);
                         Ok(out)
                     }
                     // A graph that failed to run is not kept (its next launch would likely
@@ -195,9 +253,9 @@ mod cuda {
                         Err(e)
                     }
                 },
-                Action::Capture => match capture(exec, plan, dev) {
+                Action::Capture(count) => match capture(exec, plan, dev) {
                     Ok((graph, logits)) => {
-                        self.settle(shape, Some(graph), |stats| stats.captured += 1);
+                        self.settle(shape, Some((graph, count)), |stats| stats.captured += 1);
                         Ok(logits)
                     }
                     Err(why) => {
@@ -212,39 +270,49 @@ mod cuda {
             }
         }
 
-        /// Ends a replay or capture of `shape`: counts it, and puts `graph` (if any) at the most
-        /// recent end of the list, dropping the oldest over [`KEEP`].
+        /// Ends a replay or capture of `shape`: counts it, and puts `graph` (if any, with its
+        /// shape's count) at the most recent end of the list, dropping [`State::victim`] over
+        /// [`KEEP`].
         fn settle(
             &self,
             shape: PlanShape,
-            graph: Option<Captured>,
-            count: impl FnOnce(&mut GraphStats),
+            graph: Option<(Captured, u32)>,
+            stat: impl FnOnce(&mut GraphStats),
         ) {
             let mut state = self.lock();
-            count(&mut state.stats);
+            stat(&mut state.stats);
             state.busy.remove(&shape);
-            if let Some(graph) = graph {
-                if state.graphs.len() >= KEEP {
-                    state.graphs.pop_front();
+            if let Some((graph, count)) = graph {
+                if let Some(v) = state.victim() {
+                    state.graphs.remove(v);
                 }
-                state.graphs.push_back((shape, graph));
+                state.graphs.push_back(Kept {
+                    shape,
+                    graph,
+                    count,
+                });
             }
         }
     }
 
+    /// What a forward does, with its shape's count where a graph is involved.
     enum Action {
         Eager,
-        Capture,
-        Replay(Captured),
+        Capture(u32),
+        Replay(Captured, u32),
     }
 
     impl Captured {
         fn replay(&self, exec: &Executor, plan: &Plan) -> Result<Vec<f32>> {
-            for (slot, piece) in self.ids.iter().zip(plan.pieces()) {
+            for (slot, piece) in self.inputs.ids.iter().zip(plan.pieces()) {
                 let ids = exec.upload_ids(piece)?;
                 slot.slice_set(&ids, 0, 0)
                     .map_err(|e| backend("writing the token ids", e))?;
             }
+            self.inputs
+                .heads
+                .slice_set(&exec.upload_heads(plan)?, 0, 0)
+                .map_err(|e| backend("writing the head positions", e))?;
             self.graph.launch().map_err(|e| backend("launch", e))?;
             self.logits
                 .to_vec1::<f32>()
@@ -260,7 +328,7 @@ mod cuda {
         plan: &Plan,
         dev: &CudaDevice,
     ) -> std::result::Result<(Captured, Vec<f32>), String> {
-        let ids = exec.upload_all(plan.pieces()).map_err(|e| e.to_string())?;
+        let inputs = exec.upload_inputs(plan).map_err(|e| e.to_string())?;
         let stream = dev.cuda_stream();
         let (captured, memo, ended) = {
             // candle's own small uploads (strides of non-contiguous operands) come from its
@@ -269,10 +337,10 @@ mod cuda {
             // The projections' new shape classes are timed here, so the capture takes the
             // fastest algorithms ([`kev_kernels::tuning`]).
             let (warm, memo) =
-                kev_kernels::tuning(|| uploads::recording(|| exec.plan_logits(plan, &ids)));
+                kev_kernels::tuning(|| uploads::recording(|| exec.plan_logits(plan, &inputs)));
             drop(warm.map_err(|e| format!("recording run: {e}"))?);
             let capturing = Capturing::begin(&stream)?;
-            let (captured, memo) = uploads::replaying(memo, || exec.plan_logits(plan, &ids));
+            let (captured, memo) = uploads::replaying(memo, || exec.plan_logits(plan, &inputs));
             let ended = capturing.end();
             (captured, memo, ended)
         };
@@ -301,7 +369,7 @@ mod cuda {
                 Captured {
                     logits,
                     graph,
-                    ids,
+                    inputs,
                     _uploads: memo,
                 },
                 out,

@@ -57,6 +57,16 @@ impl Plan {
         self.state.iter().chain(&self.branches)
     }
 
+    /// Where the head reads the branch rows (flat indices into their `B·width` positions, `width`
+    /// the branches' longest): every row's `[DECIDE]`, then every option in row order; and each
+    /// option's row. The indices differ between plans of one shape, so a CUDA graph takes them
+    /// as an input; each option's row depends on the shape alone.
+    pub(crate) fn head_reads(&self) -> (Vec<usize>, Vec<u32>) {
+        let width = self.branches.iter().map(|p| p.width).sum();
+        let (decide, opts, owner) = head_positions(&self.rows, width);
+        (decide.into_iter().chain(opts).collect(), owner)
+    }
+
     /// `flat` (all options' logits of the plan, in row order) cut per record and question.
     pub(crate) fn logits_per_record(&self, flat: &[f32]) -> Vec<Vec<Vec<f32>>> {
         let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); self.records];

@@ -315,8 +315,128 @@ fn graph_replays_equal_eager_forwards() {
     eprintln!("graphs: {stats:?}, max |Δ logit| vs eager {worst:e}");
     if graphs.device().is_cuda() {
         assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
-        assert_eq!(stats.captured, pairs.len());
-        assert_eq!(stats.replayed, 2 * pairs.len());
+        // Each shape captured at its second sight and replayed after (pairs of one shape share
+        // its graph).
+        assert!(stats.captured >= 1, "{stats:?}");
+        assert!(stats.replayed >= 2 * stats.captured, "{stats:?}");
+    } else {
+        assert_eq!(stats, kev::GraphStats::default());
+    }
+}
+
+/// `record` with each question's options in reverse order: the same token shapes, except for
+/// where the options sit when their lengths differ.
+fn reversed_options(record: &Record) -> Record {
+    let mut twin = record.clone();
+    for q in &mut twin.questions {
+        q.options.reverse();
+    }
+    twin
+}
+
+/// On CUDA, records that differ only in where their options sit share one graph (the head's
+/// positions are a graph input), and each replay reads its own record's positions: the
+/// replayed logits equal the eager ones for both records of every pair.
+#[test]
+fn graph_replays_read_each_records_head_positions() {
+    let opts = LoadOptions::default()
+        .with_dtype(DType::F32)
+        .with_backend(backend());
+    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
+    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    let rows = |r: &Record| {
+        let (state, rows) = graphs.encode(r).unwrap().rows();
+        let lengths: Vec<usize> = rows.iter().map(|row| row.ids.len()).collect();
+        let heads: Vec<_> = rows
+            .iter()
+            .map(|row| (row.decide, row.opts.clone()))
+            .collect();
+        (state.len(), lengths, heads)
+    };
+    let pairs: Vec<(Record, Record)> = records()
+        .into_iter()
+        .map(|r| {
+            let twin = reversed_options(&r);
+            (r, twin)
+        })
+        .filter(|(r, t)| {
+            let (rs, rl, rh) = rows(r);
+            let (ts, tl, th) = rows(t);
+            rs == ts && rl == tl && rh != th
+        })
+        .collect();
+    assert!(
+        !pairs.is_empty(),
+        "no record whose options move when reversed"
+    );
+    let mut worst = 0f32;
+    for (r, twin) in &pairs {
+        let (want_r, want_t) = (eager.forward(r).unwrap(), eager.forward(twin).unwrap());
+        assert!(
+            max_delta(&want_r, &want_t) > 1e-3,
+            "twins must score differently, or a replay at stale positions would pass"
+        );
+        // First sight (eager), the twin's (captured: the same shape), then replays.
+        for (rec, want) in [(r, &want_r), (twin, &want_t), (r, &want_r), (twin, &want_t)] {
+            worst = worst.max(max_delta(&graphs.forward(rec).unwrap(), want));
+        }
+    }
+    assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
+    let stats = graphs.graph_stats();
+    eprintln!(
+        "{} pairs; graphs: {stats:?}, max |Δ logit| vs eager {worst:e}",
+        pairs.len()
+    );
+    if graphs.device().is_cuda() {
+        assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+        // A pair's shape is captured on the twin's first sight and replayed for both records
+        // after (or runs eagerly throughout where the graphs kept are full); keyed by head
+        // positions, each record would be captured on its own second sight and never replayed.
+        assert!(stats.captured >= 1, "{stats:?}");
+        assert!(stats.captured <= pairs.len(), "{stats:?}");
+        assert!(stats.replayed >= 2 * stats.captured, "{stats:?}");
+    } else {
+        assert_eq!(stats, kev::GraphStats::default());
+    }
+}
+
+/// On CUDA, more record shapes than graphs are kept, coming round in turn: the graphs captured
+/// first stay and replay, instead of each capture evicting the graph needed next (every forward
+/// a capture, slower than running eagerly). Every forward equals the eager one.
+#[test]
+fn graphs_stay_when_more_shapes_come_round() {
+    let opts = LoadOptions::default()
+        .with_dtype(DType::F32)
+        .with_backend(backend());
+    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
+    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    let base = records().remove(0);
+    let words: Vec<String> = (0..24).map(|i| format!("w{i}")).collect();
+    let mut shapes: Vec<Record> = Vec::new();
+    let mut lengths = std::collections::BTreeSet::new();
+    for n in 1..=words.len() {
+        let mut r = base.clone();
+        r.state = words[..n].join(" ");
+        if lengths.insert(graphs.encode(&r).unwrap().rows().0.len()) {
+            shapes.push(r);
+        }
+    }
+    assert!(shapes.len() >= 16, "{} state lengths", shapes.len());
+    let want: Vec<_> = shapes.iter().map(|r| eager.forward(r).unwrap()).collect();
+    let mut worst = 0f32;
+    for _round in 0..4 {
+        for (r, want) in shapes.iter().zip(&want) {
+            worst = worst.max(max_delta(&graphs.forward(r).unwrap(), want));
+        }
+    }
+    assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
+    let stats = graphs.graph_stats();
+    eprintln!("{} shapes, 4 rounds; graphs: {stats:?}", shapes.len());
+    if graphs.device().is_cuda() {
+        assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+        assert!(stats.captured >= 1, "{stats:?}");
+        // Captured in the second round, replayed in the third and the fourth.
+        assert!(stats.replayed >= 2 * stats.captured, "{stats:?}");
     } else {
         assert_eq!(stats, kev::GraphStats::default());
     }

@@ -42,6 +42,25 @@ impl RowIndex {
         })
     }
 
+    /// `idx`, `[N]` u32 already on the device and holding `rows`, as an index. For indices that
+    /// are a CUDA graph's input, rewritten between replays: those must be copies of their own, not
+    /// the upload memo's tensors ([`crate::uploads`]), which [`RowIndex::new`] returns while a
+    /// graph is recorded.
+    pub fn on_device(idx: Tensor, rows: &[usize]) -> Result<Self> {
+        if idx.dtype() != DType::U32 || idx.dims() != [rows.len()] {
+            bail!(
+                "row index: {:?} {:?} on the device for {} rows",
+                idx.dtype(),
+                idx.dims(),
+                rows.len()
+            )
+        }
+        Ok(Self {
+            idx,
+            max: rows.iter().copied().max(),
+        })
+    }
+
     /// Number of rows picked.
     pub fn len(&self) -> usize {
         self.idx.elem_count()
