@@ -84,9 +84,19 @@ impl Executor {
     }
 
     /// Where `plan`'s head reads ([`Plan::head_reads`]) on the device, as u32 (always a copy: a
-    /// graph's input).
+    /// graph's input). Checked within the branch rows here, since a graph's replay reads them
+    /// without the gathers' own checks.
     pub(crate) fn upload_heads(&self, plan: &Plan) -> Result<Tensor> {
         let (reads, _) = plan.head_reads();
+        let positions: usize = plan
+            .branches
+            .first()
+            .map_or(0, |p| p.lengths.len() * plan.branch_width());
+        if let Some(bad) = reads.iter().find(|&&r| r >= positions) {
+            return Err(kev_core::Error::Device {
+                message: format!("head position {bad} outside the {positions} branch positions"),
+            });
+        }
         let reads = reads
             .into_iter()
             .map(u32::try_from)

@@ -5,11 +5,11 @@
 //! candle op costs several microseconds to issue. A graph issues them all at once. The host
 //! code of a forward is fixed by the plan's token *shapes* (`PlanShape`: piece widths, row
 //! lengths, options per row), not by its token ids or where its options sit, so the second
-//! record of a shape is run eagerly once more to record its uploads ([`kev_kernels::uploads`]),
-//! then captured; later records of that shape only copy their ids and head positions
-//! ([`PlanInputs`]) into the graph's input tensors and launch it. The kernels and their inputs
-//! are the same as eagerly, so are the numbers. A batch is one plan (its states' rows, then all
-//! its branches), so a batch of the same shapes replays as well.
+//! record of a shape (where a graph of it will be kept) is run eagerly once more to record its
+//! uploads ([`kev_kernels::uploads`]), then captured; later records of that shape only copy
+//! their ids and head positions ([`PlanInputs`]) into the graph's input tensors and launch it.
+//! The kernels and their inputs are the same as eagerly, so are the numbers. A batch is one plan
+//! (its states' rows, then all its branches), so a batch of the same shapes replays as well.
 //!
 //! A few graphs are kept, by how often their shape comes back ([`KEEP`], [`HALVE_EVERY`]):
 //! capturing costs more than an eager forward, so a shape seen again replaces a kept graph
@@ -22,7 +22,7 @@
 /// How the CUDA graphs of a model have fared: for benchmarks, tests and logs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GraphStats {
-    /// Graphs captured (one per record shape seen twice).
+    /// Graphs captured (a shape seen again, where its graph is kept).
     pub captured: usize,
     /// Forwards served by replaying a graph.
     pub replayed: usize,
@@ -119,20 +119,23 @@ mod cuda {
         /// Shapes without a graph, and how often each came (halved every [`HALVE_EVERY`]).
         seen: HashMap<PlanShape, u32>,
         failed: HashSet<PlanShape>,
-        /// Shapes whose graph is out for a replay or being captured: other threads run them
-        /// eagerly meanwhile rather than capture a second graph.
-        busy: HashSet<PlanShape>,
-        /// Least recently used first.
+        /// Shapes being captured: other threads run them eagerly meanwhile rather than capture
+        /// a second graph.
+        capturing: HashSet<PlanShape>,
+        /// The kept graphs, least recently used first. A graph out for a replay keeps its
+        /// place (its `graph` taken), so the room left, the halving and the choice of a victim
+        /// count it while another thread runs it.
         graphs: VecDeque<Kept>,
         /// Forwards of graph-sized plans, for the halving.
         forwards: u64,
         stats: GraphStats,
     }
 
-    /// A kept graph, and how often its shape came (the sightings before its capture included).
+    /// A kept graph (`None` while a thread replays it), and how often its shape came (the
+    /// sightings before its capture included).
     struct Kept {
         shape: PlanShape,
-        graph: Captured,
+        graph: Option<Captured>,
         count: u32,
     }
 
@@ -151,20 +154,20 @@ mod cuda {
             }
         }
 
-        /// The kept graph a capture would replace: the least counted, the least recent of
-        /// those; none while there is room.
+        /// The kept graph a new one would replace once [`KEEP`] are kept: the least counted of
+        /// those not out for a replay, the least recent of those.
         fn victim(&self) -> Option<usize> {
-            if self.graphs.len() < KEEP {
-                return None;
-            }
-            let least = self.graphs.iter().map(|k| k.count).min()?;
-            self.graphs.iter().position(|k| k.count == least)
+            let idle = || self.graphs.iter().filter(|k| k.graph.is_some());
+            let least = idle().map(|k| k.count).min()?;
+            self.graphs
+                .iter()
+                .position(|k| k.graph.is_some() && k.count == least)
         }
 
-        /// Whether a shape without a graph that came `count` times is worth a capture: seen
-        /// before, and there is room or it came more often than the graph it would replace.
-        fn worth_capturing(&self, count: u32) -> bool {
-            count >= 2 && self.victim().is_none_or(|v| count > self.graphs[v].count)
+        /// Whether a new graph of a shape that came `count` times is kept: there is room, or
+        /// it came more often than the graph it would replace.
+        fn room_for(&self, count: u32) -> bool {
+            self.graphs.len() < KEEP || self.victim().is_some_and(|v| count > self.graphs[v].count)
         }
     }
 
@@ -179,7 +182,7 @@ mod cuda {
 
     // SAFETY: CUDA graph objects may be used from any thread as long as no two threads use one
     // at a time. A `Captured` has one owner at a time: the list (behind the mutex), or the one
-    // thread that took it out of the list to replay it.
+    // thread that took it from its place in the list to replay it.
     unsafe impl Send for Captured {}
 
     fn backend(context: &str, e: impl std::fmt::Display) -> Error {
@@ -197,109 +200,127 @@ mod cuda {
             self.state.lock().unwrap_or_else(PoisonError::into_inner)
         }
 
-        /// All options' logits of `plan`: replayed, captured, or eager (first sight of a shape,
-        /// or one that failed to capture).
+        /// All options' logits of `plan`: replayed, captured, or eager (a shape not worth a
+        /// graph yet, one whose graph another thread is running, or one that failed to capture).
         pub(crate) fn logits(
             &self,
             exec: &Executor,
             plan: &Plan,
             dev: &CudaDevice,
         ) -> Result<Vec<f32>> {
+            if tokens(plan) > MAX_TOKENS || row_positions(plan) > MAX_ROW_POSITIONS {
+                return exec.plan_logits_eager(plan);
+            }
             let shape = PlanShape::of(plan);
             // The lock is not held while the GPU works: other threads' forwards (on their own
-            // streams) go on; a graph in use is out of the list until it is done.
-            let action = {
-                let mut state = self.lock();
-                if tokens(plan) > MAX_TOKENS || row_positions(plan) > MAX_ROW_POSITIONS {
-                    Action::Eager
-                } else {
-                    state.tick();
-                    if state.failed.contains(&shape) || state.busy.contains(&shape) {
-                        Action::Eager
-                    } else if let Some(i) = state.graphs.iter().position(|k| k.shape == shape) {
-                        state.busy.insert(shape.clone());
-                        let kept = state.graphs.remove(i).expect("in range");
-                        Action::Replay(kept.graph, kept.count + 1)
-                    } else {
-                        if state.seen.len() >= SEEN && !state.seen.contains_key(&shape) {
-                            state.seen.clear();
-                        }
-                        let count = {
-                            let n = state.seen.entry(shape.clone()).or_insert(0);
-                            *n += 1;
-                            *n
-                        };
-                        if state.worth_capturing(count) {
-                            state.seen.remove(&shape);
-                            state.busy.insert(shape.clone());
-                            Action::Capture(count)
-                        } else {
-                            Action::Eager
-                        }
-                    }
-                }
-            };
+            // streams) go on; a graph in use is taken from its place until it is done.
+            let action = self.lock().action(&shape);
             match action {
                 Action::Eager => exec.plan_logits_eager(plan),
-                Action::Replay(graph, count) => match graph.replay(exec, plan) {
-                    Ok(out) => {
-                        self.settle(shape, Some((graph, count)), |stats| stats.replayed += 1);
-                        Ok(out)
-                    }
+                Action::Replay(graph) => {
+                    let out = graph.replay(exec, plan);
                     // A graph that failed to run is not kept (its next launch would likely
                     // fail the same way); the error goes to the caller.
-                    Err(e) => {
-                        self.settle(shape, None, |_| {});
-                        Err(e)
+                    let mut state = self.lock();
+                    state.put_back(&shape, out.is_ok().then_some(graph));
+                    if out.is_ok() {
+                        state.stats.replayed += 1;
                     }
-                },
-                Action::Capture(count) => match capture(exec, plan, dev) {
-                    Ok((graph, logits)) => {
-                        self.settle(shape, Some((graph, count)), |stats| stats.captured += 1);
-                        Ok(logits)
-                    }
-                    Err(why) => {
-                        self.settle(shape.clone(), None, |stats| {
-                            stats.failed += 1;
-                            stats.last_failure = Some(why);
-                        });
-                        self.lock().failed.insert(shape);
-                        exec.plan_logits_eager(plan)
-                    }
-                },
-            }
-        }
-
-        /// Ends a replay or capture of `shape`: counts it, and puts `graph` (if any, with its
-        /// shape's count) at the most recent end of the list, dropping [`State::victim`] over
-        /// [`KEEP`].
-        fn settle(
-            &self,
-            shape: PlanShape,
-            graph: Option<(Captured, u32)>,
-            stat: impl FnOnce(&mut GraphStats),
-        ) {
-            let mut state = self.lock();
-            stat(&mut state.stats);
-            state.busy.remove(&shape);
-            if let Some((graph, count)) = graph {
-                if let Some(v) = state.victim() {
-                    state.graphs.remove(v);
+                    out
                 }
-                state.graphs.push_back(Kept {
-                    shape,
-                    graph,
-                    count,
-                });
+                Action::Capture(count) => {
+                    let captured = capture(exec, plan, dev);
+                    let mut state = self.lock();
+                    state.capturing.remove(&shape);
+                    match captured {
+                        Ok((graph, logits)) => {
+                            state.stats.captured += 1;
+                            state.keep(shape, graph, count);
+                            Ok(logits)
+                        }
+                        Err(why) => {
+                            state.stats.failed += 1;
+                            state.stats.last_failure = Some(why);
+                            state.failed.insert(shape);
+                            drop(state);
+                            exec.plan_logits_eager(plan)
+                        }
+                    }
+                }
             }
         }
     }
 
-    /// What a forward does, with its shape's count where a graph is involved.
+    impl State {
+        /// What a forward of a graph-sized plan of `shape` does, counting it.
+        fn action(&mut self, shape: &PlanShape) -> Action {
+            self.tick();
+            if self.failed.contains(shape) || self.capturing.contains(shape) {
+                return Action::Eager;
+            }
+            if let Some(i) = self.graphs.iter().position(|k| k.shape == *shape) {
+                let mut kept = self.graphs.remove(i).expect("in range");
+                kept.count += 1;
+                let graph = kept.graph.take();
+                self.graphs.push_back(kept);
+                // Out for another thread's replay: run eagerly meanwhile.
+                return graph.map_or(Action::Eager, Action::Replay);
+            }
+            if self.seen.len() >= SEEN && !self.seen.contains_key(shape) {
+                self.seen.clear();
+            }
+            let count = {
+                let n = self.seen.entry(shape.clone()).or_insert(0);
+                *n += 1;
+                *n
+            };
+            // Worth a capture (about two eager forwards' cost) once seen before, where the
+            // graph will be kept.
+            if count >= 2 && self.room_for(count) {
+                self.seen.remove(shape);
+                self.capturing.insert(shape.clone());
+                Action::Capture(count)
+            } else {
+                Action::Eager
+            }
+        }
+
+        /// Returns a replayed graph to its place (none: the replay failed, the place goes).
+        fn put_back(&mut self, shape: &PlanShape, graph: Option<Captured>) {
+            let Some(i) = self.graphs.iter().position(|k| k.shape == *shape) else {
+                return;
+            };
+            match graph {
+                Some(graph) => self.graphs[i].graph = Some(graph),
+                None => drop(self.graphs.remove(i)),
+            }
+        }
+
+        /// Keeps a new graph of a shape that came `count` times at the most recent end, in
+        /// place of [`State::victim`] once [`KEEP`] are kept; or drops it, where the graphs
+        /// kept meanwhile (by other threads) leave no room for it.
+        fn keep(&mut self, shape: PlanShape, graph: Captured, count: u32) {
+            if !self.room_for(count) {
+                return;
+            }
+            if self.graphs.len() >= KEEP {
+                if let Some(v) = self.victim() {
+                    self.graphs.remove(v);
+                }
+            }
+            self.graphs.push_back(Kept {
+                shape,
+                graph: Some(graph),
+                count,
+            });
+        }
+    }
+
+    /// What a forward does; a capture with its shape's count.
     enum Action {
         Eager,
         Capture(u32),
-        Replay(Captured, u32),
+        Replay(Captured),
     }
 
     impl Captured {

@@ -57,14 +57,18 @@ impl Plan {
         self.state.iter().chain(&self.branches)
     }
 
-    /// Where the head reads the branch rows (flat indices into their `B·width` positions, `width`
-    /// the branches' longest): every row's `[DECIDE]`, then every option in row order; and each
-    /// option's row. The indices differ between plans of one shape, so a CUDA graph takes them
-    /// as an input; each option's row depends on the shape alone.
+    /// Where the head reads the branch rows (flat indices into their `B·width` positions,
+    /// [`Plan::branch_width`]): every row's `[DECIDE]`, then every option in row order; and
+    /// each option's row. The indices differ between plans of one shape, so a CUDA graph takes
+    /// them as an input; each option's row depends on the shape alone.
     pub(crate) fn head_reads(&self) -> (Vec<usize>, Vec<u32>) {
-        let width = self.branches.iter().map(|p| p.width).sum();
-        let (decide, opts, owner) = head_positions(&self.rows, width);
+        let (decide, opts, owner) = head_positions(&self.rows, self.branch_width());
         (decide.into_iter().chain(opts).collect(), owner)
+    }
+
+    /// The branch rows' width: their pieces' widths summed (the longest branch, padded).
+    pub(crate) fn branch_width(&self) -> usize {
+        self.branches.iter().map(|p| p.width).sum()
     }
 
     /// `flat` (all options' logits of the plan, in row order) cut per record and question.
