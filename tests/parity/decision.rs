@@ -286,17 +286,40 @@ fn same_shape_twins(model: &DecisionModel) -> Vec<(Record, Record)> {
     pairs
 }
 
+/// f32 on the test backend.
+fn f32_options() -> LoadOptions {
+    LoadOptions::default()
+        .with_dtype(DType::F32)
+        .with_backend(backend())
+}
+
+/// The small fixture loaded with `opts` (CUDA graphs on by default) and with graphs off: the
+/// graph tests' pair.
+fn with_and_without_graphs(opts: LoadOptions) -> (DecisionModel, DecisionModel) {
+    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
+    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    (graphs, eager)
+}
+
+/// On CUDA, `check` on `model`'s graph counts, no capture having failed; elsewhere, that no
+/// graph is reported.
+fn check_graph_stats(model: &DecisionModel, check: impl FnOnce(&kev::GraphStats)) {
+    let stats = model.graph_stats();
+    if model.device().is_cuda() {
+        assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+        check(&stats);
+    } else {
+        assert_eq!(stats, kev::GraphStats::default());
+    }
+}
+
 /// On CUDA, [`DecisionModel::forward`] replays a graph for a record shape seen before: the
 /// replayed logits equal the eager ones for the record that was captured and for another
 /// record of the same shape (its ids written into the graph's inputs). Elsewhere this checks
 /// the two loads agree and that no graph is reported.
 #[test]
 fn graph_replays_equal_eager_forwards() {
-    let opts = LoadOptions::default()
-        .with_dtype(DType::F32)
-        .with_backend(backend());
-    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
-    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    let (graphs, eager) = with_and_without_graphs(f32_options());
     let pairs = same_shape_twins(&graphs);
     let mut worst = 0f32;
     for (r, twin) in &pairs {
@@ -313,15 +336,12 @@ fn graph_replays_equal_eager_forwards() {
     assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
     let stats = graphs.graph_stats();
     eprintln!("graphs: {stats:?}, max |Δ logit| vs eager {worst:e}");
-    if graphs.device().is_cuda() {
-        assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+    check_graph_stats(&graphs, |stats| {
         // Each shape captured at its second sight and replayed after (pairs of one shape share
         // its graph).
         assert!(stats.captured >= 1, "{stats:?}");
         assert!(stats.replayed >= 2 * stats.captured, "{stats:?}");
-    } else {
-        assert_eq!(stats, kev::GraphStats::default());
-    }
+    });
 }
 
 /// `record` with each question's options in reverse order: the same token shapes, except for
@@ -342,15 +362,12 @@ fn reversed_options(record: &Record) -> Record {
 #[test]
 fn graph_replays_read_each_records_head_positions() {
     for chunk in [None, Some(7)] {
-        let mut opts = LoadOptions::default()
-            .with_dtype(DType::F32)
-            .with_backend(backend());
-        if let Some(chunk) = chunk {
-            opts = opts.with_prefill_chunk(chunk);
-        }
-        let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
-        let eager =
-            DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+        let opts = f32_options();
+        let opts = match chunk {
+            Some(chunk) => opts.with_prefill_chunk(chunk),
+            None => opts,
+        };
+        let (graphs, eager) = with_and_without_graphs(opts);
         let rows = |r: &Record| {
             let (state, rows) = graphs.encode(r).unwrap().rows();
             let lengths: Vec<usize> = rows.iter().map(|row| row.ids.len()).collect();
@@ -394,17 +411,14 @@ fn graph_replays_read_each_records_head_positions() {
             "prefill chunk {chunk:?}, {} pairs; graphs: {stats:?}, max |Δ logit| vs eager {worst:e}",
             pairs.len()
         );
-        if graphs.device().is_cuda() {
-            assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+        check_graph_stats(&graphs, |stats| {
             // A pair's shape is captured on the twin's first sight and replayed for both
             // records after (the pairs past the graphs kept run eagerly throughout); keyed by
             // head positions, each record would be captured on its own second sight and never
             // replayed.
             assert_eq!(stats.captured, pairs.len().min(8), "{stats:?}");
             assert_eq!(stats.replayed, 2 * stats.captured, "{stats:?}");
-        } else {
-            assert_eq!(stats, kev::GraphStats::default());
-        }
+        });
     }
 }
 
@@ -413,11 +427,7 @@ fn graph_replays_read_each_records_head_positions() {
 /// a capture, slower than running eagerly). Every forward equals the eager one.
 #[test]
 fn graphs_stay_when_more_shapes_come_round() {
-    let opts = LoadOptions::default()
-        .with_dtype(DType::F32)
-        .with_backend(backend());
-    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
-    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    let (graphs, eager) = with_and_without_graphs(f32_options());
     let base = records().remove(0);
     let words: Vec<String> = (0..24).map(|i| format!("w{i}")).collect();
     let mut shapes: Vec<Record> = Vec::new();
@@ -440,26 +450,19 @@ fn graphs_stay_when_more_shapes_come_round() {
     assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
     let stats = graphs.graph_stats();
     eprintln!("{} shapes, 4 rounds; graphs: {stats:?}", shapes.len());
-    if graphs.device().is_cuda() {
-        assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+    check_graph_stats(&graphs, |stats| {
         // The first 8 (the graphs kept) captured in the second round, replayed in the third
         // and the fourth; the rest eager throughout.
         assert_eq!(stats.captured, 8, "{stats:?}");
         assert_eq!(stats.replayed, 2 * stats.captured, "{stats:?}");
-    } else {
-        assert_eq!(stats, kev::GraphStats::default());
-    }
+    });
 }
 
 /// The same for [`DecisionModel::probs_batch`]: a batch of records and a batch of their
 /// same-shape twins, each run eagerly, captured, then replayed, against a model without graphs.
 #[test]
 fn graph_replays_equal_eager_batches() {
-    let opts = LoadOptions::default()
-        .with_dtype(DType::F32)
-        .with_backend(backend());
-    let graphs = DecisionModel::load(fixture("kev-small"), &opts).unwrap();
-    let eager = DecisionModel::load(fixture("kev-small"), &opts.with_cuda_graphs(false)).unwrap();
+    let (graphs, eager) = with_and_without_graphs(f32_options());
     let (batch, twins): (Vec<Record>, Vec<Record>) = same_shape_twins(&graphs).into_iter().unzip();
     let flat = |p: Vec<Vec<Vec<f32>>>| -> Vec<Vec<f32>> { p.into_iter().flatten().collect() };
     let want_b = flat(eager.probs_batch(&batch).unwrap());
@@ -484,15 +487,12 @@ fn graph_replays_equal_eager_batches() {
     );
     let stats = graphs.graph_stats();
     eprintln!("graphs: {stats:?}, max |Δp| vs eager {worst:e}");
-    if graphs.device().is_cuda() {
-        assert_eq!(stats.failed, 0, "{:?}", stats.last_failure);
+    check_graph_stats(&graphs, |stats| {
         // One graph per group of similar state lengths (`probs_batch` groups a batch by them),
         // each captured once and replayed for both later batches.
         assert!(stats.captured >= 1, "{stats:?}");
         assert_eq!(stats.replayed, 2 * stats.captured, "{stats:?}");
-    } else {
-        assert_eq!(stats, kev::GraphStats::default());
-    }
+    });
 }
 
 #[test]
