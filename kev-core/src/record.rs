@@ -47,6 +47,17 @@ const RECORD_FIELDS: &[&str] = &["id", "state", "questions"];
 const QUESTION_FIELDS: &[&str] = &["id", "prompt", "options", "answer"];
 
 impl Record {
+    /// Bytes of text the record holds (state, prompts, options): what holding it costs, for
+    /// callers that bound the records they keep at once.
+    pub fn text_bytes(&self) -> usize {
+        self.state.len()
+            + self
+                .questions
+                .iter()
+                .map(|q| q.prompt.len() + q.options.iter().map(String::len).sum::<usize>())
+                .sum::<usize>()
+    }
+
     /// Parses and validates one record from JSON text.
     ///
     /// `line` is the 1-based line in the input file, used in errors (`None` when the text did not

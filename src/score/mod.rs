@@ -1,11 +1,12 @@
 //! Scoring a JSONL file of records into a JSONL file of probabilities, streamed: what the `score`
 //! example runs, reusable by other front ends.
 //!
-//! [`score`] makes two passes over the input, each holding one record (validation) or a few
-//! batches (scoring) at a time, so memory does not grow with the file:
+//! [`score`] makes two passes over the input, each holding a chunk of records (validation) or a
+//! few batches (scoring) at a time, so memory does not grow with the file:
 //!
 //! 1. **Validation**: every line is parsed and encoded with the model's encoder (the length
-//!    check included), without running the model. Without `skip_invalid` the first invalid
+//!    check included), without running the model; the records of a chunk are encoded in
+//!    parallel and taken in order. Without `skip_invalid` the first invalid
 //!    record stops the run before anything is written; with it, each invalid line is reported
 //!    through [`Progress::skipped`] and left out. The batches of the scoring pass are decided
 //!    here, from each valid record's token count (a few bytes per batch are kept, no records).
@@ -13,7 +14,8 @@
 //!    the lines kept are rounded down to the end of a batch.
 //! 2. **Scoring**: the valid records, in input order, in those batches through
 //!    [`Scorer::probs_encoded`], each record written as one line once its batch is scored. A
-//!    reader thread parses and encodes the next batch while the model runs the current one,
+//!    reader thread parses the next batch and encodes its records in parallel while the model
+//!    runs the current one,
 //!    and a writer thread formats and writes the batch before it; the channels between them hold
 //!    one batch each.
 //!
@@ -33,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use kev_candle::{DecisionModel, EncodedRecord};
 use kev_core::{JsonlRecords, Record};
+use rayon::prelude::*;
 use serde::Serialize;
 
 pub use error::ScoreError;
@@ -40,7 +43,10 @@ pub use output::{Output, OutputPlan};
 
 /// What the pipeline needs of a model; [`DecisionModel`] is one. The validation pass encodes
 /// each record to check it and count its tokens; the scoring pass encodes it again on a reader
-/// thread, ahead of the model, and runs the encodings: a scorer is shared between threads.
+/// thread, ahead of the model, and runs the encodings: a scorer is shared between threads. Both
+/// passes encode a chunk's or a batch's records in parallel on rayon's global pool, so
+/// [`Scorer::encode`] must not wait for work that needs that pool (a lazily loaded model, for
+/// one: load it before scoring).
 pub trait Scorer: Sync {
     /// A record made ready for the model ([`EncodedRecord`] for a [`DecisionModel`]).
     type Encoded: Send;
@@ -368,38 +374,54 @@ pub fn score<S: Scorer>(
         let total = source.len();
         let (mut reader, read) = source.first_pass()?;
         let mut records = JsonlRecords::new(BufReader::new(&mut reader), &name);
-        for (line, record) in &mut records {
-            progress.validating(read.get(), total);
-            let checked = record.and_then(|r| {
-                let tokens = model.tokens(&model.encode(&r, line)?);
-                Ok((r, tokens))
-            });
-            match checked {
-                Ok((r, tokens)) => {
-                    if let Some(end) = batcher.push(tokens) {
-                        if let Some(resume) = &mut resume {
-                            resume.batch_end(end)?;
-                        }
-                    }
-                    if let Some(resume) = &mut resume {
-                        resume.check(&r, line, valid);
-                    }
-                    valid += 1;
-                }
-                Err(e) if options.skip_invalid && !matches!(e, kev_core::Error::Io { .. }) => {
-                    progress.skipped(&e);
-                    invalid_lines.push(line);
-                }
-                Err(e) => {
-                    drop(records);
-                    return Err(match reader.spool_error.take() {
-                        Some(spool) => input::spool_error(&name, spool),
-                        None => e.into(),
+        let mut failed = None;
+        'pass: loop {
+            let chunk = next_chunk(&mut records);
+            if chunk.is_empty() {
+                break;
+            }
+            let checked: Vec<_> = chunk
+                .into_par_iter()
+                .map(|(line, record)| {
+                    let checked = record.and_then(|r| {
+                        let tokens = model.tokens(&model.encode(&r, line)?);
+                        Ok((r, tokens))
                     });
+                    (line, checked)
+                })
+                .collect();
+            for (line, checked) in checked {
+                progress.validating(read.get(), total);
+                match checked {
+                    Ok((r, tokens)) => {
+                        if let Some(end) = batcher.push(tokens) {
+                            if let Some(resume) = &mut resume {
+                                resume.batch_end(end)?;
+                            }
+                        }
+                        if let Some(resume) = &mut resume {
+                            resume.check(&r, line, valid);
+                        }
+                        valid += 1;
+                    }
+                    Err(e) if options.skip_invalid && !matches!(e, kev_core::Error::Io { .. }) => {
+                        progress.skipped(&e);
+                        invalid_lines.push(line);
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break 'pass;
+                    }
                 }
             }
         }
         drop(records);
+        if let Some(e) = failed {
+            return Err(match reader.spool_error.take() {
+                Some(spool) => input::spool_error(&name, spool),
+                None => e.into(),
+            });
+        }
         progress.validating(read.get(), total);
         reader.finish(&name)?;
     }
@@ -646,6 +668,32 @@ impl Resuming {
     }
 }
 
+/// Records the validation pass parses before encoding them in parallel, at most: the chunk
+/// closes at this many records or [`CHUNK_BYTES`] of text, whichever comes first, so its memory
+/// stays a few megabytes however the file runs.
+const CHUNK_RECORDS: usize = 256;
+/// Text bytes of a validation chunk at most (see [`CHUNK_RECORDS`]).
+const CHUNK_BYTES: usize = 8 << 20;
+
+/// The next records of the validation pass, each with its line, to be encoded in parallel; an
+/// I/O error ends the chunk (and the input).
+fn next_chunk<R: BufRead>(records: &mut JsonlRecords<R>) -> Vec<(usize, kev_core::Result<Record>)> {
+    let mut chunk = Vec::new();
+    let mut bytes = 0;
+    while chunk.len() < CHUNK_RECORDS && bytes < CHUNK_BYTES {
+        let Some((line, record)) = records.next() else {
+            break;
+        };
+        bytes += record.as_ref().map_or(0, Record::text_bytes);
+        let io_failed = matches!(record, Err(kev_core::Error::Io { .. }));
+        chunk.push((line, record));
+        if io_failed {
+            break;
+        }
+    }
+    chunk
+}
+
 /// A batch read and encoded by the reader thread.
 struct Batch<E> {
     lines: Vec<usize>,
@@ -739,9 +787,16 @@ impl ReadPass<'_> {
                 encoded: Vec::with_capacity(capacity),
                 tokens: 0,
             };
+            let mut read = Vec::with_capacity(capacity);
             for _ in 0..span.records {
-                let (line, record) = records.next_record()?;
-                let encoded = model.encode(&record, line).map_err(|e| {
+                read.push(records.next_record()?);
+            }
+            let encoded: Vec<_> = read
+                .par_iter()
+                .map(|(line, record)| model.encode(record, *line))
+                .collect();
+            for ((line, record), encoded) in read.into_iter().zip(encoded) {
+                let encoded = encoded.map_err(|e| {
                     self.changed(format!("{e} (it was valid in the validation pass)"))
                 })?;
                 batch.tokens += model.tokens(&encoded) as u64;

@@ -9,23 +9,35 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kev::score::{score, OutputPlan, Quiet, ScoreError, ScoreOptions, Scorer, Summary};
-use kev::{EncodedRecord, Record};
+use kev::{DecisionModel, EncodedRecord, Record};
 
 use crate::common::{model, record_lines};
 
 /// The real model, noting the input lines of every batch it runs.
-#[derive(Default)]
 struct Recording {
+    /// Taken when the scorer is made: `encode` runs on rayon's pool, where waiting for another
+    /// test's first load of the shared model (which itself runs on that pool) could deadlock.
+    model: &'static DecisionModel,
     batches: Mutex<Vec<Vec<usize>>>,
     /// What [`Scorer::default_batch_tokens`] answers (`None`: the trait's default).
     default_budget: Option<usize>,
+}
+
+impl Default for Recording {
+    fn default() -> Self {
+        Recording {
+            model: model(),
+            batches: Mutex::default(),
+            default_budget: None,
+        }
+    }
 }
 
 impl Scorer for Recording {
     type Encoded = (EncodedRecord, usize);
 
     fn encode(&self, record: &Record, line: usize) -> kev::Result<Self::Encoded> {
-        Ok((Scorer::encode(model(), record, line)?, line))
+        Ok((Scorer::encode(self.model, record, line)?, line))
     }
 
     fn tokens(&self, (encoded, _): &Self::Encoded) -> usize {
@@ -38,12 +50,12 @@ impl Scorer for Recording {
             .unwrap()
             .push(records.iter().map(|(_, line)| *line).collect());
         let encoded: Vec<EncodedRecord> = records.iter().map(|(e, _)| e.clone()).collect();
-        model().probs_encoded(&encoded)
+        self.model.probs_encoded(&encoded)
     }
 
     fn default_batch_tokens(&self) -> usize {
         self.default_budget
-            .unwrap_or_else(|| model().default_batch_tokens())
+            .unwrap_or_else(|| self.model.default_batch_tokens())
     }
 }
 
@@ -250,6 +262,8 @@ enum Fail {
 
 /// The real model, except that one thread of the scoring pass fails as `fail` says.
 struct Failing {
+    /// Taken when the scorer is made (see [`Recording::model`]).
+    model: &'static DecisionModel,
     /// Valid records in the input (the validation pass encodes them all first).
     records: usize,
     fail: Fail,
@@ -260,6 +274,7 @@ struct Failing {
 impl Failing {
     fn new(records: usize, fail: Fail) -> Self {
         Failing {
+            model: model(),
             records,
             fail,
             encoded: AtomicUsize::new(0),
@@ -278,7 +293,7 @@ impl Scorer for Failing {
                 panic!("encoding the record at line {line} failed on purpose");
             }
         }
-        Scorer::encode(model(), record, line)
+        Scorer::encode(self.model, record, line)
     }
 
     fn tokens(&self, record: &EncodedRecord) -> usize {
@@ -287,7 +302,7 @@ impl Scorer for Failing {
 
     fn probs_encoded(&self, records: &[EncodedRecord]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
         let n = self.batches.fetch_add(1, Ordering::SeqCst) + 1;
-        let mut probs = model().probs_encoded(records)?;
+        let mut probs = self.model.probs_encoded(records)?;
         match self.fail {
             Fail::ModelError(at) if at == n => {
                 return Err(kev::Error::invalid_argument("records", "failed on purpose"))

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use kev::score::{score, OutputPlan, Progress, Quiet, ScoreError, ScoreOptions, Scorer, Summary};
-use kev::{EncodedRecord, Record};
+use kev::{DecisionModel, EncodedRecord, Record};
 use serde::Serialize;
 
 use crate::common::{fixture, model, record_lines};
@@ -290,6 +290,9 @@ fn skip_invalid_reports_every_bad_line() {
 
 /// The real model, except that one record's distribution is poisoned.
 struct Poisoned {
+    /// Taken when the scorer is made: `encode` runs on rayon's pool, where waiting for another
+    /// test's first load of the shared model (which itself runs on that pool) could deadlock.
+    model: &'static DecisionModel,
     state: &'static str,
     value: f32,
 }
@@ -300,7 +303,7 @@ impl Scorer for Poisoned {
 
     fn encode(&self, record: &Record, line: usize) -> kev::Result<Self::Encoded> {
         Ok((
-            Scorer::encode(model(), record, line)?,
+            Scorer::encode(self.model, record, line)?,
             record.state == self.state,
         ))
     }
@@ -311,7 +314,7 @@ impl Scorer for Poisoned {
 
     fn probs_encoded(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
         let encoded: Vec<EncodedRecord> = records.iter().map(|(e, _)| e.clone()).collect();
-        let mut probs = model().probs_encoded(&encoded)?;
+        let mut probs = self.model.probs_encoded(&encoded)?;
         for ((_, poisoned), p) in records.iter().zip(&mut probs) {
             if *poisoned {
                 p[0][0] = self.value;
@@ -327,6 +330,7 @@ fn non_finite_probability_is_an_error_naming_the_record_and_never_written() {
     let target = dir.path().join("out.jsonl");
     for value in [f32::NAN, f32::INFINITY] {
         let scorer = Poisoned {
+            model: model(),
             state: "The patient reports a mild headache.",
             value,
         };
@@ -369,6 +373,8 @@ fn non_finite_probability_is_an_error_naming_the_record_and_never_written() {
 
 /// A scorer that appends a record to the input while validating its last line.
 struct Growing {
+    /// Taken when the scorer is made (see [`Poisoned::model`]).
+    model: &'static DecisionModel,
     input: PathBuf,
     last_line: usize,
 }
@@ -385,7 +391,7 @@ impl Scorer for Growing {
                 .unwrap();
             writeln!(f, "{}", record_lines()[0]).unwrap();
         }
-        Scorer::encode(model(), record, line)
+        Scorer::encode(self.model, record, line)
     }
 
     fn tokens(&self, record: &EncodedRecord) -> usize {
@@ -393,7 +399,7 @@ impl Scorer for Growing {
     }
 
     fn probs_encoded(&self, records: &[EncodedRecord]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
-        model().probs_encoded(records)
+        self.model.probs_encoded(records)
     }
 }
 
@@ -404,6 +410,7 @@ fn input_changed_between_the_passes_is_an_error() {
     let input = write_records(dir.path(), &lines);
     let target = dir.path().join("out.jsonl");
     let scorer = Growing {
+        model: model(),
         input: input.clone(),
         last_line: lines.len(),
     };
