@@ -11,7 +11,7 @@ file (and `path`, when reading several files).
 
     # on this machine (a local Ray cluster), the shipped checkpoint and records
     python examples/ray_score.py --out scored.jsonl --actors 2
-    # on a cluster: every node has `kev` installed (see BENCHMARKS.md for the recipe)
+    # on a cluster: every node has `kev` installed (see README.md for the recipe)
     python examples/ray_score.py --address auto --checkpoint /models/my-kev \\
         --records s3://bucket/records/ --out s3://bucket/scored.jsonl --actors 16 --gpus-per-actor 1
 

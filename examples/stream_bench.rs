@@ -12,7 +12,7 @@
 //! the model would take hours on a small CPU. With `--forward-only` it times the library alone
 //! on the same batches: every record read and encoded first, then
 //! [`DecisionModel::probs_encoded`] over the batches of the `--batch-tokens`/`--batch-size`
-//! rule, which is the throughput `score` is held to (BENCHMARKS.md, "score at scale, CPU").
+//! rule, which is the throughput `score` is held to (BENCHMARKS.md, "CPU: `score` at scale").
 
 use std::io::BufReader;
 use std::path::{Path, PathBuf};

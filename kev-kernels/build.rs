@@ -1,7 +1,7 @@
 //! Compiles Kev's CUDA sources to machine code for the GPUs named at build time (feature `cuda`),
 //! so that a process on such a GPU loads them as they are: compiling them at run time (NVRTC)
 //! takes a fresh machine ~15 s, since the driver's cache that would keep the result is empty.
-//! A GPU not named here compiles them at run time as before.
+//! A GPU not named here compiles them at run time (NVRTC).
 //!
 //! `KEV_CUDA_ARCHS` (e.g. `80,86,89,90`) names the compute capabilities; without it
 //! `CUDA_COMPUTE_CAP` (as candle's kernels read it), else 80, 86, 89 and 90. nvcc comes from

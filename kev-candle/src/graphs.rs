@@ -64,11 +64,11 @@ mod cuda {
     /// copy of the forward's working memory (the driver keeps graph memory apart from the pool
     /// eager forwards use), while a long row's host time is small beside its GPU time: with a
     /// 4096-token state a graph saved 10 % at 0.8B and 2 % at 4B on the H200 but held 2.9 and
-    /// 5.6 GiB more (sixth session); one request (704 positions) held the same or +0.7 GiB.
+    /// 5.6 GiB more; one request (704 positions) held the same or +0.7 GiB.
     const MAX_ROW_POSITIONS: usize = 2048;
     /// Plans computing more token positions than this (a large batch) run eagerly, for the same
     /// reason. 8 records of a 512-token state and 4 questions compute 5632; eagerly, their host
-    /// time was 5 of 29 ms at 0.8B and 10 of 101 ms at 4B on the H200 (tenth session).
+    /// time was 5 of 29 ms at 0.8B and 10 of 101 ms at 4B on the H200.
     const MAX_TOKENS: usize = 8192;
 
     /// A [`Plan`] without its token ids: plans of equal shape run the same kernels on the same

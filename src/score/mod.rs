@@ -90,7 +90,7 @@ impl Scorer for DecisionModel {
 
 /// The token budget of a batch on the CPU ([`Scorer::default_batch_tokens`]): budgets from
 /// 4,096 to 16,384 tokens score the shipped records within the noise of each other, all faster
-/// than one record a batch (BENCHMARKS.md, "score at scale, CPU"). It also bounds the memory of
+/// than one record a batch (BENCHMARKS.md, "CPU: `score` at scale"). It also bounds the memory of
 /// the few batches in flight.
 pub const CPU_BATCH_TOKENS: usize = 8192;
 
@@ -98,7 +98,7 @@ pub const CPU_BATCH_TOKENS: usize = 8192;
 /// have shapes that rarely repeat, so they run eagerly, and an eager batch pays its host time
 /// and the gap between batches once per batch: on the H200, 10,000 records at 0.8B scored
 /// 1,317 records/s with 8,192 tokens a batch, 1,646 with 32,768 and 1,700 with 131,072, against
-/// 1,824 for the library's batch form on 256 of them (BENCHMARKS.md, "speed at scale").
+/// 1,824 for the library's batch form on 256 of them (BENCHMARKS.md, "H200: score, load, cold start").
 /// Larger budgets gain little more and hold more working memory (a few GiB at 4B).
 pub const GPU_BATCH_TOKENS: usize = 32768;
 

@@ -53,7 +53,7 @@ __device__ void qknorm_rope(const typename D::T* x, long sb, long st, long sh, c
 // later keys get 0. Only the [B, S] bias crosses from the host, not a [B, T, S] mask.
 // A warp per row (blocks of 8 rows) with 16-byte loads where rows are aligned: a block per row
 // spent its time in block reductions and scheduling, 20 µs a launch for a 512-key state at 4B
-// (ncu, session 9). The three passes re-read the row, from L1 after the first.
+// (ncu). The three passes re-read the row, from L1 after the first.
 template <typename D, int S_>
 __device__ __forceinline__ float softmax_max(const typename D::T* sr, const float* mr, int seen,
                                              float scale, int lane) {

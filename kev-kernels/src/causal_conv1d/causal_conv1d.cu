@@ -16,7 +16,7 @@
 // rows a thread moves its channels as 16-byte vectors (2-byte loads left the kernel far from DRAM
 // bandwidth); otherwise it walks them one by one. Runs of 4 steps, not 8: with 8, a 512-step
 // state gave each multiprocessor too few warps to hide the loads' latency (11–22 µs a launch on
-// the H200, ncu, session 9). CONV_RUN, CONV_VEC and CONV_CACHED_BLOCK are -D defines.
+// the H200, ncu). CONV_RUN, CONV_VEC and CONV_CACHED_BLOCK are -D defines.
 
 // ---- conv_<dtype>
 
@@ -61,7 +61,7 @@ __device__ __forceinline__ void store8(typename D::T* p, const float* v) {
 // (16 + 28 + 16 registers where f32 copies took 32 + 56 + 8), a channel at a time widened where
 // it is used. Unpacked, the conv needed 96 registers a thread, which held the split conv to 31 %
 // occupancy with its loads' latency unhidden (ncu, 4B: 102 µs a layer at 38 % of DRAM
-// bandwidth, session 11). The same products in the same order, so the same numbers.
+// bandwidth). The same products in the same order, so the same numbers.
 template <typename D, typename Row>
 __device__ __forceinline__ void conv_run_packed(const Row& row, const typename D::T* __restrict__ w,
                                                 typename D::T* __restrict__ y, int t0, int t1,

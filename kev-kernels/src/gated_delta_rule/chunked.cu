@@ -693,7 +693,7 @@ __device__ __forceinline__ void mma8h(float (&d)[4], unsigned a0, unsigned a1, u
 }
 // acc[n] += Σ_r x[r][m0 + i]·y[r][n0 + 8n + j] over the MAX_DIM features r (i < 16, j < 8, n < 2):
 // a warp's 16 × 16 block of XᵀY for the preparation's qᵀ and kᵀ tiles (16-bit as loaded, pitch
-// p ≡ 16 (mod 128) bytes, swizzled: swz). Products of 16-bit values are exact in f32, as TF32 ones were.
+// p ≡ 16 (mod 128) bytes, swizzled: swz). Products of 16-bit values are exact in f32.
 // ldmatrix.trans hands lane (g, c) features 2c, 2c + 1 of the step at position g of an 8 × 8
 // tile, which is the m16n8k8 fragment; but swz puts step t at position t ^ S in a feature
 // block whose S = swz(r, 0) is one of 4 values, so the mma's rows and columns are those
@@ -837,7 +837,7 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
     //    step 3) is folded into Tm's fragment.
     //    W and Q' (rows of 128) go out through shared memory, so that a warp writes whole rows:
     //    written from the fragments or a column of q̂ᵀ, 4- to 16-byte pieces land in parts of
-    //    32-byte sectors of many rows, and the kernel took twice as long (ncu, session 10).
+    //    32-byte sectors of many rows, and the kernel takes twice as long (ncu).
     {
         const bool is_w = warp < 4;
         const int c0 = 32 * (warp % 4);
