@@ -70,7 +70,11 @@ fn encode_all(encoder: &Encoder, records: &[Record], parallel: bool) -> Result<u
     } else {
         records.iter().map(tokens).collect()
     };
-    Ok(counts.into_iter().collect::<kev::Result<Vec<_>>>()?.iter().sum())
+    Ok(counts
+        .into_iter()
+        .collect::<kev::Result<Vec<_>>>()?
+        .iter()
+        .sum())
 }
 
 fn main() -> Result<()> {

@@ -111,11 +111,12 @@ mod cuda {
     /// The graphs of one model.
     #[derive(Default)]
     pub(crate) struct Graphs {
-        state: Mutex<State>,
+        book: Mutex<Book>,
     }
 
+    /// What the graphs keep account of, behind one lock.
     #[derive(Default)]
-    struct State {
+    struct Book {
         /// Shapes without a graph, and how often each came (halved every [`HALVE_EVERY`]).
         seen: HashMap<PlanShape, u32>,
         failed: HashSet<PlanShape>,
@@ -139,7 +140,7 @@ mod cuda {
         count: u32,
     }
 
-    impl State {
+    impl Book {
         /// Counts a forward of a graph-sized plan, halving every count every [`HALVE_EVERY`].
         fn tick(&mut self) {
             self.forwards += 1;
@@ -196,8 +197,8 @@ mod cuda {
             self.lock().stats.clone()
         }
 
-        fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-            self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        fn lock(&self) -> std::sync::MutexGuard<'_, Book> {
+            self.book.lock().unwrap_or_else(PoisonError::into_inner)
         }
 
         /// All options' logits of `plan`: replayed, captured, or eager (a shape not worth a
@@ -221,28 +222,28 @@ mod cuda {
                     let out = graph.replay(exec, plan);
                     // A graph that failed to run is not kept (its next launch would likely
                     // fail the same way); the error goes to the caller.
-                    let mut state = self.lock();
-                    state.put_back(&shape, out.is_ok().then_some(graph));
+                    let mut book = self.lock();
+                    book.put_back(&shape, out.is_ok().then_some(graph));
                     if out.is_ok() {
-                        state.stats.replayed += 1;
+                        book.stats.replayed += 1;
                     }
                     out
                 }
                 Action::Capture(count) => {
                     let captured = capture(exec, plan, dev);
-                    let mut state = self.lock();
-                    state.capturing.remove(&shape);
+                    let mut book = self.lock();
+                    book.capturing.remove(&shape);
                     match captured {
                         Ok((graph, logits)) => {
-                            state.stats.captured += 1;
-                            state.keep(shape, graph, count);
+                            book.stats.captured += 1;
+                            book.keep(shape, graph, count);
                             Ok(logits)
                         }
                         Err(why) => {
-                            state.stats.failed += 1;
-                            state.stats.last_failure = Some(why);
-                            state.failed.insert(shape);
-                            drop(state);
+                            book.stats.failed += 1;
+                            book.stats.last_failure = Some(why);
+                            book.failed.insert(shape);
+                            drop(book);
                             exec.plan_logits_eager(plan)
                         }
                     }
@@ -251,7 +252,7 @@ mod cuda {
         }
     }
 
-    impl State {
+    impl Book {
         /// What a forward of a graph-sized plan of `shape` does, counting it.
         fn action(&mut self, shape: &PlanShape) -> Action {
             self.tick();
@@ -297,7 +298,7 @@ mod cuda {
         }
 
         /// Keeps a new graph of a shape that came `count` times at the most recent end, in
-        /// place of [`State::victim`] once [`KEEP`] are kept; or drops it, where the graphs
+        /// place of [`Book::victim`] once [`KEEP`] are kept; or drops it, where the graphs
         /// kept meanwhile (by other threads) leave no room for it.
         fn keep(&mut self, shape: PlanShape, graph: Captured, count: u32) {
             if !self.room_for(count) {

@@ -342,7 +342,8 @@ impl Encoder {
     ///
     /// Validates the record first ([`Record::validate`]). Errors: [`Error::Record`] when a text
     /// contains a marker token (it would corrupt the positions), [`Error::TooLong`] when the state
-    /// plus the longest branch exceeds `max_tokens` (never truncated), [`Error::Tokenizer`] when the
+    /// plus the longest branch exceeds `max_tokens` (never truncated; a piece over it alone may
+    /// be refused by a count that stops early, `counted_in` naming it), [`Error::Tokenizer`] when the
     /// tokenizer fails.
     pub fn encode(&self, record: &Record, line: Option<usize>) -> Result<Encoding> {
         record.validate_at(line)?;
@@ -401,6 +402,7 @@ impl Encoder {
                 id: record.id.clone(),
                 tokens,
                 max_tokens: self.max_tokens,
+                counted_in: None,
             });
         }
         Ok(encoding)
@@ -458,15 +460,13 @@ impl Encoder {
                 .count_over(text, self.max_tokens, COUNT_WINDOW)
                 .map_err(tokenizer_err)?
             {
-                return Err(Error::record(
-                    ctx.line,
-                    ctx.id,
-                    field,
-                    format!(
-                        "has at least {at_least} tokens, more than `max_tokens` = {}",
-                        self.max_tokens
-                    ),
-                ));
+                return Err(Error::TooLong {
+                    line: ctx.line,
+                    id: ctx.id.map(str::to_owned),
+                    tokens: at_least,
+                    max_tokens: self.max_tokens,
+                    counted_in: Some(field.to_owned()),
+                });
             }
         }
         let enc = self
@@ -725,6 +725,7 @@ mod tests {
                     id,
                     tokens,
                     max_tokens,
+                    counted_in: None,
                 } = e
                 else {
                     unreachable!()
@@ -766,10 +767,10 @@ mod tests {
         let per_token = e.bytes_per_token.unwrap();
         // Just within the bound it is counted (and refused by its count).
         let r = record(&"ab ".repeat(per_token * 1024 / 3), &[("which ?", &["a"])]);
-        assert!(
-            matches!(e.encode(&r, Some(1)), Err(Error::Record { field, message, .. })
-                if field == "state" && message.starts_with("has at least"))
-        );
+        assert!(matches!(
+            e.encode(&r, Some(1)),
+            Err(Error::TooLong { counted_in: Some(field), tokens: 1025.., .. }) if field == "state"
+        ));
         // 50 MB: refused from its length alone, naming the field.
         let r = record(&"x".repeat(50 << 20), &[("which ?", &["a"])]);
         let msg = e.encode(&r, Some(4)).unwrap_err().to_string();

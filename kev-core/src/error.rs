@@ -69,8 +69,11 @@ pub enum Error {
         record_prefix(
             .line,
             .id,
-            "",
-            &format!("state plus longest branch is {} tokens, more than `max_tokens` = {}", .tokens, .max_tokens)
+            .counted_in.as_deref().unwrap_or(""),
+            &match .counted_in {
+                None => format!("state plus longest branch is {} tokens, more than `max_tokens` = {}", .tokens, .max_tokens),
+                Some(_) => format!("has at least {} tokens alone, more than `max_tokens` = {}", .tokens, .max_tokens),
+            }
         )
     )]
     TooLong {
@@ -78,10 +81,13 @@ pub enum Error {
         line: Option<usize>,
         /// The record's `id`, if any.
         id: Option<String>,
-        /// Tokens needed: state length plus the longest branch.
+        /// Tokens needed: state length plus the longest branch; with `counted_in`, a lower bound.
         tokens: usize,
         /// The checkpoint's `max_tokens`.
         max_tokens: usize,
+        /// The field whose count stopped as soon as it passed `max_tokens` (a long text is not
+        /// tokenized whole just to be refused): `tokens` is that field's count so far.
+        counted_in: Option<String>,
     },
 
     /// A file the runtime needs is not there (a checkpoint file, a base file not in the Hugging Face
@@ -320,10 +326,22 @@ mod tests {
             id: Some("a".into()),
             tokens: 10,
             max_tokens: 8,
+            counted_in: None,
         };
         assert_eq!(
             e.to_string(),
             "record at line 2 (`a`): state plus longest branch is 10 tokens, more than `max_tokens` = 8"
+        );
+        let e = Error::TooLong {
+            line: None,
+            id: Some("a".into()),
+            tokens: 9,
+            max_tokens: 8,
+            counted_in: Some("state".into()),
+        };
+        assert_eq!(
+            e.to_string(),
+            "record (`a`): field `state`: has at least 9 tokens alone, more than `max_tokens` = 8"
         );
     }
 

@@ -5,11 +5,11 @@ use candle_core::{DType, Device, Result, Tensor, D};
 
 use crate::GdrDims;
 
+pub use crate::attention::flash_attention;
 /// The fused forms of the ops that compose a fallback where their kernel does not run, alone:
 /// `None` where it does not run. For the tests that the kernel runs where it should and gives
 /// the composition's numbers.
 pub use crate::causal_conv1d::fused_causal_conv1d_split;
-pub use crate::flash_attention::flash_attention;
 pub use crate::gated_delta_rule::{
     fused_conv_gated_delta_rule_split, fused_gated_delta_rule_split,
 };

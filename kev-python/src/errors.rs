@@ -63,6 +63,7 @@ pub fn to_py(e: kev::Error) -> PyErr {
                 id,
                 tokens,
                 max_tokens,
+                ..
             } => set(value, "line", line)
                 .and_then(|_| set(value, "record_id", id))
                 .and_then(|_| set(value, "tokens", tokens))

@@ -1,8 +1,6 @@
 //! [`Prefix`]: a state run once, kept to score later records with the same state.
 
-use candle_core::Tensor;
-
-use crate::qwen35::{Cache, LayerCache};
+use crate::qwen35::Cache;
 
 /// A state run once through the backbone, reusable for any record with the same state.
 pub struct Prefix {
@@ -28,17 +26,9 @@ impl Prefix {
     }
 
     /// Bytes of the prefix's tensors on its device: the attention layers' keys and values, the
-    /// DeltaNet layers' conv windows and recurrent states.
+    /// DeltaNet layers' conv windows and recurrent matrices.
     pub fn bytes(&self) -> usize {
-        let size = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        self.cache
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerCache::Attention { k, v } => k.iter().chain(v).map(size).sum(),
-                LayerCache::DeltaNet { conv, state } => size(conv) + size(state),
-            })
-            .sum()
+        self.cache.bytes()
     }
 
     /// The state's token ids.

@@ -13,7 +13,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::Tensor;
 use kev_core::{Error, Result, Row};
 
 use super::prefix::Prefix;
@@ -21,7 +20,7 @@ use crate::device::backend_err;
 use crate::executor::{read_per_row, Executor};
 use crate::head::softmax;
 use crate::plan::length_buckets;
-use crate::qwen35::{Cache, LayerCache};
+use crate::qwen35::Cache;
 
 /// A record encoded for scoring: its state's token ids (the key of its prefix) and one branch
 /// row per question.
@@ -145,7 +144,7 @@ pub(super) fn run_prefixed(
     let prefix_rows: &Cache = match parts.as_slice() {
         [one] => one,
         _ => {
-            joined = join_caches(exec, &parts)?;
+            joined = Cache::join(&parts).map_err(backend_err("joining prefixes"))?;
             &joined
         }
     };
@@ -185,7 +184,9 @@ pub(super) fn run_prefixed(
                         let p = Arc::new(Prefix {
                             state: rec.state.clone(),
                             state_ids: rec.state_ids.clone(),
-                            cache: cache_row(&cold_caches[g], row)?,
+                            cache: cold_caches[g]
+                                .row(row)
+                                .map_err(backend_err("cutting a prefix out of the state pass"))?,
                         });
                         computed[j] = Some(Arc::clone(&p));
                         p
@@ -200,104 +201,6 @@ pub(super) fn run_prefixed(
             reused,
         });
     }
-    Ok(out)
-}
-
-/// Row `row` of `cache` as a one-row cache of its own storage, cut to the row's real keys
-/// (the states are right-padded, so those are its first `seen` positions).
-fn cache_row(cache: &Cache, row: usize) -> Result<Cache> {
-    let err = backend_err("cutting a prefix out of the state pass");
-    let mut one = cache.select_rows(&[row]).map_err(&err)?;
-    let len = one.seen[0];
-    debug_assert!(one.key_valid[0].iter().take(len).all(|&v| v));
-    for layer in &mut one.layers {
-        if let LayerCache::Attention { k, v } = layer {
-            for t in [k, v] {
-                *t = match t.take() {
-                    Some(_) if len == 0 => None,
-                    Some(x) if x.dim(2).map_err(&err)? > len => {
-                        // Narrowed keys are strided: `contiguous` copies them compactly.
-                        Some(
-                            x.narrow(2, 0, len)
-                                .and_then(|x| x.contiguous())
-                                .map_err(&err)?,
-                        )
-                    }
-                    kept => kept,
-                };
-            }
-        }
-    }
-    one.key_valid = vec![vec![true; len]];
-    Ok(one)
-}
-
-/// The rows of `parts` one after the other as one cache, the attention layers' keys padded
-/// (masked) to the longest part's.
-fn join_caches(exec: &Executor, parts: &[&Cache]) -> Result<Cache> {
-    let err = backend_err("joining prefixes");
-    let kv_len = parts.iter().map(|c| c.kv_len()).max().unwrap_or(0);
-    // An empty cache on the model's device; its fields are replaced below.
-    let mut out = exec.model().new_cache(0).map_err(&err)?;
-    let layers = (0..parts[0].layers.len())
-        .map(|l| -> candle_core::Result<LayerCache> {
-            match &parts[0].layers[l] {
-                LayerCache::DeltaNet { .. } => {
-                    let (mut convs, mut states) = (Vec::new(), Vec::new());
-                    for p in parts {
-                        if let LayerCache::DeltaNet { conv, state } = &p.layers[l] {
-                            convs.push(conv.clone());
-                            states.push(state.clone());
-                        }
-                    }
-                    Ok(LayerCache::DeltaNet {
-                        conv: Tensor::cat(&convs, 0)?,
-                        state: Tensor::cat(&states, 0)?,
-                    })
-                }
-                LayerCache::Attention { .. } => {
-                    let shape = parts.iter().find_map(|p| match &p.layers[l] {
-                        LayerCache::Attention { k: Some(k), .. } => Some(k.clone()),
-                        _ => None,
-                    });
-                    let Some(like) = shape.filter(|_| kv_len > 0) else {
-                        return Ok(LayerCache::Attention { k: None, v: None });
-                    };
-                    let (_, hkv, _, d) = like.dims4()?;
-                    let (mut ks, mut vs) = (Vec::new(), Vec::new());
-                    for p in parts {
-                        let rows = p.batch_size();
-                        let pad = |t: &Option<Tensor>| match t {
-                            Some(t) => t.pad_with_zeros(2, 0, kv_len - t.dim(2)?),
-                            None => {
-                                Tensor::zeros((rows, hkv, kv_len, d), like.dtype(), like.device())
-                            }
-                        };
-                        if let LayerCache::Attention { k, v } = &p.layers[l] {
-                            ks.push(pad(k)?);
-                            vs.push(pad(v)?);
-                        }
-                    }
-                    Ok(LayerCache::Attention {
-                        k: Some(Tensor::cat(&ks, 0)?),
-                        v: Some(Tensor::cat(&vs, 0)?),
-                    })
-                }
-            }
-        })
-        .collect::<candle_core::Result<Vec<_>>>()
-        .map_err(&err)?;
-    out.layers = layers;
-    out.key_valid = parts
-        .iter()
-        .flat_map(|p| p.key_valid.iter())
-        .map(|v| {
-            let mut v = v.clone();
-            v.resize(kv_len, false);
-            v
-        })
-        .collect();
-    out.seen = parts.iter().flat_map(|p| p.seen.iter().copied()).collect();
     Ok(out)
 }
 

@@ -1,9 +1,10 @@
 //! What a forward leaves behind so the next one can continue (docs/CONTRACT.md §3, prefix form).
 //!
 //! Per full-attention layer: K (after k_norm and RoPE) and V. Per DeltaNet layer: the last K−1
-//! raw `in_proj_qkv` outputs (the conv window) and the f32 recurrent state. Rows of a batch may
+//! raw `in_proj_qkv` outputs (the conv window) and the f32 recurrent matrix. Rows of a batch may
 //! hold different numbers of real tokens (right padding); the cache remembers, per row, which
-//! cached key positions are real and where the next position starts.
+//! cached key positions are real and where the next position starts. Rows are taken out, copied
+//! and joined only through the cache's own methods, which keep those records true.
 
 use candle_core::{DType, Device, Result, Tensor};
 use kev_kernels::dispatch::counted_zeros;
@@ -11,7 +12,7 @@ use kev_kernels::{gather_rows, RowIndex};
 
 use super::config::{Config, LayerType};
 
-/// One layer's cached state.
+/// What one layer keeps.
 pub enum LayerCache {
     /// Full attention: `k`, `v`: `[B, Hkv, S, head_dim]`, `None` before the first token.
     Attention {
@@ -24,23 +25,24 @@ pub enum LayerCache {
     DeltaNet {
         /// `[B, K−1, C]` in the backbone dtype: the previous raw `in_proj_qkv` outputs.
         conv: Tensor,
-        /// `[B, Hv, Dk, Dv]` f32, updated in place by the next forward.
-        state: Tensor,
+        /// `[B, Hv, Dk, Dv]` f32: the delta rule's recurrent matrix, updated in place by the
+        /// next forward.
+        recurrent: Tensor,
     },
 }
 
 /// The cache of a whole model for a batch of rows.
 pub struct Cache {
-    pub(crate) layers: Vec<LayerCache>,
+    pub(super) layers: Vec<LayerCache>,
     /// Per row: whether each cached key position holds a real token (false: padding).
-    pub(crate) key_valid: Vec<Vec<bool>>,
+    pub(super) key_valid: Vec<Vec<bool>>,
     /// Per row: the number of real tokens seen, i.e. the position of the next token.
-    pub(crate) seen: Vec<usize>,
+    seen: Vec<usize>,
     device: Device,
 }
 
 impl Cache {
-    /// An empty cache for `b_sz` rows (zero conv window and state).
+    /// An empty cache for `b_sz` rows (zero conv windows and recurrent matrices).
     pub fn new(cfg: &Config, b_sz: usize, dtype: DType, device: &Device) -> Result<Self> {
         let c = cfg.linear_conv_dim();
         let layers = cfg
@@ -50,7 +52,7 @@ impl Cache {
                 LayerType::FullAttention => Ok(LayerCache::Attention { k: None, v: None }),
                 LayerType::LinearAttention => Ok(LayerCache::DeltaNet {
                     conv: counted_zeros((b_sz, cfg.linear_conv_kernel_dim - 1, c), dtype, device)?,
-                    state: counted_zeros(
+                    recurrent: counted_zeros(
                         (
                             b_sz,
                             cfg.linear_num_value_heads,
@@ -82,7 +84,7 @@ impl Cache {
     }
 
     /// A new cache made of rows `rows` of this one (repeats allowed), with storage of its own:
-    /// the recurrent states are updated in place, so rows must never share it.
+    /// the recurrent matrices are updated in place, so rows must never share it.
     pub fn select_rows(&self, rows: &[usize]) -> Result<Self> {
         let idx = RowIndex::new(rows, &self.device)?;
         let pick = |t: &Tensor| gather_rows(t, &idx);
@@ -94,9 +96,9 @@ impl Cache {
                     k: k.as_ref().map(pick).transpose()?,
                     v: v.as_ref().map(pick).transpose()?,
                 }),
-                LayerCache::DeltaNet { conv, state } => Ok(LayerCache::DeltaNet {
+                LayerCache::DeltaNet { conv, recurrent } => Ok(LayerCache::DeltaNet {
                     conv: pick(conv)?,
-                    state: pick(state)?,
+                    recurrent: pick(recurrent)?,
                 }),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -106,6 +108,114 @@ impl Cache {
             seen: rows.iter().map(|&r| self.seen[r]).collect(),
             device: self.device.clone(),
         })
+    }
+
+    /// Row `row` as a one-row cache of its own storage, cut to the row's real keys: rows are
+    /// right-padded, so those are its first `seen` positions (what a kept prefix holds).
+    pub fn row(&self, row: usize) -> Result<Self> {
+        let mut one = self.select_rows(&[row])?;
+        let len = one.seen[0];
+        debug_assert!(one.key_valid[0].iter().take(len).all(|&v| v));
+        for layer in &mut one.layers {
+            if let LayerCache::Attention { k, v } = layer {
+                for t in [k, v] {
+                    *t = match t.take() {
+                        Some(_) if len == 0 => None,
+                        // Narrowed keys are strided: `contiguous` copies them compactly.
+                        Some(x) if x.dim(2)? > len => Some(x.narrow(2, 0, len)?.contiguous()?),
+                        kept => kept,
+                    };
+                }
+            }
+        }
+        one.key_valid = vec![vec![true; len]];
+        Ok(one)
+    }
+
+    /// The rows of `parts` one after the other as one cache, the attention layers' keys padded
+    /// (and marked padding) to the longest part's. `parts` must be caches of one model.
+    pub fn join(parts: &[&Cache]) -> Result<Self> {
+        let Some(first) = parts.first() else {
+            candle_core::bail!("joining no caches");
+        };
+        let kv_len = parts.iter().map(|c| c.kv_len()).max().unwrap_or(0);
+        let layers = (0..first.layers.len())
+            .map(|l| Self::join_layer(parts, l, kv_len))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            key_valid: parts
+                .iter()
+                .flat_map(|p| p.key_valid.iter())
+                .map(|v| {
+                    let mut v = v.clone();
+                    v.resize(kv_len, false);
+                    v
+                })
+                .collect(),
+            seen: parts.iter().flat_map(|p| p.seen.iter().copied()).collect(),
+            device: first.device.clone(),
+        })
+    }
+
+    /// Layer `l` of every part, rows concatenated; keys padded with zeros to `kv_len`.
+    fn join_layer(parts: &[&Cache], l: usize, kv_len: usize) -> Result<LayerCache> {
+        match &parts[0].layers[l] {
+            LayerCache::DeltaNet { .. } => {
+                let (mut convs, mut recurrents) = (Vec::new(), Vec::new());
+                for p in parts {
+                    let LayerCache::DeltaNet { conv, recurrent } = &p.layers[l] else {
+                        candle_core::bail!("joining caches of different layer kinds at layer {l}");
+                    };
+                    convs.push(conv.clone());
+                    recurrents.push(recurrent.clone());
+                }
+                Ok(LayerCache::DeltaNet {
+                    conv: Tensor::cat(&convs, 0)?,
+                    recurrent: Tensor::cat(&recurrents, 0)?,
+                })
+            }
+            LayerCache::Attention { .. } => {
+                let like = parts.iter().find_map(|p| match &p.layers[l] {
+                    LayerCache::Attention { k: Some(k), .. } => Some(k.clone()),
+                    _ => None,
+                });
+                let Some(like) = like.filter(|_| kv_len > 0) else {
+                    return Ok(LayerCache::Attention { k: None, v: None });
+                };
+                let (_, hkv, _, d) = like.dims4()?;
+                let (mut ks, mut vs) = (Vec::new(), Vec::new());
+                for p in parts {
+                    let LayerCache::Attention { k, v } = &p.layers[l] else {
+                        candle_core::bail!("joining caches of different layer kinds at layer {l}");
+                    };
+                    let rows = p.batch_size();
+                    let pad = |t: &Option<Tensor>| match t {
+                        Some(t) => t.pad_with_zeros(2, 0, kv_len - t.dim(2)?),
+                        None => Tensor::zeros((rows, hkv, kv_len, d), like.dtype(), like.device()),
+                    };
+                    ks.push(pad(k)?);
+                    vs.push(pad(v)?);
+                }
+                Ok(LayerCache::Attention {
+                    k: Some(Tensor::cat(&ks, 0)?),
+                    v: Some(Tensor::cat(&vs, 0)?),
+                })
+            }
+        }
+    }
+
+    /// Bytes of the cache's tensors on its device: the attention layers' keys and values, the
+    /// DeltaNet layers' conv windows and recurrent matrices.
+    pub fn bytes(&self) -> usize {
+        let size = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Attention { k, v } => k.iter().chain(v).map(size).sum(),
+                LayerCache::DeltaNet { conv, recurrent } => size(conv) + size(recurrent),
+            })
+            .sum()
     }
 
     /// Number of cached key positions (including padding).

@@ -1,5 +1,6 @@
 //! Gated DeltaNet (docs/BACKBONE.md §3): projections, causal depthwise conv + SiLU on [q | k | v],
-//! gates in f32, the gated delta rule over an f32 state (kev-kernels), gated RMSNorm, `out_proj`.
+//! gates in f32, the gated delta rule over an f32 recurrent matrix (kev-kernels), gated RMSNorm,
+//! `out_proj`.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use kev_kernels::dispatch::CountedTensor;
@@ -77,12 +78,12 @@ impl GatedDeltaNet {
     }
 
     /// `xs: [B, T, H]` whose first `lengths[b]` steps are real. `conv` (`[B, K−1, C]`) is
-    /// replaced by the window at each row's end; `state` (`[B, Hv, Dk, Dv]` f32) is updated in place.
+    /// replaced by the window at each row's end; `recurrent` (`[B, Hv, Dk, Dv]` f32) is updated in place.
     pub fn forward(
         &self,
         xs: &Tensor,
         conv: &mut Tensor,
-        state: &Tensor,
+        recurrent: &Tensor,
         lengths: &[usize],
     ) -> Result<Tensor> {
         let proj = self.in_proj.forward(xs)?; // [B, T, C + Hv·Dv + 2·Hv]
@@ -90,12 +91,12 @@ impl GatedDeltaNet {
         let (mixed, next) =
             causal_conv1d_cached(&self.qkv(&proj)?, conv, &self.conv1d, Some(lengths))?;
         *conv = next;
-        let o = gated_delta_rule(&mixed, &gates, state, self.dims, Some(lengths))?;
+        let o = gated_delta_rule(&mixed, &gates, recurrent, self.dims, Some(lengths))?;
         self.out(&o, &self.z(&proj)?)
     }
 
     /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitBatch`]): each
-    /// branch row continues from its state row's conv window and recurrent state of this layer.
+    /// branch row continues from its state row's conv window and recurrent matrix of this layer.
     /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only (`[B·T, H]`).
     pub fn forward_split(
         &self,

@@ -91,8 +91,8 @@ impl DecoderLayer {
                     .expect("the key bias is built when attention layers exist");
                 attn.forward(h, &step.cos_sin, key_bias, k, v)
             }
-            (Mixer::DeltaNet(gdn), LayerCache::DeltaNet { conv, state }) => {
-                gdn.forward(h, conv, state, step.lengths)
+            (Mixer::DeltaNet(gdn), LayerCache::DeltaNet { conv, recurrent }) => {
+                gdn.forward(h, conv, recurrent, step.lengths)
             }
             _ => candle_core::bail!("cache layer kind does not match the model layer"),
         };

@@ -343,13 +343,38 @@ pub fn causal_attention(
     let s_len = flash_attention::check("causal-attention", q, past.as_ref(), k, v, key_bias)?;
     let num_kv_heads = k.dim(1)?;
     if flash_attention_fills_gpu(q, num_kv_heads)? {
-        let flash =
-            flash_attention::flash_attention_checked(q, past, k, v, key_bias, scale, s_len)?;
+        let flash = flash_attention::flash_attention_checked(
+            q,
+            past,
+            k,
+            v,
+            key_bias,
+            scale,
+            s_len,
+            || composed_attention(q, past, k, v, key_bias, scale),
+        )?;
         if let Some(out) = flash {
             return Ok(out);
         }
     }
     composed_attention(q, past, k, v, key_bias, scale)
+}
+
+/// The flash kernel alone on the inputs of [`causal_attention`], or `None` where it does not
+/// run (see `flash_attention_checked`). Public through [`crate::testing`], for the tests that
+/// it runs where it should.
+pub fn flash_attention(
+    q: &Tensor,
+    past: Option<AttentionPast>,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    scale: f64,
+) -> Result<Option<Tensor>> {
+    let s_len = flash_attention::check("flash-attention", q, past.as_ref(), k, v, key_bias)?;
+    flash_attention::flash_attention_checked(q, past, k, v, key_bias, scale, s_len, || {
+        composed_attention(q, past, k, v, key_bias, scale)
+    })
 }
 
 /// [`causal_attention`] off the flash kernel: the past's keys and values gathered per row

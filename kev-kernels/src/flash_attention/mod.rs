@@ -162,25 +162,13 @@ pub(crate) fn check(
 }
 
 /// `softmax(q·kᵀ·scale + key_bias)·v` with causality in one kernel, for the inputs of
-/// [`crate::causal_attention`] (which says what they are), or `None` where the kernel does not
-/// run (not a CUDA GPU with tensor cores and 101 KB of shared memory a block, not bf16,
-/// hd ≠ 256, q not contiguous, views not at 16-byte boundaries, no rows or queries, a grid over
-/// CUDA's limits). A query row that sees no key (all masked) gets zeros, where the softmax would
-/// give NaN; Kev's rows always hold a real token. Public through [`crate::testing`], for the
-/// tests that it runs where it should.
-pub fn flash_attention(
-    q: &Tensor,
-    past: Option<AttentionPast>,
-    k: &Tensor,
-    v: &Tensor,
-    key_bias: &Tensor,
-    scale: f64,
-) -> Result<Option<Tensor>> {
-    let s_len = check("flash-attention", q, past.as_ref(), k, v, key_bias)?;
-    flash_attention_checked(q, past, k, v, key_bias, scale, s_len)
-}
-
-/// [`flash_attention`] on inputs [`check`] passed, with the past's `s_len` steps.
+/// [`crate::causal_attention`] (which says what they are) that [`check`] passed with the past's
+/// `s_len` steps, or `None` where the kernel does not run (not a CUDA GPU with tensor cores and
+/// 101 KB of shared memory a block, not bf16, hd ≠ 256, q not contiguous, views not at 16-byte
+/// boundaries, no rows or queries, a grid over CUDA's limits). A query row that sees no key (all
+/// masked) gets zeros, where the softmax would give NaN; Kev's rows always hold a real token.
+/// `composed` computes the same from tensor ops, for [`dispatch::launch`]'s emulated runs.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_attention_checked(
     q: &Tensor,
     past: Option<AttentionPast>,
@@ -189,6 +177,7 @@ pub(crate) fn flash_attention_checked(
     key_bias: &Tensor,
     scale: f64,
     s_len: usize,
+    composed: impl FnOnce() -> Result<Tensor>,
 ) -> Result<Option<Tensor>> {
     let (b_sz, hq, t_len, hd) = q.dims4()?;
     let (_, hkv, l_len, _) = k.dims4()?;
@@ -232,7 +221,7 @@ pub(crate) fn flash_attention_checked(
         1,
         q.device(),
         || q.apply_op3_no_bwd(k, v, &op),
-        || crate::attention::composed_attention(q, past, k, v, key_bias, scale),
+        composed,
     )?;
     Ok(Some(out))
 }
