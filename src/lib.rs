@@ -31,7 +31,7 @@
 pub mod score;
 
 pub use kev_candle::{
-    qwen35, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown,
+    qwen35, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown, ModelId,
     PointerHead, Prefix, PrefixCache, PrefixCacheStats, Prefixed,
 };
 pub use kev_core::json;

@@ -259,8 +259,12 @@ impl Worker {
     /// The padded tokens of `shape` with `record` added (no lookups counted).
     fn tokens_with(&self, shape: &Shape, record: &EncodedRecord) -> usize {
         let ids = record.state_ids();
-        let warm =
-            shape.cold.contains(ids) || self.device.cache.as_ref().is_some_and(|c| c.contains(ids));
+        let warm = shape.cold.contains(ids)
+            || self
+                .device
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.contains(self.device.model.id(), ids));
         let new = (!warm).then_some(ids.len());
         let states = shape.cold.iter().map(Vec::len).chain(new);
         tokens(
@@ -289,7 +293,10 @@ impl Worker {
             let found = if shape.cold.contains(ids) {
                 None
             } else {
-                self.device.cache.as_ref().and_then(|c| c.get(ids))
+                self.device
+                    .cache
+                    .as_ref()
+                    .and_then(|c| c.get(self.device.model.id(), ids))
             };
             if found.is_none() {
                 shape.cold.insert(ids.to_vec());
