@@ -276,9 +276,9 @@ async fn slowloris(addr: SocketAddr, give_up: Duration) -> Option<Duration> {
         }
         sent += 1;
         let mut buf = [0u8; 64];
-        match tokio::time::timeout(Duration::from_millis(100), s.read(&mut buf)).await {
-            Ok(Ok(0) | Err(_)) => return Some(started.elapsed()),
-            Ok(Ok(_)) | Err(_) => {}
+        let read = tokio::time::timeout(Duration::from_millis(100), s.read(&mut buf)).await;
+        if let Ok(Ok(0) | Err(_)) = read {
+            return Some(started.elapsed());
         }
     }
     None

@@ -422,33 +422,18 @@ async fn a_batch_answer_reads_as_the_single_answers() {
 /// aborting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flags_out_of_range_are_refused_by_name() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut kev_serve::Config)>)> = vec![
-        (
-            "prefix-cache-mib",
-            Box::new(|c| c.prefix_cache_mib = 17_592_186_044_416),
-        ),
-        ("max-connections", Box::new(|c| c.max_connections = 1 << 61)),
-        (
-            "queue-capacity",
-            Box::new(|c| c.queue_capacity = 10_000_000_000),
-        ),
-        (
-            "max-wait-ms",
-            Box::new(|c| c.max_wait_ms = c.request_timeout_ms),
-        ),
-        ("header-timeout-ms", Box::new(|c| c.header_timeout_ms = 0)),
-        (
-            "header-timeout-ms",
-            Box::new(|c| c.header_timeout_ms = u64::MAX),
-        ),
-        (
-            "request-timeout-ms",
-            Box::new(|c| c.request_timeout_ms = u64::MAX),
-        ),
-        (
-            "max-request-records",
-            Box::new(|c| c.max_request_records = 0),
-        ),
+    type Set = fn(&mut kev_serve::Config);
+    let cases: Vec<(&str, Set)> = vec![
+        ("prefix-cache-mib", |c| {
+            c.prefix_cache_mib = 17_592_186_044_416
+        }),
+        ("max-connections", |c| c.max_connections = 1 << 61),
+        ("queue-capacity", |c| c.queue_capacity = 10_000_000_000),
+        ("max-wait-ms", |c| c.max_wait_ms = c.request_timeout_ms),
+        ("header-timeout-ms", |c| c.header_timeout_ms = 0),
+        ("header-timeout-ms", |c| c.header_timeout_ms = u64::MAX),
+        ("request-timeout-ms", |c| c.request_timeout_ms = u64::MAX),
+        ("max-request-records", |c| c.max_request_records = 0),
     ];
     for (name, set) in cases {
         let mut c = config(|_| {});

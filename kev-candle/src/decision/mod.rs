@@ -48,6 +48,7 @@ pub struct DecisionModel {
     checkpoint: Checkpoint,
     breakdown: LoadBreakdown,
     id: ModelId,
+    options: LoadOptions,
     /// Forwards (one record or a batch) replayed as CUDA graphs ([`LoadOptions::cuda_graphs`]).
     #[cfg(feature = "cuda")]
     graphs: Option<crate::graphs::Graphs>,
@@ -66,6 +67,7 @@ impl DecisionModel {
             checkpoint: loaded.checkpoint,
             breakdown: loaded.breakdown,
             id: loaded.id,
+            options: options.clone(),
         })
     }
 
@@ -73,6 +75,11 @@ impl DecisionModel {
     /// settings ([`ModelId`]). Prefixes carry it and are refused by other models.
     pub fn id(&self) -> ModelId {
         self.id
+    }
+
+    /// The options it was loaded with.
+    pub fn options(&self) -> &LoadOptions {
+        &self.options
     }
 
     /// Where the load's time went, for finding what makes a load slow.
