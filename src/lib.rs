@@ -31,9 +31,10 @@
 pub mod score;
 
 pub use kev_candle::{
-    qwen35, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown,
+    qwen35, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown, ModelId,
     PointerHead, Prefix, PrefixCache, PrefixCacheStats, Prefixed,
 };
+pub use kev_core::json;
 pub use kev_core::{
     Backend, BaseFiles, BaseRef, Checkpoint, DType, Encoder, Encoding, Error, JsonlRecords,
     KevConfig, LoadOptions, Question, Record, Result, Row,

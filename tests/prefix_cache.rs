@@ -166,3 +166,63 @@ fn cache_reuses_and_evicts_within_its_budget() {
     assert_eq!((s.entries, s.bytes, s.hits), (0, 0, 0));
     assert_eq!(s.rejected as usize, recs.len());
 }
+
+fn load(name: &str, lora_scale: f64) -> DecisionModel {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    let options = LoadOptions::default()
+        .with_backend(Backend::Cpu)
+        .with_lora_scale(lora_scale);
+    DecisionModel::load(dir, &options).unwrap()
+}
+
+/// A prefix carries the id of the model that made it: another adapter or another `lora_scale`
+/// refuses it (its activations are another model's), through `probs_with_prefix` and
+/// `probs_prefixed`; a cache shared by two models never hands one the other's prefix. Two loads
+/// of the same files with the same settings share an id and accept each other's prefixes.
+#[test]
+fn a_prefix_from_another_model_is_refused() {
+    let a = load("kev-small", 1.0);
+    let record = &records()[0];
+    let (_, prefix) = a.probs_and_prefix(record).unwrap();
+    assert_eq!(prefix.model(), a.id());
+
+    let same = load("kev-small", 1.0);
+    assert_eq!(same.id(), a.id());
+    let d = max_delta(
+        &same.probs_with_prefix(record, &prefix).unwrap(),
+        &same.probs(record).unwrap(),
+    );
+    assert!(d <= TOL, "{d:e}");
+
+    for other in [load("kev-small", 0.0), load("kev-rslora", 1.0)] {
+        assert_ne!(other.id(), a.id());
+        match other.probs_with_prefix(record, &prefix) {
+            Err(Error::Prefix { message }) => {
+                assert!(message.contains("another model"), "{message}")
+            }
+            r => panic!("another model's prefix: {:?}", r.map(|_| ())),
+        }
+        let encoded = other.encode_record(record).unwrap();
+        let given = Some(Arc::new(a.prefix(&record.state).unwrap()));
+        assert!(matches!(
+            other.probs_prefixed(&[encoded], &[given]),
+            Err(Error::Prefix { .. })
+        ));
+
+        // One cache, both models: each gets its own numbers.
+        let cache = PrefixCache::new(64 << 20);
+        let first = a
+            .probs_cached(std::slice::from_ref(record), &cache)
+            .unwrap();
+        let second = other
+            .probs_cached(std::slice::from_ref(record), &cache)
+            .unwrap();
+        let d = max_delta(&second[0], &other.probs(record).unwrap());
+        assert!(d <= TOL, "{d:e}");
+        let d = max_delta(&first[0], &a.probs(record).unwrap());
+        assert!(d <= TOL, "{d:e}");
+        assert_eq!(cache.stats().entries, 2);
+    }
+}

@@ -18,7 +18,7 @@ mod safetensors_header;
 pub mod weights;
 
 pub use decision::{
-    state_pass_tokens, DecisionModel, EncodedRecord, LoadBreakdown, Prefix, Prefixed,
+    state_pass_tokens, DecisionModel, EncodedRecord, LoadBreakdown, ModelId, Prefix, Prefixed,
 };
 pub use graphs::GraphStats;
 pub use head::PointerHead;

@@ -1,7 +1,8 @@
 //! [`PrefixCache`]: prefixes of states seen before, kept for the next records with the same state.
 //!
-//! Keyed by the state's exact token ids (a prefix is valid for exactly those ids, at any length:
-//! no block alignment), least recently used first out under a byte budget that counts the
+//! Keyed by the model that computed a prefix ([`ModelId`]) and the state's exact token ids (a
+//! prefix is valid for exactly that model and those ids, at any length: no block alignment), so
+//! models sharing one cache never see each other's prefixes; least recently used first out under a byte budget that counts the
 //! prefixes' device bytes ([`Prefix::bytes`]). Entries are shared read-only (`Arc`): a batch
 //! copies the rows it continues, so concurrent batches may use one entry.
 
@@ -10,7 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kev_core::{Record, Result};
 
-use crate::decision::{DecisionModel, Prefix, Prefixed};
+use crate::decision::{DecisionModel, ModelId, Prefix, Prefixed};
+
+/// An entry's key: the model that computed it, the state's token ids.
+type Key = (ModelId, Vec<u32>);
 
 /// Counters and sizes of a [`PrefixCache`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -38,9 +42,9 @@ pub struct PrefixCache {
 
 struct Inner {
     budget: usize,
-    entries: HashMap<Vec<u32>, Entry>,
+    entries: HashMap<Key, Entry>,
     /// Last use → key: the oldest first.
-    order: BTreeMap<u64, Vec<u32>>,
+    order: BTreeMap<u64, Key>,
     clock: u64,
     stats: PrefixCacheStats,
 }
@@ -72,12 +76,14 @@ impl PrefixCache {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The prefix of the state with token ids `state_ids`, if held (it becomes the most recent).
-    pub fn get(&self, state_ids: &[u32]) -> Option<Arc<Prefix>> {
+    /// The prefix `model` computed for the state with token ids `state_ids`, if held (it
+    /// becomes the most recent).
+    pub fn get(&self, model: ModelId, state_ids: &[u32]) -> Option<Arc<Prefix>> {
+        let key = (model, state_ids.to_vec());
         let mut inner = self.lock();
         let inner = &mut *inner;
         inner.clock += 1;
-        match inner.entries.get_mut(state_ids) {
+        match inner.entries.get_mut(&key) {
             Some(e) => {
                 let key = inner.order.remove(&e.used).expect("every entry is ordered");
                 e.used = inner.clock;
@@ -92,20 +98,24 @@ impl PrefixCache {
         }
     }
 
-    /// Whether the state with token ids `state_ids` is held (not a lookup: no counter moves).
-    pub fn contains(&self, state_ids: &[u32]) -> bool {
-        self.lock().entries.contains_key(state_ids)
+    /// Whether `model`'s prefix of the state with token ids `state_ids` is held (not a lookup:
+    /// no counter moves).
+    pub fn contains(&self, model: ModelId, state_ids: &[u32]) -> bool {
+        self.lock()
+            .entries
+            .contains_key(&(model, state_ids.to_vec()))
     }
 
-    /// Keeps `prefix` (keyed by its state's ids), dropping the least recently used entries
+    /// Keeps `prefix` (keyed by its model and its state's ids), dropping the least recently used entries
     /// until it fits. A prefix larger than the whole budget is not kept; one already held for
     /// the same ids is kept and refreshed. Returns whether `prefix`'s state is held now.
     pub fn insert(&self, prefix: Arc<Prefix>) -> bool {
         let bytes = prefix.bytes();
+        let key = (prefix.model(), prefix.state_ids().to_vec());
         let mut inner = self.lock();
         let inner = &mut *inner;
         inner.clock += 1;
-        if let Some(e) = inner.entries.get_mut(prefix.state_ids()) {
+        if let Some(e) = inner.entries.get_mut(&key) {
             let key = inner.order.remove(&e.used).expect("every entry is ordered");
             e.used = inner.clock;
             inner.order.insert(e.used, key);
@@ -124,7 +134,6 @@ impl PrefixCache {
                 inner.stats.evictions += 1;
             }
         }
-        let key = prefix.state_ids().to_vec();
         inner.order.insert(inner.clock, key.clone());
         inner.entries.insert(
             key,
@@ -189,7 +198,10 @@ impl DecisionModel {
             .iter()
             .map(|r| self.encode_record(r))
             .collect::<Result<Vec<_>>>()?;
-        let prefixes: Vec<_> = encoded.iter().map(|e| cache.get(e.state_ids())).collect();
+        let prefixes: Vec<_> = encoded
+            .iter()
+            .map(|e| cache.get(self.id(), e.state_ids()))
+            .collect();
         Ok(cache.keep(self.probs_prefixed(&encoded, &prefixes)?))
     }
 }

@@ -133,8 +133,8 @@ impl PyDecisionModel {
         Ok((arrays(py, probs), PyPrefix { inner: prefix }))
     }
 
-    /// Probabilities per question, reusing `prefix` (computed from the same state; a prefix of
-    /// another state raises `PrefixError`). The prefix is not changed and can be reused again.
+    /// Probabilities per question, reusing `prefix` (computed from the same state by this model;
+    /// a prefix of another state or from another model raises `PrefixError`). The prefix is not changed and can be reused again.
     fn probs_with_prefix<'py>(
         &self,
         py: Python<'py>,
@@ -199,6 +199,13 @@ impl PyDecisionModel {
         self.inner.head().temperature()
     }
 
+    /// This model's fingerprint (32 hex digits): equal for two loads of the same files with the
+    /// same settings; a `Prefix` made by a model with another id is refused.
+    #[getter]
+    fn model_id(&self) -> String {
+        self.inner.id().to_string()
+    }
+
     /// The weights' dtype: "f32", "bf16" or "f16".
     #[getter]
     fn dtype(&self) -> &'static str {
@@ -257,6 +264,12 @@ impl PyPrefix {
     #[getter]
     fn state(&self) -> &str {
         self.inner.state()
+    }
+
+    /// The `model_id` of the model that computed it: only that model accepts it.
+    #[getter]
+    fn model_id(&self) -> String {
+        self.inner.model().to_string()
     }
 
     /// Number of state tokens.

@@ -123,6 +123,16 @@ def test_prefix_is_reused_and_checked(small):
     assert isinstance(err.value, ValueError) and isinstance(err.value, kev.KevError)
 
 
+def test_a_prefix_from_another_model_is_refused(small):
+    r = records()[1]
+    _, prefix = small.probs_and_prefix(r)
+    assert prefix.model_id == small.model_id == load("kev-small").model_id
+    for other in [load("kev-small", 0.0), load("kev-rslora")]:
+        assert other.model_id != small.model_id
+        with pytest.raises(kev.PrefixError, match="another model"):
+            other.probs_with_prefix(r, prefix)
+
+
 def test_batch_equals_one_by_one(small):
     recs = records()
     batch = small.probs_batch(recs)

@@ -52,12 +52,20 @@ pub struct Config {
     /// Device memory for cached state prefixes, per device (0: no cache).
     #[arg(long, env = "KEV_PREFIX_CACHE_MIB", default_value_t = 1024)]
     pub prefix_cache_mib: usize,
+    /// Most records in one request; more get 413. A request's records run in batches of at most
+    /// `--max-batch-tokens`, so this bounds its time and the memory of its answers, not of a batch.
+    #[arg(long, env = "KEV_MAX_REQUEST_RECORDS", default_value_t = 1024)]
+    pub max_request_records: usize,
     /// Largest request body; larger ones get 413.
     #[arg(long, env = "KEV_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
     /// A request not answered within this time (body included) gets 504.
     #[arg(long, env = "KEV_REQUEST_TIMEOUT_MS", default_value_t = 30_000)]
     pub request_timeout_ms: u64,
+    /// A connection must send each request's line and headers within this time from its start
+    /// or its previous answer; a slower one (or one idle that long) is closed.
+    #[arg(long, env = "KEV_HEADER_TIMEOUT_MS", default_value_t = 10_000)]
+    pub header_timeout_ms: u64,
     /// Open connections at most; further ones wait to be accepted.
     #[arg(long, env = "KEV_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,
@@ -75,6 +83,11 @@ impl Config {
     /// The checkpoint folder to load.
     pub fn checkpoint_dir(&self) -> PathBuf {
         self.checkpoint.clone().unwrap_or_else(shipped_checkpoint)
+    }
+
+    /// The prefix cache's budget in bytes (none: more than a `usize` holds).
+    pub fn prefix_cache_bytes(&self) -> Option<usize> {
+        self.prefix_cache_mib.checked_mul(1 << 20)
     }
 
     /// The request timeout.

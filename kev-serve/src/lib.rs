@@ -8,9 +8,11 @@
 //! (axum): `POST /v1/score`, `GET /health`, `/ready`, `/metrics`, `/v1/model`.
 
 pub mod config;
+mod connections;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;
+mod throttle;
 
 pub use config::Config;
 pub use server::{Server, StartError};

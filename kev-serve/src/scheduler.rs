@@ -5,11 +5,15 @@
 //! `max_wait`, those that arrive) while the batch stays within `max_batch_tokens`. A batch's
 //! tokens are what the model will run, padding included: its distinct uncached states in passes
 //! grouped by length (`kev::state_pass_tokens`), plus all its branch rows padded to the longest.
-//! The batch then runs as one call of [`DecisionModel::probs_prefixed`] (cold states once, then
-//! every branch continuing its prefix) and the new prefixes go to the device's [`PrefixCache`].
-//! Requests whose client has gone are dropped before they run.
-
+//! Records are taken one by one, so a request larger than the budget is split: the batch takes
+//! the records that fit and the rest start the worker's next batch (a single record larger than
+//! the budget runs alone). A batch's working memory is therefore bounded by the budget however
+//! large the request. The batch runs as one call of [`DecisionModel::probs_prefixed`] (cold
+//! states once, then every branch continuing its prefix) and the new prefixes go to the
+//! device's [`PrefixCache`]. Requests whose client has gone are dropped before they run (and
+//! between their parts).
 use std::collections::HashSet;
+use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -20,6 +24,7 @@ use kev::{state_pass_tokens, DecisionModel, EncodedRecord, Prefix, PrefixCache};
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
+use crate::throttle::Throttle;
 
 /// Probabilities per record and question, or the library's message.
 pub type Reply = std::result::Result<Vec<Vec<Vec<f32>>>, String>;
@@ -27,6 +32,8 @@ pub type Reply = std::result::Result<Vec<Vec<Vec<f32>>>, String>;
 /// One request's records, waiting for a worker.
 pub struct Job {
     records: Vec<EncodedRecord>,
+    /// The probabilities of the records run so far (the first `answered.len()`).
+    answered: Vec<Vec<Vec<f32>>>,
     reply: oneshot::Sender<Reply>,
     queued: Instant,
 }
@@ -36,6 +43,7 @@ impl Job {
     pub fn new(records: Vec<EncodedRecord>) -> (Self, oneshot::Receiver<Reply>) {
         let (reply, rx) = oneshot::channel();
         let job = Self {
+            answered: Vec::with_capacity(records.len()),
             records,
             reply,
             queued: Instant::now(),
@@ -164,10 +172,22 @@ fn tokens(states: impl Iterator<Item = usize>, rows: usize, row_max: usize) -> u
     state_pass_tokens(&states.collect::<Vec<_>>()) + rows * row_max
 }
 
-/// A job taken from the queue, with the prefixes found for its records.
+/// A job taken from the queue: its records `range` run in this batch, with the prefixes found
+/// for them.
 struct Taken {
     job: Job,
+    range: Range<usize>,
     prefixes: Vec<Option<Arc<Prefix>>>,
+}
+
+/// What [`Worker::take`] did with a job.
+enum Took {
+    /// Its client has gone: dropped.
+    Gone,
+    /// None of its records fit: it starts the next batch.
+    Nothing(Job),
+    /// Its remaining records, or (`whole` false) the first of them, the batch then being full.
+    Records { taken: Taken, whole: bool },
 }
 
 struct Worker {
@@ -199,85 +219,115 @@ impl Worker {
 
     /// Jobs for one batch (none once the queue is closed and empty).
     fn gather(&mut self) -> Option<Vec<Taken>> {
-        let first = match self.carry.take() {
-            Some(job) => job,
-            None => self.rx.recv().ok()?,
+        let mut next = match self.carry.take() {
+            Some(job) => Some(job),
+            None => Some(self.rx.recv().ok()?),
         };
         let mut shape = Shape::default();
         let mut batch = Vec::new();
-        batch.extend(self.take(first, &mut shape));
         let deadline = Instant::now() + self.policy.max_wait;
-        while shape.tokens() < self.policy.max_batch_tokens {
-            let job = match self.rx.try_recv() {
-                Ok(job) => job,
-                Err(_) if self.policy.max_wait.is_zero() => break,
-                Err(_) => match self.rx.recv_deadline(deadline) {
+        loop {
+            let job = match next.take() {
+                Some(job) => job,
+                None if shape.tokens() >= self.policy.max_batch_tokens => break,
+                None => match self.rx.try_recv() {
                     Ok(job) => job,
-                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                    Err(_) if self.policy.max_wait.is_zero() => break,
+                    Err(_) => match self.rx.recv_deadline(deadline) {
+                        Ok(job) => job,
+                        Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                    },
                 },
             };
-            if self.tokens_with(&shape, &job) > self.policy.max_batch_tokens {
-                self.carry = Some(job);
-                break;
+            match self.take(job, &mut shape, batch.is_empty()) {
+                Took::Gone => {}
+                Took::Nothing(job) => {
+                    self.carry = Some(job);
+                    break;
+                }
+                Took::Records { taken, whole } => {
+                    batch.push(taken);
+                    if !whole {
+                        break;
+                    }
+                }
             }
-            batch.extend(self.take(job, &mut shape));
         }
         Some(batch)
     }
 
-    /// The padded tokens of `shape` with `job` added (no lookups counted).
-    fn tokens_with(&self, shape: &Shape, job: &Job) -> usize {
-        let mut new: HashSet<&[u32]> = HashSet::new();
-        let (mut rows, mut row_max) = (shape.rows, shape.row_max);
-        for r in &job.records {
-            let ids = r.state_ids();
-            let warm = shape.cold.contains(ids)
-                || self.device.cache.as_ref().is_some_and(|c| c.contains(ids));
-            if !warm {
-                new.insert(ids);
-            }
-            rows += r.questions();
-            row_max = row_max.max(r.longest_branch());
-        }
-        let states = shape
-            .cold
-            .iter()
-            .map(Vec::len)
-            .chain(new.iter().map(|s| s.len()));
-        tokens(states, rows, row_max)
+    /// The padded tokens of `shape` with `record` added (no lookups counted).
+    fn tokens_with(&self, shape: &Shape, record: &EncodedRecord) -> usize {
+        let ids = record.state_ids();
+        let warm = shape.cold.contains(ids)
+            || self
+                .device
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.contains(self.device.model.id(), ids));
+        let new = (!warm).then_some(ids.len());
+        let states = shape.cold.iter().map(Vec::len).chain(new);
+        tokens(
+            states,
+            shape.rows + record.questions(),
+            shape.row_max.max(record.longest_branch()),
+        )
     }
 
-    /// Looks `job`'s states up and adds it to `shape`; none if its client has gone.
-    fn take(&self, job: Job, shape: &mut Shape) -> Option<Taken> {
+    /// Takes the records of `job` not run yet, in order, while they fit `shape`'s budget (the
+    /// first record of a batch always does), looking their states up; drops `job` if its
+    /// client has gone.
+    fn take(&self, job: Job, shape: &mut Shape, batch_empty: bool) -> Took {
         if job.reply.is_closed() {
             self.metrics.abandoned.inc();
-            return None;
+            return Took::Gone;
         }
-        self.metrics
-            .queue_wait
-            .observe(job.queued.elapsed().as_secs_f64());
-        let prefixes = job
-            .records
-            .iter()
-            .map(|r| {
-                let ids = r.state_ids();
-                let found = if shape.cold.contains(ids) {
-                    None
-                } else {
-                    self.device.cache.as_ref().and_then(|c| c.get(ids))
-                };
-                if found.is_none() {
-                    shape.cold.insert(ids.to_vec());
-                }
-                shape.rows += r.questions();
-                shape.row_max = shape.row_max.max(r.longest_branch());
-                found
-            })
-            .collect();
-        Some(Taken { job, prefixes })
+        let start = job.answered.len();
+        let mut prefixes = Vec::new();
+        for (k, r) in job.records[start..].iter().enumerate() {
+            let first = batch_empty && k == 0;
+            if !first && self.tokens_with(shape, r) > self.policy.max_batch_tokens {
+                break;
+            }
+            let ids = r.state_ids();
+            let found = if shape.cold.contains(ids) {
+                None
+            } else {
+                self.device
+                    .cache
+                    .as_ref()
+                    .and_then(|c| c.get(self.device.model.id(), ids))
+            };
+            if found.is_none() {
+                shape.cold.insert(ids.to_vec());
+            }
+            shape.rows += r.questions();
+            shape.row_max = shape.row_max.max(r.longest_branch());
+            prefixes.push(found);
+        }
+        if prefixes.is_empty() {
+            return Took::Nothing(job);
+        }
+        if start == 0 {
+            self.metrics
+                .queue_wait
+                .observe(job.queued.elapsed().as_secs_f64());
+        }
+        let end = start + prefixes.len();
+        let whole = end == job.records.len();
+        Took::Records {
+            taken: Taken {
+                job,
+                range: start..end,
+                prefixes,
+            },
+            whole,
+        }
     }
 
-    fn execute(&self, batch: Vec<Taken>) {
+    /// Runs `batch` and answers the jobs it completes; a job with records left starts the next
+    /// batch.
+    fn execute(&mut self, batch: Vec<Taken>) {
         if batch.is_empty() {
             return;
         }
@@ -285,7 +335,7 @@ impl Worker {
         let model = &self.device.model;
         let records: Vec<EncodedRecord> = batch
             .iter()
-            .flat_map(|t| t.job.records.iter().cloned())
+            .flat_map(|t| t.job.records[t.range.clone()].iter().cloned())
             .collect();
         let prefixes: Vec<Option<Arc<Prefix>>> =
             batch.iter().flat_map(|t| t.prefixes.clone()).collect();
@@ -329,13 +379,20 @@ impl Worker {
         match result {
             Ok(probs) => {
                 let mut probs = probs.into_iter();
-                for t in batch {
-                    let mine: Vec<_> = probs.by_ref().take(t.job.records.len()).collect();
-                    let _ = t.job.reply.send(Ok(mine));
+                for mut t in batch {
+                    t.job.answered.extend(probs.by_ref().take(t.range.len()));
+                    if t.job.answered.len() == t.job.records.len() {
+                        let _ = t.job.reply.send(Ok(t.job.answered));
+                    } else {
+                        self.carry = Some(t.job);
+                    }
                 }
             }
             Err(message) => {
-                tracing::error!(%message, records = records.len(), "batch failed");
+                static FAILED: Throttle = Throttle::new();
+                if let Some(left_out) = FAILED.check(Instant::now()) {
+                    tracing::error!(%message, records = records.len(), left_out, "batch failed");
+                }
                 for t in batch {
                     let _ = t.job.reply.send(Err(message.clone()));
                 }

@@ -14,17 +14,20 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kev::score::RecordOut;
 use kev::{Backend, DecisionModel, EncodedRecord, LoadOptions, PrefixCache, Record};
+use rayon::prelude::*;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
 use crate::config::Config;
+use crate::connections::{self, Limits};
 use crate::metrics::Metrics;
 use crate::scheduler::{BatchPolicy, DeviceModel, Job, Scheduler, SubmitError};
+use crate::throttle::log_failure;
 
 /// What can stop the server from starting.
 #[derive(Debug, thiserror::Error)]
@@ -77,7 +80,7 @@ pub struct Server {
     addr: SocketAddr,
     app: Arc<App>,
     stop: watch::Sender<bool>,
-    serving: Option<JoinHandle<std::io::Result<()>>>,
+    serving: Option<JoinHandle<()>>,
     loading: Option<JoinHandle<Result<Duration, StartError>>>,
 }
 
@@ -102,19 +105,14 @@ impl Server {
             draining: AtomicBool::new(false),
             config,
         });
-        let (stop, mut stopped) = watch::channel(false);
+        let (stop, stopped) = watch::channel(false);
         let router = router(Arc::clone(&app));
-        let listener = LimitedListener {
-            inner: listener,
-            permits: Arc::new(Semaphore::new(app.config.max_connections)),
+        let limits = Limits {
+            max_connections: app.config.max_connections,
+            header_timeout: Duration::from_millis(app.config.header_timeout_ms),
+            drain_timeout: app.config.request_timeout(),
         };
-        let serving = tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.wait_for(|s| *s).await;
-                })
-                .await
-        });
+        let serving = tokio::spawn(connections::serve(listener, router, limits, stopped));
         let loader = Arc::clone(&app);
         let loading = tokio::task::spawn_blocking(move || load(&loader));
         Ok(Self {
@@ -149,12 +147,13 @@ impl Server {
     }
 
     /// Graceful shutdown: stops accepting connections, answers every request already accepted
-    /// (queued ones run), closes idle connections, then stops the workers.
+    /// (queued ones run), closes idle connections and, a request timeout later, any still open
+    /// (a client still sending its headers or body), then stops the workers.
     pub async fn shutdown(mut self) -> std::io::Result<()> {
         self.app.draining.store(true, Ordering::SeqCst);
         let _ = self.stop.send(true);
         let served = match self.serving.take() {
-            Some(h) => h.await.unwrap_or_else(|e| Err(std::io::Error::other(e))),
+            Some(h) => h.await.map_err(std::io::Error::other),
             None => Ok(()),
         };
         if let Some(h) = self.loading.take() {
@@ -176,30 +175,69 @@ impl Server {
     }
 }
 
+/// Flags out of range, each refused with its name and its limit.
 fn check(config: &Config) -> Result<(), StartError> {
-    let positive = [
-        ("max-batch-tokens", config.max_batch_tokens),
-        ("queue-capacity", config.queue_capacity),
-        ("max-connections", config.max_connections),
-        ("max-body-bytes", config.max_body_bytes),
-        ("devices", config.devices.len()),
+    let refuse = |name, message: String| Err(StartError::Setting { name, message });
+    let at_least_one = [
+        ("max-batch-tokens", config.max_batch_tokens as u64),
+        ("queue-capacity", config.queue_capacity as u64),
+        ("max-connections", config.max_connections as u64),
+        ("max-body-bytes", config.max_body_bytes as u64),
+        ("max-request-records", config.max_request_records as u64),
+        ("devices", config.devices.len() as u64),
+        ("request-timeout-ms", config.request_timeout_ms),
+        ("header-timeout-ms", config.header_timeout_ms),
     ];
-    for (name, v) in positive {
+    for (name, v) in at_least_one {
         if v == 0 {
-            return Err(StartError::Setting {
-                name,
-                message: "must be at least 1".into(),
-            });
+            return refuse(name, "must be at least 1".into());
         }
     }
-    if config.request_timeout_ms == 0 {
-        return Err(StartError::Setting {
-            name: "request-timeout-ms",
-            message: "must be at least 1".into(),
-        });
+    let at_most = [
+        ("queue-capacity", config.queue_capacity as u64, MAX_SLOTS),
+        ("max-connections", config.max_connections as u64, MAX_SLOTS),
+        (
+            "request-timeout-ms",
+            config.request_timeout_ms,
+            MAX_TIMEOUT_MS,
+        ),
+        (
+            "header-timeout-ms",
+            config.header_timeout_ms,
+            MAX_TIMEOUT_MS,
+        ),
+    ];
+    for (name, v, max) in at_most {
+        if v > max {
+            return refuse(name, format!("{v} is more than the most allowed, {max}"));
+        }
+    }
+    if config.prefix_cache_bytes().is_none() {
+        return refuse(
+            "prefix-cache-mib",
+            format!(
+                "{} MiB is more bytes than this machine can address",
+                config.prefix_cache_mib
+            ),
+        );
+    }
+    if config.max_wait_ms >= config.request_timeout_ms {
+        return refuse(
+            "max-wait-ms",
+            format!(
+                "{} must be less than --request-timeout-ms ({}): a lone request would wait past its timeout",
+                config.max_wait_ms, config.request_timeout_ms
+            ),
+        );
     }
     Ok(())
 }
+
+/// The most queue slots or connections (the queue allocates its slots at start; far more
+/// connections than file descriptors could ever be open).
+const MAX_SLOTS: u64 = 1 << 20;
+/// The longest timeout, a day (timer deadlines must stay representable).
+const MAX_TIMEOUT_MS: u64 = 86_400_000;
 
 /// Loads one model per distinct device (workers on one device share it and its prefix cache)
 /// and starts the workers.
@@ -219,8 +257,10 @@ fn load(app: &App) -> Result<Duration, StartError> {
                     .with_lora_scale(c.lora_scale)
                     .with_cuda_graphs(!c.no_cuda_graphs);
                 let model = Arc::new(DecisionModel::load(&dir, &options)?);
-                let cache = (c.prefix_cache_mib > 0)
-                    .then(|| Arc::new(PrefixCache::new(c.prefix_cache_mib << 20)));
+                let cache = c
+                    .prefix_cache_bytes()
+                    .filter(|&b| b > 0)
+                    .map(|b| Arc::new(PrefixCache::new(b)));
                 let d = DeviceModel { model, cache };
                 loaded.push((backend, d.clone()));
                 d
@@ -269,9 +309,19 @@ fn router(app: Arc<App>) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such endpoint", None) })
+        .method_not_allowed_fallback(|method: axum::http::Method| async move {
+            error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("method {method} is not allowed on this endpoint"),
+                None,
+            )
+        })
         .layer(
             ServiceBuilder::new()
-                .layer(TraceLayer::new_for_http())
+                .layer(
+                    TraceLayer::new_for_http()
+                        .on_failure(|class, _latency, _span: &tracing::Span| log_failure(class)),
+                )
                 .layer(CatchPanicLayer::custom(|_| {
                     error(
                         StatusCode::INTERNAL_SERVER_ERROR,
@@ -333,28 +383,39 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn score(State(app): State<Arc<App>>, req: Request) -> Response {
-    let arrived = Instant::now();
-    let timeout = app.config.request_timeout();
-    let response = match tokio::time::timeout(timeout, score_inner(&app, req)).await {
-        Ok(r) => r,
-        Err(_) => {
-            // The body may be unread: the connection closes after this answer.
-            let mut r = error(
-                StatusCode::GATEWAY_TIMEOUT,
-                format!("not answered within {} ms", timeout.as_millis()),
-                None,
-            );
-            r.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            r
-        }
+    let mut observed = Observed {
+        metrics: &app.metrics,
+        arrived: Instant::now(),
+        code: None,
     };
-    app.metrics
-        .observe_request(response.status().as_u16(), arrived.elapsed().as_secs_f64());
+    let deadline = tokio::time::Instant::now() + app.config.request_timeout();
+    let response = score_inner(&app, req, deadline).await;
+    observed.code = Some(response.status().as_u16());
     response
 }
 
-async fn score_inner(app: &App, req: Request) -> Response {
+/// Counts a request in the metrics when its handler ends: with its answer's status, or as 499
+/// when the client went away first (the handler was dropped), so every request is counted.
+struct Observed<'a> {
+    metrics: &'a Metrics,
+    arrived: Instant,
+    code: Option<u16>,
+}
+
+impl Drop for Observed<'_> {
+    fn drop(&mut self) {
+        self.metrics.observe_request(
+            self.code.unwrap_or(CLIENT_CLOSED),
+            self.arrived.elapsed().as_secs_f64(),
+        );
+    }
+}
+
+/// The status counted for a request whose client closed the connection before the answer
+/// (nginx's 499; never sent).
+const CLIENT_CLOSED: u16 = 499;
+
+async fn score_inner(app: &App, req: Request, deadline: tokio::time::Instant) -> Response {
     let Some(engine) = app.engine.get() else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -362,6 +423,17 @@ async fn score_inner(app: &App, req: Request) -> Response {
             None,
         );
     };
+    // Records are plain JSON: a compressed body would otherwise read as malformed JSON.
+    if let Some(coding) = req.headers().get(header::CONTENT_ENCODING) {
+        let coding = String::from_utf8_lossy(coding.as_bytes());
+        if !coding.trim().eq_ignore_ascii_case("identity") {
+            return closing(error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("content-encoding `{coding}` is not supported: send the JSON uncompressed"),
+                None,
+            ));
+        }
+    }
     // A body announced over the limit is refused before it is read.
     let announced = req
         .headers()
@@ -370,33 +442,50 @@ async fn score_inner(app: &App, req: Request) -> Response {
     if announced.is_some_and(|n| n > app.config.max_body_bytes as u64) {
         return too_large(app.config.max_body_bytes);
     }
-    let body = match Bytes::from_request(req, &()).await {
-        Ok(b) => b,
-        Err(rejection) => {
+    let timeout_ms = app.config.request_timeout_ms;
+    let body = match tokio::time::timeout_at(deadline, Bytes::from_request(req, &())).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(rejection)) => {
             let code = rejection.status();
             if code == StatusCode::PAYLOAD_TOO_LARGE {
                 return too_large(app.config.max_body_bytes);
             }
-            return error(code, rejection.body_text(), None);
+            return closing(error(code, rejection.body_text(), None));
+        }
+        // The client's fault: its body did not all arrive (the rest is unread: close).
+        Err(_) => {
+            return closing(error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the request body did not arrive within {timeout_ms} ms"),
+                None,
+            ))
         }
     };
-    let (records, batched) = match parse(&body) {
+    let (records, batched) = match parse(&body, app.config.max_request_records) {
         Ok(r) => r,
         Err(e) => return e,
     };
-    let mut encoded = Vec::with_capacity(records.len());
-    for (i, r) in records.iter().enumerate() {
-        match engine.encoder.encode_record(r) {
-            Ok(e) => encoded.push(e),
-            Err(e) => return invalid(i, batched, &e),
-        }
-    }
+    let (records, encoded) = match encode(&engine.encoder, records).await {
+        Ok(done) => done,
+        Err(response) => return response,
+    };
+    let encoded = match encoded.into_iter().collect::<Result<Vec<_>, _>>() {
+        Ok(encoded) => encoded,
+        Err((i, e)) => return invalid(i, batched, &e),
+    };
     let probs = if encoded.is_empty() {
         Vec::new()
     } else {
-        match submit(engine, encoded).await {
-            Ok(p) => p,
-            Err(r) => return r,
+        match tokio::time::timeout_at(deadline, submit(engine, encoded)).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(r)) => return r,
+            Err(_) => {
+                return error(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!("not answered within {timeout_ms} ms"),
+                    None,
+                )
+            }
         }
     };
     let outs: Vec<RecordOut<'_>> = records
@@ -404,24 +493,64 @@ async fn score_inner(app: &App, req: Request) -> Response {
         .zip(&probs)
         .map(|(r, p)| RecordOut::new(r, p))
         .collect();
+    // Both forms serialize each record with `score`'s `RecordOut`, so an answer reads the same
+    // (fields in order, probabilities as f32) alone, in a batch and in `score`'s output.
     if batched {
-        Json(json!({ "records": outs })).into_response()
+        Json(Answers { records: &outs }).into_response()
     } else {
         Json(&outs[0]).into_response()
     }
 }
 
-/// 413, closing the connection: the rest of the body is not read, so the connection cannot
-/// carry another request (and the client must not reuse it).
-fn too_large(limit: usize) -> Response {
-    let mut r = error(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        format!("the body is larger than {limit} bytes"),
-        None,
-    );
+/// A batch's answer: `{"records": [...]}`.
+#[derive(serde::Serialize)]
+struct Answers<'a> {
+    records: &'a [RecordOut<'a>],
+}
+
+/// `r`, closing the connection after it (the rest of the request is unread).
+fn closing(mut r: Response) -> Response {
     r.headers_mut()
         .insert(header::CONNECTION, HeaderValue::from_static("close"));
     r
+}
+
+/// 413, closing the connection: the rest of the body is not read, so the connection cannot
+/// carry another request (and the client must not reuse it).
+fn too_large(limit: usize) -> Response {
+    closing(error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("the body is larger than {limit} bytes"),
+        None,
+    ))
+}
+
+/// A request's records encoded off the async workers (a long state takes milliseconds to
+/// tokenize, time a worker would not serve other connections), several records in parallel on
+/// rayon's pool; each failure carries its record's index. The records come back for the answer.
+#[allow(clippy::type_complexity)]
+async fn encode(
+    model: &Arc<DecisionModel>,
+    records: Vec<Record>,
+) -> Result<(Vec<Record>, Vec<Result<EncodedRecord, (usize, kev::Error)>>), Response> {
+    let model = Arc::clone(model);
+    tokio::task::spawn_blocking(move || {
+        let one = |(i, r): (usize, &Record)| model.encode_record(r).map_err(|e| (i, e));
+        let encoded = if records.len() > 1 {
+            records.par_iter().enumerate().map(one).collect()
+        } else {
+            records.iter().enumerate().map(one).collect()
+        };
+        (records, encoded)
+    })
+    .await
+    .map_err(|e| {
+        error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding the records failed: {e}"),
+            None,
+        )
+    })
 }
 
 async fn submit(
@@ -457,17 +586,30 @@ async fn submit(
     }
 }
 
-/// The records of a body: one record, or `{"records": [...]}` (then `true`).
+/// The records of a body: one record, or `{"records": [...]}` (then `true`), at most
+/// `max_records` of them. The JSON is read as strictly as `score` and Python read it (a
+/// duplicate key is an error); an object with `records` beside other fields is a record, and
+/// so refused for its unknown field.
 #[allow(clippy::result_large_err)]
-fn parse(body: &[u8]) -> Result<(Vec<Record>, bool), Response> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            format!("the body is not valid JSON: {e}"),
-            None,
-        )
-    })?;
-    match value.get("records") {
+fn parse(body: &[u8], max_records: usize) -> Result<(Vec<Record>, bool), Response> {
+    let malformed = |message: String| error(StatusCode::BAD_REQUEST, message, None);
+    let text =
+        std::str::from_utf8(body).map_err(|e| malformed(format!("the body is not UTF-8: {e}")))?;
+    let value = kev::json::parse_strict(text)
+        .map_err(|e| malformed(format!("the body is not valid JSON: {e}")))?;
+    let batch = match &value {
+        Value::Object(o) if o.len() == 1 => o.get("records"),
+        _ => None,
+    };
+    match batch {
+        Some(Value::Array(items)) if items.len() > max_records => Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request has {} records; at most {max_records} are taken in one request (--max-request-records)",
+                items.len()
+            ),
+            Some(json!({"field": "records"})),
+        )),
         Some(Value::Array(items)) => items
             .iter()
             .enumerate()
@@ -521,98 +663,4 @@ fn invalid(index: usize, batched: bool, e: &kev::Error) -> Response {
         message,
         Some(json!({"record": index, "field": field})),
     )
-}
-
-/// The listener under a connection limit: a connection holds a permit until it closes, and
-/// accepting waits for one.
-struct LimitedListener {
-    inner: TcpListener,
-    permits: Arc<Semaphore>,
-}
-
-/// A connection holding its permit.
-struct LimitedIo {
-    stream: tokio::net::TcpStream,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl axum::serve::Listener for LimitedListener {
-    type Io = LimitedIo;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let permit = Arc::clone(&self.permits)
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
-        loop {
-            match self.inner.accept().await {
-                Ok((stream, addr)) => {
-                    let _ = stream.set_nodelay(true);
-                    return (
-                        LimitedIo {
-                            stream,
-                            _permit: permit,
-                        },
-                        addr,
-                    );
-                }
-                // Out of file descriptors and the like: wait, as axum's own listener does.
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        self.inner.local_addr()
-    }
-}
-
-impl tokio::io::AsyncRead for LimitedIo {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl tokio::io::AsyncWrite for LimitedIo {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
 }

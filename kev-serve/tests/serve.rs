@@ -148,6 +148,7 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
     let server = start(config(|c| {
         c.max_body_bytes = limit;
         c.request_timeout_ms = 500;
+        c.max_request_records = 4;
     }))
     .await;
     let addr = server.addr();
@@ -224,6 +225,29 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
             "second record invalid",
         ),
         (vec![b' '; limit + 1], 413, "over the body limit"),
+        (
+            json!({"records": vec![good.clone(); 5]}).to_string().into(),
+            413,
+            "more records than --max-request-records",
+        ),
+        (
+            br#"{"state": "a", "state": "b", "questions": [{"prompt": "p", "options": ["x"]}]}"#
+                .to_vec(),
+            400,
+            "duplicate key",
+        ),
+        (
+            br#"{"records": [], "records": []}"#.to_vec(),
+            400,
+            "duplicate records key",
+        ),
+        (
+            json!({"state": "s", "questions": [{"prompt": "p", "options": ["a"]}], "records": [good]})
+                .to_string()
+                .into(),
+            422,
+            "a record with a records field",
+        ),
     ];
     for (body, code, what) in &corpus {
         let r = client
@@ -242,6 +266,13 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
                 .is_some_and(|m| !m.is_empty()),
             "{what}"
         );
+        if *what == "duplicate key" {
+            let m = e["error"]["message"].as_str().unwrap();
+            assert!(m.contains("duplicate key `state`"), "{m}");
+        }
+        if *what == "a record with a records field" {
+            assert_eq!(e["error"]["field"], "records", "{e}");
+        }
         if *what == "second record invalid" {
             assert_eq!(e["error"]["record"], 1);
             assert_eq!(e["error"]["field"], "questions");
@@ -256,21 +287,37 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
         raw(addr, &post_head(limit * 4), b"", Duration::from_secs(5)).await,
         413
     );
-    // A body that never arrives in full: 504 at the request timeout.
+    // A body that never arrives in full, by its length or unterminated chunks: the client's
+    // fault, 408 at the request timeout.
     assert_eq!(
         raw(addr, &post_head(100), b"{\"state\"", Duration::from_secs(5)).await,
-        504
+        408
     );
-    // Wrong method, unknown path.
+    let chunked = "POST /v1/score HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n";
     assert_eq!(
-        client
-            .get(url(addr, "/v1/score"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        405
+        raw(addr, chunked, b"5\r\n{\"sta\r\n", Duration::from_secs(5)).await,
+        408
     );
+    // A compressed body: 415, not "not valid JSON".
+    let r = client
+        .post(url(addr, "/v1/score"))
+        .header("content-encoding", "gzip")
+        .body(vec![0x1f, 0x8b, 8, 0])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 415);
+    let e: Value = r.json().await.unwrap();
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("gzip"),
+        "{e}"
+    );
+    // Wrong method: 405 with the documented error body.
+    let r = client.get(url(addr, "/v1/score")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], 405, "{e}");
+    // Unknown path.
     assert_eq!(
         client
             .get(url(addr, "/nope"))
@@ -290,6 +337,158 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
     assert_eq!(r.status(), 200);
     let m = metrics_text(&client, addr).await;
     assert_eq!(metric(&m, "kev_requests_total{code=\"500\"}"), 0.0, "{m}");
+    assert_eq!(metric(&m, "kev_requests_total{code=\"504\"}"), 0.0, "{m}");
+    server.shutdown().await.unwrap();
+}
+
+/// 300 records in one request under a 256-token budget: they run in many batches, each within
+/// the budget, so a request's working memory does not grow with its size; the answers are the
+/// library's, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_request_runs_in_batches_within_the_token_budget() {
+    let budget = 256;
+    let server = start(config(|c| {
+        c.max_batch_tokens = budget;
+        c.prefix_cache_mib = 0;
+    }))
+    .await;
+    let addr = server.addr();
+    let model = model();
+    let values: Vec<Value> = (0..300)
+        .map(|i| {
+            json!({"id": format!("r{i}"), "state": format!("Day {i}: it rains."),
+                        "questions": [{"prompt": "Umbrella?", "options": ["yes", "no"]}]})
+        })
+        .collect();
+    let client = reqwest::Client::new();
+    let r = client
+        .post(url(addr, "/v1/score"))
+        .json(&json!({ "records": values }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let answer: Value = r.json().await.unwrap();
+    let answers = answer["records"].as_array().unwrap();
+    assert_eq!(answers.len(), values.len());
+    for (i, (got, v)) in answers.iter().zip(&values).enumerate() {
+        assert_eq!(got["id"], v["id"]);
+        let d = max_delta(&probs_of(got), &model.probs(&record(v)).unwrap());
+        assert!(d <= TOL, "record {i}: {d:e}");
+    }
+    let m = metrics_text(&client, addr).await;
+    let batches = metric(&m, "kev_batches_total");
+    let tokens = metric(&m, "kev_batch_tokens_sum");
+    // Every batch runs at most `budget` tokens (padding included), so at least this many.
+    assert!(
+        batches * budget as f64 >= tokens && batches > 1.0,
+        "{batches} batches for {tokens} tokens"
+    );
+    server.shutdown().await.unwrap();
+}
+
+/// A batch's answer is the single answers joined: one formatter (fields in order,
+/// probabilities as f32, as `score` prints them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_answer_reads_as_the_single_answers() {
+    let server = start(config(|_| {})).await;
+    let addr = server.addr();
+    let values = record_values();
+    let client = reqwest::Client::new();
+    let post = |body: Value| {
+        let client = client.clone();
+        async move {
+            let r = client
+                .post(url(addr, "/v1/score"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            r.text().await.unwrap()
+        }
+    };
+    let batch = post(json!({ "records": values[..3] })).await;
+    let mut singles = Vec::new();
+    for v in &values[..3] {
+        singles.push(post(v.clone()).await);
+    }
+    assert_eq!(batch, format!("{{\"records\":[{}]}}", singles.join(",")));
+    assert!(singles[0].starts_with("{\"id\":"), "{}", singles[0]);
+    server.shutdown().await.unwrap();
+}
+
+/// Flags out of range are refused at start with their name, never wrapped, panicking or
+/// aborting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flags_out_of_range_are_refused_by_name() {
+    type Set = fn(&mut kev_serve::Config);
+    let cases: Vec<(&str, Set)> = vec![
+        ("prefix-cache-mib", |c| {
+            c.prefix_cache_mib = 17_592_186_044_416
+        }),
+        ("max-connections", |c| c.max_connections = 1 << 61),
+        ("queue-capacity", |c| c.queue_capacity = 10_000_000_000),
+        ("max-wait-ms", |c| c.max_wait_ms = c.request_timeout_ms),
+        ("header-timeout-ms", |c| c.header_timeout_ms = 0),
+        ("header-timeout-ms", |c| c.header_timeout_ms = u64::MAX),
+        ("request-timeout-ms", |c| c.request_timeout_ms = u64::MAX),
+        ("max-request-records", |c| c.max_request_records = 0),
+    ];
+    for (name, set) in cases {
+        let mut c = config(|_| {});
+        set(&mut c);
+        match kev_serve::Server::start(c).await {
+            Err(kev_serve::StartError::Setting { name: n, message }) => {
+                assert_eq!(n, name, "{message}")
+            }
+            Err(e) => panic!("{name}: {e}"),
+            Ok(_) => panic!("{name}: accepted"),
+        }
+    }
+}
+
+/// A client that sends its whole request and then closes its sending side gets its answer; one
+/// that closes the connection outright is still counted in the metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_close_after_sending_are_answered_and_counted() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = start(config(|_| {})).await;
+    let addr = server.addr();
+    let body = record_values()[0].to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(post_head(body.len()).as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut answer))
+        .await
+        .expect("no answer after a half-close")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    let n = 20;
+    for _ in 0..n {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(post_head(body.len()).as_bytes()).await.unwrap();
+        s.write_all(body.as_bytes()).await.unwrap();
+    }
+    let client = reqwest::Client::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let m = metrics_text(&client, addr).await;
+        let counted = metric(&m, "kev_requests_total");
+        if counted >= (n + 1) as f64 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{counted} of {} requests counted: {m}",
+            n + 1
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     server.shutdown().await.unwrap();
 }
 

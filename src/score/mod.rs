@@ -61,6 +61,12 @@ pub trait Scorer: Sync {
     fn default_batch_tokens(&self) -> usize {
         CPU_BATCH_TOKENS
     }
+    /// What its numbers depend on, as a JSON object kept beside a partial output
+    /// ([`Output::claim`]): `resume` continues a partial output only with an equal one. By
+    /// default, nothing (`{}`).
+    fn run_identity(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
 }
 
 impl Scorer for DecisionModel {
@@ -77,6 +83,21 @@ impl Scorer for DecisionModel {
 
     fn probs_encoded(&self, records: &[EncodedRecord]) -> kev_core::Result<Vec<Vec<Vec<f32>>>> {
         DecisionModel::probs_encoded(self, records)
+    }
+
+    /// The model's id ([`DecisionModel::id`]) and, to name what differs, what it covers that a
+    /// user sets: the checkpoint folder, `lora_scale`, the dtypes and the device.
+    fn run_identity(&self) -> serde_json::Value {
+        let dir = &self.checkpoint().dir;
+        serde_json::json!({
+            "model": self.id().to_string(),
+            "checkpoint": std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone()),
+            "lora_scale": self.options().lora_scale,
+            "dtype": self.weights_dtype().as_str(),
+            "activation_dtype": self.activation_dtype().as_str(),
+            "device": format!("{:?}", self.device().location()),
+            "prefill_chunk": self.options().prefill_chunk,
+        })
     }
 
     fn default_batch_tokens(&self) -> usize {
@@ -361,6 +382,11 @@ pub fn score<S: Scorer>(
         (false, true) => (Some(output.open()?), 0),
         (false, false) => (None, 0),
     };
+    // The partial file records what wrote it; a resumed one must have been written by this
+    // model with these settings.
+    if let Some(out) = &mut out {
+        out.claim(&model.run_identity())?;
+    }
     let mut resume = match (complete, output.partial_path()) {
         (0, _) | (_, None) => None,
         (_, Some(partial)) => Some(Resuming::new(partial, complete, output.target())?),

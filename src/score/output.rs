@@ -294,7 +294,60 @@ enum Sink {
     Done,
 }
 
+/// `.NAME.partial.run` beside the partial file `.NAME.partial`: what wrote it
+/// ([`Output::claim`]).
+fn run_path(partial: &Path) -> PathBuf {
+    let mut name = partial.as_os_str().to_owned();
+    name.push(".run");
+    PathBuf::from(name)
+}
+
 impl Output {
+    /// Ties a replaced target's partial file to the run writing it: `run` (the model and the
+    /// settings its numbers depend on, [`super::Scorer::run_identity`]) is kept in
+    /// `.NAME.partial.run` beside it, written before any line. A resumed partial file with lines
+    /// is continued only by a run whose `run` is equal; one with another, or with none
+    /// recorded, is [`ScoreError::Resume`] naming what differs. Nothing for other targets.
+    pub fn claim(&mut self, run: &serde_json::Value) -> Result<(), ScoreError> {
+        let Sink::Replace { partial, .. } = &self.sink else {
+            return Ok(());
+        };
+        let path = run_path(partial);
+        let refuse = |message: String| ScoreError::Resume {
+            partial: partial.clone(),
+            message: format!("{message}; run without --resume to start afresh"),
+        };
+        if self.lines > 0 {
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(refuse(format!(
+                        "it does not record what wrote it (`{}` is missing), so it may be another model's output",
+                        path.display()
+                    )))
+                }
+                Err(e) => {
+                    return Err(ScoreError::output(
+                        &self.target,
+                        format!("reading `{}`", path.display()),
+                        e,
+                    ))
+                }
+            };
+            let theirs: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+            if &theirs != run {
+                return Err(refuse(format!(
+                    "it was written with another model or settings ({})",
+                    differences(&theirs, run)
+                )));
+            }
+            return Ok(());
+        }
+        std::fs::write(&path, format!("{run}\n")).map_err(|e| {
+            ScoreError::output(&self.target, format!("writing `{}`", path.display()), e)
+        })
+    }
+
     /// The target as given.
     pub fn target(&self) -> &Path {
         &self.target
@@ -389,6 +442,8 @@ impl Output {
                 }
                 std::fs::rename(&partial, &dest)
                     .map_err(|e| fail(format!("renaming `{p}` over it"), e))?;
+                // The output is complete: nothing is left to resume.
+                let _ = std::fs::remove_file(run_path(&partial));
                 drop(file);
                 let dir = match dest.parent() {
                     Some(d) if !d.as_os_str().is_empty() => d,
@@ -413,9 +468,28 @@ impl Drop for Output {
         {
             if *remove_unused && self.lines == 0 {
                 let _ = std::fs::remove_file(partial);
+                let _ = std::fs::remove_file(run_path(partial));
             }
         }
     }
+}
+
+/// The fields of two run identities that differ: "`lora_scale`: 1.0 there, 0.0 here".
+fn differences(theirs: &serde_json::Value, ours: &serde_json::Value) -> String {
+    let (Some(a), Some(b)) = (theirs.as_object(), ours.as_object()) else {
+        return format!("{theirs} there, {ours} here");
+    };
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| {
+            let show = |v: Option<&serde_json::Value>| v.map_or("none".into(), |v| v.to_string());
+            format!("`{k}`: {} there, {} here", show(a.get(k)), show(b.get(k)))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A broken pipe means the reader left before the end: the output is incomplete, so it is an

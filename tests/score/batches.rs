@@ -11,7 +11,7 @@ use std::time::Duration;
 use kev::score::{score, OutputPlan, Quiet, ScoreError, ScoreOptions, Scorer, Summary};
 use kev::{DecisionModel, EncodedRecord, Record};
 
-use crate::common::{model, record_lines};
+use crate::common::{model, record_lines, write_run_file};
 
 /// The real model, noting the input lines of every batch it runs.
 struct Recording {
@@ -234,6 +234,7 @@ fn resume_with_token_batches_gives_the_full_run_bytes_from_every_cut() {
     for cut in cuts {
         let _ = std::fs::remove_file(&target);
         std::fs::write(&partial, &full[..cut]).unwrap();
+        write_run_file(&partial);
         let complete = line_ends.iter().filter(|&&e| e <= cut).count() as u64;
         let kept = ends.iter().copied().filter(|&e| e <= complete).max();
         let summary = score(model(), &input, &plan, &resume, &mut Quiet).unwrap();

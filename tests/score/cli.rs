@@ -5,7 +5,9 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
-use crate::common::{fixture, record_lines};
+use kev::score::Scorer;
+
+use crate::common::{fixture, model, record_lines};
 
 /// target/<profile>/deps/<this test> → target/<profile>/examples/score.
 fn score_bin() -> PathBuf {
@@ -184,6 +186,12 @@ fn interrupted_run_resumes_to_the_same_bytes() {
         .0
         + 10;
     std::fs::write(dir.path().join(".out.jsonl.partial"), &full[..cut]).unwrap();
+    // What the killed run recorded beside it: the shipped checkpoint, default settings.
+    std::fs::write(
+        dir.path().join(".out.jsonl.partial.run"),
+        model().run_identity().to_string(),
+    )
+    .unwrap();
     let out = score(&[
         "--batch-size",
         "2",
@@ -195,6 +203,49 @@ fn interrupted_run_resumes_to_the_same_bytes() {
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("records: 12 (4 resumed)"), "{err}");
     assert_eq!(std::fs::read(&target).unwrap(), full);
+    assert!(!dir.path().join(".out.jsonl.partial.run").exists());
+}
+
+/// A partial output continues only with the model and settings that wrote it: another
+/// `--lora-scale` or `--checkpoint`, or a partial file that records no run, is refused (exit 1,
+/// naming what differs) and the partial file keeps its complete lines.
+#[test]
+fn resume_with_another_model_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = dir.path().join("full.jsonl");
+    let out = score(&["--out", full.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let full = std::fs::read(full).unwrap();
+    let half = full.len() / 2;
+    let partial = dir.path().join(".out.jsonl.partial");
+    let run = dir.path().join(".out.jsonl.partial.run");
+    let target = dir.path().join("out.jsonl");
+    std::fs::write(&partial, &full[..half]).unwrap();
+    std::fs::write(&run, model().run_identity().to_string()).unwrap();
+    let rslora = fixture("kev-rslora");
+    let cases: [(&[&str], &str); 2] = [
+        (&["--lora-scale", "0"], "`lora_scale`: 1.0 there, 0.0 here"),
+        (&["--checkpoint", rslora.to_str().unwrap()], "`checkpoint`"),
+    ];
+    for (args, names) in cases {
+        let mut all = args.to_vec();
+        all.extend(["--resume", "--out", target.to_str().unwrap()]);
+        let out = score(&all);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("cannot resume") && err.contains(names),
+            "{args:?}: {err}"
+        );
+        let kept = std::fs::read(&partial).unwrap();
+        assert!(!kept.is_empty() && full.starts_with(&kept) && kept.ends_with(b"\n"));
+        assert!(!target.exists());
+    }
+    std::fs::remove_file(&run).unwrap();
+    let out = score(&["--resume", "--out", target.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("does not record what wrote it"), "{err}");
 }
 
 #[test]

@@ -43,3 +43,12 @@ pub fn permissions_bypassed(dir: &Path) -> bool {
     std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o755)).unwrap();
     bypassed
 }
+
+/// Writes what a run of [`model`] records beside its partial file `partial`
+/// (`.NAME.partial.run`), as a run killed after writing `partial` would have left it.
+pub fn write_run_file(partial: &Path) {
+    use kev::score::Scorer;
+    let mut run = partial.as_os_str().to_owned();
+    run.push(".run");
+    std::fs::write(run, model().run_identity().to_string()).unwrap();
+}

@@ -9,7 +9,7 @@ use kev::score::{score, OutputPlan, Progress, Quiet, ScoreError, ScoreOptions, S
 use kev::{DecisionModel, EncodedRecord, Record};
 use serde::Serialize;
 
-use crate::common::{fixture, model, record_lines};
+use crate::common::{fixture, model, record_lines, write_run_file};
 
 #[derive(Serialize)]
 struct QuestionOut<'a> {
@@ -141,6 +141,7 @@ fn resume_from_any_cut_gives_the_full_run_bytes() {
     for cut in cuts {
         let _ = std::fs::remove_file(&target);
         std::fs::write(&partial, &full[..cut]).unwrap();
+        write_run_file(&partial);
         let complete = ends.iter().filter(|&&e| e <= cut).count() as u64;
         let opts = ScoreOptions {
             resume: true,
@@ -179,6 +180,7 @@ fn resume_refuses_a_partial_file_of_other_records() {
         .map(|l| l.replace("\"r2\"", "\"zz\"") + "\n")
         .collect();
     std::fs::write(&partial, &forged).unwrap();
+    write_run_file(&partial);
     let err = run(&input, &target, &resume).unwrap_err();
     assert!(matches!(err, ScoreError::Resume { .. }), "{err}");
     assert!(err.to_string().contains("input line 2"), "{err}");

@@ -7,6 +7,7 @@ use std::time::Instant;
 use candle_core::DType;
 use kev_core::{Checkpoint, Encoder, Error, LoadOptions, Result};
 
+use super::identity::{Fingerprint, ModelId};
 use crate::device::{release_freed_memory, select_device, select_dtype, settle};
 use crate::executor::Executor;
 use crate::head::PointerHead;
@@ -20,6 +21,7 @@ pub(super) struct Loaded {
     pub(super) encoder: Encoder,
     pub(super) checkpoint: Checkpoint,
     pub(super) breakdown: LoadBreakdown,
+    pub(super) id: ModelId,
 }
 
 /// Where a load's time went ([`super::DecisionModel::load_breakdown`]), in seconds of wall-clock
@@ -188,8 +190,17 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     settle(&device)?;
     release_freed_memory();
     breakdown.settle_s = lap(&mut clock);
+    let id = Fingerprint {
+        checkpoint: &checkpoint,
+        options,
+        weights_dtype,
+        activation_dtype: dtype,
+        device: &device,
+    }
+    .id();
     breakdown.total_s = load_started.elapsed().as_secs_f64();
     Ok(Loaded {
+        id,
         executor: Executor::new(model, head, options.prefill_chunk),
         encoder,
         checkpoint,

@@ -27,11 +27,13 @@ use crate::head::{softmax, PointerHead};
 use crate::plan::{length_buckets, Plan};
 use crate::qwen35::{Cache, Model};
 
+mod identity;
 mod load;
 mod prefix;
 mod prefixed;
 
 pub use crate::plan::state_pass_tokens;
+pub use identity::ModelId;
 pub use load::LoadBreakdown;
 pub use prefix::Prefix;
 pub use prefixed::{EncodedRecord, Prefixed};
@@ -45,6 +47,8 @@ pub struct DecisionModel {
     encoder: Encoder,
     checkpoint: Checkpoint,
     breakdown: LoadBreakdown,
+    id: ModelId,
+    options: LoadOptions,
     /// Forwards (one record or a batch) replayed as CUDA graphs ([`LoadOptions::cuda_graphs`]).
     #[cfg(feature = "cuda")]
     graphs: Option<crate::graphs::Graphs>,
@@ -62,7 +66,20 @@ impl DecisionModel {
             encoder: loaded.encoder,
             checkpoint: loaded.checkpoint,
             breakdown: loaded.breakdown,
+            id: loaded.id,
+            options: options.clone(),
         })
+    }
+
+    /// This model's fingerprint: the same for two loads of the same files with the same numeric
+    /// settings ([`ModelId`]). Prefixes carry it and are refused by other models.
+    pub fn id(&self) -> ModelId {
+        self.id
+    }
+
+    /// The options it was loaded with.
+    pub fn options(&self) -> &LoadOptions {
+        &self.options
     }
 
     /// Where the load's time went, for finding what makes a load slow.
@@ -186,6 +203,7 @@ impl DecisionModel {
                 .and_then(|ids| self.exec.state_cache(1, &pieces, &ids)),
         )?;
         Ok(Prefix {
+            model: self.id,
             state: state.to_string(),
             state_ids,
             cache,
@@ -285,7 +303,8 @@ impl DecisionModel {
     /// carries the record's prefix for reuse. Equal to scoring the records one by one.
     ///
     /// Errors: [`Error::InvalidArgument`] when the two slices differ in length,
-    /// [`Error::Prefix`] when a prefix's token ids are not its record's state's.
+    /// [`Error::Prefix`] when a prefix's token ids are not its record's state's or another model
+    /// computed it.
     pub fn probs_prefixed(
         &self,
         records: &[EncodedRecord],
@@ -302,7 +321,7 @@ impl DecisionModel {
         }
         recovered(
             self.device(),
-            prefixed::run_prefixed(&self.exec, records, prefixes),
+            prefixed::run_prefixed(&self.exec, self.id, records, prefixes),
         )
     }
 
@@ -314,6 +333,7 @@ impl DecisionModel {
         let (state, rows) = self.encode(record)?.rows();
         let computed = match given {
             Some(prefix) => {
+                prefix.check_model(self.id, "the prefix")?;
                 if prefix.state != record.state || prefix.state_ids != state {
                     return Err(Error::Prefix {
                         message: format!(

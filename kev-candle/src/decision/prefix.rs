@@ -1,15 +1,40 @@
 //! [`Prefix`]: a state run once, kept to score later records with the same state.
 
+use kev_core::{Error, Result};
+
+use super::identity::ModelId;
 use crate::qwen35::Cache;
 
-/// A state run once through the backbone, reusable for any record with the same state.
+/// A state run once through the backbone, reusable for any record with the same state by the
+/// model that made it ([`Prefix::model`]: another model's prefix is refused, since its cache
+/// holds that model's activations).
 pub struct Prefix {
+    pub(super) model: ModelId,
     pub(super) state: String,
     pub(super) state_ids: Vec<u32>,
     pub(super) cache: Cache,
 }
 
 impl Prefix {
+    /// The model that computed it ([`super::DecisionModel::id`]).
+    pub fn model(&self) -> ModelId {
+        self.model
+    }
+
+    /// [`Error::Prefix`] unless this prefix was computed by the model `model`; `whose` names the
+    /// prefix in the message.
+    pub(super) fn check_model(&self, model: ModelId, whose: &str) -> Result<()> {
+        if self.model == model {
+            return Ok(());
+        }
+        Err(Error::Prefix {
+            message: format!(
+                "{whose} was computed by another model (id {}) than this one (id {model}): a prefix is valid only for the model that made it (the same checkpoint files, lora_scale, dtype, device and prefill_chunk)",
+                self.model
+            ),
+        })
+    }
+
     /// The state text this prefix was computed from.
     pub fn state(&self) -> &str {
         &self.state

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use kev_core::{Error, Result, Row};
 
+use super::identity::ModelId;
 use super::prefix::Prefix;
 use crate::device::backend_err;
 use crate::executor::{read_per_row, Executor};
@@ -77,6 +78,7 @@ pub struct Prefixed {
 /// checks).
 pub(super) fn run_prefixed(
     exec: &Executor,
+    model: ModelId,
     records: &[EncodedRecord],
     prefixes: &[Option<Arc<Prefix>>],
 ) -> Result<Vec<Prefixed>> {
@@ -88,6 +90,7 @@ pub(super) fn run_prefixed(
     for (i, (rec, prefix)) in records.iter().zip(prefixes).enumerate() {
         match prefix {
             Some(p) => {
+                p.check_model(model, &format!("the prefix given for record {i}"))?;
                 if p.state_ids != rec.state_ids {
                     return Err(Error::Prefix {
                         message: format!(
@@ -182,6 +185,7 @@ pub(super) fn run_prefixed(
                     None => {
                         let (g, row) = cold_row[j];
                         let p = Arc::new(Prefix {
+                            model,
                             state: rec.state.clone(),
                             state_ids: rec.state_ids.clone(),
                             cache: cold_caches[g]

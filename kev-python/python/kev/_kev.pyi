@@ -23,6 +23,9 @@ class Prefix:
     @property
     def state(self) -> str:
         """The state text this prefix was computed from."""
+    @property
+    def model_id(self) -> str:
+        """The `model_id` of the model that computed it: only that model accepts it."""
     def __len__(self) -> int:
         """Number of state tokens."""
 
@@ -89,6 +92,10 @@ class DecisionModel:
     def head_dim(self) -> int: ...
     @property
     def temperature(self) -> float: ...
+    @property
+    def model_id(self) -> str:
+        """Fingerprint of the loaded model (32 hex digits): equal for two loads of the same
+        files with the same settings; a `Prefix` made by a model with another id is refused."""
     @property
     def dtype(self) -> str:
         """The weights' dtype: "f32", "bf16" or "f16"."""
