@@ -221,8 +221,10 @@ pub const DEFAULT_MAX_LINE_BYTES: usize = 64 << 20;
 /// [`Error::Record`] naming its line, and reading goes on with the next line, so a caller can
 /// skip bad records and report each one. A blank or whitespace-only line is such an error (it is
 /// not a record, and dropping it silently would hide a broken export), as are a line that is not
-/// UTF-8 and a line longer than the limit ([`DEFAULT_MAX_LINE_BYTES`]; its bytes are skipped, not
-/// kept). The only thing that is not a line is what follows the last newline when it is empty.
+/// UTF-8 and a line longer than the limit ([`DEFAULT_MAX_LINE_BYTES`]): its error comes as soon
+/// as the limit is passed, before the rest of the line is read (an endless line, `/dev/zero`, is
+/// refused after the limit), and the rest is skipped, not kept, when reading goes on. The only
+/// thing that is not a line is what follows the last newline when it is empty.
 /// A read error yields [`Error::Io`] naming `source` and ends the iteration. A UTF-8 byte order
 /// mark at the start of the input is ignored.
 #[derive(Debug)]
@@ -232,6 +234,8 @@ pub struct JsonlRecords<R: BufRead> {
     line: usize,
     buf: Vec<u8>,
     max_line_bytes: usize,
+    /// The rest of an overlong line, already reported, is still to be skipped.
+    skipping: bool,
     done: bool,
 }
 
@@ -244,6 +248,7 @@ impl<R: BufRead> JsonlRecords<R> {
             line: 0,
             buf: Vec::new(),
             max_line_bytes: DEFAULT_MAX_LINE_BYTES,
+            skipping: false,
             done: false,
         }
     }
@@ -264,12 +269,12 @@ impl<R: BufRead> JsonlRecords<R> {
         self.line
     }
 
-    /// Reads one line into `buf` (without its newline), keeping at most `max_line_bytes`.
-    /// Returns `None` at the end of the input, else whether the line was longer than the limit.
+    /// Reads one line into `buf` (without its newline). Returns `None` at the end of the input,
+    /// else whether the line is longer than `max_line_bytes`: then it returns as soon as the
+    /// limit is passed, and the next call first skips the rest of that line.
     fn read_line(&mut self) -> std::io::Result<Option<bool>> {
         self.buf.clear();
         let mut any = false;
-        let mut overlong = false;
         loop {
             let chunk = match self.reader.fill_buf() {
                 Ok(c) => c,
@@ -277,23 +282,29 @@ impl<R: BufRead> JsonlRecords<R> {
                 Err(e) => return Err(e),
             };
             if chunk.is_empty() {
-                return Ok(any.then_some(overlong));
+                self.skipping = false;
+                return Ok(any.then_some(false));
             }
-            any = true;
             let (part, used, ended) = match chunk.iter().position(|&b| b == b'\n') {
                 Some(i) => (&chunk[..i], i + 1, true),
                 None => (chunk, chunk.len(), false),
             };
-            let room = self.max_line_bytes.saturating_sub(self.buf.len());
+            if self.skipping {
+                self.reader.consume(used);
+                self.skipping = !ended;
+                continue;
+            }
+            any = true;
+            let room = self.max_line_bytes - self.buf.len();
             if part.len() > room {
-                overlong = true;
+                self.reader.consume(used);
+                self.skipping = !ended;
+                return Ok(Some(true));
             }
-            if !overlong {
-                self.buf.extend_from_slice(part);
-            }
+            self.buf.extend_from_slice(part);
             self.reader.consume(used);
             if ended {
-                return Ok(Some(overlong));
+                return Ok(Some(false));
             }
         }
     }
@@ -666,11 +677,16 @@ mod tests {
         assert!(records.next().unwrap().1.is_ok());
         assert!(records.next().unwrap().1.is_err());
         assert!(records.next().is_none());
-        // An endless line (as from `/dev/zero`) is one error after the limit, in bounded memory.
+        // An endless line (as from `/dev/zero`) is one error as soon as the limit is passed, in
+        // bounded memory, with the rest of the input unread.
         let zeros = std::io::BufReader::new(std::io::Read::take(std::io::repeat(0), 1 << 24));
         let mut records = JsonlRecords::new(zeros, "/dev/zero").with_max_line_bytes(1 << 10);
         assert!(records.next().unwrap().1.is_err());
         assert!(records.buf.capacity() <= 1 << 12);
+        let unread = records.reader.get_ref().limit();
+        assert!(unread >= (1 << 24) - (1 << 14), "{unread} bytes left unread");
+        // Reading on skips the rest of that line: the input ends with no more lines.
+        assert!(records.next().is_none());
     }
 
     #[test]

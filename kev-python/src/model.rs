@@ -7,11 +7,13 @@
 use std::path::PathBuf;
 
 use candle_core::DeviceLocation;
+use kev::score::Scorer;
 use kev::{Backend, DType, LoadOptions};
 use numpy::ndarray::{ArrayD, IxDyn};
 use numpy::{PyArray1, PyArrayDyn};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use rayon::prelude::*;
 
 use crate::errors::OrRaise;
 use crate::records;
@@ -22,6 +24,42 @@ fn arrays(py: Python<'_>, per_question: Vec<Vec<f32>>) -> Vec<Bound<'_, PyArray1
         .into_iter()
         .map(|v| PyArray1::from_vec(py, v))
         .collect()
+}
+
+/// `records` cut in order into batches of at most `budget` tokens ([`Scorer::tokens`]); a record
+/// over the budget is a batch of its own.
+fn token_batches(records: &[kev::EncodedRecord], budget: usize) -> Vec<&[kev::EncodedRecord]> {
+    let mut batches = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, r) in records.iter().enumerate() {
+        let t = r.tokens();
+        if i > start && tokens + t > budget {
+            batches.push(&records[start..i]);
+            (start, tokens) = (i, 0);
+        }
+        tokens += t;
+    }
+    if start < records.len() {
+        batches.push(&records[start..]);
+    }
+    batches
+}
+
+/// `e` from a batch starting at record `start` of the call, naming the record by its index in
+/// the call.
+fn in_call(e: kev::Error, start: usize) -> kev::Error {
+    match e {
+        kev::Error::NonFinite {
+            id,
+            index,
+            question,
+        } => kev::Error::NonFinite {
+            id,
+            index: start + index,
+            question,
+        },
+        e => e,
+    }
 }
 
 /// A Kev checkpoint loaded for scoring: backbone (LoRA folded in), pointer head and encoder.
@@ -156,15 +194,36 @@ impl PyDecisionModel {
     }
 
     /// Probabilities for many records at once (a list of per-question arrays per record, in
-    /// order): their states as one batch, then all their branches as one batch. Equal to
-    /// scoring them one by one within float rounding; the first invalid record raises.
+    /// order): the records are encoded in parallel and run in batches of the device's token
+    /// budget (as `score` runs them), each batch's states as one pass and its branches as
+    /// another. Equal to scoring them one by one within float rounding; the first invalid record
+    /// raises before any runs. Ctrl-C (any Python signal handler that raises) interrupts
+    /// between batches.
     fn probs_batch<'py>(
         &self,
         py: Python<'py>,
         records: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Vec<Bound<'py, PyArray1<f32>>>>> {
         let records = records::records(records)?;
-        let probs = py.detach(|| self.inner.probs_batch(&records)).or_raise()?;
+        let model = &self.inner;
+        let encoded: Vec<kev::EncodedRecord> = py
+            .detach(|| {
+                records
+                    .par_iter()
+                    .map(|r| model.encode_record(r))
+                    .collect::<kev::Result<_>>()
+            })
+            .or_raise()?;
+        let mut probs = Vec::with_capacity(encoded.len());
+        for batch in token_batches(&encoded, Scorer::default_batch_tokens(model)) {
+            py.check_signals()?;
+            let start = probs.len();
+            let done = py
+                .detach(|| model.probs_encoded(batch))
+                .map_err(|e| in_call(e, start))
+                .or_raise()?;
+            probs.extend(done);
+        }
         Ok(probs.into_iter().map(|p| arrays(py, p)).collect())
     }
 

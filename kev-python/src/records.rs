@@ -10,35 +10,60 @@ use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::errors::OrRaise;
 
-/// `json.dumps`, looked up once.
-static DUMPS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+/// `json.dumps` with its options for records (no NaN or infinity, numpy scalars as Python
+/// numbers), looked up once.
+static DUMPS: PyOnceLock<(Py<PyAny>, Py<PyDict>)> = PyOnceLock::new();
 
-/// The JSON text of `obj`: itself for text, `json.dumps(obj)` otherwise. Bytes that are not
-/// UTF-8, and objects that JSON cannot hold, are record errors worded as the library's reader
-/// words them.
+/// `json.dumps`'s `default`: a numpy scalar (an id or an answer taken from an array) is its
+/// Python number; anything else JSON cannot hold is refused, naming its type.
+#[pyfunction]
+fn json_default(obj: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    let py = obj.py();
+    if obj.is_instance(&py.import("numpy")?.getattr("generic")?)? {
+        return Ok(obj.call_method0("item")?.unbind());
+    }
+    Err(PyTypeError::new_err(format!(
+        "a value of type `{}` is not a JSON value",
+        obj.get_type().name()?
+    )))
+}
+
+/// The JSON text of `obj`: itself for text, `json.dumps(obj)` otherwise. Text that is not
+/// UTF-8 (bytes, or a str holding a lone surrogate), and objects that JSON cannot hold (NaN,
+/// infinity, other types), are record errors worded as the library's reader words them.
 pub fn json_text(obj: &Bound<'_, PyAny>, line: Option<usize>) -> PyResult<String> {
+    let not_utf8 = |e: String| Error::record(line, None, "", format!("not valid UTF-8: {e}"));
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(s.to_cow()?.into_owned());
+        return match s.to_str() {
+            Ok(s) => Ok(s.to_owned()),
+            Err(e) => Err(not_utf8(e.value(obj.py()).str()?.to_cow()?.into_owned())).or_raise(),
+        };
     }
     if let Ok(b) = obj.cast::<PyBytes>() {
         return std::str::from_utf8(b.as_bytes())
             .map(str::to_owned)
-            .map_err(|e| Error::record(line, None, "", format!("not valid UTF-8: {e}")))
+            .map_err(|e| not_utf8(e.to_string()))
             .or_raise();
     }
     let py = obj.py();
-    let dumps = DUMPS.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-        Ok(py.import("json")?.getattr("dumps")?.unbind())
+    let (dumps, options) = DUMPS.get_or_try_init(py, || -> PyResult<_> {
+        let options = PyDict::new(py);
+        options.set_item("allow_nan", false)?;
+        options.set_item("default", wrap_pyfunction!(json_default, py)?)?;
+        Ok((
+            py.import("json")?.getattr("dumps")?.unbind(),
+            options.unbind(),
+        ))
     })?;
-    match dumps.bind(py).call1((obj,)) {
-        Ok(text) => Ok(text.cast_into::<PyString>()?.to_cow()?.into_owned()),
+    match dumps.bind(py).call((obj,), Some(options.bind(py))) {
+        Ok(text) => Ok(text.cast_into::<PyString>()?.to_str()?.to_owned()),
         Err(e) => {
             let why = e.value(py).str()?.to_cow()?.into_owned();
             Err(Error::record(
                 line,
                 None,
                 "",
-                format!("not valid JSON: {why}"),
+                format!("not representable as JSON: {why}"),
             ))
             .or_raise()
         }

@@ -64,10 +64,33 @@ def test_bad_records_raise_the_librarys_errors(model, score_bin, tmp_path):
 
 
 def test_what_json_cannot_hold_is_a_record_error(model):
-    with pytest.raises(kev.RecordError, match=r"^record: not valid JSON: Object of type set"):
+    with pytest.raises(
+        kev.RecordError, match=r"^record: not representable as JSON: a value of type `set`"
+    ):
         model.probs({"state": "s", "questions": [{"prompt": "q", "options": {"a"}}]})
     with pytest.raises(kev.RecordError, match=r"^record: not valid UTF-8"):
         model.probs(b'{"state": "\xff", "questions": []}')
+    # NaN and infinity are not JSON: refused as such, not read as malformed JSON text.
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(kev.RecordError, match=r"^record: not representable as JSON: Out of range"):
+            model.probs({"id": bad, "state": "s", "questions": [{"prompt": "q", "options": ["a"]}]})
+    # A lone surrogate in text given as str is text that is not UTF-8.
+    with pytest.raises(kev.RecordError, match=r"^record: not valid UTF-8"):
+        model.probs('{"state": "\ud800", "questions": []}')
+
+
+def test_numpy_scalars_are_their_numbers(model):
+    import numpy as np
+
+    record = {"state": "s", "questions": [{"prompt": "q", "options": ["a", "b"], "answer": 1}]}
+    want = model.probs(record)
+    record["questions"][0]["answer"] = np.int64(1)
+    got = model.probs(record)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    # A numpy float where an index belongs is the library's field error, as a float would be.
+    record["questions"][0]["answer"] = np.float64(1.5)
+    with pytest.raises(kev.RecordError, match="answer"):
+        model.probs(record)
     with pytest.raises(TypeError, match="sequence of records"):
         model.probs_batch({"state": "s", "questions": [{"prompt": "q", "options": ["a"]}]})
 

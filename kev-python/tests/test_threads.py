@@ -63,3 +63,26 @@ def test_threads_share_a_prefix():
         t.join()
     assert len(out) == 4
     assert all(np.array_equal(a, b) for got in out for a, b in zip(got, want))
+
+def test_ctrl_c_interrupts_a_long_batch():
+    """A SIGINT (here `_thread.interrupt_main`, what Ctrl-C does) during `probs_batch` raises
+    KeyboardInterrupt at the next batch's start, not after the whole list: the list takes
+    several batches of the CPU's token budget, and the interrupt comes a tenth of the way in."""
+    import _thread
+
+    import pytest
+
+    model = kev.DecisionModel.load(FIXTURES / "kev-small", backend="cpu", dtype="f32")
+    recs = records() * 40
+    start = time.perf_counter()
+    model.probs_batch(recs)
+    whole = time.perf_counter() - start
+
+    timer = threading.Timer(whole / 10, _thread.interrupt_main)
+    start = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        model.probs_batch(recs)
+    interrupted = time.perf_counter() - start
+    timer.join()
+    assert interrupted < whole * 0.6, (interrupted, whole)

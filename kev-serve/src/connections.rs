@@ -28,6 +28,10 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tower::ServiceExt;
 
+/// Header fields hyper parses at most: past them it answers 431 with an empty body, so this is
+/// above the router's limit ([`crate::server::MAX_HEADERS`]).
+const MAX_HEADERS: usize = 2 * crate::server::MAX_HEADERS;
+
 /// How connections are bounded.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
@@ -95,6 +99,8 @@ async fn connection(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
+        // Above the router's own limit, which answers with a body (`server::head_limits`).
+        .max_headers(MAX_HEADERS)
         // A client may close its sending side once its request is sent and still get the answer.
         .half_close(true);
     let in_flight = Arc::new(AtomicUsize::new(0));

@@ -316,6 +316,7 @@ fn router(app: Arc<App>) -> Router {
                 None,
             )
         })
+        .layer(axum::middleware::from_fn(head_limits))
         .layer(
             ServiceBuilder::new()
                 .layer(
@@ -332,6 +333,43 @@ fn router(app: Arc<App>) -> Router {
                 .layer(DefaultBodyLimit::max(limit)),
         )
         .with_state(app)
+}
+
+/// The longest request target answered: longer ones get 414.
+const MAX_TARGET_BYTES: usize = 8 << 10;
+/// The most header fields, and their bytes, answered: more get 431. Both are below hyper's own
+/// limits (`connections::MAX_HEADERS`, and hyper's 64 KiB target and ~400 KB head), which
+/// answer with an empty body, so a client over these limits reads why.
+pub(crate) const MAX_HEADERS: usize = 100;
+const MAX_HEADER_BYTES: usize = 64 << 10;
+
+/// 414 and 431, with the error body every other answer has, for a request whose head is too
+/// large; the connection closes after it.
+async fn head_limits(req: Request, next: axum::middleware::Next) -> Response {
+    let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
+    if target > MAX_TARGET_BYTES {
+        return closing(error(
+            StatusCode::URI_TOO_LONG,
+            format!("the request target is {target} bytes, more than {MAX_TARGET_BYTES}"),
+            None,
+        ));
+    }
+    let headers = req.headers();
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return closing(error(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "{} header fields of {bytes} bytes: at most {MAX_HEADERS} fields and {MAX_HEADER_BYTES} bytes",
+                headers.len()
+            ),
+            None,
+        ));
+    }
+    next.run(req).await
 }
 
 /// An error answer: `{"error": {"code": 422, "message": ..., ...}}`.

@@ -317,6 +317,20 @@ async fn malformed_bodies_get_their_codes_and_the_server_keeps_serving() {
     assert_eq!(r.status(), 405);
     let e: Value = r.json().await.unwrap();
     assert_eq!(e["error"]["code"], 405, "{e}");
+    // A head too large: 414 and 431 with the same error body.
+    let long_target = format!("/v1/score?{}", "a".repeat(9 << 10));
+    let r = client.get(url(addr, &long_target)).send().await.unwrap();
+    assert_eq!(r.status(), 414);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], 414, "{e}");
+    let mut many = client.post(url(addr, "/v1/score"));
+    for i in 0..150 {
+        many = many.header(format!("x-h{i}"), "1");
+    }
+    let r = many.json(&record_values()[1]).send().await.unwrap();
+    assert_eq!(r.status(), 431);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], 431, "{e}");
     // Unknown path.
     assert_eq!(
         client

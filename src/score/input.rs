@@ -3,7 +3,9 @@
 //! A regular file is simply opened twice. Anything that can be read only once (stdin as `-`, a
 //! FIFO, `/dev/stdin`, a shell's `<(...)`) is copied during the validation pass into an
 //! unlinked temporary file in the system's temporary folder (`$TMPDIR`), which the scoring pass
-//! then reads; it takes disk, not memory, and disappears with the process.
+//! then reads; it takes disk, not memory, and disappears with the process. The copy keeps at
+//! most one byte past the line limit of each line (enough for the scoring pass to see the line
+//! as too long), so an endless or huge line costs no disk.
 
 use std::cell::Cell;
 use std::fs::File;
@@ -39,14 +41,19 @@ pub(crate) struct FirstPass<'a> {
     inner: Box<dyn Read + 'a>,
     spool: Option<BufWriter<File>>,
     pub(crate) spool_error: Option<io::Error>,
+    /// Bytes of the current line seen so far (the copy keeps at most `MAX_LINE_BYTES + 1`).
+    line_bytes: usize,
     read: Rc<Cell<u64>>,
 }
+
+/// The reader's line limit, which the copy keeps to.
+const MAX_LINE_BYTES: usize = kev_core::DEFAULT_MAX_LINE_BYTES;
 
 impl Read for FirstPass<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         if let Some(spool) = &mut self.spool {
-            if let Err(e) = spool.write_all(&buf[..n]) {
+            if let Err(e) = copy_bounded(spool, &buf[..n], &mut self.line_bytes, MAX_LINE_BYTES) {
                 self.spool_error = Some(e);
                 return Err(io::Error::other("the copy of the input failed"));
             }
@@ -128,6 +135,7 @@ impl Source {
                 inner,
                 spool,
                 spool_error: None,
+                line_bytes: 0,
                 read: read.clone(),
             },
             read,
@@ -177,6 +185,35 @@ impl FirstPass<'_> {
     }
 }
 
+/// Writes `bytes` to `spool`, keeping at most `max + 1` bytes of each line; `line_bytes`
+/// carries the current line's length across calls.
+fn copy_bounded(
+    spool: &mut impl Write,
+    bytes: &[u8],
+    line_bytes: &mut usize,
+    max: usize,
+) -> io::Result<()> {
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let (part, ended) = match rest.iter().position(|&b| b == b'\n') {
+            Some(i) => (&rest[..=i], true),
+            None => (rest, false),
+        };
+        let room = (max + 1).saturating_sub(*line_bytes);
+        // The newline itself is always kept, so the copy has the input's line numbers.
+        let text = if ended { &part[..part.len() - 1] } else { part };
+        spool.write_all(&text[..text.len().min(room)])?;
+        if ended {
+            spool.write_all(b"\n")?;
+            *line_bytes = 0;
+        } else {
+            *line_bytes = line_bytes.saturating_add(part.len());
+        }
+        rest = &rest[part.len()..];
+    }
+    Ok(())
+}
+
 pub(crate) fn spool_error(input: &Path, source: io::Error) -> ScoreError {
     ScoreError::Spool {
         input: input.to_path_buf(),
@@ -206,4 +243,21 @@ fn spool_file(input: &Path) -> Result<File, ScoreError> {
         .map_err(|e| spool_error(input, e))?;
     std::fs::remove_file(&path).map_err(|e| spool_error(input, e))?;
     Ok(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy_bounded;
+
+    #[test]
+    fn the_copy_keeps_one_byte_past_the_limit_of_each_line() {
+        let input = b"ab\nabcdefgh\nabc\nabcdefghij";
+        for step in [1, 2, 3, 5, input.len()] {
+            let (mut copy, mut line) = (Vec::new(), 0);
+            for piece in input.chunks(step) {
+                copy_bounded(&mut copy, piece, &mut line, 3).unwrap();
+            }
+            assert_eq!(copy, b"ab\nabcd\nabc\nabcd", "pieces of {step} bytes");
+        }
+    }
 }

@@ -91,6 +91,25 @@ fn dev_full_fails_naming_the_target() {
 }
 
 #[test]
+fn endless_line_is_refused_at_the_line_limit() {
+    // Read once, so copied for the scoring pass: the copy and the read stop at the line limit.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(score_bin())
+        .args(["--records", "/dev/zero"])
+        .env("TMPDIR", tmp.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("line 1: line is longer than 67108864 bytes"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
 fn full_stdout_fails() {
     let out = Command::new(score_bin())
         .stdout(

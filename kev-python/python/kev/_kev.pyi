@@ -84,7 +84,8 @@ class DecisionModel:
     def prefix(self, state: str) -> Prefix:
         """Runs the state text once into a Prefix."""
     def probs_batch(self, records: Iterable[RecordLike]) -> List[PerQuestion]:
-        """Probabilities for many records at once, in order."""
+        """Probabilities for many records at once, in order: run in batches of the device's token
+        budget, Ctrl-C interrupting between batches; the first invalid record raises before any runs."""
     @property
     def head(self) -> Dict[str, npt.NDArray[np.float32]]:
         """The pointer head's weights: q.weight [dim, hidden], q.bias [dim], k.weight, k.bias."""
