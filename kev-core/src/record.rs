@@ -684,7 +684,10 @@ mod tests {
         assert!(records.next().unwrap().1.is_err());
         assert!(records.buf.capacity() <= 1 << 12);
         let unread = records.reader.get_ref().limit();
-        assert!(unread >= (1 << 24) - (1 << 14), "{unread} bytes left unread");
+        assert!(
+            unread >= (1 << 24) - (1 << 14),
+            "{unread} bytes left unread"
+        );
         // Reading on skips the rest of that line: the input ends with no more lines.
         assert!(records.next().is_none());
     }

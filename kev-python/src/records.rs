@@ -34,8 +34,8 @@ fn json_default(obj: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
 pub fn json_text(obj: &Bound<'_, PyAny>, line: Option<usize>) -> PyResult<String> {
     let not_utf8 = |e: String| Error::record(line, None, "", format!("not valid UTF-8: {e}"));
     if let Ok(s) = obj.cast::<PyString>() {
-        return match s.to_str() {
-            Ok(s) => Ok(s.to_owned()),
+        return match s.to_cow() {
+            Ok(s) => Ok(s.into_owned()),
             Err(e) => Err(not_utf8(e.value(obj.py()).str()?.to_cow()?.into_owned())).or_raise(),
         };
     }
@@ -56,7 +56,7 @@ pub fn json_text(obj: &Bound<'_, PyAny>, line: Option<usize>) -> PyResult<String
         ))
     })?;
     match dumps.bind(py).call((obj,), Some(options.bind(py))) {
-        Ok(text) => Ok(text.cast_into::<PyString>()?.to_str()?.to_owned()),
+        Ok(text) => Ok(text.cast_into::<PyString>()?.to_cow()?.into_owned()),
         Err(e) => {
             let why = e.value(py).str()?.to_cow()?.into_owned();
             Err(Error::record(

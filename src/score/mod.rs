@@ -701,8 +701,9 @@ const CHUNK_RECORDS: usize = 256;
 /// Text bytes of a validation chunk at most (see [`CHUNK_RECORDS`]).
 const CHUNK_BYTES: usize = 8 << 20;
 
-/// The next records of the validation pass, each with its line, to be encoded in parallel; an
-/// I/O error ends the chunk (and the input).
+/// The next records of the validation pass, each with its line, to be encoded in parallel. A
+/// line that is not a record ends the chunk, so that a pass which stops at it reads no further
+/// (past an overlong line may lie the rest of an endless one).
 fn next_chunk<R: BufRead>(records: &mut JsonlRecords<R>) -> Vec<(usize, kev_core::Result<Record>)> {
     let mut chunk = Vec::new();
     let mut bytes = 0;
@@ -711,9 +712,9 @@ fn next_chunk<R: BufRead>(records: &mut JsonlRecords<R>) -> Vec<(usize, kev_core
             break;
         };
         bytes += record.as_ref().map_or(0, Record::text_bytes);
-        let io_failed = matches!(record, Err(kev_core::Error::Io { .. }));
+        let failed = record.is_err();
         chunk.push((line, record));
-        if io_failed {
+        if failed {
             break;
         }
     }
