@@ -19,7 +19,7 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install --quiet maturin pytest numpy "ray[data]"
+"$venv/bin/python" -m pip install --quiet maturin pytest numpy "ray[data,serve]"
 
 cargo build --release --example score
 export PATH="$venv/bin:$PATH"   # the virtualenv's maturin, for the build without isolation

@@ -17,8 +17,7 @@ fn _kev(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<model::PyDecisionModel>()?;
     m.add_class::<model::PyPrefix>()?;
     m.add_class::<model::PyEncoding>()?;
-    // The serving issue's prefix cache (`kev::PrefixCache`) is to be exposed here as a
-    // `kev.PrefixCache` class beside `Prefix`, once the library has it.
+    m.add_class::<model::PyPrefixCache>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

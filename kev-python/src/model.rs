@@ -227,6 +227,22 @@ impl PyDecisionModel {
         Ok(probs.into_iter().map(|p| arrays(py, p)).collect())
     }
 
+    /// `probs_batch` for records whose states may be in `cache`: those states do not run again,
+    /// and the prefixes of the others are kept there for the next call (a server's prefix cache,
+    /// as `kev-serve` keeps one). Equal to `probs_batch` within float rounding.
+    fn probs_cached<'py>(
+        &self,
+        py: Python<'py>,
+        records: &Bound<'py, PyAny>,
+        cache: &PyPrefixCache,
+    ) -> PyResult<Vec<Vec<Bound<'py, PyArray1<f32>>>>> {
+        let records = records::records(records)?;
+        let probs = py
+            .detach(|| self.inner.probs_cached(&records, &cache.inner))
+            .or_raise()?;
+        Ok(probs.into_iter().map(|p| arrays(py, p)).collect())
+    }
+
     /// The pointer head's weights, float32 arrays by their names in `head.safetensors`:
     /// `q.weight` [dim, hidden], `q.bias` [dim], `k.weight` [dim, hidden], `k.bias` [dim].
     #[getter]
@@ -420,6 +436,53 @@ impl PyEncoding {
             self.inner.ids.len(),
             self.inner.state_len,
             self.inner.branches.len()
+        )
+    }
+}
+
+/// Prefixes of states seen before, least recently used out first under a byte budget of their
+/// tensors; keyed by model and state tokens, so models may share one. Safe to share between
+/// threads.
+#[pyclass(frozen, module = "kev", name = "PrefixCache")]
+pub struct PyPrefixCache {
+    inner: kev::PrefixCache,
+}
+
+#[pymethods]
+impl PyPrefixCache {
+    /// A cache holding at most `budget_bytes` of prefix tensors (0 keeps nothing).
+    #[new]
+    fn new(budget_bytes: usize) -> Self {
+        PyPrefixCache {
+            inner: kev::PrefixCache::new(budget_bytes),
+        }
+    }
+
+    /// Counters and sizes: hits, misses, evictions, rejected (larger than the budget alone),
+    /// entries, bytes, budget.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("rejected", s.rejected)?;
+        d.set_item("entries", s.entries)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("budget", s.budget)?;
+        Ok(d)
+    }
+
+    /// Drops every entry (the counters stay).
+    fn clear(&self) {
+        self.inner.clear();
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.inner.stats();
+        format!(
+            "PrefixCache(entries={}, bytes={}, budget={})",
+            s.entries, s.bytes, s.budget
         )
     }
 }

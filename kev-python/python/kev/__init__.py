@@ -28,7 +28,7 @@ from ._errors import (
     RecordError,
     TooLongError,
 )
-from ._kev import DecisionModel, Encoding, Prefix, __version__
+from ._kev import DecisionModel, Encoding, Prefix, PrefixCache, __version__
 
 for _cls in (KevError, RecordError, TooLongError, PrefixError, ConfigError, ArgumentError,
              CheckpointError, DeviceError, BackendError):
@@ -38,6 +38,7 @@ del _cls
 __all__ = [
     "DecisionModel",
     "Prefix",
+    "PrefixCache",
     "Encoding",
     "KevError",
     "RecordError",

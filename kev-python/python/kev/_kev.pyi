@@ -29,6 +29,16 @@ class Prefix:
     def __len__(self) -> int:
         """Number of state tokens."""
 
+class PrefixCache:
+    """Prefixes of states seen before, least recently used out first under a byte budget;
+    keyed by model and state tokens. Threads may share it."""
+
+    def __init__(self, budget_bytes: int) -> None: ...
+    def stats(self) -> Dict[str, int]:
+        """hits, misses, evictions, rejected, entries, bytes, budget."""
+    def clear(self) -> None:
+        """Drops every entry (the counters stay)."""
+
 class Encoding:
     """A record encoded (KEV.md §2)."""
 
@@ -86,6 +96,9 @@ class DecisionModel:
     def probs_batch(self, records: Iterable[RecordLike]) -> List[PerQuestion]:
         """Probabilities for many records at once, in order: run in batches of the device's token
         budget, Ctrl-C interrupting between batches; the first invalid record raises before any runs."""
+    def probs_cached(self, records: Iterable[RecordLike], cache: PrefixCache) -> List[PerQuestion]:
+        """probs_batch, reusing the prefixes `cache` holds for the records' states and keeping
+        the new ones there."""
     @property
     def head(self) -> Dict[str, npt.NDArray[np.float32]]:
         """The pointer head's weights: q.weight [dim, hidden], q.bias [dim], k.weight, k.bias."""
