@@ -33,16 +33,8 @@ missing() {
 }
 need=$(missing)
 if [ -n "$need" ]; then
-  command -v apt-get >/dev/null || { echo "test-aarch64: missing $need, and no apt-get to install them" >&2; exit 1; }
-  sudo=()
-  if [ "$(id -u)" != 0 ]; then
-    command -v sudo >/dev/null || { echo "test-aarch64: missing $need; installing needs root or sudo" >&2; exit 1; }
-    sudo=(sudo)
-  fi
-  echo "test-aarch64: installing $need" >&2
   # shellcheck disable=SC2086  # $need is a list of package names
-  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
-    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $need >/dev/null
+  scripts/apt-install.sh test-aarch64 $need
   need=$(missing)
   [ -z "$need" ] || { echo "test-aarch64: still missing after apt-get: $need" >&2; exit 1; }
 fi
