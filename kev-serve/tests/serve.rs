@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
@@ -17,18 +18,9 @@ async fn answers_equal_the_library_in_order() {
     let client = reqwest::Client::new();
 
     // All records in one request, and each alone.
-    let r = client
-        .post(url(addr, "/v1/score"))
-        .json(&json!({ "records": values }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let answer: Value = r.json().await.unwrap();
-    let answers = answer["records"].as_array().unwrap();
-    assert_eq!(answers.len(), values.len());
+    let answers = batch_answers(&client, addr, &values).await;
     let mut worst = 0f32;
-    for (v, a) in values.iter().zip(answers) {
+    for (v, a) in values.iter().zip(&answers) {
         let rec = record(v);
         let want = model.probs(&rec).unwrap();
         assert_eq!(a["id"], v.get("id").cloned().unwrap_or(Value::Null));
@@ -375,16 +367,7 @@ async fn a_large_request_runs_in_batches_within_the_token_budget() {
         })
         .collect();
     let client = reqwest::Client::new();
-    let r = client
-        .post(url(addr, "/v1/score"))
-        .json(&json!({ "records": values }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let answer: Value = r.json().await.unwrap();
-    let answers = answer["records"].as_array().unwrap();
-    assert_eq!(answers.len(), values.len());
+    let answers = batch_answers(&client, addr, &values).await;
     for (i, (got, v)) in answers.iter().zip(&values).enumerate() {
         assert_eq!(got["id"], v["id"]);
         let d = max_delta(&probs_of(got), &model.probs(&record(v)).unwrap());
@@ -682,4 +665,19 @@ async fn a_full_queue_answers_503_with_retry_after() {
     }
     assert!(busy > 0);
     server.shutdown().await.unwrap();
+}
+
+/// The answers to `values` sent as one batch request (200 expected), one per record.
+async fn batch_answers(client: &reqwest::Client, addr: SocketAddr, values: &[Value]) -> Vec<Value> {
+    let r = client
+        .post(url(addr, "/v1/score"))
+        .json(&json!({ "records": values }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let answer: Value = r.json().await.unwrap();
+    let answers = answer["records"].as_array().unwrap().clone();
+    assert_eq!(answers.len(), values.len());
+    answers
 }
