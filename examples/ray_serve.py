@@ -13,9 +13,10 @@ state's requests across caches; here a request goes to the replica its state map
   queueing behind one (a bounded load). `--routing round-robin` (`RoundRobinRouter`) ignores the
   state, for comparison.
 - **HTTP**: `POST /v1/score` with one record answers what `kev-serve` and `score` answer for it
-  (`{"id", "questions": [{"id", "probs", "argmax", "option"}]}`), 422 with the library's message
-  for an invalid record, 400 for a body that is not JSON; the header `x-kev-replica` names the
-  replica. `GET /v1/cache` sums the replicas' cache counters as last reported.
+  (`{"id", "questions": [{"id", "probs", "argmax", "option"}]}`; the probabilities are the same
+  f32 values, written as Python floats), 422 with the library's message for an invalid record,
+  400 for a body that is not JSON; the header `x-kev-replica` names the replica. `GET /v1/cache`
+  sums the replicas' cache counters as last reported.
 
     python examples/ray_serve.py --replicas 2                     # serve on :8000 until Ctrl-C
     python examples/ray_serve.py bench --replicas 1 2 --routing state round-robin
@@ -73,6 +74,9 @@ class StateRouter(RequestRouter):
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # Every rank tried and full: back off before the next round (else it loops probing).
+            pending_request.routing_context.should_backoff = True
         key = state_key(pending_request)
         if key is None:
             return [candidate_replicas]
@@ -86,15 +90,18 @@ class StateRouter(RequestRouter):
 class RoundRobinRouter(RequestRouter):
     """Replicas in turn, whatever the state (the comparison `bench` makes)."""
 
-    _turn = itertools.count()
+    turn = 0
 
     async def choose_replicas(
         self,
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
         ranked = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-        start = next(self._turn) % len(ranked)
+        start = self.turn % len(ranked)
+        self.turn += 1
         return [[r] for r in ranked[start:] + ranked[:start]]
 
 
@@ -127,7 +134,8 @@ class KevReplica:
             probs = await asyncio.to_thread(self.model.probs_cached, texts, self.cache)
             results = [{"answer": answer(json.loads(t), p)} for t, p in zip(texts, probs)]
         except kev.KevError:
-            # Some record is invalid: each alone, so the others are answered and it gets its error.
+            # Some record is invalid: each alone, so the others are answered and it gets its error
+            # (the others run again: a batch with an invalid record is the rare case).
             results = [await asyncio.to_thread(self._one, t) for t in texts]
         stats = self.cache.stats()
         for r in results:
@@ -137,8 +145,10 @@ class KevReplica:
     def _one(self, text: str) -> Dict[str, Any]:
         try:
             return {"answer": answer(json.loads(text), self.model.probs_cached([text], self.cache)[0])}
-        except kev.KevError as e:
-            return {"error": str(e), "code": 413 if isinstance(e, kev.TooLongError) else 422}
+        except kev.RecordError as e:  # TooLongError included: the client's record, as kev-serve
+            return {"error": str(e), "code": 422}
+        except kev.KevError as e:  # the model's or the device's fault, not the client's
+            return {"error": str(e), "code": 500}
 
 
 class Ingress:
@@ -162,7 +172,9 @@ class Ingress:
             state = json.loads(text).get("state")
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
             return JSONResponse({"error": {"code": 400, "message": f"not a JSON record: {e}"}}, status_code=400)
-        key = hashlib.blake2b(str(state).encode("utf-8"), digest_size=16).digest()
+        # surrogatepass: a lone surrogate (valid JSON escape, not UTF-8) still routes; the
+        # replica refuses it with the library's message.
+        key = hashlib.blake2b(str(state).encode("utf-8", "surrogatepass"), digest_size=16).digest()
         result = await self.replicas.score.remote((key, text))
         self.cache[result["replica"]] = result["cache"]
         headers = {"x-kev-replica": result["replica"]}

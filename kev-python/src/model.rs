@@ -206,13 +206,13 @@ impl PyDecisionModel {
     ) -> PyResult<Vec<Vec<Bound<'py, PyArray1<f32>>>>> {
         let records = records::records(records)?;
         let model = &self.inner;
-        let encoded: Vec<kev::EncodedRecord> = py
-            .detach(|| {
-                records
-                    .par_iter()
-                    .map(|r| model.encode_record(r))
-                    .collect::<kev::Result<_>>()
-            })
+        // Collected whole, then the first error in input order (rayon's own collect into a
+        // Result would give any one of several).
+        let encoded: Vec<kev::Result<kev::EncodedRecord>> =
+            py.detach(|| records.par_iter().map(|r| model.encode_record(r)).collect());
+        let encoded = encoded
+            .into_iter()
+            .collect::<kev::Result<Vec<_>>>()
             .or_raise()?;
         let mut probs = Vec::with_capacity(encoded.len());
         for batch in token_batches(&encoded, Scorer::default_batch_tokens(model)) {
@@ -227,9 +227,10 @@ impl PyDecisionModel {
         Ok(probs.into_iter().map(|p| arrays(py, p)).collect())
     }
 
-    /// `probs_batch` for records whose states may be in `cache`: those states do not run again,
-    /// and the prefixes of the others are kept there for the next call (a server's prefix cache,
-    /// as `kev-serve` keeps one). Equal to `probs_batch` within float rounding.
+    /// Probabilities for records whose states may be in `cache`, as one batch (a server's batch:
+    /// no token-budget split, no Ctrl-C check): cached states do not run again, and the prefixes
+    /// of the others are kept there for the next call (as `kev-serve` keeps them). Equal to
+    /// `probs_batch` within float rounding.
     fn probs_cached<'py>(
         &self,
         py: Python<'py>,

@@ -5,7 +5,7 @@
 //! unlinked temporary file in the system's temporary folder (`$TMPDIR`), which the scoring pass
 //! then reads; it takes disk, not memory, and disappears with the process. The copy keeps at
 //! most one byte past the line limit of each line (enough for the scoring pass to see the line
-//! as too long), so an endless or huge line costs no disk.
+//! as too long), so a line costs at most the limit in disk however long it runs.
 
 use std::cell::Cell;
 use std::fs::File;

@@ -402,7 +402,7 @@ pub fn score<S: Scorer>(
         let mut records = JsonlRecords::new(BufReader::new(&mut reader), &name);
         let mut failed = None;
         'pass: loop {
-            let chunk = next_chunk(&mut records);
+            let chunk = next_chunk(&mut records, options.skip_invalid);
             if chunk.is_empty() {
                 break;
             }
@@ -701,10 +701,14 @@ const CHUNK_RECORDS: usize = 256;
 /// Text bytes of a validation chunk at most (see [`CHUNK_RECORDS`]).
 const CHUNK_BYTES: usize = 8 << 20;
 
-/// The next records of the validation pass, each with its line, to be encoded in parallel. A
-/// line that is not a record ends the chunk, so that a pass which stops at it reads no further
-/// (past an overlong line may lie the rest of an endless one).
-fn next_chunk<R: BufRead>(records: &mut JsonlRecords<R>) -> Vec<(usize, kev_core::Result<Record>)> {
+/// The next records of the validation pass, each with its line, to be encoded in parallel. An
+/// I/O error ends the chunk, and so does a line that is not a record unless such lines are
+/// skipped: a pass that stops at it reads no further (past an overlong line may lie the rest of
+/// an endless one).
+fn next_chunk<R: BufRead>(
+    records: &mut JsonlRecords<R>,
+    skip_invalid: bool,
+) -> Vec<(usize, kev_core::Result<Record>)> {
     let mut chunk = Vec::new();
     let mut bytes = 0;
     while chunk.len() < CHUNK_RECORDS && bytes < CHUNK_BYTES {
@@ -712,7 +716,11 @@ fn next_chunk<R: BufRead>(records: &mut JsonlRecords<R>) -> Vec<(usize, kev_core
             break;
         };
         bytes += record.as_ref().map_or(0, Record::text_bytes);
-        let failed = record.is_err();
+        let failed = match &record {
+            Err(kev_core::Error::Io { .. }) => true,
+            Err(_) => !skip_invalid,
+            Ok(_) => false,
+        };
         chunk.push((line, record));
         if failed {
             break;

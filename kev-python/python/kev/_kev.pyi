@@ -97,8 +97,8 @@ class DecisionModel:
         """Probabilities for many records at once, in order: run in batches of the device's token
         budget, Ctrl-C interrupting between batches; the first invalid record raises before any runs."""
     def probs_cached(self, records: Iterable[RecordLike], cache: PrefixCache) -> List[PerQuestion]:
-        """probs_batch, reusing the prefixes `cache` holds for the records' states and keeping
-        the new ones there."""
+        """Probabilities for the records as one batch (no token-budget split), reusing the
+        prefixes `cache` holds for their states and keeping the new ones there."""
     @property
     def head(self) -> Dict[str, npt.NDArray[np.float32]]:
         """The pointer head's weights: q.weight [dim, hidden], q.bias [dim], k.weight, k.bias."""
