@@ -66,8 +66,13 @@ def state_key(pending: Optional[PendingRequest]) -> Optional[bytes]:
     return arg[0] if isinstance(arg, tuple) and arg and isinstance(arg[0], bytes) else None
 
 
-class StateRouter(RequestRouter):
-    """Replicas ranked by rendezvous hashing of the request's state key, one a rank."""
+class RankedRouter(RequestRouter):
+    """A router whose `order` puts the replicas in the order to try them, one a rank: the first
+    takes the request unless it is full, then the next. `None`: no order, the least loaded."""
+
+    def order(self, replicas: List[RunningReplica],
+              pending: Optional[PendingRequest]) -> Optional[List[RunningReplica]]:
+        raise NotImplementedError
 
     async def choose_replicas(
         self,
@@ -77,32 +82,34 @@ class StateRouter(RequestRouter):
         if pending_request is not None:
             # Every rank tried and full: back off before the next round (else it loops probing).
             pending_request.routing_context.should_backoff = True
-        key = state_key(pending_request)
+        ordered = self.order(candidate_replicas, pending_request)
+        return [candidate_replicas] if ordered is None else [[r] for r in ordered]
+
+
+class StateRouter(RankedRouter):
+    """Replicas ranked by rendezvous hashing of the request's state key."""
+
+    def order(self, replicas, pending):
+        key = state_key(pending)
         if key is None:
-            return [candidate_replicas]
+            return None
 
         def weight(r: RunningReplica) -> bytes:
             return hashlib.blake2b(key + r.replica_id.unique_id.encode(), digest_size=8).digest()
 
-        return [[r] for r in sorted(candidate_replicas, key=weight, reverse=True)]
+        return sorted(replicas, key=weight, reverse=True)
 
 
-class RoundRobinRouter(RequestRouter):
+class RoundRobinRouter(RankedRouter):
     """Replicas in turn, whatever the state (the comparison `bench` makes)."""
 
     turn = 0
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: List[RunningReplica],
-        pending_request: Optional[PendingRequest] = None,
-    ) -> List[List[RunningReplica]]:
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True
-        ranked = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+    def order(self, replicas, pending):
+        ranked = sorted(replicas, key=lambda r: r.replica_id.unique_id)
         start = self.turn % len(ranked)
         self.turn += 1
-        return [[r] for r in ranked[start:] + ranked[:start]]
+        return ranked[start:] + ranked[:start]
 
 
 ROUTERS = {"state": StateRouter, "round-robin": RoundRobinRouter}

@@ -7,13 +7,12 @@
 use std::path::PathBuf;
 
 use candle_core::DeviceLocation;
-use kev::score::Scorer;
+use kev::score::{batch_ranges, Scorer};
 use kev::{Backend, DType, LoadOptions};
 use numpy::ndarray::{ArrayD, IxDyn};
 use numpy::{PyArray1, PyArrayDyn};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use rayon::prelude::*;
 
 use crate::errors::OrRaise;
 use crate::records;
@@ -24,25 +23,6 @@ fn arrays(py: Python<'_>, per_question: Vec<Vec<f32>>) -> Vec<Bound<'_, PyArray1
         .into_iter()
         .map(|v| PyArray1::from_vec(py, v))
         .collect()
-}
-
-/// `records` cut in order into batches of at most `budget` tokens ([`Scorer::tokens`]); a record
-/// over the budget is a batch of its own.
-fn token_batches(records: &[kev::EncodedRecord], budget: usize) -> Vec<&[kev::EncodedRecord]> {
-    let mut batches = Vec::new();
-    let (mut start, mut tokens) = (0, 0);
-    for (i, r) in records.iter().enumerate() {
-        let t = r.tokens();
-        if i > start && tokens + t > budget {
-            batches.push(&records[start..i]);
-            (start, tokens) = (i, 0);
-        }
-        tokens += t;
-    }
-    if start < records.len() {
-        batches.push(&records[start..]);
-    }
-    batches
 }
 
 /// `e` from a batch starting at record `start` of the call, naming the record by its index in
@@ -206,20 +186,21 @@ impl PyDecisionModel {
     ) -> PyResult<Vec<Vec<Bound<'py, PyArray1<f32>>>>> {
         let records = records::records(records)?;
         let model = &self.inner;
-        // Collected whole, then the first error in input order (rayon's own collect into a
-        // Result would give any one of several).
-        let encoded: Vec<kev::Result<kev::EncodedRecord>> =
-            py.detach(|| records.par_iter().map(|r| model.encode_record(r)).collect());
-        let encoded = encoded
-            .into_iter()
-            .collect::<kev::Result<Vec<_>>>()
+        let encoded = py
+            .detach(|| model.encode_records(&records))
+            .map_err(|(_, e)| e)
             .or_raise()?;
+        let batches = batch_ranges(
+            encoded.iter().map(kev::EncodedRecord::tokens),
+            Scorer::default_batch_tokens(model),
+            usize::MAX,
+        );
         let mut probs = Vec::with_capacity(encoded.len());
-        for batch in token_batches(&encoded, Scorer::default_batch_tokens(model)) {
+        for batch in batches {
             py.check_signals()?;
-            let start = probs.len();
+            let start = batch.start;
             let done = py
-                .detach(|| model.probs_encoded(batch))
+                .detach(|| model.probs_encoded(&encoded[batch]))
                 .map_err(|e| in_call(e, start))
                 .or_raise()?;
             probs.extend(done);

@@ -14,7 +14,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kev::score::RecordOut;
 use kev::{Backend, DecisionModel, EncodedRecord, LoadOptions, PrefixCache, Record};
-use rayon::prelude::*;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -507,7 +506,7 @@ async fn score_inner(app: &App, req: Request, deadline: tokio::time::Instant) ->
         Ok(done) => done,
         Err(response) => return response,
     };
-    let encoded = match encoded.into_iter().collect::<Result<Vec<_>, _>>() {
+    let encoded = match encoded {
         Ok(encoded) => encoded,
         Err((i, e)) => return invalid(i, batched, &e),
     };
@@ -564,21 +563,16 @@ fn too_large(limit: usize) -> Response {
 }
 
 /// A request's records encoded off the async workers (a long state takes milliseconds to
-/// tokenize, time a worker would not serve other connections), several records in parallel on
-/// rayon's pool; each failure carries its record's index. The records come back for the answer.
+/// tokenize, time a worker would not serve other connections), in parallel
+/// ([`DecisionModel::encode_records`]). The records come back for the answer.
 #[allow(clippy::type_complexity)]
 async fn encode(
     model: &Arc<DecisionModel>,
     records: Vec<Record>,
-) -> Result<(Vec<Record>, Vec<Result<EncodedRecord, (usize, kev::Error)>>), Response> {
+) -> Result<(Vec<Record>, Result<Vec<EncodedRecord>, (usize, kev::Error)>), Response> {
     let model = Arc::clone(model);
     tokio::task::spawn_blocking(move || {
-        let one = |(i, r): (usize, &Record)| model.encode_record(r).map_err(|e| (i, e));
-        let encoded = if records.len() > 1 {
-            records.par_iter().enumerate().map(one).collect()
-        } else {
-            records.iter().enumerate().map(one).collect()
-        };
+        let encoded = model.encode_records(&records);
         (records, encoded)
     })
     .await

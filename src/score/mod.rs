@@ -568,6 +568,26 @@ struct Span {
     tokens: u64,
 }
 
+/// The batches [`score`] cuts records of these token counts into ([`ScoreOptions::batch_tokens`]
+/// and [`ScoreOptions::batch_size`]'s rule), as ranges of their indices, in order.
+pub fn batch_ranges(
+    tokens: impl IntoIterator<Item = usize>,
+    batch_tokens: usize,
+    batch_size: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let mut batcher = Batcher::new(batch_tokens, batch_size);
+    let mut ends: Vec<u64> = tokens.into_iter().filter_map(|t| batcher.push(t)).collect();
+    ends.extend(batcher.finish());
+    let mut start = 0;
+    ends.into_iter()
+        .map(|end| {
+            let range = start..end as usize;
+            start = range.end;
+            range
+        })
+        .collect()
+}
+
 /// Closes batches by the token budget and the record cap from the records' token counts alone,
 /// so that the same input and options always give the same batches: what lets `resume` keep
 /// whole batches of an earlier run. Keeps a [`Span`] per batch, never a record.
@@ -1055,4 +1075,20 @@ struct PreviousQuestion {
     probs: Vec<f32>,
     argmax: usize,
     option: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::batch_ranges;
+
+    #[test]
+    fn batch_ranges_close_before_the_record_over_the_budget() {
+        // 3 + 3 fit 6; a record over the budget is alone; the cap closes at 2 records.
+        assert_eq!(
+            batch_ranges([3, 3, 3, 10, 1], 6, usize::MAX),
+            vec![0..2, 2..3, 3..4, 4..5]
+        );
+        assert_eq!(batch_ranges([1, 1, 1], 100, 2), vec![0..2, 2..3]);
+        assert!(batch_ranges([], 6, 2).is_empty());
+    }
 }
