@@ -83,7 +83,18 @@ class RankedRouter(RequestRouter):
             # Every rank tried and full: back off before the next round (else it loops probing).
             pending_request.routing_context.should_backoff = True
         ordered = self.order(candidate_replicas, pending_request)
-        return [candidate_replicas] if ordered is None else [[r] for r in ordered]
+        if ordered is None:
+            return [candidate_replicas]
+        ranks = [[r] for r in ordered]
+        if pending_request is None:
+            return ranks
+        # A replica slow to answer Ray's queue-length probe (0.1 s at first) is not a full one:
+        # the first round asks the first replica alone; later rounds, after a back-off and with
+        # longer probe deadlines, go down the order.
+        context = pending_request.routing_context
+        first = not getattr(context, "kev_asked", False)
+        context.kev_asked = True
+        return ranks[:1] if first else ranks
 
 
 class StateRouter(RankedRouter):
