@@ -124,8 +124,7 @@ fn score(model: &DecisionModel, records: &[Record], form: Form) -> Result<Vec<Ve
         Form::Row => records
             .iter()
             .map(|r| {
-                model
-                    .forward_rows(r)
+                kev::reference::row_logits(model, r)
                     .map(|ls| ls.iter().map(|l| softmax(l)).collect())
             })
             .collect::<kev::Result<_>>()?,

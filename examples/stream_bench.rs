@@ -11,7 +11,7 @@
 //! itself holds (reading, both passes, formatting, writing, the rename) at full speed, where
 //! the model would take hours on a small CPU. With `--forward-only` it times the library alone
 //! on the same batches: every record read and encoded first, then
-//! [`DecisionModel::probs_encoded`] over the batches of the `--batch-tokens`/`--batch-size`
+//! [`DecisionModel::score_batch`] over the batches of the `--batch-tokens`/`--batch-size`
 //! rule, which is the throughput `score` is held to (BENCHMARKS.md, "CPU: `score` at scale").
 
 use std::io::BufReader;
@@ -40,7 +40,7 @@ struct Args {
     /// Uniform distributions instead of the model in the scoring pass.
     #[arg(long)]
     stub: bool,
-    /// Time `probs_encoded` over the batches alone (records read and encoded beforehand).
+    /// Time `score_batch` over the batches alone (records read and encoded beforehand).
     #[arg(long)]
     forward_only: bool,
 }
@@ -52,7 +52,7 @@ fn forward_only(model: &DecisionModel, path: &Path, budget: usize, cap: usize) -
     let reader = BufReader::new(std::fs::File::open(path)?);
     let mut encoded = Vec::new();
     for (_, record) in JsonlRecords::new(reader, path) {
-        encoded.push(model.encode_record(&record?)?);
+        encoded.push(model.encode_record(&record?, None)?);
     }
     let mut batches: Vec<Vec<EncodedRecord>> = Vec::new();
     let mut open: Vec<EncodedRecord> = Vec::new();
@@ -71,7 +71,7 @@ fn forward_only(model: &DecisionModel, path: &Path, budget: usize, cap: usize) -
     let records: usize = batches.iter().map(Vec::len).sum();
     let started = Instant::now();
     for batch in &batches {
-        model.probs_encoded(batch)?;
+        model.score_batch(batch)?;
     }
     let seconds = started.elapsed().as_secs_f64();
     println!(
@@ -91,14 +91,14 @@ impl Scorer for Stub<'_> {
 
     fn encode(&self, record: &Record, line: usize) -> kev::Result<Self::Encoded> {
         let options = record.questions.iter().map(|q| q.options.len()).collect();
-        Ok((self.0.encode_record_at(record, Some(line))?, options))
+        Ok((self.0.encode_record(record, Some(line))?, options))
     }
 
     fn tokens(&self, (encoded, _): &Self::Encoded) -> usize {
         encoded.tokens()
     }
 
-    fn probs_encoded(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+    fn score_batch(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
         Ok(records
             .iter()
             .map(|(_, options)| options.iter().map(|&n| vec![1.0 / n as f32; n]).collect())

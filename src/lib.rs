@@ -31,8 +31,8 @@
 pub mod score;
 
 pub use kev_candle::{
-    qwen35, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown, ModelId,
-    PointerHead, Prefix, PrefixCache, PrefixCacheStats, Prefixed,
+    qwen35, reference, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown,
+    ModelId, PointerHead, Prefix, PrefixCache, PrefixCacheStats, Scored,
 };
 pub use kev_core::json;
 pub use kev_core::{

@@ -369,7 +369,10 @@ fn a_non_finite_base_weight_is_an_error_naming_the_record_never_output() {
     let record = first_record();
     for err in [
         model.probs(&record).unwrap_err(),
-        model.forward(&record).unwrap_err(),
+        model
+            .run(&[model.encode_record(&record, None).unwrap()], &[], true)
+            .err()
+            .unwrap(),
         model
             .probs_batch(&[record.clone(), record.clone()])
             .unwrap_err(),

@@ -1,5 +1,5 @@
-//! `DecisionModel::probs_prefixed` (records with and without cached prefixes in one batch) and
-//! `PrefixCache`, against scoring one by one (f32, CPU).
+//! `DecisionModel::run` with given and kept prefixes (records with and without cached prefixes in
+//! one batch) and `PrefixCache`, against scoring one by one (f32, CPU).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -40,31 +40,30 @@ fn mixed_cold_and_cached_equals_one_by_one() {
     let want: Vec<_> = recs.iter().map(|r| model.probs(r).unwrap()).collect();
     let enc: Vec<_> = recs
         .iter()
-        .map(|r| model.encode_record(r).unwrap())
+        .map(|r| model.encode_record(r, None).unwrap())
         .collect();
 
     // All cold: every distinct state runs once, records with equal states share one prefix.
-    let cold = model.probs_prefixed(&enc, &vec![None; enc.len()]).unwrap();
+    let cold = model.run(&enc, &vec![None; enc.len()], true).unwrap();
+    let prefix = |i: usize| Arc::clone(cold[i].prefix.as_ref().unwrap());
     let mut worst = 0f32;
     for (i, s) in cold.iter().enumerate() {
         assert!(!s.reused);
         worst = worst.max(max_delta(&s.probs, &want[i]));
-        for (j, t) in cold.iter().enumerate() {
+        for j in 0..cold.len() {
             if enc[i].state_ids() == enc[j].state_ids() {
-                assert!(Arc::ptr_eq(&s.prefix, &t.prefix), "records {i}, {j}");
+                assert!(Arc::ptr_eq(&prefix(i), &prefix(j)), "records {i}, {j}");
             }
         }
     }
     // Each alone on its prefix from the batch, and all of them on their prefixes together.
-    for (i, s) in cold.iter().enumerate() {
-        let one = model
-            .probs_prefixed(&enc[i..=i], &[Some(Arc::clone(&s.prefix))])
-            .unwrap();
+    for i in 0..cold.len() {
+        let one = model.run(&enc[i..=i], &[Some(prefix(i))], true).unwrap();
         assert!(one[0].reused);
         worst = worst.max(max_delta(&one[0].probs, &want[i]));
     }
-    let all: Vec<_> = cold.iter().map(|s| Some(Arc::clone(&s.prefix))).collect();
-    for (i, s) in model.probs_prefixed(&enc, &all).unwrap().iter().enumerate() {
+    let all: Vec<_> = (0..cold.len()).map(|i| Some(prefix(i))).collect();
+    for (i, s) in model.run(&enc, &all, false).unwrap().iter().enumerate() {
         worst = worst.max(max_delta(&s.probs, &want[i]));
     }
     // Every other record continues a prefix (half from the batch above, half made one by one),
@@ -75,20 +74,22 @@ fn mixed_cold_and_cached_equals_one_by_one() {
         .iter()
         .enumerate()
         .map(|(k, &i)| match k % 4 {
-            0 => Some(Arc::clone(&cold[i].prefix)),
-            1 => Some(Arc::new(model.probs_and_prefix(&recs[i]).unwrap().1)),
+            0 => Some(prefix(i)),
+            1 => Some(model.probs_and_prefix(&recs[i]).unwrap().1),
             _ => None,
         })
         .collect();
-    let mixed = model.probs_prefixed(&batch, &prefixes).unwrap();
+    let mixed = model.run(&batch, &prefixes, true).unwrap();
     for (k, (&i, s)) in order.iter().zip(&mixed).enumerate() {
         assert_eq!(s.reused, prefixes[k].is_some());
         worst = worst.max(max_delta(&s.probs, &want[i]));
         // A returned prefix serves the record again.
-        let again = model.probs_with_prefix(&recs[i], &s.prefix).unwrap();
+        let again = model
+            .probs_with_prefix(&recs[i], s.prefix.as_ref().unwrap())
+            .unwrap();
         worst = worst.max(max_delta(&again, &want[i]));
     }
-    println!("probs_prefixed vs probs one by one: max|Δp| {worst:.2e}");
+    println!("run with prefixes vs probs one by one: max|Δp| {worst:.2e}");
     assert!(worst <= TOL, "{worst:e}");
 }
 
@@ -96,18 +97,18 @@ fn mixed_cold_and_cached_equals_one_by_one() {
 fn wrong_prefix_is_an_error() {
     let model = model();
     let recs = records();
-    let a = model.encode_record(&recs[0]).unwrap();
-    let b = model.encode_record(&recs[1]).unwrap();
+    let a = model.encode_record(&recs[0], None).unwrap();
+    let b = model.encode_record(&recs[1], None).unwrap();
     assert_ne!(a.state_ids(), b.state_ids());
     let (_, prefix) = model.probs_and_prefix(&recs[1]).unwrap();
     let err = model
-        .probs_prefixed(std::slice::from_ref(&a), &[Some(Arc::new(prefix))])
+        .run(std::slice::from_ref(&a), &[Some(prefix)], false)
         .err()
         .unwrap();
     assert!(matches!(err, Error::Prefix { .. }), "{err}");
-    let err = model.probs_prefixed(&[a], &[]).err().unwrap();
+    let err = model.run(&[a.clone(), a], &[None], false).err().unwrap();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
-    assert!(model.probs_prefixed(&[], &[]).unwrap().is_empty());
+    assert!(model.run(&[], &[], true).unwrap().is_empty());
 }
 
 #[test]
@@ -121,7 +122,7 @@ fn cache_reuses_and_evicts_within_its_budget() {
         .collect();
     assert!(sizes.iter().all(|&b| b > 0));
     // Longer states hold more keys.
-    let len = |r: &Record| model.encode_record(r).unwrap().state_ids().len();
+    let len = |r: &Record| model.encode_record(r, None).unwrap().state_ids().len();
     for (i, a) in recs.iter().enumerate() {
         for (j, b) in recs.iter().enumerate() {
             if len(a) < len(b) {
@@ -130,16 +131,17 @@ fn cache_reuses_and_evicts_within_its_budget() {
         }
     }
 
+    let enc = model.encode_records(&recs).unwrap();
     let roomy = PrefixCache::new(1 << 30);
-    let first = model.probs_cached(&recs, &roomy).unwrap();
-    let second = model.probs_cached(&recs, &roomy).unwrap();
+    let first = roomy.probs(&model, &enc).unwrap();
+    let second = roomy.probs(&model, &enc).unwrap();
     let stats = roomy.stats();
     assert_eq!(stats.misses as usize, recs.len());
     assert_eq!(stats.hits as usize, recs.len());
     assert_eq!(stats.evictions, 0);
     let distinct: std::collections::HashSet<Vec<u32>> = recs
         .iter()
-        .map(|r| model.encode_record(r).unwrap().state_ids().to_vec())
+        .map(|r| model.encode_record(r, None).unwrap().state_ids().to_vec())
         .collect();
     assert_eq!(stats.entries, distinct.len());
     for (w, (a, b)) in want.iter().zip(first.iter().zip(&second)) {
@@ -150,7 +152,7 @@ fn cache_reuses_and_evicts_within_its_budget() {
     let budget = sizes.iter().max().unwrap() * 2 + 1;
     let tight = PrefixCache::new(budget);
     for _ in 0..3 {
-        let got = model.probs_cached(&recs, &tight).unwrap();
+        let got = tight.probs(&model, &enc).unwrap();
         for (w, g) in want.iter().zip(&got) {
             assert!(max_delta(w, g) <= TOL);
         }
@@ -161,7 +163,7 @@ fn cache_reuses_and_evicts_within_its_budget() {
 
     // Nothing fits: nothing kept, every lookup a miss.
     let none = PrefixCache::new(0);
-    model.probs_cached(&recs, &none).unwrap();
+    none.probs(&model, &enc).unwrap();
     let s = none.stats();
     assert_eq!((s.entries, s.bytes, s.hits), (0, 0, 0));
     assert_eq!(s.rejected as usize, recs.len());
@@ -179,7 +181,7 @@ fn load(name: &str, lora_scale: f64) -> DecisionModel {
 
 /// A prefix carries the id of the model that made it: another adapter or another `lora_scale`
 /// refuses it (its activations are another model's), through `probs_with_prefix` and
-/// `probs_prefixed`; a cache shared by two models never hands one the other's prefix. Two loads
+/// `run`; a cache shared by two models never hands one the other's prefix. Two loads
 /// of the same files with the same settings share an id and accept each other's prefixes.
 #[test]
 fn a_prefix_from_another_model_is_refused() {
@@ -204,21 +206,18 @@ fn a_prefix_from_another_model_is_refused() {
             }
             r => panic!("another model's prefix: {:?}", r.map(|_| ())),
         }
-        let encoded = other.encode_record(record).unwrap();
-        let given = Some(Arc::new(a.prefix(&record.state).unwrap()));
+        let encoded = other.encode_record(record, None).unwrap();
+        let given = Some(a.prefix(&record.state).unwrap());
         assert!(matches!(
-            other.probs_prefixed(&[encoded], &[given]),
+            other.run(std::slice::from_ref(&encoded), &[given], false),
             Err(Error::Prefix { .. })
         ));
 
         // One cache, both models: each gets its own numbers.
         let cache = PrefixCache::new(64 << 20);
-        let first = a
-            .probs_cached(std::slice::from_ref(record), &cache)
-            .unwrap();
-        let second = other
-            .probs_cached(std::slice::from_ref(record), &cache)
-            .unwrap();
+        let mine = a.encode_record(record, None).unwrap();
+        let first = cache.probs(&a, &[mine]).unwrap();
+        let second = cache.probs(&other, &[encoded]).unwrap();
         let d = max_delta(&second[0], &other.probs(record).unwrap());
         assert!(d <= TOL, "{d:e}");
         let d = max_delta(&first[0], &a.probs(record).unwrap());

@@ -1,8 +1,8 @@
-//! [`Executor`]: runs plans eagerly on the device — the backbone over a plan's pieces into caches,
-//! then the pointer head at the plan's positions.
+//! [`Executor`]: runs plans — the backbone over each pass's pieces into caches, then the pointer
+//! head at the pass's positions — eagerly, or replaying a CUDA graph where one serves.
 //!
 //! It holds only what running needs (no tokenizer, no checkpoint), so the CUDA graphs capture
-//! and replay its runs without knowing the model they serve.
+//! and replay its passes without knowing the model they serve.
 
 use candle_core::{Device, Tensor};
 use kev_core::{Result, Row};
@@ -10,30 +10,47 @@ use kev_kernels::dispatch::{counted_cat, CountedTensor};
 use kev_kernels::{gather_rows, RowIndex, SplitBatch};
 
 use crate::device::backend_err;
+use crate::graphs::GraphStats;
 use crate::head::PointerHead;
-use crate::plan::{head_positions, pieces, split_logits, Piece, Plan};
+use crate::plan::{head_positions, pieces, Pass, Piece, Plan};
 use crate::qwen35::{Cache, Model};
 
-/// A plan's inputs on the device: what differs between plans of one shape, so that a CUDA graph
-/// captured on one of them serves the others once these are rewritten.
-pub(crate) struct PlanInputs {
-    /// Each piece's token ids, [`Plan::pieces`] order.
+/// A pass's inputs on the device: what differs between passes of one shape, so that a CUDA
+/// graph captured on one of them serves the others once these are rewritten.
+pub(crate) struct PassInputs {
+    /// Each piece's token ids, [`Pass::pieces`] order.
     pub(crate) ids: Vec<Tensor>,
-    /// Where the head reads ([`Plan::head_reads`]), `[N]` u32.
+    /// Where the head reads ([`Pass::head_reads`]), `[N]` u32.
     pub(crate) heads: Tensor,
 }
 
-/// The backbone and the head, and the longest piece one forward pass runs.
+/// What a pass gives: all its options' logits in row order, and with [`Pass::keep`] each
+/// computed state's row of the cache (one-row caches, cut to the state's tokens).
+pub(crate) struct PassOut {
+    pub(crate) logits: Vec<f32>,
+    pub(crate) kept: Vec<Cache>,
+}
+
+/// The backbone and the head, the longest piece one forward pass runs, and the CUDA graphs of
+/// its passes.
 pub(crate) struct Executor {
     model: Model,
     head: PointerHead,
     /// Longest piece one forward pass runs ([`kev_core::LoadOptions::prefill_chunk`]).
     prefill_chunk: usize,
+    /// Passes replayed as CUDA graphs ([`kev_core::LoadOptions::cuda_graphs`]).
+    #[cfg(feature = "cuda")]
+    graphs: Option<crate::graphs::Graphs>,
 }
 
 impl Executor {
-    pub(crate) fn new(model: Model, head: PointerHead, prefill_chunk: usize) -> Self {
+    /// `graphs`: replay plain passes as CUDA graphs (on a CUDA device only).
+    pub(crate) fn new(model: Model, head: PointerHead, prefill_chunk: usize, graphs: bool) -> Self {
+        #[cfg(not(feature = "cuda"))]
+        let _ = graphs;
         Self {
+            #[cfg(feature = "cuda")]
+            graphs: (graphs && model.device().is_cuda()).then(crate::graphs::Graphs::default),
             model,
             head,
             prefill_chunk,
@@ -55,9 +72,40 @@ impl Executor {
         self.model.device()
     }
 
-    /// The plan scoring `records` (each a state and its rows), cut to this executor's pieces.
-    pub(crate) fn plan(&self, records: Vec<(Vec<u32>, Vec<Row>)>) -> Plan {
-        Plan::new(records, self.prefill_chunk)
+    /// Longest piece one forward pass runs.
+    pub(crate) fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
+    /// How the CUDA graphs have fared (all zero off CUDA or without them).
+    pub(crate) fn graph_stats(&self) -> GraphStats {
+        #[cfg(feature = "cuda")]
+        if let Some(graphs) = &self.graphs {
+            return graphs.stats();
+        }
+        GraphStats::default()
+    }
+
+    /// Runs every pass of `plan`: the only way a forward happens.
+    pub(crate) fn run(&self, plan: &Plan) -> Result<Vec<PassOut>> {
+        plan.passes.iter().map(|pass| self.run_pass(pass)).collect()
+    }
+
+    fn run_pass(&self, pass: &Pass) -> Result<PassOut> {
+        if !pass.is_plain() {
+            return self.pass_with_prefixes(pass);
+        }
+        #[cfg(feature = "cuda")]
+        let logits = match (&self.graphs, self.device()) {
+            (Some(graphs), Device::Cuda(dev)) => graphs.logits(self, pass, dev),
+            _ => self.pass_logits_eager(pass),
+        };
+        #[cfg(not(feature = "cuda"))]
+        let logits = self.pass_logits_eager(pass);
+        Ok(PassOut {
+            logits: logits?,
+            kept: Vec::new(),
+        })
     }
 
     /// `seqs` right-padded into `[B, T]` and cut into pieces of at most `prefill_chunk` steps.
@@ -76,22 +124,19 @@ impl Executor {
     }
 
     /// Every piece's token ids on the device.
-    pub(crate) fn upload_all<'a>(
-        &self,
-        pieces: impl IntoIterator<Item = &'a Piece>,
-    ) -> Result<Vec<Tensor>> {
+    fn upload_all<'a>(&self, pieces: impl IntoIterator<Item = &'a Piece>) -> Result<Vec<Tensor>> {
         pieces.into_iter().map(|p| self.upload_ids(p)).collect()
     }
 
-    /// Where `plan`'s head reads ([`Plan::head_reads`]) on the device, as u32 (always a copy: a
+    /// Where `pass`'s head reads ([`Pass::head_reads`]) on the device, as u32 (always a copy: a
     /// graph's input). Checked within the branch rows here, since a graph's replay reads them
     /// without the gathers' own checks.
-    pub(crate) fn upload_heads(&self, plan: &Plan) -> Result<Tensor> {
-        let (reads, _) = plan.head_reads();
-        let positions: usize = plan
+    pub(crate) fn upload_heads(&self, pass: &Pass) -> Result<Tensor> {
+        let (reads, _) = pass.head_reads();
+        let positions: usize = pass
             .branches
             .first()
-            .map_or(0, |p| p.lengths.len() * plan.branch_width());
+            .map_or(0, |p| p.lengths.len() * pass.branch_width());
         if let Some(bad) = reads.iter().find(|&&r| r >= positions) {
             return Err(kev_core::Error::Device {
                 message: format!("head position {bad} outside the {positions} branch positions"),
@@ -108,28 +153,28 @@ impl Executor {
         Tensor::from_vec(reads, n, self.device()).map_err(backend_err("head positions"))
     }
 
-    /// `plan`'s inputs on the device.
-    pub(crate) fn upload_inputs(&self, plan: &Plan) -> Result<PlanInputs> {
-        Ok(PlanInputs {
-            ids: self.upload_all(plan.pieces())?,
-            heads: self.upload_heads(plan)?,
+    /// `pass`'s inputs on the device.
+    pub(crate) fn upload_inputs(&self, pass: &Pass) -> Result<PassInputs> {
+        Ok(PassInputs {
+            ids: self.upload_all(pass.pieces())?,
+            heads: self.upload_heads(pass)?,
         })
     }
 
-    /// [`Executor::plan_logits`] with fresh uploads, read back.
-    pub(crate) fn plan_logits_eager(&self, plan: &Plan) -> Result<Vec<f32>> {
-        self.plan_logits(plan, &self.upload_inputs(plan)?)?
+    /// [`Executor::pass_logits`] with fresh uploads, read back.
+    pub(crate) fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>> {
+        self.pass_logits(pass, &self.upload_inputs(pass)?)?
             .to_vec1::<f32>()
             .map_err(backend_err("pointer head"))
     }
 
-    /// Runs `plan` with `inputs` ([`Executor::upload_inputs`]) and returns all options' logits
-    /// `[M]` on the device, waiting for nothing.
-    pub(crate) fn plan_logits(&self, plan: &Plan, inputs: &PlanInputs) -> Result<Tensor> {
-        let (reads, owner) = plan.head_reads();
+    /// Runs the plain `pass` ([`Pass::is_plain`]) with `inputs` ([`Executor::upload_inputs`])
+    /// and returns all options' logits `[M]` on the device, waiting for nothing.
+    pub(crate) fn pass_logits(&self, pass: &Pass, inputs: &PassInputs) -> Result<Tensor> {
+        let (reads, owner) = pass.head_reads();
         let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
             .map_err(backend_err("head positions"))?;
-        let hidden = if let ([state], [branches]) = (&plan.state[..], &plan.branches[..]) {
+        let hidden = if let ([state], [branches]) = (&pass.state[..], &pass.branches[..]) {
             // One piece each (every state within `prefill_chunk`): one pass over the layers, the
             // last layer's MLP only on the rows the head reads.
             SplitBatch::new(
@@ -137,7 +182,7 @@ impl Executor {
                 state.lengths.clone(),
                 branches.width,
                 branches.lengths.clone(),
-                plan.owners.clone(),
+                pass.owners.clone(),
                 self.device(),
             )
             .and_then(|split| {
@@ -146,9 +191,9 @@ impl Executor {
             })
             .map_err(backend_err("backbone forward"))?
         } else {
-            let (state_ids, branch_ids) = inputs.ids.split_at(plan.state.len());
-            let cache = self.state_cache(plan.records, &plan.state, state_ids)?;
-            let hidden = self.branch_hidden(&cache, &plan.owners, &plan.branches, branch_ids)?;
+            let (state_ids, branch_ids) = inputs.ids.split_at(pass.state.len());
+            let cache = self.state_cache(pass.computed, &pass.state, state_ids)?;
+            let hidden = self.branch_hidden(&cache, &pass.owners, &pass.branches, branch_ids)?;
             let h = hidden.dim(2).map_err(backend_err("pointer head"))?;
             hidden
                 .counted_reshape(((), h))
@@ -156,7 +201,7 @@ impl Executor {
                 .map_err(backend_err("pointer head"))?
         };
         let err = backend_err("pointer head");
-        let n = plan.rows.len();
+        let n = pass.rows.len();
         let decide = hidden.narrow(0, 0, n).map_err(&err)?;
         let opts = hidden.narrow(0, n, owner.len()).map_err(&err)?;
         self.head
@@ -164,13 +209,53 @@ impl Executor {
             .map_err(&err)
     }
 
+    /// A pass that keeps its computed states or continues given prefixes: the states into a
+    /// fresh cache (their rows cut out where kept), that cache's rows joined with the given
+    /// prefixes', then the branches on copies of their rows, then the head. Given prefixes are
+    /// only read, so one prefix can serve concurrent passes.
+    fn pass_with_prefixes(&self, pass: &Pass) -> Result<PassOut> {
+        let computed = (pass.computed > 0)
+            .then(|| {
+                let ids = self.upload_all(&pass.state)?;
+                self.state_cache(pass.computed, &pass.state, &ids)
+            })
+            .transpose()?;
+        let kept = match (&computed, pass.keep) {
+            (Some(cache), true) => (0..pass.computed)
+                .map(|r| cache.row(r))
+                .collect::<candle_core::Result<Vec<_>>>()
+                .map_err(backend_err("cutting a prefix out of the state pass"))?,
+            _ => Vec::new(),
+        };
+        if pass.rows.is_empty() {
+            return Ok(PassOut {
+                logits: Vec::new(),
+                kept,
+            });
+        }
+        let parts: Vec<&Cache> = computed
+            .iter()
+            .chain(pass.given.iter().map(|p| p.cache()))
+            .collect();
+        let joined;
+        let states = match parts.as_slice() {
+            [one] => *one,
+            _ => {
+                joined = Cache::join(&parts).map_err(backend_err("joining prefixes"))?;
+                &joined
+            }
+        };
+        let ids = self.upload_all(&pass.branches)?;
+        let hidden = self.branch_hidden(states, &pass.owners, &pass.branches, &ids)?;
+        let logits = self
+            .head_logits(&hidden, &pass.rows)?
+            .to_vec1::<f32>()
+            .map_err(backend_err("pointer head"))?;
+        Ok(PassOut { logits, kept })
+    }
+
     /// A fresh cache of `rows` rows after `pieces` (the states; none: an empty state).
-    pub(crate) fn state_cache(
-        &self,
-        rows: usize,
-        pieces: &[Piece],
-        ids: &[Tensor],
-    ) -> Result<Cache> {
+    fn state_cache(&self, rows: usize, pieces: &[Piece], ids: &[Tensor]) -> Result<Cache> {
         let mut cache = self
             .model
             .new_cache(rows)
@@ -179,20 +264,6 @@ impl Executor {
             self.run_pieces(pieces, ids, &mut cache)?;
         }
         Ok(cache)
-    }
-
-    /// `pieces` (the branches), row i continuing row `owners[i]` of `cache` (on a copy), then
-    /// the head: all options' logits `[M]` on the device.
-    pub(crate) fn branch_logits(
-        &self,
-        cache: &Cache,
-        owners: &[usize],
-        pieces: &[Piece],
-        ids: &[Tensor],
-        rows: &[Row],
-    ) -> Result<Tensor> {
-        let hidden = self.branch_hidden(cache, owners, pieces, ids)?;
-        self.head_logits(&hidden, rows)
     }
 
     /// `pieces` (the branches), row i continuing row `owners[i]` of `cache` (on a copy): their
@@ -210,27 +281,8 @@ impl Executor {
         self.run_pieces(pieces, ids, &mut branch_cache)
     }
 
-    /// Each of `rows` run in row form: `state ++ branch` on its own from an empty cache, the
-    /// head read at its positions shifted past the state. The reference the prefix form is
-    /// checked against.
-    pub(crate) fn row_logits(&self, state: &[u32], rows: &[Row]) -> Result<Vec<Vec<f32>>> {
-        rows.iter()
-            .map(|row| {
-                let ids: Vec<u32> = state.iter().chain(&row.ids).copied().collect();
-                let mut cache = self.model.new_cache(1).map_err(backend_err("row form"))?;
-                let hidden = self.run(&[ids], &mut cache)?;
-                let shifted = Row {
-                    ids: row.ids.clone(),
-                    decide: row.decide + state.len(),
-                    opts: row.opts.iter().map(|o| o + state.len()).collect(),
-                };
-                Ok(self.read_head(&hidden, &[shifted])?.remove(0))
-            })
-            .collect()
-    }
-
     /// Runs `seqs` after `cache` ([`Executor::pieces`]); returns the hidden states `[B, T, H]`.
-    fn run(&self, seqs: &[Vec<u32>], cache: &mut Cache) -> Result<Tensor> {
+    pub(crate) fn hidden(&self, seqs: &[Vec<u32>], cache: &mut Cache) -> Result<Tensor> {
         let pieces = self.pieces(seqs);
         self.run_pieces(&pieces, &self.upload_all(&pieces)?, cache)
     }
@@ -252,13 +304,9 @@ impl Executor {
         counted_cat(&hidden, 1).map_err(backend_err("joining prefill pieces"))
     }
 
-    /// Reads the head at each row's `decide` and `opts` positions of `hidden: [B, T, H]`.
-    fn read_head(&self, hidden: &Tensor, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
-        read_per_row(&self.head_logits(hidden, rows)?, rows)
-    }
-
-    /// All rows' option logits `[M]` (f32, on the device) from `hidden: [B, T, H]`.
-    fn head_logits(&self, hidden: &Tensor, rows: &[Row]) -> Result<Tensor> {
+    /// All rows' option logits `[M]` (f32, on the device, in row order) from
+    /// `hidden: [B, T, H]`, reading each row's `decide` and `opts` positions.
+    pub(crate) fn head_logits(&self, hidden: &Tensor, rows: &[Row]) -> Result<Tensor> {
         let err = backend_err("pointer head");
         let (_, width, h) = hidden.dims3().map_err(&err)?;
         let flat = hidden.counted_reshape(((), h)).map_err(&err)?;
@@ -269,12 +317,4 @@ impl Executor {
             .logits_at(&flat, &decide, &opts, &owner)
             .map_err(&err)
     }
-}
-
-/// All options' logits `[M]` (on the device, in row order) read back and cut per row.
-pub(crate) fn read_per_row(logits: &Tensor, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
-    let flat = logits
-        .to_vec1::<f32>()
-        .map_err(backend_err("pointer head"))?;
-    Ok(split_logits(&flat, rows))
 }

@@ -1,14 +1,14 @@
-//! CUDA graphs over the executor's runs of prefix-form plans (a record's forward, or a batch of
-//! records).
+//! CUDA graphs over the executor's plain passes ([`Pass::is_plain`](crate::plan::Pass): a
+//! record's forward, or a batch of records, keeping no prefix).
 //!
 //! One request is about a thousand small launches, and on the GPU its time is the host's: each
 //! candle op costs several microseconds to issue. A graph issues them all at once. The host
-//! code of a forward is fixed by the plan's token *shapes* (`PlanShape`: piece widths, row
+//! code of a forward is fixed by the pass's token *shapes* (`PassShape`: piece widths, row
 //! lengths, options per row), not by its token ids or where its options sit, so the second
 //! record of a shape (where a graph of it will be kept) is run eagerly once more to record its
 //! uploads ([`kev_kernels::uploads`]), then captured; later records of that shape only copy
-//! their ids and head positions ([`PlanInputs`]) into the graph's input tensors and launch it.
-//! The kernels and their inputs are the same as eagerly, so are the numbers. A batch is one plan
+//! their ids and head positions ([`PassInputs`]) into the graph's input tensors and launch it.
+//! The kernels and their inputs are the same as eagerly, so are the numbers. A batch is one pass
 //! (its states' rows, then all its branches), so a batch of the same shapes replays as well.
 //!
 //! A few graphs are kept, by how often their shape comes back ([`KEEP`], [`HALVE_EVERY`]):
@@ -49,63 +49,63 @@ mod cuda {
     use kev_kernels::uploads::{self, UploadMemo};
 
     use super::GraphStats;
-    use crate::executor::{Executor, PlanInputs};
-    use crate::plan::Plan;
+    use crate::executor::{Executor, PassInputs};
+    use crate::plan::Pass;
 
     /// Graphs kept (the shapes that came most often, then most recently). Each holds its inputs
     /// and its output; the driver shares the rest of the graphs' memory between them.
     pub(super) const KEEP: usize = 8;
-    /// Every this many forwards of graph-sized plans, every shape's count is halved (and shapes
+    /// Every this many forwards of graph-sized passes, every shape's count is halved (and shapes
     /// without a graph that reach zero forgotten), so the graphs follow a change of traffic.
     pub(super) const HALVE_EVERY: u64 = 32 * KEEP as u64;
     /// Shapes without a graph remembered at most (forgotten all at once beyond it).
     const SEEN: usize = 4096;
-    /// Plans whose rows are longer than this (a long state) run eagerly. A graph reserves its own
+    /// Passes whose rows are longer than this (a long state) run eagerly. A graph reserves its own
     /// copy of the forward's working memory (the driver keeps graph memory apart from the pool
     /// eager forwards use), while a long row's host time is small beside its GPU time: with a
     /// 4096-token state a graph saved 10 % at 0.8B and 2 % at 4B on the H200 but held 2.9 and
     /// 5.6 GiB more; one request (704 positions) held the same or +0.7 GiB.
     const MAX_ROW_POSITIONS: usize = 2048;
-    /// Plans computing more token positions than this (a large batch) run eagerly, for the same
+    /// Passes computing more token positions than this (a large batch) run eagerly, for the same
     /// reason. 8 records of a 512-token state and 4 questions compute 5632; eagerly, their host
     /// time was 5 of 29 ms at 0.8B and 10 of 101 ms at 4B on the H200.
     const MAX_TOKENS: usize = 8192;
 
-    /// A [`Plan`] without its token ids: plans of equal shape run the same kernels on the same
+    /// A [`Pass`] without its token ids: passes of equal shape run the same kernels on the same
     /// shapes with the same host-built inputs, so one CUDA graph serves them all.
     #[derive(Clone, PartialEq, Eq, Hash)]
-    struct PlanShape {
+    struct PassShape {
         state_pieces: usize,
-        records: usize,
+        computed: usize,
         pieces: Vec<(usize, Vec<usize>)>,
         owners: Vec<usize>,
         /// Options per row (where the head reads is a graph input).
         options: Vec<usize>,
     }
 
-    impl PlanShape {
-        fn of(plan: &Plan) -> Self {
+    impl PassShape {
+        fn of(pass: &Pass) -> Self {
             Self {
-                state_pieces: plan.state.len(),
-                records: plan.records,
-                owners: plan.owners.clone(),
-                pieces: plan
+                state_pieces: pass.state.len(),
+                computed: pass.computed,
+                owners: pass.owners.clone(),
+                pieces: pass
                     .pieces()
                     .map(|p| (p.width, p.lengths.clone()))
                     .collect(),
-                options: plan.rows.iter().map(|r| r.opts.len()).collect(),
+                options: pass.rows.iter().map(|r| r.opts.len()).collect(),
             }
         }
     }
 
-    /// Token positions `plan` computes (padding included).
-    fn tokens(plan: &Plan) -> usize {
-        plan.pieces().map(|p| p.width * p.lengths.len()).sum()
+    /// Token positions `pass` computes (padding included).
+    fn tokens(pass: &Pass) -> usize {
+        pass.pieces().map(|p| p.width * p.lengths.len()).sum()
     }
 
-    /// Token positions of `plan`'s longest row: a state (padded) and a branch (padded).
-    fn row_positions(plan: &Plan) -> usize {
-        plan.pieces().map(|p| p.width).sum()
+    /// Token positions of `pass`'s longest row: a state (padded) and a branch (padded).
+    fn row_positions(pass: &Pass) -> usize {
+        pass.pieces().map(|p| p.width).sum()
     }
 
     /// The graphs of one model.
@@ -118,16 +118,16 @@ mod cuda {
     #[derive(Default)]
     struct Book {
         /// Shapes without a graph, and how often each came (halved every [`HALVE_EVERY`]).
-        seen: HashMap<PlanShape, u32>,
-        failed: HashSet<PlanShape>,
+        seen: HashMap<PassShape, u32>,
+        failed: HashSet<PassShape>,
         /// Shapes being captured: other threads run them eagerly meanwhile rather than capture
         /// a second graph.
-        capturing: HashSet<PlanShape>,
+        capturing: HashSet<PassShape>,
         /// The kept graphs, least recently used first. A graph out for a replay keeps its
         /// place (its `graph` taken), so the room left, the halving and the choice of a victim
         /// count it while another thread runs it.
         graphs: VecDeque<Kept>,
-        /// Forwards of graph-sized plans, for the halving.
+        /// Forwards of graph-sized passes, for the halving.
         forwards: u64,
         stats: GraphStats,
     }
@@ -135,13 +135,13 @@ mod cuda {
     /// A kept graph (`None` while a thread replays it), and how often its shape came (the
     /// sightings before its capture included).
     struct Kept {
-        shape: PlanShape,
+        shape: PassShape,
         graph: Option<Captured>,
         count: u32,
     }
 
     impl Book {
-        /// Counts a forward of a graph-sized plan, halving every count every [`HALVE_EVERY`].
+        /// Counts a forward of a graph-sized pass, halving every count every [`HALVE_EVERY`].
         fn tick(&mut self) {
             self.forwards += 1;
             if self.forwards.is_multiple_of(HALVE_EVERY) {
@@ -177,7 +177,7 @@ mod cuda {
     struct Captured {
         logits: Tensor,
         graph: CudaGraph,
-        inputs: PlanInputs,
+        inputs: PassInputs,
         _uploads: UploadMemo,
     }
 
@@ -201,25 +201,25 @@ mod cuda {
             self.book.lock().unwrap_or_else(PoisonError::into_inner)
         }
 
-        /// All options' logits of `plan`: replayed, captured, or eager (a shape not worth a
+        /// All options' logits of `pass`: replayed, captured, or eager (a shape not worth a
         /// graph yet, one whose graph another thread is running, or one that failed to capture).
         pub(crate) fn logits(
             &self,
             exec: &Executor,
-            plan: &Plan,
+            pass: &Pass,
             dev: &CudaDevice,
         ) -> Result<Vec<f32>> {
-            if tokens(plan) > MAX_TOKENS || row_positions(plan) > MAX_ROW_POSITIONS {
-                return exec.plan_logits_eager(plan);
+            if tokens(pass) > MAX_TOKENS || row_positions(pass) > MAX_ROW_POSITIONS {
+                return exec.pass_logits_eager(pass);
             }
-            let shape = PlanShape::of(plan);
+            let shape = PassShape::of(pass);
             // The lock is not held while the GPU works: other threads' forwards (on their own
             // streams) go on; a graph in use is taken from its place until it is done.
             let action = self.lock().action(&shape);
             match action {
-                Action::Eager => exec.plan_logits_eager(plan),
+                Action::Eager => exec.pass_logits_eager(pass),
                 Action::Replay(graph) => {
-                    let out = graph.replay(exec, plan);
+                    let out = graph.replay(exec, pass);
                     // A graph that failed to run is not kept (its next launch would likely
                     // fail the same way); the error goes to the caller.
                     let mut book = self.lock();
@@ -230,7 +230,7 @@ mod cuda {
                     out
                 }
                 Action::Capture(count) => {
-                    let captured = capture(exec, plan, dev);
+                    let captured = capture(exec, pass, dev);
                     let mut book = self.lock();
                     book.capturing.remove(&shape);
                     match captured {
@@ -244,7 +244,7 @@ mod cuda {
                             book.stats.last_failure = Some(why);
                             book.failed.insert(shape);
                             drop(book);
-                            exec.plan_logits_eager(plan)
+                            exec.pass_logits_eager(pass)
                         }
                     }
                 }
@@ -253,8 +253,8 @@ mod cuda {
     }
 
     impl Book {
-        /// What a forward of a graph-sized plan of `shape` does, counting it.
-        fn action(&mut self, shape: &PlanShape) -> Action {
+        /// What a forward of a graph-sized pass of `shape` does, counting it.
+        fn action(&mut self, shape: &PassShape) -> Action {
             self.tick();
             if self.failed.contains(shape) || self.capturing.contains(shape) {
                 return Action::Eager;
@@ -287,7 +287,7 @@ mod cuda {
         }
 
         /// Returns a replayed graph to its place (none: the replay failed, the place goes).
-        fn put_back(&mut self, shape: &PlanShape, graph: Option<Captured>) {
+        fn put_back(&mut self, shape: &PassShape, graph: Option<Captured>) {
             let Some(i) = self.graphs.iter().position(|k| k.shape == *shape) else {
                 return;
             };
@@ -300,7 +300,7 @@ mod cuda {
         /// Keeps a new graph of a shape that came `count` times at the most recent end, in
         /// place of [`Book::victim`] once [`KEEP`] are kept; or drops it, where the graphs
         /// kept meanwhile (by other threads) leave no room for it.
-        fn keep(&mut self, shape: PlanShape, graph: Captured, count: u32) {
+        fn keep(&mut self, shape: PassShape, graph: Captured, count: u32) {
             if !self.room_for(count) {
                 return;
             }
@@ -325,15 +325,15 @@ mod cuda {
     }
 
     impl Captured {
-        fn replay(&self, exec: &Executor, plan: &Plan) -> Result<Vec<f32>> {
-            for (slot, piece) in self.inputs.ids.iter().zip(plan.pieces()) {
+        fn replay(&self, exec: &Executor, pass: &Pass) -> Result<Vec<f32>> {
+            for (slot, piece) in self.inputs.ids.iter().zip(pass.pieces()) {
                 let ids = exec.upload_ids(piece)?;
                 slot.slice_set(&ids, 0, 0)
                     .map_err(|e| backend("writing the token ids", e))?;
             }
             self.inputs
                 .heads
-                .slice_set(&exec.upload_heads(plan)?, 0, 0)
+                .slice_set(&exec.upload_heads(pass)?, 0, 0)
                 .map_err(|e| backend("writing the head positions", e))?;
             self.graph.launch().map_err(|e| backend("launch", e))?;
             self.logits
@@ -342,15 +342,15 @@ mod cuda {
         }
     }
 
-    /// Records `plan`'s uploads in an eager run, captures a second run, launches it once and
+    /// Records `pass`'s uploads in an eager run, captures a second run, launches it once and
     /// returns the graph and its logits; on failure, why, with the stream out of capture and the
     /// errors the abandoned capture left on the context taken.
     fn capture(
         exec: &Executor,
-        plan: &Plan,
+        pass: &Pass,
         dev: &CudaDevice,
     ) -> std::result::Result<(Captured, Vec<f32>), String> {
-        let inputs = exec.upload_inputs(plan).map_err(|e| e.to_string())?;
+        let inputs = exec.upload_inputs(pass).map_err(|e| e.to_string())?;
         let stream = dev.cuda_stream();
         let (captured, memo, ended) = {
             // candle's own small uploads (strides of non-contiguous operands) come from its
@@ -359,10 +359,10 @@ mod cuda {
             // The projections' new shape classes are timed here, so the capture takes the
             // fastest algorithms ([`kev_kernels::tuning`]).
             let (warm, memo) =
-                kev_kernels::tuning(|| uploads::recording(|| exec.plan_logits(plan, &inputs)));
+                kev_kernels::tuning(|| uploads::recording(|| exec.pass_logits(pass, &inputs)));
             drop(warm.map_err(|e| format!("recording run: {e}"))?);
             let capturing = Capturing::begin(&stream)?;
-            let (captured, memo) = uploads::replaying(memo, || exec.plan_logits(plan, &inputs));
+            let (captured, memo) = uploads::replaying(memo, || exec.pass_logits(pass, &inputs));
             let ended = capturing.end();
             (captured, memo, ended)
         };

@@ -14,11 +14,12 @@ pub mod lora;
 mod plan;
 pub mod prefix_cache;
 pub mod qwen35;
+pub mod reference;
 mod safetensors_header;
 pub mod weights;
 
 pub use decision::{
-    state_pass_tokens, DecisionModel, EncodedRecord, LoadBreakdown, ModelId, Prefix, Prefixed,
+    state_pass_tokens, DecisionModel, EncodedRecord, LoadBreakdown, ModelId, Prefix, Scored,
 };
 pub use graphs::GraphStats;
 pub use head::PointerHead;

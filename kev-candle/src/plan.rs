@@ -1,8 +1,15 @@
-//! Planning prefix-form scoring: which token ids each forward runs, in which rows, and where the
-//! head reads. Plans are host data only, so the eager executor and the CUDA graphs run the same
-//! plan the same way.
+//! Planning prefix-form scoring: which states each pass computes, where every branch row's state
+//! comes from (a state of the pass, or a given [`Prefix`]), which token ids each forward runs,
+//! and where the head reads. Plans are host data only, so the eager executor and the CUDA graphs
+//! run the same passes the same way.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
 
 use kev_core::Row;
+
+use crate::decision::{EncodedRecord, Prefix};
 
 /// Token id used to right-pad branches and states (never read: both layer kinds are causal and
 /// padded positions are masked out of later attention).
@@ -15,41 +22,163 @@ pub(crate) struct Piece {
     pub(crate) lengths: Vec<usize>,
 }
 
-/// What scoring records in prefix form runs: the states' pieces (one row per record) into a
-/// fresh cache, then all branches' pieces as one batch, each branch row on a copy of its
-/// record's cache row, then the head at each row's positions. With one piece each, both run in
-/// one pass over the layers instead ([`crate::qwen35::Split`]).
+/// What scoring a batch of records runs: the records whose state is computed, grouped into
+/// passes by state length (`length_buckets`: a pass pads its states to its longest), each
+/// distinct state once; then one pass for the records whose prefix is given.
 pub(crate) struct Plan {
+    pub(crate) passes: Vec<Pass>,
+    /// Each record's pass and its slot there.
+    at: Vec<(usize, usize)>,
+}
+
+/// One pass: its computed states' pieces (one row each) into a fresh cache, whose rows are
+/// followed by the given prefixes' rows; then all its branch rows as one batch, each on a copy
+/// of its state's row; then the head at each branch row's positions. A pass that computes its
+/// states in one piece and neither keeps them nor is given any runs both parts in one pass over
+/// the layers ([`crate::qwen35::Model::forward_split`]).
+pub(crate) struct Pass {
     pub(crate) state: Vec<Piece>,
-    /// Records, so rows of the state cache (its pieces are empty when every state is).
-    pub(crate) records: usize,
+    /// State rows computed (its pieces are empty when every such state is).
+    pub(crate) computed: usize,
+    /// The prefixes whose rows follow the computed ones.
+    pub(crate) given: Vec<Arc<Prefix>>,
+    /// Whether the computed states' rows are cut out and kept, as prefixes.
+    pub(crate) keep: bool,
     pub(crate) branches: Vec<Piece>,
-    /// The record (state row) of each branch row.
+    /// The state row (computed, then given) of each branch row.
     pub(crate) owners: Vec<usize>,
     pub(crate) rows: Vec<Row>,
+    /// Per record of the pass: its state row and its branch rows.
+    slots: Vec<(usize, Range<usize>)>,
+}
+
+/// One record's part of a run's output: its logits per question, and its state's row.
+pub(crate) struct RecordOut {
+    pub(crate) logits: Vec<Vec<f32>>,
+    /// Its pass and the row of its state there.
+    pub(crate) state: (usize, usize),
 }
 
 impl Plan {
-    /// The plan scoring `records` (each a state and its rows) in one go, in pieces of at most
-    /// `chunk` steps.
-    pub(crate) fn new(records: Vec<(Vec<u32>, Vec<Row>)>, chunk: usize) -> Self {
-        let states: Vec<&[u32]> = records.iter().map(|(s, _)| s.as_slice()).collect();
-        let state = pieces(&states, chunk);
-        let owners: Vec<usize> = records
+    /// The plan scoring `records`, where `given[i]` (when `given` is not empty) is record i's
+    /// prefix, already checked to be of its state; `keep`: the computed states' rows are kept.
+    /// Pieces are at most `chunk` steps.
+    pub(crate) fn new(
+        records: &[EncodedRecord],
+        given: &[Option<Arc<Prefix>>],
+        keep: bool,
+        chunk: usize,
+    ) -> Self {
+        let given_of = |i: usize| given.get(i).and_then(Option::as_ref);
+        // The distinct computed states, and each computed record's.
+        let mut cold: Vec<&[u32]> = Vec::new();
+        let mut cold_at: HashMap<&[u32], usize> = HashMap::new();
+        let cold_of: Vec<Option<usize>> = records
             .iter()
             .enumerate()
-            .flat_map(|(i, (_, rows))| std::iter::repeat_n(i, rows.len()))
+            .map(|(i, rec)| {
+                given_of(i).is_none().then(|| {
+                    *cold_at.entry(rec.state_ids.as_slice()).or_insert_with(|| {
+                        cold.push(&rec.state_ids);
+                        cold.len() - 1
+                    })
+                })
+            })
             .collect();
-        let records_n = records.len();
-        let rows: Vec<Row> = records.into_iter().flat_map(|(_, rows)| rows).collect();
-        let branch_ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
-        Plan {
-            state,
-            records: records_n,
-            branches: pieces(&branch_ids, chunk),
-            owners,
-            rows,
+        let lengths: Vec<usize> = cold.iter().map(|s| s.len()).collect();
+        // Cold state j is row `cold_row[j].1` of pass `cold_row[j].0`.
+        let mut cold_row = vec![(0, 0); cold.len()];
+        let mut passes: Vec<Pass> = length_buckets(&lengths)
+            .into_iter()
+            .enumerate()
+            .map(|(p, members)| {
+                for (r, &j) in members.iter().enumerate() {
+                    cold_row[j] = (p, r);
+                }
+                let states: Vec<&[u32]> = members.iter().map(|&j| cold[j]).collect();
+                Pass::empty(pieces(&states, chunk), members.len(), Vec::new(), keep)
+            })
+            .collect();
+        // The given prefixes, each distinct one a row of the last pass.
+        let mut hits: Vec<Arc<Prefix>> = Vec::new();
+        let given_row: Vec<Option<usize>> = (0..records.len())
+            .map(|i| {
+                given_of(i).map(|p| match hits.iter().position(|h| Arc::ptr_eq(h, p)) {
+                    Some(r) => r,
+                    None => {
+                        hits.push(Arc::clone(p));
+                        hits.len() - 1
+                    }
+                })
+            })
+            .collect();
+        let hits_pass = (!hits.is_empty()).then(|| {
+            passes.push(Pass::empty(Vec::new(), 0, hits, false));
+            passes.len() - 1
+        });
+        let mut branch_rows: Vec<Vec<&Row>> = vec![Vec::new(); passes.len()];
+        let at = records
+            .iter()
+            .enumerate()
+            .map(|(i, rec)| {
+                let (p, row) = match (cold_of[i], given_row[i]) {
+                    (Some(j), _) => cold_row[j],
+                    (None, Some(g)) => (hits_pass.expect("a given prefix makes the pass"), g),
+                    (None, None) => unreachable!("a record's state is computed or given"),
+                };
+                let pass = &mut passes[p];
+                let first = pass.owners.len();
+                pass.owners.extend(std::iter::repeat_n(row, rec.rows.len()));
+                branch_rows[p].extend(&rec.rows);
+                pass.slots.push((row, first..pass.owners.len()));
+                (p, pass.slots.len() - 1)
+            })
+            .collect();
+        for (pass, rows) in passes.iter_mut().zip(branch_rows) {
+            let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
+            pass.branches = pieces(&ids, chunk);
+            pass.rows = rows.into_iter().cloned().collect();
         }
+        Plan { passes, at }
+    }
+
+    /// Each record's logits per question (from each pass's flat logits, in its row order) and
+    /// its state's row.
+    pub(crate) fn per_record(&self, logits: &[Vec<f32>]) -> Vec<RecordOut> {
+        self.at
+            .iter()
+            .map(|&(p, slot)| {
+                let pass = &self.passes[p];
+                let (row, ref range) = pass.slots[slot];
+                let before: usize = pass.rows[..range.start].iter().map(|r| r.opts.len()).sum();
+                let rows = &pass.rows[range.clone()];
+                RecordOut {
+                    logits: split_logits(&logits[p][before..], rows),
+                    state: (p, row),
+                }
+            })
+            .collect()
+    }
+}
+
+impl Pass {
+    fn empty(state: Vec<Piece>, computed: usize, given: Vec<Arc<Prefix>>, keep: bool) -> Self {
+        Pass {
+            state,
+            computed,
+            given,
+            keep,
+            branches: Vec::new(),
+            owners: Vec::new(),
+            rows: Vec::new(),
+            slots: Vec::new(),
+        }
+    }
+
+    /// Whether the pass computes every state it reads and keeps none: its output is its logits
+    /// alone, so a CUDA graph can replay it.
+    pub(crate) fn is_plain(&self) -> bool {
+        self.given.is_empty() && !self.keep && !self.rows.is_empty()
     }
 
     /// The state's pieces, then the branches'.
@@ -58,8 +187,8 @@ impl Plan {
     }
 
     /// Where the head reads the branch rows (flat indices into their `B·width` positions,
-    /// [`Plan::branch_width`]): every row's `[DECIDE]`, then every option in row order; and
-    /// each option's row. The indices differ between plans of one shape, so a CUDA graph takes
+    /// [`Pass::branch_width`]): every row's `[DECIDE]`, then every option in row order; and
+    /// each option's row. The indices differ between passes of one shape, so a CUDA graph takes
     /// them as an input; each option's row depends on the shape alone.
     pub(crate) fn head_reads(&self) -> (Vec<usize>, Vec<u32>) {
         let (decide, opts, owner) = head_positions(&self.rows, self.branch_width());
@@ -69,15 +198,6 @@ impl Plan {
     /// The branch rows' width: their pieces' widths summed (the longest branch, padded).
     pub(crate) fn branch_width(&self) -> usize {
         self.branches.iter().map(|p| p.width).sum()
-    }
-
-    /// `flat` (all options' logits of the plan, in row order) cut per record and question.
-    pub(crate) fn logits_per_record(&self, flat: &[f32]) -> Vec<Vec<Vec<f32>>> {
-        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); self.records];
-        for (owner, l) in self.owners.iter().zip(split_logits(flat, &self.rows)) {
-            out[*owner].push(l);
-        }
-        out
     }
 }
 

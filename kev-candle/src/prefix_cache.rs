@@ -9,9 +9,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kev_core::{Record, Result};
+use kev_core::Result;
 
-use crate::decision::{DecisionModel, ModelId, Prefix, Prefixed};
+use crate::decision::{DecisionModel, EncodedRecord, ModelId, Prefix, Scored};
 
 /// An entry's key: the model that computed it, the state's token ids.
 type Key = (ModelId, Vec<u32>);
@@ -146,14 +146,28 @@ impl PrefixCache {
         true
     }
 
-    /// Keeps the prefixes [`DecisionModel::probs_prefixed`] computed (those it did not reuse)
-    /// and returns the probabilities, in order.
-    pub fn keep(&self, scored: Vec<Prefixed>) -> Vec<Vec<Vec<f32>>> {
+    /// Probabilities for encoded `records` as [`DecisionModel::run`] computes them, reusing
+    /// the prefixes this cache holds for their states and keeping the new ones here.
+    pub fn probs(
+        &self,
+        model: &DecisionModel,
+        records: &[EncodedRecord],
+    ) -> Result<Vec<Vec<Vec<f32>>>> {
+        let prefixes: Vec<_> = records
+            .iter()
+            .map(|e| self.get(model.id(), e.state_ids()))
+            .collect();
+        Ok(self.keep(model.run(records, &prefixes, true)?))
+    }
+
+    /// Keeps the prefixes [`DecisionModel::run`] computed (those it did not reuse) and returns
+    /// the probabilities, in order.
+    pub fn keep(&self, scored: Vec<Scored>) -> Vec<Vec<Vec<f32>>> {
         scored
             .into_iter()
             .map(|s| {
-                if !s.reused {
-                    self.insert(s.prefix);
+                if let (Some(prefix), false) = (s.prefix, s.reused) {
+                    self.insert(prefix);
                 }
                 s.probs
             })
@@ -183,25 +197,5 @@ impl std::fmt::Debug for PrefixCache {
         f.debug_struct("PrefixCache")
             .field("stats", &self.stats())
             .finish()
-    }
-}
-
-impl DecisionModel {
-    /// Probabilities for `records` as [`DecisionModel::probs_batch`] gives them, reusing the
-    /// prefixes `cache` holds for their states and keeping the new ones there.
-    pub fn probs_cached(
-        &self,
-        records: &[Record],
-        cache: &PrefixCache,
-    ) -> Result<Vec<Vec<Vec<f32>>>> {
-        let encoded = records
-            .iter()
-            .map(|r| self.encode_record(r))
-            .collect::<Result<Vec<_>>>()?;
-        let prefixes: Vec<_> = encoded
-            .iter()
-            .map(|e| cache.get(self.id(), e.state_ids()))
-            .collect();
-        Ok(cache.keep(self.probs_prefixed(&encoded, &prefixes)?))
     }
 }

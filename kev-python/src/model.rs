@@ -110,8 +110,21 @@ impl PyDecisionModel {
         record: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Bound<'py, PyArray1<f32>>>> {
         let record = records::record(record, None)?;
-        let logits = py.detach(|| self.inner.forward(&record)).or_raise()?;
-        Ok(arrays(py, logits))
+        let model = &self.inner;
+        let scored = py
+            .detach(|| {
+                let encoded = model.encode_record(&record, None)?;
+                model.run(&[encoded], &[], false)
+            })
+            .or_raise()?;
+        Ok(arrays(
+            py,
+            scored
+                .into_iter()
+                .next()
+                .map(|s| s.logits)
+                .unwrap_or_default(),
+        ))
     }
 
     /// Logits per question in row form (`state ++ branch_j` run alone for each question): the
@@ -122,7 +135,9 @@ impl PyDecisionModel {
         record: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Bound<'py, PyArray1<f32>>>> {
         let record = records::record(record, None)?;
-        let logits = py.detach(|| self.inner.forward_rows(&record)).or_raise()?;
+        let logits = py
+            .detach(|| kev::reference::row_logits(&self.inner, &record))
+            .or_raise()?;
         Ok(arrays(py, logits))
     }
 
@@ -200,10 +215,10 @@ impl PyDecisionModel {
             py.check_signals()?;
             let start = batch.start;
             let done = py
-                .detach(|| model.probs_encoded(&encoded[batch]))
+                .detach(|| model.run(&encoded[batch], &[], false))
                 .map_err(|e| in_call(e, start))
                 .or_raise()?;
-            probs.extend(done);
+            probs.extend(done.into_iter().map(|s| s.probs));
         }
         Ok(probs.into_iter().map(|p| arrays(py, p)).collect())
     }
@@ -219,8 +234,12 @@ impl PyDecisionModel {
         cache: &PyPrefixCache,
     ) -> PyResult<Vec<Vec<Bound<'py, PyArray1<f32>>>>> {
         let records = records::records(records)?;
+        let model = &self.inner;
         let probs = py
-            .detach(|| self.inner.probs_cached(&records, &cache.inner))
+            .detach(|| {
+                let encoded = model.encode_records(&records).map_err(|(_, e)| e)?;
+                cache.inner.probs(model, &encoded)
+            })
             .or_raise()?;
         Ok(probs.into_iter().map(|p| arrays(py, p)).collect())
     }
@@ -312,7 +331,7 @@ impl PyDecisionModel {
 /// record with the same state. Immutable: threads may share it.
 #[pyclass(frozen, module = "kev", name = "Prefix")]
 pub struct PyPrefix {
-    inner: kev::Prefix,
+    inner: std::sync::Arc<kev::Prefix>,
 }
 
 #[pymethods]

@@ -351,11 +351,13 @@ impl Worker {
             })
             .sum();
         let run = || -> kev::Result<Vec<Vec<Vec<f32>>>> {
-            match &self.device.cache {
-                // No cache: the one-pass batch (as `probs_batch`), no prefixes kept.
-                None => model.probs_encoded(&records),
-                Some(cache) => Ok(cache.keep(model.probs_prefixed(&records, &prefixes)?)),
-            }
+            // With a cache, the computed states come back as prefixes to keep there.
+            let cache = self.device.cache.as_ref();
+            let scored = model.run(&records, &prefixes, cache.is_some())?;
+            Ok(match cache {
+                Some(cache) => cache.keep(scored),
+                None => scored.into_iter().map(|s| s.probs).collect(),
+            })
         };
         let result = match std::panic::catch_unwind(AssertUnwindSafe(run)) {
             Ok(Ok(probs)) => Ok(probs),

@@ -13,7 +13,7 @@
 //!    When resuming, the records already in the partial output are checked against it here, and
 //!    the lines kept are rounded down to the end of a batch.
 //! 2. **Scoring**: the valid records, in input order, in those batches through
-//!    [`Scorer::probs_encoded`], each record written as one line once its batch is scored. A
+//!    [`Scorer::score_batch`], each record written as one line once its batch is scored. A
 //!    reader thread parses the next batch and encodes its records in parallel while the model
 //!    runs the current one,
 //!    and a writer thread formats and writes the batch before it; the channels between them hold
@@ -56,7 +56,7 @@ pub trait Scorer: Sync {
     /// The tokens `record` runs: what [`ScoreOptions::batch_tokens`] counts.
     fn tokens(&self, record: &Self::Encoded) -> usize;
     /// One distribution per question for each record.
-    fn probs_encoded(&self, records: &[Self::Encoded]) -> kev_core::Result<Vec<Vec<Vec<f32>>>>;
+    fn score_batch(&self, records: &[Self::Encoded]) -> kev_core::Result<Vec<Vec<Vec<f32>>>>;
     /// The token budget of a batch when [`ScoreOptions::batch_tokens`] sets none.
     fn default_batch_tokens(&self) -> usize {
         CPU_BATCH_TOKENS
@@ -73,7 +73,7 @@ impl Scorer for DecisionModel {
     type Encoded = EncodedRecord;
 
     fn encode(&self, record: &Record, line: usize) -> kev_core::Result<EncodedRecord> {
-        self.encode_record_at(record, Some(line))
+        self.encode_record(record, Some(line))
     }
 
     /// The state plus every branch: the rows a cold batch runs.
@@ -81,8 +81,12 @@ impl Scorer for DecisionModel {
         record.tokens()
     }
 
-    fn probs_encoded(&self, records: &[EncodedRecord]) -> kev_core::Result<Vec<Vec<Vec<f32>>>> {
-        DecisionModel::probs_encoded(self, records)
+    fn score_batch(&self, records: &[EncodedRecord]) -> kev_core::Result<Vec<Vec<Vec<f32>>>> {
+        Ok(self
+            .run(records, &[], false)?
+            .into_iter()
+            .map(|s| s.probs)
+            .collect())
     }
 
     /// The model's id ([`DecisionModel::id`]) and, to name what differs, what it covers that a
@@ -126,7 +130,7 @@ pub const GPU_BATCH_TOKENS: usize = 32768;
 /// How [`score`] runs.
 #[derive(Debug, Clone)]
 pub struct ScoreOptions {
-    /// Tokens per [`Scorer::probs_encoded`] call (at least 1), counted by [`Scorer::tokens`]:
+    /// Tokens per [`Scorer::score_batch`] call (at least 1), counted by [`Scorer::tokens`]:
     /// a batch closes before the record that would take it over this budget, and a record over
     /// the budget by itself is a batch of its own. `None`, the default, takes the scorer's
     /// [`Scorer::default_batch_tokens`] (for a [`DecisionModel`], by its device). The batches follow from the records' token
@@ -770,7 +774,7 @@ impl<E> Batch<E> {
         let lines = &self.lines;
         let (first_line, last_line) = (lines[0], lines[lines.len() - 1]);
         let probs = model
-            .probs_encoded(&self.encoded)
+            .score_batch(&self.encoded)
             .map_err(|source| ScoreError::Batch {
                 first_line,
                 last_line,

@@ -7,6 +7,24 @@ use std::io::BufReader;
 
 use crate::common::{backend, fixture, TOL_FORMS_F32, TOL_PROBS_F32};
 use kev::{DType, DecisionModel, JsonlRecords, LoadOptions, Record};
+
+/// Logits per question: the prefix form ([`DecisionModel::run`]) and the row form
+/// ([`kev::reference::row_logits`]).
+trait Logits {
+    fn logits(&self, record: &Record) -> kev::Result<Vec<Vec<f32>>>;
+    fn rows_form(&self, record: &Record) -> kev::Result<Vec<Vec<f32>>>;
+}
+
+impl Logits for DecisionModel {
+    fn logits(&self, record: &Record) -> kev::Result<Vec<Vec<f32>>> {
+        let encoded = self.encode_record(record, None)?;
+        Ok(self.run(&[encoded], &[], false)?.remove(0).logits)
+    }
+
+    fn rows_form(&self, record: &Record) -> kev::Result<Vec<Vec<f32>>> {
+        kev::reference::row_logits(self, record)
+    }
+}
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -115,14 +133,14 @@ fn f32_probabilities_match_reference_for_every_checkpoint_and_scale() {
                 .iter()
                 .map(|r| {
                     model
-                        .forward_rows(r)
+                        .rows_form(r)
                         .unwrap()
                         .iter()
                         .map(|l| kev_candle::head::softmax(l))
                         .collect()
                 })
                 .collect();
-            let logits: Vec<_> = recs.iter().map(|r| model.forward(r).unwrap()).collect();
+            let logits: Vec<_> = recs.iter().map(|r| model.logits(r).unwrap()).collect();
             let (dp, flips) = compare(&prefix, want, false);
             let (dr, flips_r) = compare(&rows, want, false);
             let (dl, _) = compare(&logits, want, true);
@@ -143,7 +161,7 @@ fn prefix_form_equals_row_form_and_one_question_equals_many() {
     for rec in records() {
         let whole = model.probs(&rec).unwrap();
         let rows: Vec<Vec<f32>> = model
-            .forward_rows(&rec)
+            .rows_form(&rec)
             .unwrap()
             .iter()
             .map(|l| kev_candle::head::softmax(l))
@@ -323,14 +341,14 @@ fn graph_replays_equal_eager_forwards() {
     let pairs = same_shape_twins(&graphs);
     let mut worst = 0f32;
     for (r, twin) in &pairs {
-        let (want_r, want_t) = (eager.forward(r).unwrap(), eager.forward(twin).unwrap());
+        let (want_r, want_t) = (eager.logits(r).unwrap(), eager.logits(twin).unwrap());
         assert!(
             max_delta(&want_r, &want_t) > 1e-3,
             "twins must score differently, or a replay with stale ids would pass"
         );
         // First sight (eager), second (captured), then replays with each record's ids.
         for (rec, want) in [(r, &want_r), (twin, &want_t), (r, &want_r), (twin, &want_t)] {
-            worst = worst.max(max_delta(&graphs.forward(rec).unwrap(), want));
+            worst = worst.max(max_delta(&graphs.logits(rec).unwrap(), want));
         }
     }
     assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
@@ -395,14 +413,14 @@ fn graph_replays_read_each_records_head_positions() {
         );
         let mut worst = 0f32;
         for (r, twin) in &pairs {
-            let (want_r, want_t) = (eager.forward(r).unwrap(), eager.forward(twin).unwrap());
+            let (want_r, want_t) = (eager.logits(r).unwrap(), eager.logits(twin).unwrap());
             assert!(
                 max_delta(&want_r, &want_t) > 1e-3,
                 "twins must score differently, or a replay at stale positions would pass"
             );
             // First sight (eager), the twin's (captured: the same shape), then replays.
             for (rec, want) in [(r, &want_r), (twin, &want_t), (r, &want_r), (twin, &want_t)] {
-                worst = worst.max(max_delta(&graphs.forward(rec).unwrap(), want));
+                worst = worst.max(max_delta(&graphs.logits(rec).unwrap(), want));
             }
         }
         assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
@@ -440,11 +458,11 @@ fn graphs_stay_when_more_shapes_come_round() {
         }
     }
     assert!(shapes.len() >= 16, "{} state lengths", shapes.len());
-    let want: Vec<_> = shapes.iter().map(|r| eager.forward(r).unwrap()).collect();
+    let want: Vec<_> = shapes.iter().map(|r| eager.logits(r).unwrap()).collect();
     let mut worst = 0f32;
     for _round in 0..4 {
         for (r, want) in shapes.iter().zip(&want) {
-            worst = worst.max(max_delta(&graphs.forward(r).unwrap(), want));
+            worst = worst.max(max_delta(&graphs.logits(r).unwrap(), want));
         }
     }
     assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
@@ -557,8 +575,8 @@ fn chunked_state_equals_whole_state() {
             ));
             // Logits, compared at the scale of probabilities.
             let rows = max_delta(
-                &chunked.forward_rows(rec).unwrap(),
-                &whole.forward_rows(rec).unwrap(),
+                &chunked.rows_form(rec).unwrap(),
+                &whole.rows_form(rec).unwrap(),
             );
             worst = worst.max(rows / 10.0);
         }

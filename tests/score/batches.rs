@@ -44,13 +44,13 @@ impl Scorer for Recording {
         encoded.tokens()
     }
 
-    fn probs_encoded(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+    fn score_batch(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
         self.batches
             .lock()
             .unwrap()
             .push(records.iter().map(|(_, line)| *line).collect());
         let encoded: Vec<EncodedRecord> = records.iter().map(|(e, _)| e.clone()).collect();
-        self.model.probs_encoded(&encoded)
+        self.model.score_batch(&encoded)
     }
 
     fn default_batch_tokens(&self) -> usize {
@@ -81,7 +81,7 @@ fn token_counts(lines: &[String]) -> Vec<usize> {
         .iter()
         .map(|l| {
             let record = Record::from_json_str(l, None).unwrap();
-            model().encode_record(&record).unwrap().tokens()
+            model().encode_record(&record, None).unwrap().tokens()
         })
         .collect()
 }
@@ -301,9 +301,9 @@ impl Scorer for Failing {
         record.tokens()
     }
 
-    fn probs_encoded(&self, records: &[EncodedRecord]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+    fn score_batch(&self, records: &[EncodedRecord]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
         let n = self.batches.fetch_add(1, Ordering::SeqCst) + 1;
-        let mut probs = self.model.probs_encoded(records)?;
+        let mut probs = self.model.score_batch(records)?;
         match self.fail {
             Fail::ModelError(at) if at == n => {
                 return Err(kev::Error::invalid_argument("records", "failed on purpose"))

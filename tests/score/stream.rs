@@ -314,9 +314,9 @@ impl Scorer for Poisoned {
         encoded.tokens()
     }
 
-    fn probs_encoded(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+    fn score_batch(&self, records: &[Self::Encoded]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
         let encoded: Vec<EncodedRecord> = records.iter().map(|(e, _)| e.clone()).collect();
-        let mut probs = self.model.probs_encoded(&encoded)?;
+        let mut probs = self.model.score_batch(&encoded)?;
         for ((_, poisoned), p) in records.iter().zip(&mut probs) {
             if *poisoned {
                 p[0][0] = self.value;
@@ -400,8 +400,8 @@ impl Scorer for Growing {
         record.tokens()
     }
 
-    fn probs_encoded(&self, records: &[EncodedRecord]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
-        self.model.probs_encoded(records)
+    fn score_batch(&self, records: &[EncodedRecord]) -> kev::Result<Vec<Vec<Vec<f32>>>> {
+        self.model.score_batch(records)
     }
 }
 

@@ -201,7 +201,7 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     breakdown.total_s = load_started.elapsed().as_secs_f64();
     Ok(Loaded {
         id,
-        executor: Executor::new(model, head, options.prefill_chunk),
+        executor: Executor::new(model, head, options.prefill_chunk, options.cuda_graphs),
         encoder,
         checkpoint,
         breakdown,

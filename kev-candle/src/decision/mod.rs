@@ -1,57 +1,54 @@
 //! [`DecisionModel`]: a Kev checkpoint loaded for scoring (docs/CONTRACT.md §3, §6).
 //!
-//! Two forms compute the same numbers. The row form runs `state ++ branch_j` for each question
-//! (the reference). The prefix form runs the state once into a [`Cache`], then all branches as
-//! one right-padded batch on copies of that cache; a [`Prefix`] can be kept and reused by the
-//! next record with the same state. [`DecisionModel::probs_batch`] does the same for many
-//! records at once: their states as one padded batch, then all their branches as one batch.
-//! Where every state fits in one `prefill_chunk`, both parts run in a single pass over the
-//! layers ([`SplitBatch`](kev_kernels::SplitBatch)), each branch row continuing its state row
-//! within every layer.
+//! Every score is computed in prefix form: a record's state runs once into a cache, then all
+//! its branches as one right-padded batch on copies of that cache. [`DecisionModel::run`] is the
+//! one entry point: it scores encoded records, each state computed now or continued from a given
+//! [`Prefix`], and keeps the computed ones as prefixes when asked. Many records run together:
+//! their distinct states in passes grouped by length, each pass with its records' branches
+//! (in one pass over the layers where every state fits in one `prefill_chunk`,
+//! [`SplitBatch`](kev_kernels::SplitBatch)). The row form, which runs `state ++ branch_j` for
+//! each question, is the reference the tests check this against ([`crate::reference`]).
 //!
-//! This module is the public face: encoding, grouping records and checking results. Loading is
-//! in `load`, what each forward runs in `plan`, running it in `executor` (or as a CUDA graph,
-//! `graphs`), and batches over cached prefixes in `prefixed`.
+//! This module is the public face: encoding, checking prefixes and results. Loading is in
+//! `load`, what each pass runs in `plan`, running it in `executor` (replayed as a CUDA graph
+//! where one serves, `graphs`).
 
 use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use kev_core::{Checkpoint, Encoder, Encoding, Error, LoadOptions, Record, Result, Row};
+use kev_core::{Checkpoint, Encoder, Encoding, Error, LoadOptions, Record, Result};
 use rayon::prelude::*;
 
 use crate::device::recovered;
-use crate::executor::{read_per_row, Executor};
+use crate::executor::Executor;
 use crate::graphs::GraphStats;
 use crate::head::{softmax, PointerHead};
-use crate::plan::{length_buckets, Plan};
+use crate::plan::Plan;
 use crate::qwen35::{Cache, Model};
 
+mod encoded;
 mod identity;
 mod load;
 mod prefix;
-mod prefixed;
 
 pub use crate::plan::state_pass_tokens;
+pub use encoded::{EncodedRecord, Scored};
 pub use identity::ModelId;
 pub use load::LoadBreakdown;
 pub use prefix::Prefix;
-pub use prefixed::{EncodedRecord, Prefixed};
 
 /// A Kev decision model: backbone (adapter folded in), pointer head and encoder.
 ///
 /// Immutable after loading; every method takes `&self`, so one model can serve many threads.
 pub struct DecisionModel {
-    /// Runs plans: the backbone, the head and the piece length.
-    exec: Executor,
+    /// Runs plans: the backbone, the head, the piece length and the CUDA graphs.
+    pub(crate) exec: Executor,
     encoder: Encoder,
     checkpoint: Checkpoint,
     breakdown: LoadBreakdown,
     id: ModelId,
     options: LoadOptions,
-    /// Forwards (one record or a batch) replayed as CUDA graphs ([`LoadOptions::cuda_graphs`]).
-    #[cfg(feature = "cuda")]
-    graphs: Option<crate::graphs::Graphs>,
 }
 
 impl DecisionModel {
@@ -59,9 +56,6 @@ impl DecisionModel {
     pub fn load(dir: impl AsRef<Path>, options: &LoadOptions) -> Result<Self> {
         let loaded = load::load(dir.as_ref(), options)?;
         Ok(Self {
-            #[cfg(feature = "cuda")]
-            graphs: (options.cuda_graphs && loaded.executor.device().is_cuda())
-                .then(crate::graphs::Graphs::default),
             exec: loaded.executor,
             encoder: loaded.encoder,
             checkpoint: loaded.checkpoint,
@@ -129,127 +123,16 @@ impl DecisionModel {
         self.encoder.encode(record, None)
     }
 
-    /// Logits per question (prefix form). On CUDA, a record whose token shapes were seen before
-    /// replays a CUDA graph ([`LoadOptions::cuda_graphs`]).
-    pub fn forward(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
-        let (state, rows) = self.encode(record)?.rows();
-        let logits = self
-            .logits_per_record(self.exec.plan(vec![(state, rows)]))?
-            .remove(0);
-        check_finite(record, 0, &logits)?;
-        Ok(logits)
-    }
-
-    /// Runs `plan` (replaying a CUDA graph where one serves) and cuts its logits per record and
-    /// question.
-    fn logits_per_record(&self, plan: Plan) -> Result<Vec<Vec<Vec<f32>>>> {
-        #[cfg(feature = "cuda")]
-        let flat = match (&self.graphs, self.device()) {
-            (Some(graphs), Device::Cuda(dev)) => graphs.logits(&self.exec, &plan, dev),
-            _ => self.exec.plan_logits_eager(&plan),
-        };
-        #[cfg(not(feature = "cuda"))]
-        let flat = self.exec.plan_logits_eager(&plan);
-        let flat = recovered(self.device(), flat)?;
-        Ok(plan.logits_per_record(&flat))
-    }
-
-    /// How the CUDA graphs of [`DecisionModel::forward`] have fared (all zero off CUDA).
-    pub fn graph_stats(&self) -> GraphStats {
-        #[cfg(feature = "cuda")]
-        if let Some(graphs) = &self.graphs {
-            return graphs.stats();
-        }
-        GraphStats::default()
-    }
-
-    /// Logits per question in row form: `state ++ branch_j` run on its own for each question.
-    /// Slower; this is the reference the prefix form is checked against.
-    pub fn forward_rows(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
-        let (state, rows) = self.encode(record)?.rows();
-        recovered(self.device(), self.exec.row_logits(&state, &rows))
-    }
-
-    /// Probabilities per question (prefix form).
-    pub fn probs(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
-        probabilities(record, 0, &self.forward(record)?)
-    }
-
-    /// Probabilities per question, and the state's prefix for reuse.
-    pub fn probs_and_prefix(&self, record: &Record) -> Result<(Vec<Vec<f32>>, Prefix)> {
-        let (logits, prefix) = self.logits_and_prefix(record, None)?;
-        let prefix = prefix.expect("a prefix is computed when none is given");
-        Ok((probabilities(record, 0, &logits)?, prefix))
-    }
-
-    /// Probabilities per question, reusing `prefix` (which must come from the same state).
-    pub fn probs_with_prefix(&self, record: &Record, prefix: &Prefix) -> Result<Vec<Vec<f32>>> {
-        let (logits, _) = self.logits_and_prefix(record, Some(prefix))?;
-        probabilities(record, 0, &logits)
-    }
-
-    /// Runs `record.state` once into a prefix.
-    pub fn prefix(&self, state: &str) -> Result<Prefix> {
-        self.prefix_of(state, self.encoder.encode_state(state)?)
-    }
-
-    /// Runs already-encoded state ids into a prefix.
-    fn prefix_of(&self, state: &str, state_ids: Vec<u32>) -> Result<Prefix> {
-        let pieces = self.exec.pieces(std::slice::from_ref(&state_ids));
-        let cache = recovered(
-            self.device(),
-            self.exec
-                .upload_all(&pieces)
-                .and_then(|ids| self.exec.state_cache(1, &pieces, &ids)),
-        )?;
-        Ok(Prefix {
-            model: self.id,
-            state: state.to_string(),
+    /// `record` encoded for [`DecisionModel::run`] (validated as [`DecisionModel::encode`]
+    /// validates it); `line`: the input line it was read from, which its errors name.
+    pub fn encode_record(&self, record: &Record, line: Option<usize>) -> Result<EncodedRecord> {
+        let (state_ids, rows) = self.encoder.encode(record, line)?.rows();
+        Ok(EncodedRecord {
+            id: record.id.clone(),
+            state: record.state.clone(),
             state_ids,
-            cache,
+            rows,
         })
-    }
-
-    /// Probabilities for many records at once: states of similar length as one padded batch
-    /// (`length_buckets`), then their branches as one padded batch (in one pass over the layers
-    /// where every state fits in one `prefill_chunk`). Equal to scoring them one by one. On CUDA,
-    /// a batch whose token shapes were seen before replays a CUDA graph, as
-    /// [`DecisionModel::forward`] does.
-    pub fn probs_batch(&self, records: &[Record]) -> Result<Vec<Vec<Vec<f32>>>> {
-        if records.is_empty() {
-            return Ok(Vec::new());
-        }
-        let encoded = self.encode_records(records).map_err(|(_, e)| e)?;
-        let logits =
-            self.grouped_logits(encoded.into_iter().map(|e| (e.state_ids, e.rows)).collect())?;
-        records
-            .iter()
-            .zip(&logits)
-            .enumerate()
-            .map(|(i, (record, questions))| probabilities(record, i, questions))
-            .collect()
-    }
-
-    /// Logits per record and question of `records` (each a state and its rows), records of
-    /// similar state length run as one plan (`length_buckets`).
-    fn grouped_logits(&self, records: Vec<(Vec<u32>, Vec<Row>)>) -> Result<Vec<Vec<Vec<f32>>>> {
-        let lengths: Vec<usize> = records.iter().map(|(state, _)| state.len()).collect();
-        let mut records: Vec<Option<(Vec<u32>, Vec<Row>)>> =
-            records.into_iter().map(Some).collect();
-        let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); records.len()];
-        for bucket in length_buckets(&lengths) {
-            let group = bucket
-                .iter()
-                .map(|&i| records[i].take().expect("each record is in one bucket"))
-                .collect();
-            for (i, l) in bucket
-                .iter()
-                .zip(self.logits_per_record(self.exec.plan(group))?)
-            {
-                logits[*i] = l;
-            }
-        }
-        Ok(logits)
     }
 
     /// [`DecisionModel::encode_record`] for each of `records`, in parallel: tokenizing takes
@@ -260,7 +143,7 @@ impl DecisionModel {
         &self,
         records: &[Record],
     ) -> std::result::Result<Vec<EncodedRecord>, (usize, Error)> {
-        let one = |(i, r): (usize, &Record)| self.encode_record(r).map_err(|e| (i, e));
+        let one = |(i, r): (usize, &Record)| self.encode_record(r, None).map_err(|e| (i, e));
         if records.len() == 1 {
             return records.iter().enumerate().map(one).collect();
         }
@@ -270,132 +153,178 @@ impl DecisionModel {
         encoded.into_iter().collect()
     }
 
-    /// Encodes `record` for [`DecisionModel::probs_prefixed`] (validating it as
-    /// [`DecisionModel::encode`] does).
-    pub fn encode_record(&self, record: &Record) -> Result<EncodedRecord> {
-        self.encode_record_at(record, None)
+    /// How the CUDA graphs have fared (all zero off CUDA).
+    pub fn graph_stats(&self) -> GraphStats {
+        self.exec.graph_stats()
     }
 
-    /// [`DecisionModel::encode_record`] for a record read from input line `line`, which its
-    /// errors name.
-    pub fn encode_record_at(&self, record: &Record, line: Option<usize>) -> Result<EncodedRecord> {
-        let (state_ids, rows) = self.encoder.encode(record, line)?.rows();
-        Ok(EncodedRecord {
-            id: record.id.clone(),
-            state: record.state.clone(),
-            state_ids,
-            rows,
-        })
-    }
-
-    /// Probabilities for encoded records as [`DecisionModel::probs_batch`] computes them (grouped
-    /// by state length, each group in one pass where its states fit, replayed as a CUDA graph
-    /// where one serves), keeping no prefix.
-    pub fn probs_encoded(&self, records: &[EncodedRecord]) -> Result<Vec<Vec<Vec<f32>>>> {
-        if records.is_empty() {
-            return Ok(Vec::new());
-        }
-        let encoded = records
-            .iter()
-            .map(|r| (r.state_ids.clone(), r.rows.clone()))
-            .collect();
-        self.grouped_logits(encoded)?
-            .iter()
-            .zip(records)
-            .enumerate()
-            .map(|(i, (logits, rec))| prefixed::finite_probs(rec, i, logits))
-            .collect()
-    }
-
-    /// Probabilities for `records`, where `prefixes[i]`, if given, is a prefix of record i's
-    /// state (same token ids) and its state does not run again. The other records' states run
-    /// in passes grouped by length (each distinct state once; [`state_pass_tokens`] counts them),
-    /// then every record's branches run as one batch continuing their prefixes. Each result
-    /// carries the record's prefix for reuse. Equal to scoring the records one by one.
+    /// Scores encoded `records`: the one entry point every other scoring method goes through.
     ///
-    /// Errors: [`Error::InvalidArgument`] when the two slices differ in length,
-    /// [`Error::Prefix`] when a prefix's token ids are not its record's state's or another model
-    /// computed it.
-    pub fn probs_prefixed(
+    /// `prefixes` is empty (every state is computed) or has one entry per record: `Some` a
+    /// prefix of the record's state (the same token ids, from this model), whose state then does
+    /// not run again. The computed states run in passes grouped by length, each distinct state
+    /// once ([`state_pass_tokens`] counts them), each pass with its records' branches; the
+    /// records with a given prefix run their branches as one more pass. With `keep`, each
+    /// computed state comes back as a prefix for reuse. On CUDA, a pass whose token shapes were
+    /// seen before and that keeps nothing replays a CUDA graph ([`LoadOptions::cuda_graphs`]).
+    /// Equal to scoring the records one by one.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when `prefixes` is neither empty nor one per record,
+    /// [`Error::Prefix`] when a prefix is not of its record's state or another model computed
+    /// it, [`Error::NonFinite`] naming the first record whose logits or probabilities are not
+    /// finite.
+    pub fn run(
         &self,
         records: &[EncodedRecord],
         prefixes: &[Option<Arc<Prefix>>],
-    ) -> Result<Vec<Prefixed>> {
-        if records.len() != prefixes.len() {
+        keep: bool,
+    ) -> Result<Vec<Scored>> {
+        if !prefixes.is_empty() && prefixes.len() != records.len() {
             return Err(Error::invalid_argument(
                 "prefixes",
                 format!("{} prefixes for {} records", prefixes.len(), records.len()),
             ));
         }
+        for (i, (rec, prefix)) in records.iter().zip(prefixes).enumerate() {
+            if let Some(p) = prefix {
+                self.check_prefix(p, rec, i)?;
+            }
+        }
         if records.is_empty() {
             return Ok(Vec::new());
         }
-        recovered(
-            self.device(),
-            prefixed::run_prefixed(&self.exec, self.id, records, prefixes),
-        )
+        let plan = Plan::new(records, prefixes, keep, self.exec.prefill_chunk());
+        let outs = recovered(self.device(), self.exec.run(&plan))?;
+        let (logits, kept): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.logits, o.kept)).unzip();
+        // Each kept state's cache, made a prefix once for the records that share it.
+        let mut kept: Vec<Vec<Option<Cache>>> = kept
+            .into_iter()
+            .map(|k| k.into_iter().map(Some).collect())
+            .collect();
+        let mut made: Vec<Vec<Option<Arc<Prefix>>>> =
+            kept.iter().map(|k| vec![None; k.len()]).collect();
+        records
+            .iter()
+            .zip(plan.per_record(&logits))
+            .enumerate()
+            .map(|(i, (rec, out))| {
+                let probs = finite_probs(rec, i, &out.logits)?;
+                let (p, row) = out.state;
+                let (prefix, reused) = match prefixes.get(i).and_then(Option::as_ref) {
+                    Some(given) => (Some(Arc::clone(given)), true),
+                    None if keep => {
+                        let prefix = match &made[p][row] {
+                            Some(prefix) => Arc::clone(prefix),
+                            None => {
+                                let cache = kept[p][row].take().expect("each kept row once");
+                                let prefix = Arc::new(Prefix::new(
+                                    self.id,
+                                    rec.state.clone(),
+                                    rec.state_ids.clone(),
+                                    cache,
+                                ));
+                                made[p][row] = Some(Arc::clone(&prefix));
+                                prefix
+                            }
+                        };
+                        (Some(prefix), false)
+                    }
+                    None => (None, false),
+                };
+                Ok(Scored {
+                    logits: out.logits,
+                    probs,
+                    prefix,
+                    reused,
+                })
+            })
+            .collect()
     }
 
-    fn logits_and_prefix(
+    /// [`Error::Prefix`] unless `prefix` was computed by this model for `rec`'s state (record
+    /// `index` of a batch).
+    fn check_prefix(&self, prefix: &Prefix, rec: &EncodedRecord, index: usize) -> Result<()> {
+        prefix.check_model(self.id, &format!("the prefix given for record {index}"))?;
+        if prefix.state_ids() != rec.state_ids {
+            return Err(Error::Prefix {
+                message: format!(
+                    "the prefix given for record {index} (`{}`) was computed for another state ({} tokens) than the record's ({} tokens)",
+                    rec.id.as_deref().unwrap_or("<no id>"),
+                    prefix.len(),
+                    rec.state_ids.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`DecisionModel::run`] on one record.
+    fn run_one(&self, record: &Record, prefix: Option<&Arc<Prefix>>, keep: bool) -> Result<Scored> {
+        let encoded = self.encode_record(record, None)?;
+        let prefixes = prefix
+            .map(|p| vec![Some(Arc::clone(p))])
+            .unwrap_or_default();
+        Ok(self.run(&[encoded], &prefixes, keep)?.remove(0))
+    }
+
+    /// Probabilities per question.
+    pub fn probs(&self, record: &Record) -> Result<Vec<Vec<f32>>> {
+        Ok(self.run_one(record, None, false)?.probs)
+    }
+
+    /// Probabilities per question, and the state's prefix for reuse.
+    pub fn probs_and_prefix(&self, record: &Record) -> Result<(Vec<Vec<f32>>, Arc<Prefix>)> {
+        let scored = self.run_one(record, None, true)?;
+        let prefix = scored.prefix.expect("a kept state comes back as a prefix");
+        Ok((scored.probs, prefix))
+    }
+
+    /// Probabilities per question, reusing `prefix` (which must come from the same state).
+    pub fn probs_with_prefix(
         &self,
         record: &Record,
-        given: Option<&Prefix>,
-    ) -> Result<(Vec<Vec<f32>>, Option<Prefix>)> {
-        let (state, rows) = self.encode(record)?.rows();
-        let computed = match given {
-            Some(prefix) => {
-                prefix.check_model(self.id, "the prefix")?;
-                if prefix.state != record.state || prefix.state_ids != state {
-                    return Err(Error::Prefix {
-                        message: format!(
-                            "the prefix was computed for another state ({} tokens) than record `{}`'s ({} tokens)",
-                            prefix.state_ids.len(),
-                            record.id.as_deref().unwrap_or("<no id>"),
-                            state.len()
-                        ),
-                    });
-                }
-                None
-            }
-            None => Some(self.prefix_of(&record.state, state.clone())?),
-        };
-        let prefix = given.or(computed.as_ref()).expect("one of the two is set");
-        let logits = self.branches(&prefix.cache, &rows)?;
-        Ok((logits, computed))
+        prefix: &Arc<Prefix>,
+    ) -> Result<Vec<Vec<f32>>> {
+        Ok(self.run_one(record, Some(prefix), false)?.probs)
     }
 
-    /// Runs `rows` as one right-padded batch, each continuing (a copy of) the one state row of
-    /// `cache`, and returns each row's logits.
-    fn branches(&self, cache: &Cache, rows: &[Row]) -> Result<Vec<Vec<f32>>> {
-        let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
-        let pieces = self.exec.pieces(&ids);
-        let owners = vec![0; rows.len()];
-        let logits = self
-            .exec
-            .upload_all(&pieces)
-            .and_then(|ids| self.exec.branch_logits(cache, &owners, &pieces, &ids, rows))
-            .and_then(|logits| read_per_row(&logits, rows));
-        recovered(self.device(), logits)
+    /// Runs the state text `state` once into a prefix.
+    pub fn prefix(&self, state: &str) -> Result<Arc<Prefix>> {
+        let encoded = EncodedRecord {
+            id: None,
+            state: state.to_string(),
+            state_ids: self.encoder.encode_state(state)?,
+            rows: Vec::new(),
+        };
+        let scored = self.run(&[encoded], &[], true)?.remove(0);
+        Ok(scored.prefix.expect("a kept state comes back as a prefix"))
+    }
+
+    /// Probabilities for many records at once, as [`DecisionModel::run`] computes them (the
+    /// records encoded in parallel first; the first invalid one in input order is refused before
+    /// any runs). Equal to scoring them one by one.
+    pub fn probs_batch(&self, records: &[Record]) -> Result<Vec<Vec<Vec<f32>>>> {
+        let encoded = self.encode_records(records).map_err(|(_, e)| e)?;
+        Ok(self
+            .run(&encoded, &[], false)?
+            .into_iter()
+            .map(|s| s.probs)
+            .collect())
     }
 }
 
-/// Refuses logits that are not finite (NaN or infinity from the weights or the activations):
-/// an [`Error::NonFinite`] naming the record, never output.
-fn check_finite(record: &Record, index: usize, logits: &[Vec<f32>]) -> Result<()> {
-    match logits.iter().position(|l| !l.iter().all(|x| x.is_finite())) {
-        None => Ok(()),
+/// Each question's softmax, refusing logits or probabilities that are not finite (NaN or
+/// infinity from the weights or the activations): an [`Error::NonFinite`] naming the record,
+/// never output.
+fn finite_probs(rec: &EncodedRecord, index: usize, logits: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+    let probs: Vec<Vec<f32>> = logits.iter().map(|l| softmax(l)).collect();
+    let bad = |x: &[Vec<f32>]| x.iter().position(|l| !l.iter().all(|v| v.is_finite()));
+    match bad(logits).or_else(|| bad(&probs)) {
+        None => Ok(probs),
         Some(question) => Err(Error::NonFinite {
-            id: record.id.clone(),
+            id: rec.id.clone(),
             index,
             question,
         }),
     }
-}
-
-/// Each question's softmax, checked finite with its logits (see [`check_finite`]).
-fn probabilities(record: &Record, index: usize, logits: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
-    check_finite(record, index, logits)?;
-    let probs: Vec<Vec<f32>> = logits.iter().map(|l| softmax(l)).collect();
-    check_finite(record, index, &probs)?;
-    Ok(probs)
 }

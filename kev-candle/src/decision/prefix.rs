@@ -9,13 +9,28 @@ use crate::qwen35::Cache;
 /// model that made it ([`Prefix::model`]: another model's prefix is refused, since its cache
 /// holds that model's activations).
 pub struct Prefix {
-    pub(super) model: ModelId,
-    pub(super) state: String,
-    pub(super) state_ids: Vec<u32>,
-    pub(super) cache: Cache,
+    model: ModelId,
+    state: String,
+    state_ids: Vec<u32>,
+    cache: Cache,
 }
 
 impl Prefix {
+    /// The prefix `model` computed for `state` (its token ids `state_ids`): `cache`, one row.
+    pub(crate) fn new(model: ModelId, state: String, state_ids: Vec<u32>, cache: Cache) -> Self {
+        Self {
+            model,
+            state,
+            state_ids,
+            cache,
+        }
+    }
+
+    /// The backbone's cache after the state, one row (only read: rows are copied to continue).
+    pub(crate) fn cache(&self) -> &Cache {
+        &self.cache
+    }
+
     /// The model that computed it ([`super::DecisionModel::id`]).
     pub fn model(&self) -> ModelId {
         self.model
