@@ -93,7 +93,7 @@ impl Executor {
 
     fn run_pass(&self, pass: &Pass) -> Result<PassOut> {
         if !pass.is_plain() {
-            return self.pass_with_prefixes(pass);
+            return self.pass_keeping(pass);
         }
         #[cfg(feature = "cuda")]
         let logits = match (&self.graphs, self.device()) {
@@ -174,22 +174,20 @@ impl Executor {
         let (reads, owner) = pass.head_reads();
         let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
             .map_err(backend_err("head positions"))?;
-        let hidden = if let ([state], [branches]) = (&pass.state[..], &pass.branches[..]) {
+        let hidden = if let Some(split) = self.one_pass(pass)? {
             // One piece each (every state within `prefill_chunk`): one pass over the layers, the
             // last layer's MLP only on the rows the head reads.
-            SplitBatch::new(
-                state.width,
-                state.lengths.clone(),
-                branches.width,
-                branches.lengths.clone(),
-                pass.owners.clone(),
-                self.device(),
-            )
-            .and_then(|split| {
-                self.model
-                    .forward_split(&inputs.ids[0], &inputs.ids[1], &split, Some(&picked))
-            })
-            .map_err(backend_err("backbone forward"))?
+            self.model
+                .forward_split(
+                    &inputs.ids[0],
+                    &inputs.ids[1],
+                    &split,
+                    Some(&picked),
+                    None,
+                    false,
+                )
+                .map_err(backend_err("backbone forward"))?
+                .0
         } else {
             let (state_ids, branch_ids) = inputs.ids.split_at(pass.state.len());
             let cache = self.state_cache(pass.computed, &pass.state, state_ids)?;
@@ -200,19 +198,92 @@ impl Executor {
                 .and_then(|flat| gather_rows(&flat, &picked))
                 .map_err(backend_err("pointer head"))?
         };
+        self.head_at_reads(pass, &hidden, &owner)
+    }
+
+    /// The head on `hidden: [P, H]`, the rows `pass` reads ([`Pass::head_reads`], whose option
+    /// owners are `owner`): all options' logits `[M]` on the device.
+    fn head_at_reads(&self, pass: &Pass, hidden: &Tensor, owner: &[u32]) -> Result<Tensor> {
         let err = backend_err("pointer head");
         let n = pass.rows.len();
         let decide = hidden.narrow(0, 0, n).map_err(&err)?;
         let opts = hidden.narrow(0, n, owner.len()).map_err(&err)?;
         self.head
-            .logits_on_device(&decide, &opts, &owner)
+            .logits_on_device(&decide, &opts, owner)
             .map_err(&err)
     }
 
-    /// A pass that keeps its computed states or continues given prefixes: the states into a
-    /// fresh cache (their rows cut out where kept), that cache's rows joined with the given
-    /// prefixes', then the branches on copies of their rows, then the head. Given prefixes are
-    /// only read, so one prefix can serve concurrent passes.
+    /// The split of `pass` when it runs in one pass over the layers: its computed states and its
+    /// branches are one piece each (the given prefixes' rows follow the computed ones).
+    fn one_pass(&self, pass: &Pass) -> Result<Option<SplitBatch>> {
+        let ([state], [branches]) = (&pass.state[..], &pass.branches[..]) else {
+            return Ok(None);
+        };
+        SplitBatch::with_given(
+            state.width,
+            state.lengths.clone(),
+            pass.given.len(),
+            branches.width,
+            branches.lengths.clone(),
+            pass.owners.clone(),
+            self.device(),
+        )
+        .map(Some)
+        .map_err(backend_err("backbone forward"))
+    }
+
+    /// A pass that keeps its computed states or continues given prefixes, in one pass over the
+    /// layers where it fits ([`Executor::one_pass`]), else [`Executor::pass_with_prefixes`].
+    fn pass_keeping(&self, pass: &Pass) -> Result<PassOut> {
+        let Some(split) = self.one_pass(pass)? else {
+            return self.pass_with_prefixes(pass);
+        };
+        let inputs = self.upload_inputs(pass)?;
+        let (reads, owner) = pass.head_reads();
+        let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
+            .map_err(backend_err("head positions"))?;
+        let given = self.given_rows(pass)?;
+        let (hidden, kept) = self
+            .model
+            .forward_split(
+                &inputs.ids[0],
+                &inputs.ids[1],
+                &split,
+                Some(&picked),
+                given.as_ref(),
+                pass.keep,
+            )
+            .map_err(backend_err("backbone forward"))?;
+        let logits = self
+            .head_at_reads(pass, &hidden, &owner)?
+            .to_vec1::<f32>()
+            .map_err(backend_err("pointer head"))?;
+        let kept = match kept {
+            Some(cache) => (0..pass.computed)
+                .map(|r| cache.row(r))
+                .collect::<candle_core::Result<Vec<_>>>()
+                .map_err(backend_err("cutting a prefix out of the state pass"))?,
+            None => Vec::new(),
+        };
+        Ok(PassOut { logits, kept })
+    }
+
+    /// The given prefixes' rows of `pass` as one cache (none given: `None`).
+    fn given_rows(&self, pass: &Pass) -> Result<Option<Cache>> {
+        let parts: Vec<&Cache> = pass.given.iter().map(|p| p.cache()).collect();
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        Cache::join(&parts)
+            .map(Some)
+            .map_err(backend_err("joining prefixes"))
+    }
+
+    /// A pass that keeps its computed states or continues given prefixes, in two passes over the
+    /// layers (a state or branch over `prefill_chunk`, an empty state, no state computed, no
+    /// branch): the states into a fresh cache (their rows cut out where kept), that cache's rows
+    /// joined with the given prefixes', then the branches on copies of their rows, then the head.
+    /// Given prefixes are only read, so one prefix can serve concurrent passes.
     fn pass_with_prefixes(&self, pass: &Pass) -> Result<PassOut> {
         let computed = (pass.computed > 0)
             .then(|| {

@@ -24,7 +24,7 @@ pub(crate) struct Piece {
 
 /// What scoring a batch of records runs: the records whose state is computed, grouped into
 /// passes by state length (`length_buckets`: a pass pads its states to its longest), each
-/// distinct state once; then one pass for the records whose prefix is given.
+/// distinct state once; the records whose prefix is given join the last pass (or make one).
 pub(crate) struct Plan {
     pub(crate) passes: Vec<Pass>,
     /// Each record's pass and its slot there.
@@ -99,12 +99,14 @@ impl Plan {
                 Pass::empty(pieces(&states, chunk), members.len(), Vec::new(), keep)
             })
             .collect();
-        // The given prefixes, each distinct one a row of the last pass.
+        // The given prefixes, each distinct one a row after the computed ones of the last pass
+        // (the longest states: the given rows' keys pad the least there), so hits and misses
+        // run in one pass; or of a pass of their own where no state is computed.
         let mut hits: Vec<Arc<Prefix>> = Vec::new();
         let given_row: Vec<Option<usize>> = (0..records.len())
             .map(|i| {
                 given_of(i).map(|p| match hits.iter().position(|h| Arc::ptr_eq(h, p)) {
-                    Some(r) => r,
+                    Some(g) => g,
                     None => {
                         hits.push(Arc::clone(p));
                         hits.len() - 1
@@ -113,8 +115,12 @@ impl Plan {
             })
             .collect();
         let hits_pass = (!hits.is_empty()).then(|| {
-            passes.push(Pass::empty(Vec::new(), 0, hits, false));
-            passes.len() - 1
+            if passes.is_empty() {
+                passes.push(Pass::empty(Vec::new(), 0, Vec::new(), false));
+            }
+            let last = passes.len() - 1;
+            passes[last].given = hits;
+            last
         });
         let mut branch_rows: Vec<Vec<&Row>> = vec![Vec::new(); passes.len()];
         let at = records
@@ -123,7 +129,10 @@ impl Plan {
             .map(|(i, rec)| {
                 let (p, row) = match (cold_of[i], given_row[i]) {
                     (Some(j), _) => cold_row[j],
-                    (None, Some(g)) => (hits_pass.expect("a given prefix makes the pass"), g),
+                    (None, Some(g)) => {
+                        let p = hits_pass.expect("a given prefix has its pass");
+                        (p, passes[p].computed + g)
+                    }
                     (None, None) => unreachable!("a record's state is computed or given"),
                 };
                 let pass = &mut passes[p];

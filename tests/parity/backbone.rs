@@ -4,7 +4,7 @@
 
 use crate::common::{check, device, fixture, TOL_HIDDEN_F32};
 use candle_core::{DType, Device, Tensor};
-use kev_candle::qwen35::{Config, Model};
+use kev_candle::qwen35::{Cache, Config, Model};
 use kev_candle::weights::Weights;
 use kev_core::BaseFiles;
 use kev_kernels::SplitBatch;
@@ -125,38 +125,54 @@ fn padded_batch_rows_equal_single_rows() {
     }
 }
 
-#[test]
-fn split_forward_equals_states_then_branches() {
-    // One pass over packed states and branches against the states' forward, then the branches'
-    // on copies of their owners' cache rows. Both kinds of last layer: the pass skips the last
-    // layer's state rows, which feed the branches only through that layer's cache.
+/// The base-mm fixture's config and weights, and token rows cut from its 200-token sequence:
+/// two states (70 and 41 real tokens, padded to 70) and three branches (9, 5 and 7, padded to 9).
+struct SplitFixture {
+    full: Config,
+    w: Weights,
+    ids: Tensor,
+    states: Tensor,
+    branches: Tensor,
+}
+
+fn split_fixture() -> SplitFixture {
     let refs = reference();
     let ids = ids_of(&refs["len200.ids"]);
     let files = BaseFiles::from_local(&fixture("base-mm")).expect("fixture base resolves");
     let full = Config::from_json(&std::fs::read_to_string(&files.config).unwrap()).unwrap();
     let w = Weights::open(&files.weights, None, 1.0, DType::F32, device()).unwrap();
-    let pad = |t: Tensor, width: usize| {
-        let fill = Tensor::zeros((1, width - t.dim(1).unwrap()), DType::U32, &device()).unwrap();
-        Tensor::cat(&[&t, &fill], 1).unwrap()
+    let rows = |cuts: &[(usize, usize)], width: usize| {
+        let padded: Vec<Tensor> = cuts
+            .iter()
+            .map(|&(start, len)| {
+                let fill = Tensor::zeros((1, width - len), DType::U32, &device()).unwrap();
+                Tensor::cat(&[&ids.narrow(1, start, len).unwrap(), &fill], 1).unwrap()
+            })
+            .collect();
+        Tensor::cat(&padded, 0).unwrap()
     };
+    SplitFixture {
+        states: rows(&[(0, 70), (100, 41)], 70),
+        branches: rows(&[(180, 9), (150, 5), (190, 7)], 9),
+        full,
+        w,
+        ids,
+    }
+}
+
+#[test]
+fn split_forward_equals_states_then_branches() {
+    // One pass over packed states and branches against the states' forward, then the branches'
+    // on copies of their owners' cache rows. Both kinds of last layer: the pass skips the last
+    // layer's state rows, which feed the branches only through that layer's cache.
+    let SplitFixture {
+        full,
+        w,
+        states,
+        branches,
+        ..
+    } = split_fixture();
     let (state_lengths, lengths, owners) = (vec![70, 41], vec![9, 5, 7], vec![1, 0, 1]);
-    let states = Tensor::cat(
-        &[
-            pad(ids.narrow(1, 0, 70).unwrap(), 70),
-            pad(ids.narrow(1, 100, 41).unwrap(), 70),
-        ],
-        0,
-    )
-    .unwrap();
-    let branches = Tensor::cat(
-        &[
-            pad(ids.narrow(1, 180, 9).unwrap(), 9),
-            pad(ids.narrow(1, 150, 5).unwrap(), 9),
-            pad(ids.narrow(1, 190, 7).unwrap(), 9),
-        ],
-        0,
-    )
-    .unwrap();
     for layers in [full.num_hidden_layers, full.num_hidden_layers - 1] {
         let mut cfg = full.clone();
         cfg.num_hidden_layers = layers;
@@ -172,8 +188,8 @@ fn split_forward_equals_states_then_branches() {
             w.device(),
         )
         .unwrap();
-        let ours = model
-            .forward_split(&states, &branches, &split, None)
+        let (ours, _) = model
+            .forward_split(&states, &branches, &split, None, None, false)
             .unwrap();
 
         let mut cache = model.new_cache(2).unwrap();
@@ -192,8 +208,8 @@ fn split_forward_equals_states_then_branches() {
         // Only some rows through the last layer's MLP (out of order, one twice): the same rows.
         let picked = [17usize, 0, 8, 9, 25, 0];
         let index = kev_kernels::RowIndex::new(&picked, &device()).unwrap();
-        let some = model
-            .forward_split(&states, &branches, &split, Some(&index))
+        let (some, _) = model
+            .forward_split(&states, &branches, &split, Some(&index), None, false)
             .unwrap();
         let flat = ours.flatten(0, 1).unwrap();
         let want = Tensor::cat(
@@ -206,5 +222,71 @@ fn split_forward_equals_states_then_branches() {
         .unwrap();
         let what = format!("{layers} layers (last {last:?}), picked rows");
         check(&what, &some, &want, 1e-5).unwrap();
+    }
+}
+
+#[test]
+fn split_forward_continues_given_rows_and_keeps_its_states() {
+    // One pass where branch rows continue computed states or given rows (a cached prefix of 40
+    // tokens, longer keys than neither state, and one of 90, longer than both), keeping the
+    // states' cache: against the states' forward, its rows joined with the given ones, then the
+    // branches on copies. The kept cache continues a branch as the states' forward's does.
+    let SplitFixture {
+        full,
+        w,
+        ids,
+        states,
+        branches,
+    } = split_fixture();
+    let (state_lengths, lengths) = (vec![70, 41], vec![9, 5, 7]);
+    for (given_len, layers) in [
+        (40, full.num_hidden_layers),
+        (90, full.num_hidden_layers - 1),
+    ] {
+        let mut cfg = full.clone();
+        cfg.num_hidden_layers = layers;
+        cfg.layer_types.truncate(layers);
+        let model = Model::new(&cfg, &w).unwrap();
+        let mut given = model.new_cache(1).unwrap();
+        model
+            .forward(&ids.narrow(1, 20, given_len).unwrap(), &mut given, None)
+            .unwrap();
+        let owners = vec![2, 0, 2];
+        let split = SplitBatch::with_given(
+            70,
+            state_lengths.clone(),
+            1,
+            9,
+            lengths.clone(),
+            owners.clone(),
+            w.device(),
+        )
+        .unwrap();
+        let (ours, kept) = model
+            .forward_split(&states, &branches, &split, None, Some(&given), true)
+            .unwrap();
+        let kept = kept.expect("kept states");
+
+        let mut cache = model.new_cache(2).unwrap();
+        model
+            .forward(&states, &mut cache, Some(&state_lengths))
+            .unwrap();
+        let joined = Cache::join(&[&cache, &given]).unwrap();
+        let mut rows = joined.select_rows(&owners).unwrap();
+        let theirs = model.forward(&branches, &mut rows, Some(&lengths)).unwrap();
+        for (row, &len) in lengths.iter().enumerate() {
+            let real = |t: &Tensor| t.narrow(0, row, 1).unwrap().narrow(1, 0, len).unwrap();
+            let what = format!("given {given_len}, {layers} layers, branch row {row}");
+            check(&what, &real(&ours), &real(&theirs), 1e-5).unwrap();
+        }
+        for r in 0..2 {
+            let branch = branches.narrow(0, 1, 1).unwrap().narrow(1, 0, 5).unwrap();
+            let mut a = kept.row(r).unwrap();
+            let mut b = cache.row(r).unwrap();
+            let from_kept = model.forward(&branch, &mut a, None).unwrap();
+            let from_states = model.forward(&branch, &mut b, None).unwrap();
+            let what = format!("given {given_len}, {layers} layers, kept state {r}");
+            check(&what, &from_kept, &from_states, 1e-5).unwrap();
+        }
     }
 }

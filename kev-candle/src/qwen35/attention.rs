@@ -26,8 +26,8 @@ enum Past<'a> {
     /// None; this step's keys and values (`[B, Hkv, T, hd]`, the values possibly a view of the
     /// projection) are handed back for the branches that follow.
     Fresh(&'a mut Option<(Tensor, Tensor)>),
-    /// The states' keys and values of this layer (`[R, Hkv, S, hd]`): branch row b sees its
-    /// state row's ([`SplitBatch`]).
+    /// The states' keys and values of this layer (`[R + G, Hkv, S, hd]`, computed then given):
+    /// branch row b sees its state row's ([`SplitBatch`]).
     States(&'a Tensor, &'a Tensor, &'a SplitBatch),
 }
 
@@ -104,6 +104,12 @@ impl Attention {
     /// part's RoPE and key bias: every branch row attends to its state row's keys of this layer.
     /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only (`[B·T, H]`):
     /// then the state rows give only their keys and values.
+    ///
+    /// With `given` (a cached prefix's keys and values, `[G, Hkv, L, hd]`), branch rows may also
+    /// continue those rows (rows `R..R+G` of the split's owners): the past is the states' keys
+    /// and the given ones, both padded to the longer width, which the branches' key bias masks.
+    /// With `keep`, the states' keys and values (their rows of a cache) come back too.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_split(
         &self,
         xs: &Tensor,
@@ -111,7 +117,9 @@ impl Attention {
         (cos_sin_s, key_bias_s): (&Tensor, &Tensor),
         (cos_sin_b, key_bias_b): (&Tensor, &Tensor),
         outputs: Outputs,
-    ) -> Result<Tensor> {
+        given: Option<(&Tensor, &Tensor)>,
+        keep: bool,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let mut kv = None;
         let (proj_b, out_s) = match outputs {
             Outputs::All => {
@@ -134,19 +142,35 @@ impl Attention {
         let Some((k, v)) = kv else {
             candle_core::bail!("the states' keys and values are computed first")
         };
+        // Kept values own their storage (not a view of the projection).
+        let kept = keep
+            .then(|| Ok::<_, candle_core::Error>((k.clone(), copy_rows(&v)?)))
+            .transpose()?;
+        let (k, v) = match given {
+            Some((k_g, v_g)) => {
+                let width = k.dim(2)?.max(k_g.dim(2)?);
+                let past = |s: &Tensor, g: &Tensor| {
+                    let pad = |t: &Tensor| t.pad_with_zeros(2, 0, width - t.dim(2)?);
+                    counted_cat(&[&pad(s)?, &pad(g)?], 0)
+                };
+                (past(&k, k_g)?, past(&v, v_g)?)
+            }
+            None => (k, v),
+        };
         let past = Past::States(&k, &v, split);
         let (o_b, gate_b) = self.attend(&proj_b, cos_sin_b, key_bias_b, past)?;
-        match out_s {
+        let out = match out_s {
             // Both parts' gated heads written into one packed tensor (no join copy after).
             Some((o_s, proj)) => {
                 let gate = self.gates(&proj)?;
                 self.o_proj
-                    .forward(&attention_gate_join(&o_s, &o_b, &gate)?)
+                    .forward(&attention_gate_join(&o_s, &o_b, &gate)?)?
             }
             None => self
                 .o_proj
-                .forward(&attention_gate(&o_b, &gate_b)?.counted_flatten(0, 1)?),
-        }
+                .forward(&attention_gate(&o_b, &gate_b)?.counted_flatten(0, 1)?)?,
+        };
+        Ok((out, kept))
     }
 
     /// The output gates of packed projection rows `proj: [N, ..]`, `[N, Hq, hd]` (a view).

@@ -33,9 +33,9 @@ pub enum LayerCache {
 
 /// The cache of a whole model for a batch of rows.
 pub struct Cache {
-    pub(super) layers: Vec<LayerCache>,
+    layers: Vec<LayerCache>,
     /// Per row: whether each cached key position holds a real token (false: padding).
-    pub(super) key_valid: Vec<Vec<bool>>,
+    key_valid: Vec<Vec<bool>>,
     /// Per row: the number of real tokens seen, i.e. the position of the next token.
     seen: Vec<usize>,
     device: Device,
@@ -71,6 +71,40 @@ impl Cache {
             seen: vec![0; b_sz],
             device: device.clone(),
         })
+    }
+
+    /// The cache of `lengths.len()` rows after one forward of `width` right-padded steps from
+    /// empty, row b real for its first `lengths[b]`: `layers` as that forward left them (the
+    /// state rows of a one-pass split, [`super::Model::forward_split`]).
+    pub(crate) fn after_first_forward(
+        layers: Vec<LayerCache>,
+        width: usize,
+        lengths: &[usize],
+        device: &Device,
+    ) -> Self {
+        let mut cache = Self {
+            layers,
+            key_valid: vec![Vec::new(); lengths.len()],
+            seen: vec![0; lengths.len()],
+            device: device.clone(),
+        };
+        cache.advance(width, lengths);
+        cache
+    }
+
+    /// Layer `i`'s part.
+    pub(crate) fn layer(&self, i: usize) -> &LayerCache {
+        &self.layers[i]
+    }
+
+    /// Every layer's part, for a forward to extend (then [`Cache::advance`]).
+    pub(crate) fn layers_mut(&mut self) -> &mut [LayerCache] {
+        &mut self.layers
+    }
+
+    /// Per row: whether each cached key position holds a real token.
+    pub(crate) fn key_valid(&self) -> &[Vec<bool>] {
+        &self.key_valid
     }
 
     /// Number of rows.

@@ -3,7 +3,7 @@
 //! `out_proj`.
 
 use candle_core::{DType, Module, Result, Tensor, D};
-use kev_kernels::dispatch::CountedTensor;
+use kev_kernels::dispatch::{counted_cat, counted_zeros, CountedTensor};
 use kev_kernels::{
     causal_conv1d_cached, conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, GdrDims,
     SplitBatch,
@@ -112,6 +112,49 @@ impl GatedDeltaNet {
         let o = conv_gated_delta_rule_split(&qkv_s, &qkv_b, w, &gates, dims, split)?;
         let z = self.z(&proj)?;
         self.out(&outputs.kept(split, &o)?, &outputs.kept(split, &z)?)
+    }
+
+    /// [`GatedDeltaNet::forward_split`] where branch rows may also continue `given` state rows
+    /// (a cached prefix's conv windows `[G, K−1, C]` and recurrent matrices, rows `R..R+G` of
+    /// the split's owners) and where, with `keep`, the states' own conv windows and final
+    /// recurrent matrices come back (their rows of a cache). The parts' calls composed: the
+    /// states' conv and delta rule from zero, then the branches' from their owners' rows.
+    pub fn forward_split_with(
+        &self,
+        xs: &Tensor,
+        split: &SplitBatch,
+        outputs: Outputs,
+        given: Option<(&Tensor, &Tensor)>,
+        keep: bool,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
+        let gates = self.gates(&proj)?; // [N, Hv, 2]
+        let (proj_s, proj_b) = split.parts(&proj)?;
+        let (raw_s, raw_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
+        let (r, _, c) = raw_s.dims3()?;
+        let window = self.conv1d.dim(1)? - 1;
+        let zero = counted_zeros((r, window, c), raw_s.dtype(), raw_s.device())?;
+        let lengths_s = Some(split.state_lengths());
+        let (qkv_s, conv_s) = causal_conv1d_cached(&raw_s, &zero, &self.conv1d, lengths_s)?;
+        let (gates_s, gates_b) = split.parts(&gates)?;
+        let d = self.dims;
+        let shape = (r, d.num_v_heads, d.head_k_dim, d.head_v_dim);
+        let recurrent_s = counted_zeros(shape, DType::F32, raw_s.device())?;
+        let o_s = gated_delta_rule(&qkv_s, &gates_s, &recurrent_s, d, lengths_s)?;
+        // Each branch row's conv window and recurrent matrix: its owner's, copied.
+        let rows = |computed: &Tensor, given: Option<&Tensor>| match given {
+            Some(g) => split.to_branches(&counted_cat(&[computed, g], 0)?),
+            None => split.to_branches(computed),
+        };
+        let conv_b = rows(&conv_s, given.map(|g| g.0))?;
+        let recurrent_b = rows(&recurrent_s, given.map(|g| g.1))?;
+        let lengths_b = Some(split.branch_lengths());
+        let (qkv_b, _) = causal_conv1d_cached(&raw_b, &conv_b, &self.conv1d, lengths_b)?;
+        let o_b = gated_delta_rule(&qkv_b, &gates_b, &recurrent_b, d, lengths_b)?;
+        let o = split.join(&o_s, &o_b)?;
+        let z = self.z(&proj)?;
+        let out = self.out(&outputs.kept(split, &o)?, &outputs.kept(split, &z)?)?;
+        Ok((out, keep.then_some((conv_s, recurrent_s))))
     }
 
     /// g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as

@@ -43,8 +43,11 @@ struct SplitStep<'a> {
     split: &'a SplitBatch,
     /// `[2, R, S, rotary_dim]`, `[2, B, T, rotary_dim]`.
     cos_sin: (Tensor, Tensor),
-    /// `[R, S]`, `[B, S+T]` (with attention layers only).
+    /// `[R, S]`, `[B, W+T]` (with attention layers only; W the past's width: S, or the given
+    /// rows' keys where longer).
     key_bias: Option<(Tensor, Tensor)>,
+    /// Whether the states' rows of each layer's cache come back.
+    keep: bool,
 }
 
 impl DecoderLayer {
@@ -99,9 +102,12 @@ impl DecoderLayer {
         self.around_mixer(xs, pending, mix, Ok, None)
     }
 
-    /// [`DecoderLayer::forward`] on a packed state and its branches ([`SplitBatch`]); with
-    /// `Outputs::Branches`, the stream and MLP output of the branch rows only (`[B·T, H]`), and with
-    /// `pick` too, of those branch rows only (`[P, H]`, after the mixer: the rows the head reads).
+    /// [`DecoderLayer::forward`] on a packed state and its branches ([`SplitBatch`]);
+    /// with `Outputs::Branches`, the stream and MLP output of the branch rows only (`[B·T, H]`),
+    /// and with `pick` too, of those branch rows only (`[P, H]`, after the mixer: the rows the
+    /// head reads). `given`: this layer's part of the given state rows; with `step.keep`, the
+    /// states' part of this layer's cache comes back in `kept`.
+    #[allow(clippy::too_many_arguments)]
     fn forward_split(
         &self,
         xs: &Tensor,
@@ -109,17 +115,44 @@ impl DecoderLayer {
         step: &SplitStep,
         outputs: Outputs,
         pick: Option<&RowIndex>,
+        given: Option<&LayerCache>,
+        kept: &mut Option<LayerCache>,
     ) -> Result<(Tensor, Tensor)> {
-        let mix = |h: &Tensor| match &self.mixer {
-            Mixer::Attention(attn) => {
+        let mix = |h: &Tensor| match (&self.mixer, given) {
+            (Mixer::Attention(attn), None | Some(LayerCache::Attention { .. })) => {
                 let (bias_s, bias_b) = step
                     .key_bias
                     .as_ref()
                     .expect("the key bias is built when attention layers exist");
                 let (cs_s, cs_b) = &step.cos_sin;
-                attn.forward_split(h, step.split, (cs_s, bias_s), (cs_b, bias_b), outputs)
+                let given = match given {
+                    Some(LayerCache::Attention {
+                        k: Some(k),
+                        v: Some(v),
+                    }) => Some((k, v)),
+                    _ => None,
+                };
+                let parts = ((cs_s, bias_s), (cs_b, bias_b));
+                let (out, kv) =
+                    attn.forward_split(h, step.split, parts.0, parts.1, outputs, given, step.keep)?;
+                *kept = kv.map(|(k, v)| LayerCache::Attention {
+                    k: Some(k),
+                    v: Some(v),
+                });
+                Ok(out)
             }
-            Mixer::DeltaNet(gdn) => gdn.forward_split(h, step.split, outputs),
+            (Mixer::DeltaNet(gdn), None) if !step.keep => gdn.forward_split(h, step.split, outputs),
+            (Mixer::DeltaNet(gdn), None | Some(LayerCache::DeltaNet { .. })) => {
+                let given = match given {
+                    Some(LayerCache::DeltaNet { conv, recurrent }) => Some((conv, recurrent)),
+                    _ => None,
+                };
+                let (out, state) =
+                    gdn.forward_split_with(h, step.split, outputs, given, step.keep)?;
+                *kept = state.map(|(conv, recurrent)| LayerCache::DeltaNet { conv, recurrent });
+                Ok(out)
+            }
+            _ => candle_core::bail!("given cache layer kind does not match the model layer"),
         };
         self.around_mixer(xs, pending, mix, |xs| outputs.kept(step.split, &xs), pick)
     }
@@ -300,8 +333,7 @@ impl Model {
         };
         let mut xs = self.embed(&[ids])?.counted_reshape((b_sz, seq_len, ()))?;
         let mut pending = None;
-        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
-        {
+        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers_mut()).enumerate() {
             let (stream, mlp_out) = dispatch::in_layer(i, || {
                 layer.forward(&xs, pending.as_ref(), layer_cache, &step)
             })?;
@@ -334,13 +366,19 @@ impl Model {
     /// only, `[P, H]`: the last layer runs its post-attention norm and MLP on them alone. The
     /// same as [`Model::forward`] on the states, then on the branches with copies of their state
     /// rows' cache, except for the order of sums inside the taller matrix products.
+    ///
+    /// Branch rows may also continue the rows of `given` (a cache of the split's
+    /// [`SplitBatch::given`] rows, owners `R..R+G`: cached prefixes), and with `keep` the states'
+    /// cache comes back too (`R` rows, as [`Model::forward`] on the states would leave it).
     pub fn forward_split(
         &self,
         state_ids: &Tensor,
         branch_ids: &Tensor,
         split: &SplitBatch,
         picked: Option<&RowIndex>,
-    ) -> Result<Tensor> {
+        given: Option<&Cache>,
+        keep: bool,
+    ) -> Result<(Tensor, Option<Cache>)> {
         let (states, s_len) = (split.states(), split.state_width());
         if states == 0 || s_len == 0 {
             candle_core::bail!("a split needs at least one state step ({split:?})")
@@ -353,25 +391,41 @@ impl Model {
                 branch_ids.dims()
             )
         }
+        let given_rows = given.map_or(0, Cache::batch_size);
+        if given_rows != split.given() {
+            candle_core::bail!(
+                "{given_rows} given state rows for a split of {} ({split:?})",
+                split.given()
+            )
+        }
         let rope = |start: &[usize], len| self.rope.at(start, len, self.dtype, &self.device);
         let upload = |bias: Vec<f32>, rows: usize, width: usize| {
             kev_kernels::uploads::upload(bias, (rows, width), &self.device)
         };
         // A state's padding is seen only by its own later pads (causality); a branch row sees
-        // its state row's real keys and its own.
+        // its state row's real keys (computed or given) and its own.
         let owner_lengths: Vec<usize> = split
             .owners()
             .iter()
-            .map(|&o| split.state_lengths()[o])
+            .map(|&o| match o.checked_sub(states) {
+                None => split.state_lengths()[o],
+                Some(g) => given.map_or(0, |c| c.seen()[g]),
+            })
             .collect();
+        let past_width = s_len.max(given.map_or(0, Cache::kv_len));
         let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
         let key_bias = has_attention
             .then(|| {
-                let branch_bias = owner_lengths
+                let visible = |o: usize, p: usize| match o.checked_sub(states) {
+                    None => p < split.state_lengths()[o],
+                    Some(g) => given.is_some_and(|c| c.key_valid()[g].get(p) == Some(&true)),
+                };
+                let branch_bias = split
+                    .owners()
                     .iter()
-                    .flat_map(|&len| {
-                        (0..s_len + width).map(move |p| {
-                            if p < s_len && p >= len {
+                    .flat_map(|&o| {
+                        (0..past_width + width).map(move |p| {
+                            if p < past_width && !visible(o, p) {
                                 f32::NEG_INFINITY
                             } else {
                                 0f32
@@ -381,7 +435,7 @@ impl Model {
                     .collect();
                 Ok::<_, candle_core::Error>((
                     upload(vec![0f32; states * s_len], states, s_len)?,
-                    upload(branch_bias, b_rows, s_len + width)?,
+                    upload(branch_bias, b_rows, past_width + width)?,
                 ))
             })
             .transpose()?;
@@ -389,9 +443,11 @@ impl Model {
             split,
             cos_sin: (rope(&vec![0; states], s_len)?, rope(&owner_lengths, width)?),
             key_bias,
+            keep,
         };
         let mut xs = self.embed(&[state_ids, branch_ids])?; // [R·S + B·T, H]
         let mut pending = None;
+        let mut kept_layers = Vec::with_capacity(if keep { self.layers.len() } else { 0 });
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
             let (outputs, pick) = if i == last {
@@ -399,9 +455,24 @@ impl Model {
             } else {
                 (Outputs::All, None)
             };
+            let mut kept = None;
             let (stream, mlp_out) = dispatch::in_layer(i, || {
-                layer.forward_split(&xs, pending.as_ref(), &step, outputs, pick)
+                let given = given.map(|c| c.layer(i));
+                layer.forward_split(
+                    &xs,
+                    pending.as_ref(),
+                    &step,
+                    outputs,
+                    pick,
+                    given,
+                    &mut kept,
+                )
             })?;
+            if keep {
+                kept_layers.push(kept.ok_or_else(|| {
+                    candle_core::Error::Msg(format!("layer {i} kept no state rows"))
+                })?);
+            }
             xs = stream;
             pending = Some(mlp_out);
         }
@@ -412,10 +483,14 @@ impl Model {
             }
         }
         let hidden = self.final_norm(&xs, pending.as_ref())?;
-        match picked {
-            Some(_) => Ok(hidden),
-            None => hidden.counted_reshape((b_rows, width, self.cfg.hidden_size)),
-        }
+        let hidden = match picked {
+            Some(_) => hidden,
+            None => hidden.counted_reshape((b_rows, width, self.cfg.hidden_size))?,
+        };
+        let kept = keep.then(|| {
+            Cache::after_first_forward(kept_layers, s_len, split.state_lengths(), &self.device)
+        });
+        Ok((hidden, kept))
     }
 
     /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached
@@ -424,7 +499,7 @@ impl Model {
     fn key_bias(&self, cache: &Cache, seq_len: usize) -> Result<Tensor> {
         let width = cache.kv_len() + seq_len;
         let mut m = Vec::with_capacity(cache.batch_size() * width);
-        for valid in &cache.key_valid {
+        for valid in cache.key_valid() {
             m.extend(
                 valid
                     .iter()

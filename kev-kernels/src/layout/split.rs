@@ -1,5 +1,6 @@
 //! How the token rows of a one-pass prefix forward divide: `R` state rows right-padded to `S`
-//! steps, then `B` branch rows right-padded to `T`, each branch row continuing one state row.
+//! steps, then `B` branch rows right-padded to `T`, each branch row continuing one state row:
+//! one of the `R`, or one of `G` given rows that are not in the batch (a cached prefix's).
 //! The ops that look at the two parts apart ([`crate::causal_conv1d_split`],
 //! [`crate::gated_delta_rule_split`], [`crate::conv_gated_delta_rule_split`]) take it, so several
 //! records' states and branches run in one pass as one record's do.
@@ -17,6 +18,8 @@ pub struct SplitBatch {
     state_lengths: Vec<usize>,
     branch_width: usize,
     branch_lengths: Vec<usize>,
+    /// Given state rows, after the `R` computed ones (not among the packed rows).
+    given: usize,
     owners: Vec<usize>,
     owner_index: RowIndex,
 }
@@ -28,6 +31,7 @@ impl std::fmt::Debug for SplitBatch {
             .field("state_lengths", &self.state_lengths)
             .field("branch_width", &self.branch_width)
             .field("branch_lengths", &self.branch_lengths)
+            .field("given", &self.given)
             .field("owners", &self.owners)
             .finish()
     }
@@ -40,6 +44,30 @@ impl SplitBatch {
     pub fn new(
         state_width: usize,
         state_lengths: Vec<usize>,
+        branch_width: usize,
+        branch_lengths: Vec<usize>,
+        owners: Vec<usize>,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::with_given(
+            state_width,
+            state_lengths,
+            0,
+            branch_width,
+            branch_lengths,
+            owners,
+            device,
+        )
+    }
+
+    /// [`SplitBatch::new`] where branch rows may also continue `given` state rows that are not
+    /// computed here (owners `R..R+given`: a cached prefix's rows, which the caller supplies to
+    /// the mixers). The split kernels compute every state they read, so they refuse such a split;
+    /// the mixers compose their parts' calls instead.
+    pub fn with_given(
+        state_width: usize,
+        state_lengths: Vec<usize>,
+        given: usize,
         branch_width: usize,
         branch_lengths: Vec<usize>,
         owners: Vec<usize>,
@@ -64,10 +92,10 @@ impl SplitBatch {
                 branch_lengths.len()
             )
         }
-        if let Some(o) = owners.iter().find(|&&o| o >= state_lengths.len()) {
+        if let Some(o) = owners.iter().find(|&&o| o >= state_lengths.len() + given) {
             bail!(
                 "split batch: a branch row continues state row {o} of {}",
-                state_lengths.len()
+                state_lengths.len() + given
             )
         }
         let owner_index = RowIndex::new(&owners, device)?;
@@ -76,9 +104,15 @@ impl SplitBatch {
             state_lengths,
             branch_width,
             branch_lengths,
+            given,
             owners,
             owner_index,
         })
+    }
+
+    /// Given state rows (G), after the computed ones.
+    pub fn given(&self) -> usize {
+        self.given
     }
 
     /// State rows (R).
@@ -126,8 +160,8 @@ impl SplitBatch {
         self.states() * self.state_width + self.branches() * self.branch_width
     }
 
-    /// A tensor of the state rows (`[R, ..]`) copied to the branch rows (`[B, ..]`): row b is
-    /// state row `owners[b]`.
+    /// A tensor of the state rows (`[R + G, ..]`) copied to the branch rows (`[B, ..]`): row b
+    /// is state row `owners[b]`.
     pub fn to_branches(&self, t: &Tensor) -> Result<Tensor> {
         gather_rows(t, &self.owner_index)
     }
@@ -160,8 +194,15 @@ impl SplitBatch {
         join_rows(&[&flat(state)?, &flat(branches)?])
     }
 
-    /// An error naming `op` unless `state` is `[R, S, ..]` and `branches` `[B, T, ..]`.
+    /// An error naming `op` unless `state` is `[R, S, ..]` and `branches` `[B, T, ..]` and
+    /// every state row is computed here (the split kernels read no given rows).
     pub(crate) fn check_parts(&self, op: &str, state: &Tensor, branches: &Tensor) -> Result<()> {
+        if self.given > 0 {
+            bail!(
+                "{op}: {} given state rows: the split kernels compute every state they read",
+                self.given
+            )
+        }
         let lead = |t: &Tensor| t.dims().get(..2).map(<[usize]>::to_vec);
         let want = |rows: usize, width: usize| Some(vec![rows, width]);
         if lead(state) != want(self.states(), self.state_width)
