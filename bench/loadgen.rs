@@ -45,6 +45,11 @@ struct Args {
     /// Closed-loop client counts.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     concurrency: Vec<usize>,
+    /// The in-process server's prefix cache for the closed and open loops, one server each (the
+    /// records' states are distinct: a cache too small to hold a prefix never hits, and measures
+    /// what keeping the prefixes costs).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    closed_cache_mib: Vec<usize>,
     /// Open-loop request rates (per second).
     #[arg(long, value_delimiter = ',', default_value = "")]
     rates: Vec<String>,
@@ -383,29 +388,38 @@ async fn main() -> Result<()> {
 
     let bodies: Arc<Vec<(String, usize)>> =
         Arc::new(values.iter().map(|v| (v.to_string(), 1)).collect());
-    let (server, url) = match &args.url {
-        Some(u) => (None, format!("{}/v1/score", u.trim_end_matches('/'))),
-        None => {
-            // No prefix cache here: the records repeat, and the library figures have none.
-            let mut s = Server::start(server_config(&args, 0)).await?;
-            s.ready().await?;
-            let url = format!("http://{}/v1/score", s.addr());
-            (Some(s), url)
-        }
+    let caches = match &args.url {
+        Some(_) => vec![None],
+        None => args.closed_cache_mib.iter().copied().map(Some).collect(),
     };
-    // Warm-up: every record once.
-    closed_loop(&url, Arc::clone(&bodies), 1, duration, true).await;
-    for &c in &args.concurrency {
-        let run = closed_loop(&url, Arc::clone(&bodies), c, duration, false).await;
-        emit(run.json("closed", json!(c), &args.label));
-    }
-    for rate in args.rates.iter().filter(|r| !r.is_empty()) {
-        let rate: f64 = rate.parse().context("--rates")?;
-        let run = open_loop(&url, Arc::clone(&bodies), rate, duration).await;
-        emit(run.json("open", json!(rate), &args.label));
-    }
-    if let Some(s) = server {
-        s.shutdown().await?;
+    for cache in caches {
+        let (server, url) = match (&args.url, cache) {
+            (Some(u), _) => (None, format!("{}/v1/score", u.trim_end_matches('/'))),
+            (None, cache) => {
+                let mut s = Server::start(server_config(&args, cache.unwrap_or(0))).await?;
+                s.ready().await?;
+                let url = format!("http://{}/v1/score", s.addr());
+                (Some(s), url)
+            }
+        };
+        // Warm-up: every record once.
+        closed_loop(&url, Arc::clone(&bodies), 1, duration, true).await;
+        for &c in &args.concurrency {
+            let run = closed_loop(&url, Arc::clone(&bodies), c, duration, false).await;
+            let mut row = run.json("closed", json!(c), &args.label);
+            row["cache_mib"] = json!(cache);
+            emit(row);
+        }
+        for rate in args.rates.iter().filter(|r| !r.is_empty()) {
+            let rate: f64 = rate.parse().context("--rates")?;
+            let run = open_loop(&url, Arc::clone(&bodies), rate, duration).await;
+            let mut row = run.json("open", json!(rate), &args.label);
+            row["cache_mib"] = json!(cache);
+            emit(row);
+        }
+        if let Some(s) = server {
+            s.shutdown().await?;
+        }
     }
 
     if args.shared_requests > 0 && args.url.is_none() {
@@ -458,8 +472,14 @@ async fn main() -> Result<()> {
     let f = |v: &Value| v.as_f64().map_or("–".to_string(), |x| format!("{x:.2}"));
     for r in &rows {
         let what = match r["kind"].as_str() {
-            Some("closed") => format!("server, closed loop, {} clients", r["param"]),
-            Some("open") => format!("server, open loop, {} req/s", r["param"]),
+            Some("closed") => format!(
+                "server, closed loop, {} clients, cache {} MiB",
+                r["param"], r["cache_mib"]
+            ),
+            Some("open") => format!(
+                "server, open loop, {} req/s, cache {} MiB",
+                r["param"], r["cache_mib"]
+            ),
             Some("shared") => format!("server, {}", r["param"].as_str().unwrap_or("")),
             _ => format!("library, {}", r["param"].as_str().unwrap_or("")),
         };

@@ -299,7 +299,7 @@ if has serve; then
   for s in $SIZES; do
     gen $s
     .gpu/loadgen --checkpoint $C/kev-$s --devices cuda:0 --dtype bf16 \
-      --synthetic 64 --shared-words 200 --lib-batch 8 --concurrency 1,8,64 --rates 100,400 \
+      --synthetic 64 --shared-words 200 --lib-batch 8 --concurrency 1,8,64 --rates 100,400 --closed-cache-mib 0,1 \
       --duration-s ${DURATION:-4} --max-batch-tokens 16384 --max-wait-ms 0 --prefix-cache-mib 8192 \
       --shared-requests 2000 --shared-states 50 --shared-concurrency 16 --label "h200 $s bf16" | tee -a $O/serve.jsonl
   done
