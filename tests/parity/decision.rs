@@ -189,19 +189,20 @@ fn prefix_is_reused_and_checked() {
     assert_eq!(r2.state, r3.state, "fixture records 2 and 3 share a state");
     let (p2, prefix) = model.probs_and_prefix(r2).unwrap();
     let reused = model.probs_with_prefix(r3, &prefix).unwrap();
-    assert_eq!(
-        reused,
-        model.probs_and_prefix(r3).unwrap().0,
-        "reusing a prefix changes nothing"
-    );
-    // `probs` runs state and branches in one pass: other matrix shapes, so on a GPU other
-    // summation orders than the prefix's two passes.
-    let worst = max_delta(&p2, &model.probs(r2).unwrap())
+    // Computing and keeping a prefix runs the state and the branches in one pass, continuing a
+    // given one runs the branches alone: other matrix shapes, so on a GPU other summation
+    // orders, as `probs`' one pass.
+    let worst = max_delta(&reused, &model.probs_and_prefix(r3).unwrap().0)
+        .max(max_delta(&p2, &model.probs(r2).unwrap()))
         .max(max_delta(&reused, &model.probs(r3).unwrap()));
-    println!("prefix's two passes vs one pass: max|Δp| {worst:.2e}");
+    println!("a prefix reused vs computed, one pass vs two: max|Δp| {worst:.2e}");
     assert!(worst <= TOL_FORMS_F32, "{worst:e}");
     // The prefix is not consumed or altered by use.
-    assert_eq!(model.probs_with_prefix(r2, &prefix).unwrap(), p2);
+    let again = model.probs_with_prefix(r3, &prefix).unwrap();
+    assert_eq!(
+        again, reused,
+        "reusing a prefix twice gives the same numbers"
+    );
     let err = model.probs_with_prefix(&recs[0], &prefix).unwrap_err();
     assert!(matches!(err, kev::Error::Prefix { .. }), "{err}");
     println!("prefix from another state: {err}");

@@ -5,8 +5,9 @@
 use candle_core::{DType, Result, Tensor};
 use kev_kernels::testing::{self, dims, patterned};
 use kev_kernels::{
-    causal_conv1d, causal_conv1d_cached, conv_gated_delta_rule_split, gated_delta_rule,
-    gated_delta_rule_as, gated_delta_rule_split, GdrDims, GdrForm, SplitBatch,
+    causal_conv1d, causal_conv1d_cached, conv_gated_delta_rule_split,
+    conv_gated_delta_rule_split_keeping, gated_delta_rule, gated_delta_rule_as,
+    gated_delta_rule_split, GdrDims, GdrForm, SplitBatch,
 };
 
 use crate::common::{check, device};
@@ -519,6 +520,17 @@ fn conv_gated_delta_rule_split_equals_conv_then_split() -> Result<()> {
             let o = conv_gated_delta_rule_split(&x_s, &x_b, &w, &gates, *d, &split)?;
             let diff = check(&tag, &o, &composed, 0.0)?;
             assert_eq!(diff.max_abs, 0.0, "{tag}: the op is not the composition");
+            // Keeping the states' final matrices: the same output, and the matrices the states'
+            // delta rule from zero leaves.
+            let (o, kept) =
+                conv_gated_delta_rule_split_keeping(&x_s, &x_b, &w, &gates, *d, &split)?;
+            let diff = check(&tag, &o, &composed, 0.0)?;
+            assert_eq!(diff.max_abs, 0.0, "{tag}: keeping changed the output");
+            let shape = (states, d.num_v_heads, d.head_k_dim, d.head_v_dim);
+            let want = Tensor::zeros(shape, DType::F32, &dev)?;
+            gated_delta_rule(&y_s, &gates_s, &want, *d, Some(state_lengths))?;
+            let diff = check(&format!("{tag}, kept states"), &kept, &want, 0.0)?;
+            assert_eq!(diff.max_abs, 0.0, "{tag}: kept states differ");
             let runs = dev.is_cuda()
                 && dtype != DType::F32
                 && shift % 4 == 0

@@ -7,7 +7,7 @@
 //! and joined only through the cache's own methods, which keep those records true.
 
 use candle_core::{DType, Device, Result, Tensor};
-use kev_kernels::dispatch::counted_zeros;
+use kev_kernels::dispatch::{counted_zeros, CountedTensor};
 use kev_kernels::{gather_rows, RowIndex};
 
 use super::config::{Config, LayerType};
@@ -145,25 +145,39 @@ impl Cache {
     }
 
     /// Row `row` as a one-row cache of its own storage, cut to the row's real keys: rows are
-    /// right-padded, so those are its first `seen` positions (what a kept prefix holds).
+    /// right-padded, so those are its first `seen` positions (what a kept prefix holds). One
+    /// copy per tensor, nothing uploaded: a batch's kept states are cut one by one.
     pub fn row(&self, row: usize) -> Result<Self> {
-        let mut one = self.select_rows(&[row])?;
-        let len = one.seen[0];
-        debug_assert!(one.key_valid[0].iter().take(len).all(|&v| v));
-        for layer in &mut one.layers {
-            if let LayerCache::Attention { k, v } = layer {
-                for t in [k, v] {
-                    *t = match t.take() {
-                        Some(_) if len == 0 => None,
-                        // Narrowed keys are strided: `contiguous` copies them compactly.
-                        Some(x) if x.dim(2)? > len => Some(x.narrow(2, 0, len)?.contiguous()?),
-                        kept => kept,
+        let len = self.seen[row];
+        debug_assert!(self.key_valid[row].iter().take(len).all(|&v| v));
+        let own = |t: &Tensor| t.narrow(0, row, 1)?.counted_force_contiguous();
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Attention { k, v } => {
+                    let keys = |t: &Option<Tensor>| match t {
+                        Some(_) if len == 0 => Ok(None),
+                        Some(x) => own(&x.narrow(2, 0, len)?).map(Some),
+                        None => Ok(None),
                     };
+                    Ok(LayerCache::Attention {
+                        k: keys(k)?,
+                        v: keys(v)?,
+                    })
                 }
-            }
-        }
-        one.key_valid = vec![vec![true; len]];
-        Ok(one)
+                LayerCache::DeltaNet { conv, recurrent } => Ok(LayerCache::DeltaNet {
+                    conv: own(conv)?,
+                    recurrent: own(recurrent)?,
+                }),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            key_valid: vec![vec![true; len]],
+            seen: vec![len],
+            device: self.device.clone(),
+        })
     }
 
     /// The rows of `parts` one after the other as one cache, the attention layers' keys padded

@@ -5,8 +5,8 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use kev_kernels::dispatch::{counted_cat, counted_zeros, CountedTensor};
 use kev_kernels::{
-    causal_conv1d_cached, conv_gated_delta_rule_split, deltanet_gates, gated_delta_rule, GdrDims,
-    SplitBatch,
+    causal_conv1d_cached, conv_gated_delta_rule_split, conv_gated_delta_rule_split_keeping,
+    deltanet_gates, gated_delta_rule, gather_rows, GdrDims, RowIndex, SplitBatch,
 };
 
 use super::config::Config;
@@ -117,8 +117,7 @@ impl GatedDeltaNet {
     /// [`GatedDeltaNet::forward_split`] where branch rows may also continue `given` state rows
     /// (a cached prefix's conv windows `[G, K−1, C]` and recurrent matrices, rows `R..R+G` of
     /// the split's owners) and where, with `keep`, the states' own conv windows and final
-    /// recurrent matrices come back (their rows of a cache). The parts' calls composed: the
-    /// states' conv and delta rule from zero, then the branches' from their owners' rows.
+    /// recurrent matrices come back (their rows of a cache).
     pub fn forward_split_with(
         &self,
         xs: &Tensor,
@@ -131,12 +130,59 @@ impl GatedDeltaNet {
         let gates = self.gates(&proj)?; // [N, Hv, 2]
         let (proj_s, proj_b) = split.parts(&proj)?;
         let (raw_s, raw_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
+        let window = self.conv1d.dim(1)? - 1;
+        let (o, kept) = match given {
+            // Kept states only, each at least a conv window long: the split kernels, which
+            // hand back the states' final matrices, and the windows cut from the raw rows.
+            None if split.state_lengths().iter().all(|&l| l >= window) => {
+                let (w, d) = (&self.conv1d, self.dims);
+                let (o, recurrent) =
+                    conv_gated_delta_rule_split_keeping(&raw_s, &raw_b, w, &gates, d, split)?;
+                let conv = self.windows(&proj_s, split, window)?;
+                (o, (conv, recurrent))
+            }
+            _ => self.composed_split(&raw_s, &raw_b, &gates, split, given)?,
+        };
+        let z = self.z(&proj)?;
+        let out = self.out(&outputs.kept(split, &o)?, &outputs.kept(split, &z)?)?;
+        Ok((out, keep.then_some(kept)))
+    }
+
+    /// Each state row's last `window` raw `[q | k | v]` inputs (its conv window at its end),
+    /// `[R, window, C]` of their own storage, from the states' projection rows `proj_s: [R, S, ..]`
+    /// (every state at least `window` long).
+    fn windows(&self, proj_s: &Tensor, split: &SplitBatch, window: usize) -> Result<Tensor> {
+        let (r, s, _) = proj_s.dims3()?;
+        let rows: Vec<usize> = split
+            .state_lengths()
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &len)| (len - window..len).map(move |p| i * s + p))
+            .collect();
+        let index = RowIndex::new(&rows, proj_s.device())?;
+        let tails = gather_rows(&proj_s.counted_flatten(0, 1)?, &index)?;
+        self.qkv(&tails)?
+            .counted_contiguous()?
+            .counted_reshape((r, window, self.dims.channels()))
+    }
+
+    /// The split's conv and delta rule as their parts' calls: the states' from zero windows and
+    /// matrices, then the branches' from copies of their owners' (computed or `given`). Returns
+    /// the packed output and the states' conv windows and final matrices.
+    fn composed_split(
+        &self,
+        raw_s: &Tensor,
+        raw_b: &Tensor,
+        gates: &Tensor,
+        split: &SplitBatch,
+        given: Option<(&Tensor, &Tensor)>,
+    ) -> Result<(Tensor, (Tensor, Tensor))> {
         let (r, _, c) = raw_s.dims3()?;
         let window = self.conv1d.dim(1)? - 1;
         let zero = counted_zeros((r, window, c), raw_s.dtype(), raw_s.device())?;
         let lengths_s = Some(split.state_lengths());
-        let (qkv_s, conv_s) = causal_conv1d_cached(&raw_s, &zero, &self.conv1d, lengths_s)?;
-        let (gates_s, gates_b) = split.parts(&gates)?;
+        let (qkv_s, conv_s) = causal_conv1d_cached(raw_s, &zero, &self.conv1d, lengths_s)?;
+        let (gates_s, gates_b) = split.parts(gates)?;
         let d = self.dims;
         let shape = (r, d.num_v_heads, d.head_k_dim, d.head_v_dim);
         let recurrent_s = counted_zeros(shape, DType::F32, raw_s.device())?;
@@ -149,12 +195,9 @@ impl GatedDeltaNet {
         let conv_b = rows(&conv_s, given.map(|g| g.0))?;
         let recurrent_b = rows(&recurrent_s, given.map(|g| g.1))?;
         let lengths_b = Some(split.branch_lengths());
-        let (qkv_b, _) = causal_conv1d_cached(&raw_b, &conv_b, &self.conv1d, lengths_b)?;
+        let (qkv_b, _) = causal_conv1d_cached(raw_b, &conv_b, &self.conv1d, lengths_b)?;
         let o_b = gated_delta_rule(&qkv_b, &gates_b, &recurrent_b, d, lengths_b)?;
-        let o = split.join(&o_s, &o_b)?;
-        let z = self.z(&proj)?;
-        let out = self.out(&outputs.kept(split, &o)?, &outputs.kept(split, &z)?)?;
-        Ok((out, keep.then_some((conv_s, recurrent_s))))
+        Ok((split.join(&o_s, &o_b)?, (conv_s, recurrent_s)))
     }
 
     /// g = −exp(A_log)·softplus(a + dt_bias) in f32, β = sigmoid(b) in the activation dtype (as

@@ -422,6 +422,9 @@ pub(crate) fn gated_delta_rule_split(
             unsafe { b.launch(cfg) }.w()?;
         }
         let shape = Shape::from((split.tokens(), hv, dv));
+        op.keep(|| {
+            candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(state, prep.dev.clone()))
+        });
         Ok((CudaStorage::wrap_cuda_slice(out, prep.dev.clone()), shape))
     })
 }

@@ -103,21 +103,36 @@ pub fn gated_delta_rule_split(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<Tensor> {
-    if let Some(o) = fused_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)? {
-        return Ok(o);
+    Ok(split_keeping(state_qkv, branch_qkv, gates, dims, split, false)?.0)
+}
+
+/// [`gated_delta_rule_split`], and with `keep` the states' final recurrent matrices
+/// `[R, Hv, Dk, Dv]` f32 too (as [`gated_delta_rule`] on the states from zero leaves them).
+fn split_keeping(
+    state_qkv: &Tensor,
+    branch_qkv: &Tensor,
+    gates: &Tensor,
+    dims: GdrDims,
+    split: &SplitBatch,
+    keep: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some(out) = fused_split(state_qkv, branch_qkv, gates, dims, split, keep)? {
+        return Ok(out);
     }
-    composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)
+    let (o, state) = composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)?;
+    Ok((o, keep.then_some(state)))
 }
 
 /// [`gated_delta_rule_split`] off its fused kernels: the states' [`gated_delta_rule`] from a
-/// zero state, the state rows gathered per branch, the branches' from them, the outputs joined.
+/// zero state, the state rows gathered per branch, the branches' from them, the outputs joined;
+/// and the states' final matrices.
 fn composed_gated_delta_rule_split(
     state_qkv: &Tensor,
     branch_qkv: &Tensor,
     gates: &Tensor,
     dims: GdrDims,
     split: &SplitBatch,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Tensor)> {
     let (gates_s, gates_b) = split.parts(gates)?;
     let shape = (
         split.states(),
@@ -136,7 +151,7 @@ fn composed_gated_delta_rule_split(
         dims,
         Some(split.branch_lengths()),
     )?;
-    split.join(&o_s, &o_b)
+    Ok((split.join(&o_s, &o_b)?, state))
 }
 
 /// [`gated_delta_rule_split`]'s fused form alone (its checks first): `None` where it does not
@@ -148,14 +163,29 @@ pub fn fused_gated_delta_rule_split(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
+    Ok(fused_split(state_qkv, branch_qkv, gates, dims, split, false)?.map(|(o, _)| o))
+}
+
+/// [`fused_gated_delta_rule_split`], with `keep` handing back the states' final matrices too
+/// (CUDA: the ones its states' scan wrote; Metal keeps none, so does not run fused then).
+fn fused_split(
+    state_qkv: &Tensor,
+    branch_qkv: &Tensor,
+    gates: &Tensor,
+    dims: GdrDims,
+    split: &SplitBatch,
+    keep: bool,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
     let name = "gated-delta-rule-split";
-    if !split_applies(name, state_qkv, branch_qkv, gates, dims, split)? {
+    let metal = backend(state_qkv.device()) == Backend::Metal;
+    if !split_applies(name, state_qkv, branch_qkv, gates, dims, split)? || (keep && metal) {
         return Ok(None);
     }
     let op = GatedDeltaRuleSplit {
         dims,
         split: split.clone(),
         conv: None,
+        kept: keep.then(|| Mutex::new(None)),
     };
     let (packed_state, packed_branches, packed_gates) = (
         state_qkv.counted_contiguous()?,
@@ -164,17 +194,20 @@ pub fn fused_gated_delta_rule_split(
     );
     // CUDA: a preparation over both parts, then a scan per part (`cuda::gated_delta_rule_split`);
     // Metal: a dispatch per part (`metal::gated_delta_rule_split`).
-    let launches = if backend(state_qkv.device()) == Backend::Metal {
-        2
-    } else {
-        3
-    };
+    let launches = if metal { 2 } else { 3 };
     let out = dispatch::launch(
         name,
         launches,
         state_qkv.device(),
-        || packed_state.apply_op3_no_bwd(&packed_branches, &packed_gates, &op),
-        || composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split),
+        || {
+            let o = packed_state.apply_op3_no_bwd(&packed_branches, &packed_gates, &op)?;
+            Ok((o, op.take_kept()?))
+        },
+        || {
+            let (o, state) =
+                composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)?;
+            Ok((o, keep.then_some(state)))
+        },
     )?;
     Ok(Some(out))
 }
@@ -205,13 +238,43 @@ pub fn conv_gated_delta_rule_split(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<Tensor> {
-    let fused =
-        fused_conv_gated_delta_rule_split(state_raw, branch_raw, weight, gates, dims, split)?;
-    if let Some(o) = fused {
-        return Ok(o);
+    Ok(conv_split(state_raw, branch_raw, weight, gates, dims, split, false)?.0)
+}
+
+/// [`conv_gated_delta_rule_split`] that also returns the states' final recurrent matrices
+/// `[R, Hv, Dk, Dv]` f32: their rows of a cache, as [`gated_delta_rule`] on the states' conv
+/// output from zero leaves them. On CUDA the fused kernels hand back the matrices their states'
+/// scan wrote (no extra work); elsewhere the composed calls keep theirs.
+pub fn conv_gated_delta_rule_split_keeping(
+    state_raw: &Tensor,
+    branch_raw: &Tensor,
+    weight: &Tensor,
+    gates: &Tensor,
+    dims: GdrDims,
+    split: &SplitBatch,
+) -> Result<(Tensor, Tensor)> {
+    let (o, kept) = conv_split(state_raw, branch_raw, weight, gates, dims, split, true)?;
+    let Some(kept) = kept else {
+        bail!("conv-gated-delta-rule-split: no states kept")
+    };
+    Ok((o, kept))
+}
+
+/// [`conv_gated_delta_rule_split`], with `keep` the states' final matrices too.
+fn conv_split(
+    state_raw: &Tensor,
+    branch_raw: &Tensor,
+    weight: &Tensor,
+    gates: &Tensor,
+    dims: GdrDims,
+    split: &SplitBatch,
+    keep: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some(out) = fused_conv(state_raw, branch_raw, weight, gates, dims, split, keep)? {
+        return Ok(out);
     }
     let (state_qkv, branch_qkv) = causal_conv1d_split(state_raw, branch_raw, weight, split)?;
-    gated_delta_rule_split(&state_qkv, &branch_qkv, gates, dims, split)
+    split_keeping(&state_qkv, &branch_qkv, gates, dims, split, keep)
 }
 
 /// [`conv_gated_delta_rule_split`]'s fused form alone (its checks first): `None` where it does
@@ -224,6 +287,19 @@ pub fn fused_conv_gated_delta_rule_split(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
+    Ok(fused_conv(state_raw, branch_raw, weight, gates, dims, split, false)?.map(|(o, _)| o))
+}
+
+/// [`fused_conv_gated_delta_rule_split`], with `keep` handing back the states' final matrices.
+fn fused_conv(
+    state_raw: &Tensor,
+    branch_raw: &Tensor,
+    weight: &Tensor,
+    gates: &Tensor,
+    dims: GdrDims,
+    split: &SplitBatch,
+    keep: bool,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
     let name = "conv-gated-delta-rule-split";
     let (channels, k) = weight.dims2()?;
     if channels != dims.channels()
@@ -275,6 +351,7 @@ pub fn fused_conv_gated_delta_rule_split(
         dims,
         split: split.clone(),
         conv: Some(packed_weight),
+        kept: keep.then(|| Mutex::new(None)),
     };
     let packed_gates = gates.counted_contiguous()?;
     // The conv inside the preparation: the same three launches as the unfused split form.
@@ -282,11 +359,14 @@ pub fn fused_conv_gated_delta_rule_split(
         name,
         3,
         state_raw.device(),
-        || state_rows.apply_op3_no_bwd(&branch_rows, &packed_gates, &op),
+        || {
+            let o = state_rows.apply_op3_no_bwd(&branch_rows, &packed_gates, &op)?;
+            Ok((o, op.take_kept()?))
+        },
         || {
             let (state_qkv, branch_qkv) =
                 causal_conv1d_split(state_raw, branch_raw, weight, split)?;
-            gated_delta_rule_split(&state_qkv, &branch_qkv, gates, dims, split)
+            split_keeping(&state_qkv, &branch_qkv, gates, dims, split, keep)
         },
     )?;
     Ok(Some(out))

@@ -74,6 +74,45 @@ pub(crate) struct GatedDeltaRuleSplit {
     /// The conv weight `[C, 4]` (contiguous) when the inputs are the raw `in_proj` rows, run
     /// through the causal conv + SiLU inside the preparation.
     pub(crate) conv: Option<Tensor>,
+    /// Where the states' final recurrent matrices are handed back, when they are kept (CUDA).
+    pub(crate) kept: Option<Mutex<Option<Storage>>>,
+}
+
+impl GatedDeltaRuleSplit {
+    /// Hands the states' final recurrent matrices back to the wrapper, if it keeps them.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn keep(&self, storage: impl FnOnce() -> Storage) {
+        if let Some(slot) = &self.kept {
+            *slot
+                .lock()
+                .expect("gated-delta-rule-split kept slot poisoned") = Some(storage());
+        }
+    }
+
+    /// The kept matrices as `[R, Hv, Dk, Dv]` f32 (`None` unless kept).
+    pub(crate) fn take_kept(&self) -> Result<Option<Tensor>> {
+        let Some(slot) = &self.kept else {
+            return Ok(None);
+        };
+        let storage = slot
+            .lock()
+            .expect("gated-delta-rule-split kept slot poisoned")
+            .take();
+        let Some(storage) = storage else {
+            bail!("gated-delta-rule-split: the op kept no states")
+        };
+        let d = self.dims;
+        let shape = (
+            self.split.states(),
+            d.num_v_heads,
+            d.head_k_dim,
+            d.head_v_dim,
+        );
+        Ok(Some(Tensor::from((
+            storage,
+            candle_core::Shape::from(shape),
+        ))))
+    }
 }
 
 /// The op: one in-place destination (the state), `o` handed back through `out`.
