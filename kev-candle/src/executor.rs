@@ -10,19 +10,10 @@ use kev_kernels::dispatch::{counted_cat, CountedTensor};
 use kev_kernels::{gather_rows, RowIndex, SplitBatch};
 
 use crate::device::backend_err;
-use crate::graphs::GraphStats;
+use crate::graphs::{GraphStats, PassInputs};
 use crate::head::PointerHead;
 use crate::plan::{head_positions, pieces, Pass, Piece, Plan};
 use crate::qwen35::{Cache, Model};
-
-/// A pass's inputs on the device: what differs between passes of one shape, so that a CUDA
-/// graph captured on one of them serves the others once these are rewritten.
-pub(crate) struct PassInputs {
-    /// Each piece's token ids, [`Pass::pieces`] order.
-    pub(crate) ids: Vec<Tensor>,
-    /// Where the head reads ([`Pass::head_reads`]), `[N]` u32.
-    pub(crate) heads: Tensor,
-}
 
 /// What a pass gives: all its options' logits in row order, and with [`Pass::keep`] each
 /// computed state's row of the cache (one-row caches, cut to the state's tokens).
@@ -387,5 +378,28 @@ impl Executor {
         self.head
             .logits_at(&flat, &decide, &opts, &owner)
             .map_err(&err)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl crate::graphs::Replays for Executor {
+    fn upload_inputs(&self, pass: &Pass) -> Result<PassInputs> {
+        Executor::upload_inputs(self, pass)
+    }
+
+    fn upload_ids(&self, piece: &Piece) -> Result<Tensor> {
+        Executor::upload_ids(self, piece)
+    }
+
+    fn upload_heads(&self, pass: &Pass) -> Result<Tensor> {
+        Executor::upload_heads(self, pass)
+    }
+
+    fn pass_logits(&self, pass: &Pass, inputs: &PassInputs) -> Result<Tensor> {
+        Executor::pass_logits(self, pass, inputs)
+    }
+
+    fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>> {
+        Executor::pass_logits_eager(self, pass)
     }
 }

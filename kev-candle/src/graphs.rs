@@ -19,6 +19,17 @@
 //! eager: their host time is small beside their GPU time, and a graph would hold a second copy
 //! of their working memory.
 
+use candle_core::Tensor;
+
+/// A pass's inputs on the device: what differs between passes of one shape, so that a CUDA
+/// graph captured on one of them serves the others once these are rewritten.
+pub(crate) struct PassInputs {
+    /// Each piece's token ids, [`Pass::pieces`](crate::plan::Pass::pieces) order.
+    pub(crate) ids: Vec<Tensor>,
+    /// Where the head reads ([`Pass::head_reads`](crate::plan::Pass::head_reads)), `[N]` u32.
+    pub(crate) heads: Tensor,
+}
+
 /// How the CUDA graphs of a model have fared: for benchmarks, tests and logs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GraphStats {
@@ -33,7 +44,7 @@ pub struct GraphStats {
 }
 
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::Graphs;
+pub(crate) use cuda::{Graphs, Replays};
 
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -48,9 +59,18 @@ mod cuda {
     use kev_core::{Error, Result};
     use kev_kernels::uploads::{self, UploadMemo};
 
-    use super::GraphStats;
-    use crate::executor::{Executor, PassInputs};
-    use crate::plan::Pass;
+    use super::{GraphStats, PassInputs};
+    use crate::plan::{Pass, Piece};
+
+    /// What the graphs capture and replay: the executor's runs of plain passes, through these
+    /// alone (the graphs know nothing of the model they serve).
+    pub(crate) trait Replays {
+        fn upload_inputs(&self, pass: &Pass) -> Result<PassInputs>;
+        fn upload_ids(&self, piece: &Piece) -> Result<Tensor>;
+        fn upload_heads(&self, pass: &Pass) -> Result<Tensor>;
+        fn pass_logits(&self, pass: &Pass, inputs: &PassInputs) -> Result<Tensor>;
+        fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>>;
+    }
 
     /// Graphs kept (the shapes that came most often, then most recently). Each holds its inputs
     /// and its output; the driver shares the rest of the graphs' memory between them.
@@ -205,7 +225,7 @@ mod cuda {
         /// graph yet, one whose graph another thread is running, or one that failed to capture).
         pub(crate) fn logits(
             &self,
-            exec: &Executor,
+            exec: &impl Replays,
             pass: &Pass,
             dev: &CudaDevice,
         ) -> Result<Vec<f32>> {
@@ -325,7 +345,7 @@ mod cuda {
     }
 
     impl Captured {
-        fn replay(&self, exec: &Executor, pass: &Pass) -> Result<Vec<f32>> {
+        fn replay(&self, exec: &impl Replays, pass: &Pass) -> Result<Vec<f32>> {
             for (slot, piece) in self.inputs.ids.iter().zip(pass.pieces()) {
                 let ids = exec.upload_ids(piece)?;
                 slot.slice_set(&ids, 0, 0)
@@ -346,7 +366,7 @@ mod cuda {
     /// returns the graph and its logits; on failure, why, with the stream out of capture and the
     /// errors the abandoned capture left on the context taken.
     fn capture(
-        exec: &Executor,
+        exec: &impl Replays,
         pass: &Pass,
         dev: &CudaDevice,
     ) -> std::result::Result<(Captured, Vec<f32>), String> {

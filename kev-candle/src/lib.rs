@@ -7,11 +7,14 @@
 
 pub mod decision;
 pub mod device;
+mod encoded;
 mod executor;
 pub mod graphs;
 pub mod head;
+mod identity;
 pub mod lora;
 mod plan;
+mod prefix;
 pub mod prefix_cache;
 pub mod qwen35;
 pub mod reference;

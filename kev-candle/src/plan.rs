@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use kev_core::Row;
 
-use crate::decision::{EncodedRecord, Prefix};
+use crate::encoded::EncodedRecord;
+use crate::prefix::Prefix;
 
 /// Token id used to right-pad branches and states (never read: both layer kinds are causal and
 /// padded positions are masked out of later attention).

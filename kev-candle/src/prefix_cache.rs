@@ -11,7 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kev_core::Result;
 
-use crate::decision::{DecisionModel, EncodedRecord, ModelId, Prefix, Scored};
+use crate::decision::DecisionModel;
+use crate::encoded::{EncodedRecord, Scored};
+use crate::identity::ModelId;
+use crate::prefix::Prefix;
 
 /// An entry's key: the model that computed it, the state's token ids.
 type Key = (ModelId, Vec<u32>);

@@ -7,10 +7,10 @@ use std::time::Instant;
 use candle_core::DType;
 use kev_core::{Checkpoint, Encoder, Error, LoadOptions, Result};
 
-use super::identity::{Fingerprint, ModelId};
 use crate::device::{release_freed_memory, select_device, select_dtype, settle};
 use crate::executor::Executor;
 use crate::head::PointerHead;
+use crate::identity::{Fingerprint, ModelId};
 use crate::lora::Adapter;
 use crate::qwen35::{Config, Model};
 use crate::weights::{StepSeconds, Weights};

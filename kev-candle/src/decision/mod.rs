@@ -27,16 +27,13 @@ use crate::head::{softmax, PointerHead};
 use crate::plan::Plan;
 use crate::qwen35::{Cache, Model};
 
-mod encoded;
-mod identity;
 mod load;
-mod prefix;
 
+pub use crate::encoded::{EncodedRecord, Scored};
+pub use crate::identity::ModelId;
 pub use crate::plan::state_pass_tokens;
-pub use encoded::{EncodedRecord, Scored};
-pub use identity::ModelId;
+pub use crate::prefix::Prefix;
 pub use load::LoadBreakdown;
-pub use prefix::Prefix;
 
 /// A Kev decision model: backbone (adapter folded in), pointer head and encoder.
 ///

@@ -1,7 +1,7 @@
 //! [`ModelId`]: which loaded model computed something, as a fingerprint cheap to compare.
 //!
 //! Two loads get the same id when they read the same files with the same numeric settings, so
-//! they compute the same numbers: a [`super::Prefix`] carries the id of the model that made it
+//! they compute the same numbers: a [`crate::Prefix`] carries the id of the model that made it
 //! and is refused by any other, and `score --resume` keeps it beside its partial output. The id
 //! is the SHA-256 (first 16 bytes) of: the checkpoint folder's canonical path; the contents of
 //! `kev.json`, the adapter config and the head file (small); for every other file read (base

@@ -2,7 +2,7 @@
 
 use kev_core::{Error, Result};
 
-use super::identity::ModelId;
+use crate::identity::ModelId;
 use crate::qwen35::Cache;
 
 /// A state run once through the backbone, reusable for any record with the same state by the
@@ -31,14 +31,14 @@ impl Prefix {
         &self.cache
     }
 
-    /// The model that computed it ([`super::DecisionModel::id`]).
+    /// The model that computed it ([`crate::DecisionModel::id`]).
     pub fn model(&self) -> ModelId {
         self.model
     }
 
     /// [`Error::Prefix`] unless this prefix was computed by the model `model`; `whose` names the
     /// prefix in the message.
-    pub(super) fn check_model(&self, model: ModelId, whose: &str) -> Result<()> {
+    pub(crate) fn check_model(&self, model: ModelId, whose: &str) -> Result<()> {
         if self.model == model {
             return Ok(());
         }

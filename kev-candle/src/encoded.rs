@@ -1,10 +1,10 @@
-//! [`EncodedRecord`], what [`super::DecisionModel::run`] scores, and [`Scored`], what it gives.
+//! [`EncodedRecord`], what [`crate::DecisionModel::run`] scores, and [`Scored`], what it gives.
 
 use std::sync::Arc;
 
 use kev_core::Row;
 
-use super::prefix::Prefix;
+use crate::prefix::Prefix;
 
 /// A record encoded for scoring: its state's token ids (the key of its prefix) and one branch
 /// row per question.
@@ -48,7 +48,7 @@ impl EncodedRecord {
     }
 }
 
-/// One record's result from [`super::DecisionModel::run`].
+/// One record's result from [`crate::DecisionModel::run`].
 #[derive(Clone)]
 pub struct Scored {
     /// Logits per question (one per option).
