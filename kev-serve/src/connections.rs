@@ -28,10 +28,6 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tower::ServiceExt;
 
-/// Header fields hyper parses at most: past them it answers 431 with an empty body, so this is
-/// above the router's limit ([`crate::server::MAX_HEADERS`]).
-const MAX_HEADERS: usize = 2 * crate::server::MAX_HEADERS;
-
 /// How connections are bounded.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
@@ -41,6 +37,9 @@ pub(crate) struct Limits {
     pub header_timeout: Duration,
     /// How long a connection may stay open once shutdown begins.
     pub drain_timeout: Duration,
+    /// Header fields hyper parses at most: past them it answers 431 with an empty body, so the
+    /// server sets this above the limit its router answers with a reason.
+    pub max_headers: usize,
 }
 
 /// Serves `router` on `listener` until `stop` turns true, then drains: returns once every
@@ -100,7 +99,7 @@ async fn connection(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         // Above the router's own limit, which answers with a body (`server::head_limits`).
-        .max_headers(MAX_HEADERS)
+        .max_headers(limits.max_headers)
         // A client may close its sending side once its request is sent and still get the answer.
         .half_close(true);
     let in_flight = Arc::new(AtomicUsize::new(0));

@@ -110,6 +110,7 @@ impl Server {
             max_connections: app.config.max_connections,
             header_timeout: Duration::from_millis(app.config.header_timeout_ms),
             drain_timeout: app.config.request_timeout(),
+            max_headers: 2 * MAX_HEADERS,
         };
         let serving = tokio::spawn(connections::serve(listener, router, limits, stopped));
         let loader = Arc::clone(&app);
@@ -337,9 +338,9 @@ fn router(app: Arc<App>) -> Router {
 /// The longest request target answered: longer ones get 414.
 const MAX_TARGET_BYTES: usize = 8 << 10;
 /// The most header fields, and their bytes, answered: more get 431. Both are below hyper's own
-/// limits (`connections::MAX_HEADERS`, and hyper's 64 KiB target and ~400 KB head), which
+/// limits (`Limits::max_headers`, twice this, and hyper's 64 KiB target and ~400 KB head), which
 /// answer with an empty body, so a client over these limits reads why.
-pub(crate) const MAX_HEADERS: usize = 100;
+const MAX_HEADERS: usize = 100;
 const MAX_HEADER_BYTES: usize = 64 << 10;
 
 /// 414 and 431, with the error body every other answer has, for a request whose head is too
