@@ -13,7 +13,8 @@
 //! ```
 //!
 //! A file of one record runs the prefix form (`probs`), a file of several the batch form
-//! (`probs_batch`). `--ops` adds each op's share of one layer of each kind.
+//! (`probs_batch`); with `--keep`, both keep every state as a prefix (`run` with `keep`, what a
+//! server with a prefix cache runs). `--ops` adds each op's share of one layer of each kind.
 
 use std::collections::BTreeMap;
 use std::io::BufReader;
@@ -38,6 +39,9 @@ struct Args {
     /// Also list each op's dispatches in the first layer of each kind.
     #[arg(long)]
     ops: bool,
+    /// Keep every state as a prefix (`DecisionModel::run` with `keep`).
+    #[arg(long)]
+    keep: bool,
 }
 
 const BACKENDS: [(dispatch::Backend, &str); 2] = [
@@ -73,14 +77,22 @@ fn main() -> Result<()> {
     }
     for path in &args.records {
         let records = read_records(path)?;
-        let form = if records.len() == 1 {
-            "prefix form, one record"
-        } else {
-            "batch form"
+        let form = match (records.len(), args.keep) {
+            (1, false) => "prefix form, one record",
+            (_, false) => "batch form",
+            (_, true) => "keeping the states",
         };
         let mut tallies = Vec::new();
         for (backend, _) in BACKENDS {
             let (probs, tally) = dispatch::count(backend, || match &records[..] {
+                _ if args.keep => {
+                    let encoded = model.encode_records(&records).map_err(|(_, e)| e)?;
+                    Ok(model
+                        .run(&encoded, &[], true)?
+                        .into_iter()
+                        .map(|s| s.probs)
+                        .collect())
+                }
                 [record] => model.probs(record).map(|p| vec![p]),
                 _ => model.probs_batch(&records),
             });
