@@ -135,6 +135,12 @@ struct SplitFixture {
     branches: Tensor,
 }
 
+/// The split of [`split_fixture`]'s states and branches, the branches continuing `owners`, of
+/// which `given` rows follow the two states.
+fn fixture_split(owners: Vec<usize>, given: usize) -> SplitBatch {
+    SplitBatch::with_given(70, vec![70, 41], given, 9, vec![9, 5, 7], owners, &device()).unwrap()
+}
+
 fn split_fixture() -> SplitFixture {
     let refs = reference();
     let ids = ids_of(&refs["len200.ids"]);
@@ -179,15 +185,7 @@ fn split_forward_equals_states_then_branches() {
         cfg.layer_types.truncate(layers);
         let last = cfg.layer_types[layers - 1];
         let model = Model::new(&cfg, &w).unwrap();
-        let split = SplitBatch::new(
-            70,
-            state_lengths.clone(),
-            9,
-            lengths.clone(),
-            owners.clone(),
-            w.device(),
-        )
-        .unwrap();
+        let split = fixture_split(owners.clone(), 0);
         let (ours, _) = model
             .forward_split(&states, &branches, &split, None, None, false)
             .unwrap();
@@ -252,16 +250,7 @@ fn split_forward_continues_given_rows_and_keeps_its_states() {
             .forward(&ids.narrow(1, 20, given_len).unwrap(), &mut given, None)
             .unwrap();
         let owners = vec![2, 0, 2];
-        let split = SplitBatch::with_given(
-            70,
-            state_lengths.clone(),
-            1,
-            9,
-            lengths.clone(),
-            owners.clone(),
-            w.device(),
-        )
-        .unwrap();
+        let split = fixture_split(owners.clone(), 1);
         let (ours, kept) = model
             .forward_split(&states, &branches, &split, None, Some(&given), true)
             .unwrap();
