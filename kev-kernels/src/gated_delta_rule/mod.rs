@@ -103,55 +103,8 @@ pub fn gated_delta_rule_split(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<Tensor> {
-    Ok(split_keeping(state_qkv, branch_qkv, gates, dims, split, false)?.0)
-}
-
-/// [`gated_delta_rule_split`], and with `keep` the states' final recurrent matrices
-/// `[R, Hv, Dk, Dv]` f32 too (as [`gated_delta_rule`] on the states from zero leaves them).
-fn split_keeping(
-    state_qkv: &Tensor,
-    branch_qkv: &Tensor,
-    gates: &Tensor,
-    dims: GdrDims,
-    split: &SplitBatch,
-    keep: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
-    if let Some(out) = fused_split(state_qkv, branch_qkv, gates, dims, split, keep)? {
-        return Ok(out);
-    }
-    let (o, state) = composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)?;
-    Ok((o, keep.then_some(state)))
-}
-
-/// [`gated_delta_rule_split`] off its fused kernels: the states' [`gated_delta_rule`] from a
-/// zero state, the state rows gathered per branch, the branches' from them, the outputs joined;
-/// and the states' final matrices.
-fn composed_gated_delta_rule_split(
-    state_qkv: &Tensor,
-    branch_qkv: &Tensor,
-    gates: &Tensor,
-    dims: GdrDims,
-    split: &SplitBatch,
-) -> Result<(Tensor, Tensor)> {
-    let (gates_s, gates_b) = split.parts(gates)?;
-    let shape = (
-        split.states(),
-        dims.num_v_heads,
-        dims.head_k_dim,
-        dims.head_v_dim,
-    );
-    let state = counted_zeros(shape, DType::F32, state_qkv.device())?;
-    let lengths_s = Some(split.state_lengths());
-    let o_s = gated_delta_rule(state_qkv, &gates_s, &state, dims, lengths_s)?;
-    let state_b = split.to_branches(&state)?;
-    let o_b = gated_delta_rule(
-        branch_qkv,
-        &gates_b,
-        &state_b,
-        dims,
-        Some(split.branch_lengths()),
-    )?;
-    Ok((split.join(&o_s, &o_b)?, state))
+    let call = SplitCall::new(state_qkv, branch_qkv, gates, dims, split);
+    Ok(call.run(false)?.0)
 }
 
 /// [`gated_delta_rule_split`]'s fused form alone (its checks first): `None` where it does not
@@ -163,53 +116,8 @@ pub fn fused_gated_delta_rule_split(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
-    Ok(fused_split(state_qkv, branch_qkv, gates, dims, split, false)?.map(|(o, _)| o))
-}
-
-/// [`fused_gated_delta_rule_split`], with `keep` handing back the states' final matrices too
-/// (CUDA: the ones its states' scan wrote; Metal keeps none, so does not run fused then).
-fn fused_split(
-    state_qkv: &Tensor,
-    branch_qkv: &Tensor,
-    gates: &Tensor,
-    dims: GdrDims,
-    split: &SplitBatch,
-    keep: bool,
-) -> Result<Option<(Tensor, Option<Tensor>)>> {
-    let name = "gated-delta-rule-split";
-    let metal = backend(state_qkv.device()) == Backend::Metal;
-    if !split_applies(name, state_qkv, branch_qkv, gates, dims, split)? || (keep && metal) {
-        return Ok(None);
-    }
-    let op = GatedDeltaRuleSplit {
-        dims,
-        split: split.clone(),
-        conv: None,
-        kept: keep.then(|| Mutex::new(None)),
-    };
-    let (packed_state, packed_branches, packed_gates) = (
-        state_qkv.counted_contiguous()?,
-        branch_qkv.counted_contiguous()?,
-        gates.counted_contiguous()?,
-    );
-    // CUDA: a preparation over both parts, then a scan per part (`cuda::gated_delta_rule_split`);
-    // Metal: a dispatch per part (`metal::gated_delta_rule_split`).
-    let launches = if metal { 2 } else { 3 };
-    let out = dispatch::launch(
-        name,
-        launches,
-        state_qkv.device(),
-        || {
-            let o = packed_state.apply_op3_no_bwd(&packed_branches, &packed_gates, &op)?;
-            Ok((o, op.take_kept()?))
-        },
-        || {
-            let (o, state) =
-                composed_gated_delta_rule_split(state_qkv, branch_qkv, gates, dims, split)?;
-            Ok((o, keep.then_some(state)))
-        },
-    )?;
-    Ok(Some(out))
+    let call = SplitCall::new(state_qkv, branch_qkv, gates, dims, split);
+    Ok(call.fused(false)?.map(|(o, _)| o))
 }
 
 /// [`causal_conv1d_split`] followed by [`gated_delta_rule_split`]: the layer's conv and delta
@@ -238,7 +146,8 @@ pub fn conv_gated_delta_rule_split(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<Tensor> {
-    Ok(conv_split(state_raw, branch_raw, weight, gates, dims, split, false)?.0)
+    let call = SplitCall::new(state_raw, branch_raw, gates, dims, split);
+    Ok(call.run_conv(weight, false)?.0)
 }
 
 /// [`conv_gated_delta_rule_split`] that also returns the states' final recurrent matrices
@@ -253,28 +162,11 @@ pub fn conv_gated_delta_rule_split_keeping(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<(Tensor, Tensor)> {
-    let (o, kept) = conv_split(state_raw, branch_raw, weight, gates, dims, split, true)?;
-    let Some(kept) = kept else {
-        bail!("conv-gated-delta-rule-split: no states kept")
-    };
-    Ok((o, kept))
-}
-
-/// [`conv_gated_delta_rule_split`], with `keep` the states' final matrices too.
-fn conv_split(
-    state_raw: &Tensor,
-    branch_raw: &Tensor,
-    weight: &Tensor,
-    gates: &Tensor,
-    dims: GdrDims,
-    split: &SplitBatch,
-    keep: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
-    if let Some(out) = fused_conv(state_raw, branch_raw, weight, gates, dims, split, keep)? {
-        return Ok(out);
+    let call = SplitCall::new(state_raw, branch_raw, gates, dims, split);
+    match call.run_conv(weight, true)? {
+        (o, Some(kept)) => Ok((o, kept)),
+        (_, None) => bail!("conv-gated-delta-rule-split: no states kept"),
     }
-    let (state_qkv, branch_qkv) = causal_conv1d_split(state_raw, branch_raw, weight, split)?;
-    split_keeping(&state_qkv, &branch_qkv, gates, dims, split, keep)
 }
 
 /// [`conv_gated_delta_rule_split`]'s fused form alone (its checks first): `None` where it does
@@ -287,129 +179,230 @@ pub fn fused_conv_gated_delta_rule_split(
     dims: GdrDims,
     split: &SplitBatch,
 ) -> Result<Option<Tensor>> {
-    Ok(fused_conv(state_raw, branch_raw, weight, gates, dims, split, false)?.map(|(o, _)| o))
+    let call = SplitCall::new(state_raw, branch_raw, gates, dims, split);
+    Ok(call.fused_conv(weight, false)?.map(|(o, _)| o))
 }
 
-/// [`fused_conv_gated_delta_rule_split`], with `keep` handing back the states' final matrices.
-fn fused_conv(
-    state_raw: &Tensor,
-    branch_raw: &Tensor,
-    weight: &Tensor,
-    gates: &Tensor,
+/// One split call's inputs: the states' and the branches' rows (conv outputs, or for the conv
+/// forms the raw `in_proj` rows), the packed gates, the heads and the split. Its forms return the
+/// packed output and, when asked to keep them, the states' final recurrent matrices.
+#[derive(Clone, Copy)]
+struct SplitCall<'a> {
+    state: &'a Tensor,
+    branch: &'a Tensor,
+    gates: &'a Tensor,
     dims: GdrDims,
-    split: &SplitBatch,
-    keep: bool,
-) -> Result<Option<(Tensor, Option<Tensor>)>> {
-    let name = "conv-gated-delta-rule-split";
-    let (channels, k) = weight.dims2()?;
-    if channels != dims.channels()
-        || weight.dtype() != state_raw.dtype()
-        || !weight.device().same_device(state_raw.device())
-    {
-        bail!(
-            "{name}: conv weight {:?} ({:?} on {:?}) does not fit {} channels of {:?} on {:?}",
-            weight.dims(),
-            weight.dtype(),
-            weight.device().location(),
-            dims.channels(),
-            state_raw.dtype(),
-            state_raw.device().location()
-        )
-    }
-    // Hv > Hk: 4B 8 records 83.7, 84.0 → 84.1, 84.4 ms, one request 12.7 → 12.8, 12.9 ms. The
-    // kernel moves 4 channels of a row (8 bytes) at a time.
-    let heads_fit = dims.num_v_heads == dims.num_k_heads
-        && dims.head_k_dim.is_multiple_of(4)
-        && dims.head_v_dim.is_multiple_of(4);
-    // CUDA only: Metal runs the conv and the delta rule as their own split forms.
-    let cuda = backend(state_raw.device()) == Backend::Cuda;
-    if !split_applies(name, state_raw, branch_raw, gates, dims, split)?
-        || !cuda
-        || !heads_fit
-        || k != 4
-    {
-        return Ok(None);
-    }
-    let (state_rows, branch_rows, packed_weight) = (
-        as_row_view(state_raw)?,
-        as_row_view(branch_raw)?,
-        weight.counted_contiguous()?,
-    );
-    // Rows at multiples of 4 elements (8 bytes), the weight at a multiple of 8 (read two
-    // channels' taps, 16 bytes, at a time).
-    let in_fours = |t: &Tensor| {
-        RowView::of(t.layout())
-            .is_some_and(|r| r.offset.is_multiple_of(4) && r.stride.is_multiple_of(4))
-    };
-    let aligned = in_fours(&state_rows)
-        && in_fours(&branch_rows)
-        && packed_weight.layout().start_offset().is_multiple_of(8);
-    if !aligned {
-        return Ok(None);
-    }
-    let op = GatedDeltaRuleSplit {
-        dims,
-        split: split.clone(),
-        conv: Some(packed_weight),
-        kept: keep.then(|| Mutex::new(None)),
-    };
-    let packed_gates = gates.counted_contiguous()?;
-    // The conv inside the preparation: the same three launches as the unfused split form.
-    let out = dispatch::launch(
-        name,
-        3,
-        state_raw.device(),
-        || {
-            let o = state_rows.apply_op3_no_bwd(&branch_rows, &packed_gates, &op)?;
-            Ok((o, op.take_kept()?))
-        },
-        || {
-            let (state_qkv, branch_qkv) =
-                causal_conv1d_split(state_raw, branch_raw, weight, split)?;
-            split_keeping(&state_qkv, &branch_qkv, gates, dims, split, keep)
-        },
-    )?;
-    Ok(Some(out))
+    split: &'a SplitBatch,
 }
 
-/// The split wrappers' checks (errors naming what does not fit), then whether the fused form
-/// runs: both parts hold steps and [`fused_split_applies`].
-fn split_applies(
-    name: &str,
-    state_qkv: &Tensor,
-    branch_qkv: &Tensor,
-    gates: &Tensor,
-    dims: GdrDims,
-    split: &SplitBatch,
-) -> Result<bool> {
-    let (states, s_len, c) = state_qkv.dims3()?;
-    let (b_rows, width, cb) = branch_qkv.dims3()?;
-    split.check_parts(name, state_qkv, branch_qkv)?;
-    if c != dims.channels() || cb != c || gates.dims() != [split.tokens(), dims.num_v_heads, 2] {
-        bail!(
-            "{name}: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
-            state_qkv.dims(),
-            branch_qkv.dims(),
-            gates.dims()
-        )
+/// A split form's output, and the states' final matrices when kept.
+type Kept = (Tensor, Option<Tensor>);
+
+impl<'a> SplitCall<'a> {
+    fn new(
+        state: &'a Tensor,
+        branch: &'a Tensor,
+        gates: &'a Tensor,
+        dims: GdrDims,
+        split: &'a SplitBatch,
+    ) -> Self {
+        Self {
+            state,
+            branch,
+            gates,
+            dims,
+            split,
+        }
     }
-    let (hk, hv) = (dims.num_k_heads, dims.num_v_heads);
-    if hk == 0 || hv % hk != 0 {
-        bail!("{name}: {hv} value heads are not a multiple of {hk} key heads")
+
+    /// [`gated_delta_rule_split`]: fused where it runs, else composed.
+    fn run(self, keep: bool) -> Result<Kept> {
+        if let Some(out) = self.fused(keep)? {
+            return Ok(out);
+        }
+        let (o, state) = self.composed()?;
+        Ok((o, keep.then_some(state)))
     }
-    if state_qkv.dtype() != branch_qkv.dtype() || gates.dtype() != DType::F32 {
-        bail!(
-            "{name}: state {:?} and branches {:?} must share a dtype, gates must be f32 (got {:?})",
-            state_qkv.dtype(),
-            branch_qkv.dtype(),
-            gates.dtype()
-        )
+
+    /// [`gated_delta_rule_split`] off its fused kernels: the states' [`gated_delta_rule`] from a
+    /// zero state, the state rows gathered per branch, the branches' from them, the outputs
+    /// joined; and the states' final matrices.
+    fn composed(self) -> Result<(Tensor, Tensor)> {
+        let (dims, split) = (self.dims, self.split);
+        let (gates_s, gates_b) = split.parts(self.gates)?;
+        let shape = (
+            split.states(),
+            dims.num_v_heads,
+            dims.head_k_dim,
+            dims.head_v_dim,
+        );
+        let state = counted_zeros(shape, DType::F32, self.state.device())?;
+        let lengths_s = Some(split.state_lengths());
+        let o_s = gated_delta_rule(self.state, &gates_s, &state, dims, lengths_s)?;
+        let state_b = split.to_branches(&state)?;
+        let lengths_b = Some(split.branch_lengths());
+        let o_b = gated_delta_rule(self.branch, &gates_b, &state_b, dims, lengths_b)?;
+        Ok((split.join(&o_s, &o_b)?, state))
     }
-    Ok(states > 0
-        && s_len > 0
-        && width > 0
-        && b_rows > 0
-        && fused_split_applies(state_qkv, dims, s_len, width))
+
+    /// The fused form (its checks first), `None` where it does not run; with `keep` handing back
+    /// the states' final matrices too (CUDA: the ones its states' scan wrote; Metal keeps none,
+    /// so does not run fused then).
+    fn fused(self, keep: bool) -> Result<Option<Kept>> {
+        let name = "gated-delta-rule-split";
+        let metal = backend(self.state.device()) == Backend::Metal;
+        if !self.applies(name)? || (keep && metal) {
+            return Ok(None);
+        }
+        let op = GatedDeltaRuleSplit {
+            dims: self.dims,
+            split: self.split.clone(),
+            conv: None,
+            kept: keep.then(|| Mutex::new(None)),
+        };
+        let (packed_state, packed_branches, packed_gates) = (
+            self.state.counted_contiguous()?,
+            self.branch.counted_contiguous()?,
+            self.gates.counted_contiguous()?,
+        );
+        // CUDA: a preparation over both parts, then a scan per part
+        // (`cuda::gated_delta_rule_split`); Metal: a dispatch per part
+        // (`metal::gated_delta_rule_split`).
+        let launches = if metal { 2 } else { 3 };
+        let out = dispatch::launch(
+            name,
+            launches,
+            self.state.device(),
+            || {
+                let o = packed_state.apply_op3_no_bwd(&packed_branches, &packed_gates, &op)?;
+                Ok((o, op.take_kept()?))
+            },
+            || {
+                let (o, state) = self.composed()?;
+                Ok((o, keep.then_some(state)))
+            },
+        )?;
+        Ok(Some(out))
+    }
+
+    /// [`conv_gated_delta_rule_split`] (`self` holding raw rows): fused where it runs, else the
+    /// conv's split form, then [`SplitCall::run`].
+    fn run_conv(self, weight: &Tensor, keep: bool) -> Result<Kept> {
+        if let Some(out) = self.fused_conv(weight, keep)? {
+            return Ok(out);
+        }
+        self.conv_then_run(weight, keep)
+    }
+
+    /// The conv's split form, then the delta rule's on its output.
+    fn conv_then_run(self, weight: &Tensor, keep: bool) -> Result<Kept> {
+        let (state, branch) = causal_conv1d_split(self.state, self.branch, weight, self.split)?;
+        SplitCall::new(&state, &branch, self.gates, self.dims, self.split).run(keep)
+    }
+
+    /// [`conv_gated_delta_rule_split`]'s fused form, `None` where it does not run.
+    fn fused_conv(self, weight: &Tensor, keep: bool) -> Result<Option<Kept>> {
+        let (state_raw, branch_raw, gates, dims, split) =
+            (self.state, self.branch, self.gates, self.dims, self.split);
+        let name = "conv-gated-delta-rule-split";
+        let (channels, k) = weight.dims2()?;
+        if channels != dims.channels()
+            || weight.dtype() != state_raw.dtype()
+            || !weight.device().same_device(state_raw.device())
+        {
+            bail!(
+                "{name}: conv weight {:?} ({:?} on {:?}) does not fit {} channels of {:?} on {:?}",
+                weight.dims(),
+                weight.dtype(),
+                weight.device().location(),
+                dims.channels(),
+                state_raw.dtype(),
+                state_raw.device().location()
+            )
+        }
+        // Hv > Hk: 4B 8 records 83.7, 84.0 → 84.1, 84.4 ms, one request 12.7 → 12.8, 12.9 ms. The
+        // kernel moves 4 channels of a row (8 bytes) at a time.
+        let heads_fit = dims.num_v_heads == dims.num_k_heads
+            && dims.head_k_dim.is_multiple_of(4)
+            && dims.head_v_dim.is_multiple_of(4);
+        // CUDA only: Metal runs the conv and the delta rule as their own split forms.
+        let cuda = backend(state_raw.device()) == Backend::Cuda;
+        if !self.applies(name)? || !cuda || !heads_fit || k != 4 {
+            return Ok(None);
+        }
+        let (state_rows, branch_rows, packed_weight) = (
+            as_row_view(state_raw)?,
+            as_row_view(branch_raw)?,
+            weight.counted_contiguous()?,
+        );
+        // Rows at multiples of 4 elements (8 bytes), the weight at a multiple of 8 (read two
+        // channels' taps, 16 bytes, at a time).
+        let in_fours = |t: &Tensor| {
+            RowView::of(t.layout())
+                .is_some_and(|r| r.offset.is_multiple_of(4) && r.stride.is_multiple_of(4))
+        };
+        let aligned = in_fours(&state_rows)
+            && in_fours(&branch_rows)
+            && packed_weight.layout().start_offset().is_multiple_of(8);
+        if !aligned {
+            return Ok(None);
+        }
+        let op = GatedDeltaRuleSplit {
+            dims,
+            split: split.clone(),
+            conv: Some(packed_weight),
+            kept: keep.then(|| Mutex::new(None)),
+        };
+        let packed_gates = gates.counted_contiguous()?;
+        // The conv inside the preparation: the same three launches as the unfused split form.
+        let out = dispatch::launch(
+            name,
+            3,
+            state_raw.device(),
+            || {
+                let o = state_rows.apply_op3_no_bwd(&branch_rows, &packed_gates, &op)?;
+                Ok((o, op.take_kept()?))
+            },
+            || self.conv_then_run(weight, keep),
+        )?;
+        Ok(Some(out))
+    }
+
+    /// The split wrappers' checks (errors naming what does not fit), then whether the fused form
+    /// runs: both parts hold steps and [`fused_split_applies`].
+    fn applies(self, name: &str) -> Result<bool> {
+        let (state_qkv, branch_qkv, gates, dims, split) =
+            (self.state, self.branch, self.gates, self.dims, self.split);
+        let (states, s_len, c) = state_qkv.dims3()?;
+        let (b_rows, width, cb) = branch_qkv.dims3()?;
+        split.check_parts(name, state_qkv, branch_qkv)?;
+        if c != dims.channels() || cb != c || gates.dims() != [split.tokens(), dims.num_v_heads, 2]
+        {
+            bail!(
+                "{name}: state {:?}, branches {:?} and gates {:?} do not fit {dims:?}",
+                state_qkv.dims(),
+                branch_qkv.dims(),
+                gates.dims()
+            )
+        }
+        let (hk, hv) = (dims.num_k_heads, dims.num_v_heads);
+        if hk == 0 || hv % hk != 0 {
+            bail!("{name}: {hv} value heads are not a multiple of {hk} key heads")
+        }
+        if state_qkv.dtype() != branch_qkv.dtype() || gates.dtype() != DType::F32 {
+            bail!(
+                "{name}: state {:?} and branches {:?} must share a dtype, gates must be f32 (got {:?})",
+                state_qkv.dtype(),
+                branch_qkv.dtype(),
+                gates.dtype()
+            )
+        }
+        Ok(states > 0
+            && s_len > 0
+            && width > 0
+            && b_rows > 0
+            && fused_split_applies(state_qkv, dims, s_len, width))
+    }
 }
 
 /// Whether [`gated_delta_rule_split`] has its fused form here: on Metal always (each part takes
