@@ -137,8 +137,8 @@ struct SplitFixture {
 
 /// The split of [`split_fixture`]'s states and branches, the branches continuing `owners`, of
 /// which `given` rows follow the two states.
-fn fixture_split(owners: Vec<usize>, given: usize) -> SplitBatch {
-    SplitBatch::with_given(70, vec![70, 41], given, 9, vec![9, 5, 7], owners, &device()).unwrap()
+fn fixture_split(owners: Vec<usize>, given: usize, device: &Device) -> SplitBatch {
+    SplitBatch::with_given(70, vec![70, 41], given, 9, vec![9, 5, 7], owners, device).unwrap()
 }
 
 fn split_fixture() -> SplitFixture {
@@ -185,7 +185,7 @@ fn split_forward_equals_states_then_branches() {
         cfg.layer_types.truncate(layers);
         let last = cfg.layer_types[layers - 1];
         let model = Model::new(&cfg, &w).unwrap();
-        let split = fixture_split(owners.clone(), 0);
+        let split = fixture_split(owners.clone(), 0, w.device());
         let (ours, _) = model
             .forward_split(&states, &branches, &split, None, None, false)
             .unwrap();
@@ -226,7 +226,8 @@ fn split_forward_equals_states_then_branches() {
 #[test]
 fn split_forward_continues_given_rows_and_keeps_its_states() {
     // One pass where branch rows continue computed states or given rows (a cached prefix of 40
-    // tokens, longer keys than neither state, and one of 90, longer than both), keeping the
+    // tokens, longer keys than neither state, one of 90, longer than both, and one of an empty
+    // state, which holds no keys at all), keeping the
     // states' cache: against the states' forward, its rows joined with the given ones, then the
     // branches on copies. The kept cache continues a branch as the states' forward's does.
     let SplitFixture {
@@ -240,17 +241,20 @@ fn split_forward_continues_given_rows_and_keeps_its_states() {
     for (given_len, layers) in [
         (40, full.num_hidden_layers),
         (90, full.num_hidden_layers - 1),
+        (0, full.num_hidden_layers),
     ] {
         let mut cfg = full.clone();
         cfg.num_hidden_layers = layers;
         cfg.layer_types.truncate(layers);
         let model = Model::new(&cfg, &w).unwrap();
         let mut given = model.new_cache(1).unwrap();
-        model
-            .forward(&ids.narrow(1, 20, given_len).unwrap(), &mut given, None)
-            .unwrap();
+        if given_len > 0 {
+            model
+                .forward(&ids.narrow(1, 20, given_len).unwrap(), &mut given, None)
+                .unwrap();
+        }
         let owners = vec![2, 0, 2];
-        let split = fixture_split(owners.clone(), 1);
+        let split = fixture_split(owners.clone(), 1, w.device());
         let (ours, kept) = model
             .forward_split(&states, &branches, &split, None, Some(&given), true)
             .unwrap();

@@ -161,7 +161,8 @@ impl DecisionModel {
     /// prefix of the record's state (the same token ids, from this model), whose state then does
     /// not run again. The computed states run in passes grouped by length, each distinct state
     /// once ([`state_pass_tokens`] counts them), each pass with its records' branches; the
-    /// records with a given prefix run their branches as one more pass. With `keep`, each
+    /// records with a given prefix join the last pass, their branches continuing the prefixes'
+    /// rows (or make a pass of their own where no state is computed). With `keep`, each
     /// computed state comes back as a prefix for reuse. On CUDA, a pass whose token shapes were
     /// seen before and that keeps nothing replays a CUDA graph ([`LoadOptions::cuda_graphs`]).
     /// Equal to scoring the records one by one.

@@ -6,7 +6,7 @@
 //! between batch sizes, as cuBLAS's shape-dependent kernels already make them).
 
 use candle_core::{Module, Result, Tensor};
-use kev_kernels::dispatch::{counted_cat, CountedTensor};
+use kev_kernels::dispatch::{counted_cat, counted_zeros, CountedTensor};
 
 use kev_kernels::{
     attention_gate, attention_gate_join, causal_attention, copy_rows, flash_attention_fills_gpu,
@@ -154,6 +154,17 @@ impl Attention {
                     counted_cat(&[&pad(s)?, &pad(g)?], 0)
                 };
                 (past(&k, k_g)?, past(&v, v_g)?)
+            }
+            // Given rows without keys (prefixes of empty states): zero rows, which the
+            // branches' key bias masks whole.
+            None if split.given() > 0 => {
+                let rows = |t: &Tensor| {
+                    let (_, heads, width, d) = t.dims4()?;
+                    let zeros =
+                        counted_zeros((split.given(), heads, width, d), t.dtype(), t.device())?;
+                    counted_cat(&[t, &zeros], 0)
+                };
+                (rows(&k)?, rows(&v)?)
             }
             None => (k, v),
         };

@@ -187,7 +187,9 @@ impl GatedDeltaNet {
         let shape = (r, d.num_v_heads, d.head_k_dim, d.head_v_dim);
         let recurrent_s = counted_zeros(shape, DType::F32, raw_s.device())?;
         let o_s = gated_delta_rule(&qkv_s, &gates_s, &recurrent_s, d, lengths_s)?;
-        // Each branch row's conv window and recurrent matrix: its owner's, copied.
+        // Each branch row's conv window and recurrent matrix: its owner's, copied (the given
+        // ones are a shared prefix's: only read, never handed to the delta rule, which updates
+        // its matrices in place).
         let rows = |computed: &Tensor, given: Option<&Tensor>| match given {
             Some(g) => split.to_branches(&counted_cat(&[computed, g], 0)?),
             None => split.to_branches(computed),
