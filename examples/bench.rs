@@ -6,7 +6,7 @@
 //!     --records bench/.cache/records/one.jsonl --form prefix,row --repeats 3
 //! ```
 //! Forms: `prefix` (`probs`: the state once, then the record's branches as one batch), `row`
-//! (`forward_rows`: `state ++ branch_j` alone per question, the reference form), `batch`
+//! (`kev::reference::row_logits`: `state ++ branch_j` alone per question, the reference form), `batch`
 //! (`probs_batch` over all records of the file: states as one batch, then all branches) and
 //! `state` (`prefix`: each record's state pass alone, a prefill figure; no probabilities).
 //! Figures: latency median and min over `--repeats` after `--warmup`, records/s, tokens/s

@@ -8,8 +8,8 @@
 //! Records are taken one by one, so a request larger than the budget is split: the batch takes
 //! the records that fit and the rest start the worker's next batch (a single record larger than
 //! the budget runs alone). A batch's working memory is therefore bounded by the budget however
-//! large the request. The batch runs as one call of [`DecisionModel::probs_prefixed`] (cold
-//! states once, then every branch continuing its prefix) and the new prefixes go to the
+//! large the request. The batch runs as one call of [`DecisionModel::run`] (cold states once,
+//! every branch continuing its prefix, cached or computed) and the new prefixes go to the
 //! device's [`PrefixCache`]. Requests whose client has gone are dropped before they run (and
 //! between their parts).
 use std::collections::HashSet;
