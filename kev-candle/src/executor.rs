@@ -250,10 +250,7 @@ impl Executor {
             .to_vec1::<f32>()
             .map_err(backend_err("pointer head"))?;
         let kept = match kept {
-            Some(cache) => (0..pass.computed)
-                .map(|r| cache.row(r))
-                .collect::<candle_core::Result<Vec<_>>>()
-                .map_err(backend_err("cutting a prefix out of the state pass"))?,
+            Some(cache) => cut_rows(&cache, pass.computed)?,
             None => Vec::new(),
         };
         Ok(PassOut { logits, kept })
@@ -283,10 +280,7 @@ impl Executor {
             })
             .transpose()?;
         let kept = match (&computed, pass.keep) {
-            (Some(cache), true) => (0..pass.computed)
-                .map(|r| cache.row(r))
-                .collect::<candle_core::Result<Vec<_>>>()
-                .map_err(backend_err("cutting a prefix out of the state pass"))?,
+            (Some(cache), true) => cut_rows(cache, pass.computed)?,
             _ => Vec::new(),
         };
         if pass.rows.is_empty() {
@@ -379,6 +373,15 @@ impl Executor {
             .logits_at(&flat, &decide, &opts, &owner)
             .map_err(&err)
     }
+}
+
+/// The first `rows` rows of `cache`, each a one-row cache of its own ([`Cache::row`]): the kept
+/// states of a pass.
+fn cut_rows(cache: &Cache, rows: usize) -> Result<Vec<Cache>> {
+    (0..rows)
+        .map(|r| cache.row(r))
+        .collect::<candle_core::Result<Vec<_>>>()
+        .map_err(backend_err("cutting a prefix out of the state pass"))
 }
 
 #[cfg(feature = "cuda")]

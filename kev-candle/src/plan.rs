@@ -49,8 +49,9 @@ pub(crate) struct Pass {
     /// The state row (computed, then given) of each branch row.
     pub(crate) owners: Vec<usize>,
     pub(crate) rows: Vec<Row>,
-    /// Per record of the pass: its state row and its branch rows.
-    slots: Vec<(usize, Range<usize>)>,
+    /// Per record of the pass: its state row, its branch rows and where its options' logits
+    /// start in the pass's.
+    slots: Vec<(usize, Range<usize>, usize)>,
 }
 
 /// One record's part of a run's output: its logits per question, and its state's row.
@@ -97,33 +98,34 @@ impl Plan {
                     cold_row[j] = (p, r);
                 }
                 let states: Vec<&[u32]> = members.iter().map(|&j| cold[j]).collect();
-                Pass::empty(pieces(&states, chunk), members.len(), Vec::new(), keep)
+                Pass::empty(pieces(&states, chunk), members.len(), keep)
             })
             .collect();
         // The given prefixes, each distinct one a row after the computed ones of the last pass
         // (the longest states: the given rows' keys pad the least there), so hits and misses
         // run in one pass; or of a pass of their own where no state is computed.
         let mut hits: Vec<Arc<Prefix>> = Vec::new();
+        let mut hit_at: HashMap<*const Prefix, usize> = HashMap::new();
         let given_row: Vec<Option<usize>> = (0..records.len())
             .map(|i| {
-                given_of(i).map(|p| match hits.iter().position(|h| Arc::ptr_eq(h, p)) {
-                    Some(g) => g,
-                    None => {
+                given_of(i).map(|p| {
+                    *hit_at.entry(Arc::as_ptr(p)).or_insert_with(|| {
                         hits.push(Arc::clone(p));
                         hits.len() - 1
-                    }
+                    })
                 })
             })
             .collect();
         let hits_pass = (!hits.is_empty()).then(|| {
             if passes.is_empty() {
-                passes.push(Pass::empty(Vec::new(), 0, Vec::new(), false));
+                passes.push(Pass::empty(Vec::new(), 0, false));
             }
             let last = passes.len() - 1;
             passes[last].given = hits;
             last
         });
         let mut branch_rows: Vec<Vec<&Row>> = vec![Vec::new(); passes.len()];
+        let mut options = vec![0usize; passes.len()];
         let at = records
             .iter()
             .enumerate()
@@ -140,7 +142,8 @@ impl Plan {
                 let first = pass.owners.len();
                 pass.owners.extend(std::iter::repeat_n(row, rec.rows.len()));
                 branch_rows[p].extend(&rec.rows);
-                pass.slots.push((row, first..pass.owners.len()));
+                pass.slots.push((row, first..pass.owners.len(), options[p]));
+                options[p] += rec.rows.iter().map(|r| r.opts.len()).sum::<usize>();
                 (p, pass.slots.len() - 1)
             })
             .collect();
@@ -159,8 +162,7 @@ impl Plan {
             .iter()
             .map(|&(p, slot)| {
                 let pass = &self.passes[p];
-                let (row, ref range) = pass.slots[slot];
-                let before: usize = pass.rows[..range.start].iter().map(|r| r.opts.len()).sum();
+                let (row, ref range, before) = pass.slots[slot];
                 let rows = &pass.rows[range.clone()];
                 RecordOut {
                     logits: split_logits(&logits[p][before..], rows),
@@ -172,11 +174,11 @@ impl Plan {
 }
 
 impl Pass {
-    fn empty(state: Vec<Piece>, computed: usize, given: Vec<Arc<Prefix>>, keep: bool) -> Self {
+    fn empty(state: Vec<Piece>, computed: usize, keep: bool) -> Self {
         Pass {
             state,
             computed,
-            given,
+            given: Vec::new(),
             keep,
             branches: Vec::new(),
             owners: Vec::new(),
