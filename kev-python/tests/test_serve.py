@@ -1,6 +1,6 @@
 """examples/ray_serve.py on a local Ray cluster of 2 CPUs: one replica, two routed by state and
-two in turn, on the shared-state workload with a prefix cache that holds every state once in
-all (split between the replicas). Answers equal `score`'s; routing by state keeps one server's
+two in turn, on the shared-state workload with a prefix cache of 1.6 states' worth per state in
+all (split between the replicas: room for an uneven split of the states by hashing). Answers equal `score`'s; routing by state keeps one server's
 hit rate, routing in turn loses it."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_serve_answers_as_score_and_routing_by_state_keeps_the_hit_rate(tmp_path
 
     one, state, turns = runs[1, "state"], runs[2, "state"], runs[2, "round-robin"]
     print(f"\nhit rates: one replica {one['hit_rate']}, two by state {state['hit_rate']} "
-          f"({state['per_replica']}), two in turn {turns['hit_rate']} ({turns['per_replica']})")
+          f"({state['per_replica']} requests, {state['states_per_replica']} states), two in turn {turns['hit_rate']} ({turns['per_replica']})")
     assert min(state["per_replica"]) > 0, state
     assert state["hit_rate"] >= one["hit_rate"] - 0.05
     assert state["hit_rate"] >= turns["hit_rate"] + 0.15
