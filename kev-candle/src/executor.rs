@@ -375,13 +375,12 @@ impl Executor {
     }
 }
 
-/// The first `rows` rows of `cache`, each a one-row cache of its own ([`Cache::row`]): the kept
-/// states of a pass.
+/// The first `rows` rows of `cache`, each a one-row cache of its own ([`Cache::rows_apart`]):
+/// the kept states of a pass.
 fn cut_rows(cache: &Cache, rows: usize) -> Result<Vec<Cache>> {
-    (0..rows)
-        .map(|r| cache.row(r))
-        .collect::<candle_core::Result<Vec<_>>>()
-        .map_err(backend_err("cutting a prefix out of the state pass"))
+    cache
+        .rows_apart(rows)
+        .map_err(backend_err("cutting prefixes out of the state pass"))
 }
 
 #[cfg(feature = "cuda")]

@@ -126,7 +126,7 @@ pub use gated_delta_rule::{
     GdrDims, GdrForm, CHUNKED_MIN_LEN, METAL_CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
-pub use gather::{copy_rows, embed, gather_cat, gather_rows, join_rows, RowIndex};
+pub use gather::{copy_rows, embed, gather_cat, gather_rows, join_rows, pack, RowIndex};
 pub use head::{pointer_logits, rows_f32};
 pub use layout::split::SplitBatch;
 pub use linear::{linear, tuning, MAX_TUNED_ROWS};

@@ -290,6 +290,32 @@ pub fn check_fused_ops(
                 0.0,
             )?;
         }
+        // Views packed a group to a buffer against `cat` of the views flattened: a row's first
+        // keys (runs strided by the steps), whole rows, a group of another dtype, all in one
+        // call; rows of whole 16-byte words (CUDA's one launch), then not (its fallback).
+        for width in [8, 3] {
+            let (keys_d, keys) = on(patterned(&[3, 2, 5, width], 0.3, 1.0)?)?;
+            let (rows_d, rows) = on(patterned(&[3, 4, width], 0.8, 1.0)?)?;
+            let groups = |k: &Tensor, r: &Tensor| -> Result<Vec<Vec<Tensor>>> {
+                let state = |row: usize| -> Result<Vec<Tensor>> {
+                    Ok(vec![
+                        k.narrow(0, row, 1)?.narrow(2, 0, 2 + row)?,
+                        r.narrow(0, row, 1)?,
+                    ])
+                };
+                let other = r.narrow(0, 1, 2)?.to_dtype(DType::F32)?;
+                Ok(vec![state(2)?, state(0)?, vec![other.clone(), other]])
+            };
+            let got = crate::pack(&groups(&keys_d, &rows_d)?)?;
+            for (i, (got, group)) in got.iter().zip(groups(&keys, &rows)?).enumerate() {
+                let flat = group
+                    .iter()
+                    .map(Tensor::flatten_all)
+                    .collect::<Result<Vec<_>>>()?;
+                let want = Tensor::cat(&flat, 0)?;
+                check(&tag(&format!("pack {width}, group {i}")), got, &want, 0.0)?;
+            }
+        }
         let (src_d, tail_d) = (
             Tensor::zeros((3, 2, 4, 8), DType::F32, dev)?,
             Tensor::zeros((2, 2, 1, 8), DType::F32, dev)?,

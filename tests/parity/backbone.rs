@@ -272,10 +272,9 @@ fn split_forward_continues_given_rows_and_keeps_its_states() {
             let what = format!("given {given_len}, {layers} layers, branch row {row}");
             check(&what, &real(&ours), &real(&theirs), 1e-5).unwrap();
         }
-        for r in 0..2 {
+        let (kept, cache) = (kept.rows_apart(2).unwrap(), cache.rows_apart(2).unwrap());
+        for (r, (mut a, mut b)) in kept.into_iter().zip(cache).enumerate() {
             let branch = branches.narrow(0, 1, 1).unwrap().narrow(1, 0, 5).unwrap();
-            let mut a = kept.row(r).unwrap();
-            let mut b = cache.row(r).unwrap();
             let from_kept = model.forward(&branch, &mut a, None).unwrap();
             let from_states = model.forward(&branch, &mut b, None).unwrap();
             let what = format!("given {given_len}, {layers} layers, kept state {r}");

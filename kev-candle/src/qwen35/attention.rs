@@ -146,27 +146,12 @@ impl Attention {
         let kept = keep
             .then(|| Ok::<_, candle_core::Error>((k.clone(), copy_rows(&v)?)))
             .transpose()?;
-        let (k, v) = match given {
-            Some((k_g, v_g)) => {
-                let width = k.dim(2)?.max(k_g.dim(2)?);
-                let past = |s: &Tensor, g: &Tensor| {
-                    let pad = |t: &Tensor| t.pad_with_zeros(2, 0, width - t.dim(2)?);
-                    counted_cat(&[&pad(s)?, &pad(g)?], 0)
-                };
-                (past(&k, k_g)?, past(&v, v_g)?)
-            }
-            // Given rows without keys (prefixes of empty states): zero rows, which the
-            // branches' key bias masks whole.
-            None if split.given() > 0 => {
-                let rows = |t: &Tensor| {
-                    let (_, heads, width, d) = t.dims4()?;
-                    let zeros =
-                        counted_zeros((split.given(), heads, width, d), t.dtype(), t.device())?;
-                    counted_cat(&[t, &zeros], 0)
-                };
-                (rows(&k)?, rows(&v)?)
-            }
-            None => (k, v),
+        let (k, v) = match split.given() {
+            0 => (k, v),
+            g => (
+                with_given(&k, given.map(|p| p.0), g)?,
+                with_given(&v, given.map(|p| p.1), g)?,
+            ),
         };
         let past = Past::States(&k, &v, split);
         let (o_b, gate_b) = self.attend(&proj_b, cos_sin_b, key_bias_b, past)?;
@@ -274,4 +259,21 @@ impl Attention {
         let k = qk_norm_rope(&k, self.k_norm.one_plus_w(), cos_sin, self.eps)?;
         Ok((k, v.transpose(1, 2)?))
     }
+}
+
+/// The branch rows' past: the states' keys or values `t: [R, Hkv, S, hd]` then the `g` given
+/// rows' (`None`: prefixes of empty states, which hold none: zero rows), both padded to the
+/// longer width, which the branches' key bias masks.
+fn with_given(t: &Tensor, given: Option<&Tensor>, g: usize) -> Result<Tensor> {
+    let (_, heads, s, d) = t.dims4()?;
+    let width = match given {
+        Some(p) => s.max(p.dim(2)?),
+        None => s,
+    };
+    let pad = |t: &Tensor| t.pad_with_zeros(2, 0, width - t.dim(2)?);
+    let rows = match given {
+        Some(p) => pad(p)?,
+        None => counted_zeros((g, heads, width, d), t.dtype(), t.device())?,
+    };
+    counted_cat(&[&pad(t)?, &rows], 0)
 }

@@ -7,8 +7,8 @@
 //! and joined only through the cache's own methods, which keep those records true.
 
 use candle_core::{DType, Device, Result, Tensor};
-use kev_kernels::dispatch::{counted_zeros, CountedTensor};
-use kev_kernels::{gather_rows, RowIndex};
+use kev_kernels::dispatch::counted_zeros;
+use kev_kernels::{gather_rows, pack, RowIndex};
 
 use super::config::{Config, LayerType};
 
@@ -144,40 +144,92 @@ impl Cache {
         })
     }
 
-    /// Row `row` as a one-row cache of its own storage, cut to the row's real keys: rows are
-    /// right-padded, so those are its first `seen` positions (what a kept prefix holds). One
-    /// copy per tensor, nothing uploaded: a batch's kept states are cut one by one.
-    pub fn row(&self, row: usize) -> Result<Self> {
-        let len = self.seen[row];
-        debug_assert!(self.key_valid[row].iter().take(len).all(|&v| v));
-        let own = |t: &Tensor| t.narrow(0, row, 1)?.counted_force_contiguous();
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerCache::Attention { k, v } => {
-                    let keys = |t: &Option<Tensor>| match t {
-                        Some(_) if len == 0 => Ok(None),
-                        Some(x) => own(&x.narrow(2, 0, len)?).map(Some),
-                        None => Ok(None),
-                    };
-                    Ok(LayerCache::Attention {
-                        k: keys(k)?,
-                        v: keys(v)?,
+    /// The first `rows` rows, each a one-row cache of its own storage, cut to the row's real
+    /// keys: rows are right-padded, so those are its first `seen` positions (what a kept prefix
+    /// holds). A row's tensors of one dtype share one buffer ([`pack`]), all rows filled by one
+    /// copy: a pass keeps its states in one launch, not one a tensor and state.
+    pub fn rows_apart(&self, rows: usize) -> Result<Vec<Self>> {
+        // Per row: its views grouped by dtype, and where each layer's tensor lies in its group.
+        let mut groups: Vec<Vec<Tensor>> = Vec::new();
+        let mut recipes = Vec::with_capacity(rows);
+        for row in 0..rows {
+            let len = self.seen[row];
+            debug_assert!(self.key_valid[row].iter().take(len).all(|&v| v));
+            let first = groups.len();
+            let mut place = |t: Tensor| -> Placed {
+                let g = match groups[first..]
+                    .iter()
+                    .position(|g: &Vec<Tensor>| g[0].dtype() == t.dtype())
+                {
+                    Some(g) => first + g,
+                    None => {
+                        groups.push(Vec::new());
+                        groups.len() - 1
+                    }
+                };
+                let at = groups[g].iter().map(Tensor::elem_count).sum();
+                let placed = Placed {
+                    group: g,
+                    at,
+                    dims: t.dims().to_vec(),
+                };
+                groups[g].push(t);
+                placed
+            };
+            let recipe = self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerCache::Attention { k, v } => {
+                        let mut keys = |t: &Option<Tensor>| -> Result<Option<Placed>> {
+                            match t {
+                                Some(x) if len > 0 => {
+                                    Ok(Some(place(x.narrow(0, row, 1)?.narrow(2, 0, len)?)))
+                                }
+                                _ => Ok(None),
+                            }
+                        };
+                        Ok(LayerRecipe::Attention(keys(k)?, keys(v)?))
+                    }
+                    LayerCache::DeltaNet { conv, recurrent } => Ok(LayerRecipe::DeltaNet(
+                        place(conv.narrow(0, row, 1)?),
+                        place(recurrent.narrow(0, row, 1)?),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            recipes.push((len, recipe));
+        }
+        let packed = pack(&groups)?;
+        let take = |p: &Placed| -> Result<Tensor> {
+            let n = p.dims.iter().product();
+            packed[p.group]
+                .narrow(0, p.at, n)?
+                .reshape(p.dims.as_slice())
+        };
+        recipes
+            .into_iter()
+            .map(|(len, recipe)| {
+                let layers = recipe
+                    .iter()
+                    .map(|l| match l {
+                        LayerRecipe::Attention(k, v) => Ok(LayerCache::Attention {
+                            k: k.as_ref().map(take).transpose()?,
+                            v: v.as_ref().map(take).transpose()?,
+                        }),
+                        LayerRecipe::DeltaNet(conv, recurrent) => Ok(LayerCache::DeltaNet {
+                            conv: take(conv)?,
+                            recurrent: take(recurrent)?,
+                        }),
                     })
-                }
-                LayerCache::DeltaNet { conv, recurrent } => Ok(LayerCache::DeltaNet {
-                    conv: own(conv)?,
-                    recurrent: own(recurrent)?,
-                }),
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Self {
+                    layers,
+                    key_valid: vec![vec![true; len]],
+                    seen: vec![len],
+                    device: self.device.clone(),
+                })
             })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            layers,
-            key_valid: vec![vec![true; len]],
-            seen: vec![len],
-            device: self.device.clone(),
-        })
+            .collect()
     }
 
     /// The rows of `parts` one after the other as one cache, the attention layers' keys padded
@@ -278,4 +330,18 @@ impl Cache {
             *seen += len;
         }
     }
+}
+
+/// Where [`Cache::rows_apart`] put one tensor: its group's buffer, the element it starts at and
+/// its dims.
+struct Placed {
+    group: usize,
+    at: usize,
+    dims: Vec<usize>,
+}
+
+/// A layer of one row in [`Cache::rows_apart`]'s buffers.
+enum LayerRecipe {
+    Attention(Option<Placed>, Option<Placed>),
+    DeltaNet(Placed, Placed),
 }

@@ -6,7 +6,7 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use kev_kernels::dispatch::{counted_cat, counted_zeros, CountedTensor};
 use kev_kernels::{
     causal_conv1d_cached, conv_gated_delta_rule_split, conv_gated_delta_rule_split_keeping,
-    deltanet_gates, gated_delta_rule, gather_rows, GdrDims, RowIndex, SplitBatch,
+    deltanet_gates, gated_delta_rule, gather_rows, GdrDims, SplitBatch,
 };
 
 use super::config::Config;
@@ -152,14 +152,8 @@ impl GatedDeltaNet {
     /// `[R, window, C]` of their own storage, from the states' projection rows `proj_s: [R, S, ..]`
     /// (every state at least `window` long).
     fn windows(&self, proj_s: &Tensor, split: &SplitBatch, window: usize) -> Result<Tensor> {
-        let (r, s, _) = proj_s.dims3()?;
-        let rows: Vec<usize> = split
-            .state_lengths()
-            .iter()
-            .enumerate()
-            .flat_map(|(i, &len)| (len - window..len).map(move |p| i * s + p))
-            .collect();
-        let index = RowIndex::new(&rows, proj_s.device())?;
+        let r = proj_s.dim(0)?;
+        let index = split.state_ends(window, proj_s.device())?;
         let tails = gather_rows(&proj_s.counted_flatten(0, 1)?, &index)?;
         self.qkv(&tails)?
             .counted_contiguous()?

@@ -47,3 +47,17 @@ extern "C" __global__ void gather_cat16(const uint4* src, const unsigned int* id
          i += (long)gridDim.x * blockDim.x)
         o[i] = i >= us ? t[i - us] : from < (unsigned int)rows ? s[i] : make_uint4(0u, 0u, 0u, 0u);
 }
+
+// copy_runs16: run r copies `table[2n + r]` 16-byte words (any dtype) from address `table[r]` to
+// address `table[n + r]`: views packed into buffers of their own, every run of every view in one
+// launch. grid = (word blocks, up to 65535 runs, striding).
+extern "C" __global__ void copy_runs16(const unsigned long long* table, int n) {
+    for (int r = blockIdx.y; r < n; r += gridDim.y) {
+        const uint4* s = (const uint4*)table[r];
+        uint4* o = (uint4*)table[n + r];
+        const long units = (long)table[2 * n + r];
+        for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < units;
+             i += (long)gridDim.x * blockDim.x)
+            o[i] = s[i];
+    }
+}

@@ -1,6 +1,7 @@
 //! Whole rows picked by index ([`gather_rows`]): the prefix cache copied once per branch; token
 //! embeddings ([`embed`]); picked rows each followed by rows of their own ([`gather_cat`]): a
-//! branch's attention keys; and a strided view's rows made contiguous ([`copy_rows`]).
+//! branch's attention keys; a strided view's rows made contiguous ([`copy_rows`]); and views
+//! packed into buffers of their own ([`pack`]): a pass's kept states, one allocation a state.
 //! candle's CUDA `index_select` finds every element's source with 64-bit divisions; whole rows
 //! can move as 16-byte words, a few times faster on the 4B model's f32 recurrent states. And a
 //! forward that launches no candle kernel never loads candle's PTX modules, which the driver
@@ -11,9 +12,10 @@ mod cuda;
 #[cfg(feature = "metal")]
 mod metal;
 
-use candle_core::{bail, CustomOp1, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
+use candle_core::Layout;
 #[cfg(any(feature = "cuda", feature = "metal"))]
-use candle_core::{Layout, Shape};
+use candle_core::Shape;
+use candle_core::{bail, CustomOp1, CustomOp2, CustomOp3, DType, Device, Result, Tensor};
 
 use crate::dispatch::{self, backend, counted_cat, Backend, CountedTensor};
 
@@ -444,5 +446,147 @@ impl CustomOp1 for JoinRows {
         let mut dims = fl.dims().to_vec();
         dims[0] = parts.iter().map(|(_, l)| l.dims()[0]).sum();
         Ok((out, Shape::from(dims)))
+    }
+}
+
+/// Each group's views (one dtype a group, any layout) copied one after another, each in row-major
+/// order, into one new 1-D tensor of the group's own: `[Σ elements]`, equal to `cat` of the views
+/// flattened. A pass's kept states, one group a state and dtype: one allocation a state instead
+/// of one a tensor. On CUDA (float dtypes, every contiguous run of every view whole 16-byte words
+/// at 16-byte offsets) one kernel copies every run of every group; elsewhere each group is that
+/// `cat`.
+pub fn pack(groups: &[Vec<Tensor>]) -> Result<Vec<Tensor>> {
+    let Some(first) = groups.iter().flatten().next() else {
+        return Ok(Vec::new());
+    };
+    let device = first.device().clone();
+    for group in groups {
+        let Some(head) = group.first() else {
+            bail!("pack: an empty group")
+        };
+        if let Some(bad) = group
+            .iter()
+            .find(|t| t.dtype() != head.dtype() || !t.device().same_device(&device))
+        {
+            bail!(
+                "pack: a {:?} view on {:?} in a group of {:?} on {:?}",
+                bad.dtype(),
+                bad.device().location(),
+                head.dtype(),
+                device.location()
+            )
+        }
+    }
+    let composed = || {
+        groups
+            .iter()
+            .map(|g| {
+                let flat = g
+                    .iter()
+                    .map(Tensor::flatten_all)
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&flat, 0)
+            })
+            .collect::<Result<Vec<_>>>()
+    };
+    let words = |t: &Tensor, elems: usize| (elems * t.dtype().size_in_bytes()).is_multiple_of(16);
+    let runs: Vec<Vec<Vec<(usize, usize)>>> = groups
+        .iter()
+        .map(|g| g.iter().map(|t| runs(t.layout())).collect())
+        .collect();
+    let fused = backend(&device) == Backend::Cuda
+        && groups.iter().zip(&runs).all(|(g, runs)| {
+            g.iter().zip(runs).all(|(t, runs)| {
+                matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+                    && runs.iter().all(|&(at, n)| words(t, at) && words(t, n))
+            })
+        });
+    if !fused {
+        return composed();
+    }
+    dispatch::launch("pack", 1, &device, || pack_on_gpu(groups, &runs), composed)
+}
+
+/// [`pack`]'s one launch, the groups taken by dtype (a launch's table holds one element size).
+#[cfg(feature = "cuda")]
+fn pack_on_gpu(groups: &[Vec<Tensor>], runs: &[Vec<Vec<(usize, usize)>>]) -> Result<Vec<Tensor>> {
+    use candle_core::{op::BackpropOp, Storage};
+    let Device::Cuda(dev) = groups[0][0].device() else {
+        bail!("pack: not on a CUDA device")
+    };
+    let mut out: Vec<Option<Tensor>> = vec![None; groups.len()];
+    let mut dtypes: Vec<DType> = Vec::new();
+    for g in groups {
+        if !dtypes.contains(&g[0].dtype()) {
+            dtypes.push(g[0].dtype());
+        }
+    }
+    for dtype in dtypes {
+        let picked: Vec<usize> = (0..groups.len())
+            .filter(|&g| groups[g][0].dtype() == dtype)
+            .collect();
+        let guards: Vec<Vec<_>> = picked
+            .iter()
+            .map(|&g| groups[g].iter().map(Tensor::storage_and_layout).collect())
+            .collect();
+        let parts = picked
+            .iter()
+            .zip(&guards)
+            .map(|(&g, guards)| {
+                guards
+                    .iter()
+                    .zip(&runs[g])
+                    .map(|((s, _), r)| {
+                        let s = crate::backend::cuda::kernel::cuda_of(s, "pack: a view")?;
+                        Ok((s, r.clone()))
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let storages = cuda::pack(dev, dtype, &parts)?;
+        for (&g, storage) in picked.iter().zip(storages) {
+            let elems = groups[g].iter().map(Tensor::elem_count).sum::<usize>();
+            out[g] = Some(Tensor::from_storage(
+                Storage::Cuda(storage),
+                elems,
+                BackpropOp::none(),
+                false,
+            ));
+        }
+    }
+    out.into_iter()
+        .map(|t| t.ok_or_else(|| candle_core::Error::Msg("pack: a group left out".into())))
+        .collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn pack_on_gpu(_: &[Vec<Tensor>], _: &[Vec<Vec<(usize, usize)>>]) -> Result<Vec<Tensor>> {
+    bail!("pack: built without CUDA")
+}
+
+/// A view's contiguous runs in its storage, `(start, elements)` in row-major order: the trailing
+/// dims laid out one after another make one run, the leading ones repeat it.
+fn runs(l: &Layout) -> Vec<(usize, usize)> {
+    let (dims, strides) = (l.dims(), l.stride());
+    if l.shape().elem_count() == 0 {
+        return Vec::new();
+    }
+    let (mut inner, mut run) = (dims.len(), 1);
+    while inner > 0 && (dims[inner - 1] == 1 || strides[inner - 1] == run) {
+        run *= dims[inner - 1];
+        inner -= 1;
+    }
+    let outer = &dims[..inner];
+    let mut index = vec![0usize; inner];
+    let mut out = Vec::with_capacity(outer.iter().product());
+    loop {
+        let at = l.start_offset() + index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>();
+        out.push((at, run));
+        // The next outer index, last dim fastest; done when it wraps around.
+        let Some(d) = (0..inner).rev().find(|&d| index[d] + 1 < outer[d]) else {
+            return out;
+        };
+        index[d] += 1;
+        index[d + 1..].iter_mut().for_each(|i| *i = 0);
     }
 }

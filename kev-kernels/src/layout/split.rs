@@ -5,6 +5,8 @@
 //! [`crate::gated_delta_rule_split`], [`crate::conv_gated_delta_rule_split`]) take it, so several
 //! records' states and branches run in one pass as one record's do.
 
+use std::sync::OnceLock;
+
 use candle_core::{bail, Device, Result, Tensor};
 
 use crate::dispatch::CountedTensor;
@@ -22,6 +24,8 @@ pub struct SplitBatch {
     given: usize,
     owners: Vec<usize>,
     owner_index: RowIndex,
+    /// [`SplitBatch::state_ends`] for one window, uploaded by the first layer that asks.
+    state_ends: OnceLock<(usize, RowIndex)>,
 }
 
 impl std::fmt::Debug for SplitBatch {
@@ -107,7 +111,29 @@ impl SplitBatch {
             given,
             owners,
             owner_index,
+            state_ends: OnceLock::new(),
         })
+    }
+
+    /// The state rows' last `window` steps as rows of the packed states `[R·S, ..]`, state by
+    /// state: where each state's conv window ends. Uploaded once a batch, for every layer.
+    pub fn state_ends(&self, window: usize, device: &Device) -> Result<RowIndex> {
+        if let Some((_, index)) = self.state_ends.get().filter(|(w, _)| *w == window) {
+            return Ok(index.clone());
+        }
+        if let Some(l) = self.state_lengths.iter().find(|&&l| l < window) {
+            bail!("split batch: a state row of {l} steps is shorter than a window of {window}")
+        }
+        let s = self.state_width;
+        let rows: Vec<usize> = self
+            .state_lengths
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &len)| (len - window..len).map(move |p| i * s + p))
+            .collect();
+        let index = RowIndex::new(&rows, device)?;
+        let _ = self.state_ends.set((window, index.clone()));
+        Ok(index)
     }
 
     /// Given state rows (G), after the computed ones.
