@@ -12,6 +12,10 @@ What it writes (see tests/fixtures/README.md):
   kev-small/              Kev checkpoint: LoRA on every linear module (r=4), head, kev.json
   kev-rslora/             Kev checkpoint on base-text: rsLoRA, PEFT prefix `base_model.model.model.`
   kev-tokens/             Kev checkpoint: LoRA + trained marker embeddings (trainable_token_indices)
+  base-moe/               a tiny Qwen3.5 MoE (qwen3_5_moe) in the published multimodal layout, its
+                          routed experts stored per expert as the published files store them
+  kev-moe/                Kev checkpoint on base-moe: LoRA on every linear module, the shared
+                          expert's and its gate's included
   kev-*/reference.json    row-form logits and probabilities per question, lora_scale 1.0/0.5/0.0
 
 The numbers come from transformers' own Qwen3.5 (eager attention, its torch delta-rule paths:
@@ -92,6 +96,23 @@ def text_config(vocab_size):
     }
 
 
+def moe_text_config(vocab_size):
+    """A tiny Qwen3.5 MoE text config: the dense one's mixers, 4 routed experts (top 2) and a
+    shared expert of another width in every layer."""
+    cfg = {k: v for k, v in text_config(vocab_size).items() if k != "intermediate_size"}
+    cfg.update({
+        "model_type": "qwen3_5_moe_text",
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "router_aux_loss_coef": 0.001,
+    })
+    return cfg
+
+
 def train_tokenizer(out: Path) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -103,13 +124,17 @@ def train_tokenizer(out: Path) -> Tokenizer:
     return Tokenizer.from_file(str(out / "tokenizer.json"))
 
 
-def build_model(cfg_dict, seed):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def build_model(cfg_dict, seed, moe=False):
+    if moe:
+        from transformers import Qwen3_5MoeForCausalLM as Model, Qwen3_5MoeTextConfig as Config
+    else:
+        from transformers import Qwen3_5ForCausalLM as Model, Qwen3_5TextConfig as Config
 
     torch.manual_seed(seed)
-    cfg = Qwen3_5TextConfig(**cfg_dict)
+    cfg = Config(**cfg_dict)
     cfg._attn_implementation = "eager"
-    model = Qwen3_5ForCausalLM(cfg).float().eval()
+    cfg._experts_implementation = "eager"   # the experts one by one, in index order
+    model = Model(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
@@ -189,6 +214,43 @@ def save_bases(model, cfg_dict, root: Path, tokenizer_path: Path):
                    "partial_rotary_factor": 0.25, "tie_word_embeddings": True})
     (tx / "config.json").write_text(json.dumps(tx_cfg, indent=2) + "\n")
     shutil.copy(tokenizer_path, tx / "tokenizer.json")
+
+
+def save_moe_base(model, cfg_dict, root: Path, tokenizer_path: Path):
+    """The MoE base in the published multimodal layout: the routed experts' fused tensors
+    (`experts.gate_up_proj: [E, 2I, H]`, `experts.down_proj: [E, H, I]`) stored per expert as
+    `experts.{e}.gate_proj`, `up_proj` and `down_proj`, as the published checkpoints hold them."""
+    tensors = file_tensors(model)
+    lm_head = tensors.pop("lm_head.weight")
+    out = {}
+    for name, t in tensors.items():
+        name = name.replace("model.", "model.language_model.", 1)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            stem, inner = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{stem}{e}.gate_proj.weight"] = t[e, :inner].contiguous()
+                out[f"{stem}{e}.up_proj.weight"] = t[e, inner:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            stem = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{stem}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    out["lm_head.weight"] = lm_head
+    base = root / "base-moe"
+    base.mkdir()
+    save_file(out, str(base / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": dict(cfg_dict),
+        "vision_config": {"model_type": "qwen3_5_moe", "depth": 1, "hidden_size": 16},
+        "tie_word_embeddings": False,
+        "image_token_id": 1,
+        "video_token_id": 2,
+    }
+    (base / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.copy(tokenizer_path, base / "tokenizer.json")
 
 
 @torch.no_grad()
@@ -308,6 +370,10 @@ def make_adapter(base_model, variant, seed, out_dir: Path, opt_id, dec_id):
     elif variant == "tokens":
         target, kwargs = model.model, {"lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "in_proj_qkv", "down_proj"],
                                        "trainable_token_indices": {"embed_tokens": [opt_id, dec_id]}}
+    elif variant == "moe":
+        # The shared expert's projections are gate_proj, up_proj, down_proj; its gate a linear
+        # module of its own. The router and the fused routed experts are not modules PEFT wraps.
+        target, kwargs = model.model, {"lora_alpha": 8, "target_modules": LINEAR_MODULES + ["shared_expert_gate"]}
     else:
         target, kwargs = model.model, {"lora_alpha": 8, "target_modules": LINEAR_MODULES}
     cfg = LoraConfig(r=4, lora_dropout=0.0, bias="none", **kwargs)
@@ -383,7 +449,7 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     torch.use_deterministic_algorithms(True)
     out = Path(args.out)
-    for name in ["base-mm", "base-text", "kev-small", "kev-rslora", "kev-tokens"]:
+    for name in ["base-mm", "base-text", "kev-small", "kev-rslora", "kev-tokens", "base-moe", "kev-moe"]:
         if (out / name).exists():
             shutil.rmtree(out / name)
     out.mkdir(parents=True, exist_ok=True)
@@ -401,9 +467,12 @@ def main():
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
     opt_id, dec_id = tok.token_to_id(OPTION), tok.token_to_id(DECIDE)
-    variants = [("kev-small", "lora", "../base-mm", 0.7), ("kev-rslora", "rslora", "../base-text", 1.0),
-                ("kev-tokens", "tokens", "../base-mm", 1.3)]
-    for i, (name, variant, base, temperature) in enumerate(variants):
+    moe_cfg = moe_text_config(vocab)
+    moe = build_model(moe_cfg, seed=3, moe=True)
+    save_moe_base(moe, moe_cfg, out, out / "tokenizer.json")
+    variants = [("kev-small", "lora", "../base-mm", 0.7, model), ("kev-rslora", "rslora", "../base-text", 1.0, model),
+                ("kev-tokens", "tokens", "../base-mm", 1.3, model), ("kev-moe", "moe", "../base-moe", 0.9, moe)]
+    for i, (name, variant, base, temperature, model) in enumerate(variants):
         ckpt = out / name
         ckpt.mkdir()
         kev = {"format": "kev/1", "base": base, "adapter": "adapter",

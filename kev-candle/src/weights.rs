@@ -152,6 +152,12 @@ impl Weights {
         &self.device
     }
 
+    /// Whether the checkpoint holds text-model tensor `name` (for weights stored in either of
+    /// two layouts).
+    pub fn contains(&self, name: &str) -> bool {
+        self.st.get(&format!("{}{name}", self.prefix)).is_ok()
+    }
+
     /// Text-model tensor `name` (e.g. `layers.0.mlp.up_proj.weight`) with `shape`, adapter folded
     /// in (f32, CPU), rounded once to the backbone dtype, on the device.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {

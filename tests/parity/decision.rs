@@ -124,7 +124,7 @@ fn encoding_matches_reference() {
 #[test]
 fn f32_probabilities_match_reference_for_every_checkpoint_and_scale() {
     let recs = records();
-    for ckpt in ["kev-small", "kev-rslora", "kev-tokens"] {
+    for ckpt in ["kev-small", "kev-rslora", "kev-tokens", "kev-moe"] {
         let refs = reference(ckpt);
         for (scale, want) in &refs {
             let model = load(ckpt, scale.parse().unwrap(), DType::F32);
@@ -672,4 +672,99 @@ fn out_of_device_memory_is_a_recoverable_error() {
     assert_eq!(model.probs(&batch[0]).unwrap(), want_one);
     assert_eq!(other_again.unwrap(), other_want);
     assert_eq!(fresh.unwrap(), other_eager);
+}
+
+/// A MoE base whose routed experts are stored fused (`experts.gate_up_proj: [E, 2·I, H]`,
+/// `experts.down_proj: [E, H, I]`, as transformers holds them) scores as the published
+/// per-expert layout does, bit for bit; a fused file missing `down_proj` is refused naming it.
+#[test]
+fn moe_experts_read_fused_or_per_expert() {
+    use std::collections::HashMap;
+
+    let dir = tempfile::tempdir().unwrap();
+    let (base, ckpt) = (dir.path().join("base-fused"), dir.path().join("kev-fused"));
+    std::fs::create_dir_all(&base).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(fixture(&format!("base-moe/{f}")), base.join(f)).unwrap();
+    }
+    let stored = candle_core::safetensors::load(
+        fixture("base-moe/model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let mut fused: HashMap<String, candle_core::Tensor> = HashMap::new();
+    let mut per_layer: BTreeMap<String, BTreeMap<usize, [Option<candle_core::Tensor>; 3]>> =
+        BTreeMap::new();
+    for (name, t) in stored {
+        let Some((stem, rest)) = name.split_once(".mlp.experts.") else {
+            fused.insert(name, t);
+            continue;
+        };
+        let (e, proj) = rest.split_once('.').unwrap();
+        let slot = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+            .iter()
+            .position(|p| *p == proj)
+            .unwrap();
+        per_layer
+            .entry(stem.to_string())
+            .or_default()
+            .entry(e.parse().unwrap())
+            .or_default()[slot] = Some(t);
+    }
+    for (stem, experts) in &per_layer {
+        let part = |slot: usize| -> Vec<candle_core::Tensor> {
+            experts.values().map(|e| e[slot].clone().unwrap()).collect()
+        };
+        let gate_up: Vec<_> = part(0)
+            .iter()
+            .zip(part(1))
+            .map(|(g, u)| candle_core::Tensor::cat(&[g, &u], 0).unwrap())
+            .collect();
+        let key = |p: &str| format!("{stem}.mlp.experts.{p}");
+        fused.insert(
+            key("gate_up_proj"),
+            candle_core::Tensor::stack(&gate_up, 0).unwrap(),
+        );
+        fused.insert(
+            key("down_proj"),
+            candle_core::Tensor::stack(&part(2), 0).unwrap(),
+        );
+    }
+    candle_core::safetensors::save(&fused, base.join("model.safetensors")).unwrap();
+    std::fs::create_dir_all(ckpt.join("adapter")).unwrap();
+    let kev_json = std::fs::read_to_string(fixture("kev-moe/kev.json")).unwrap();
+    std::fs::write(
+        ckpt.join("kev.json"),
+        kev_json.replace("../base-moe", "../base-fused"),
+    )
+    .unwrap();
+    for f in [
+        "head.safetensors",
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+    ] {
+        std::fs::copy(fixture(&format!("kev-moe/{f}")), ckpt.join(f)).unwrap();
+    }
+
+    let opts = LoadOptions::default()
+        .with_dtype(DType::F32)
+        .with_backend(backend());
+    let published = load("kev-moe", 1.0, DType::F32);
+    let from_fused = DecisionModel::load(&ckpt, &opts).unwrap();
+    for rec in records() {
+        assert_eq!(
+            from_fused.probs(&rec).unwrap(),
+            published.probs(&rec).unwrap(),
+            "{:?}",
+            rec.id
+        );
+    }
+
+    let first = per_layer.keys().next().unwrap();
+    fused.remove(&format!("{first}.mlp.experts.down_proj"));
+    candle_core::safetensors::save(&fused, base.join("model.safetensors")).unwrap();
+    let err = DecisionModel::load(&ckpt, &opts)
+        .err()
+        .expect("a base without down_proj");
+    assert!(err.to_string().contains("mlp.experts.down_proj"), "{err}");
 }

@@ -23,6 +23,31 @@ pub enum LayerType {
     FullAttention,
 }
 
+/// What each decoder layer's MLP is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpShape {
+    /// One SwiGLU MLP of `intermediate_size` (the dense Qwen3.5 backbones).
+    Dense {
+        /// `intermediate_size`.
+        width: usize,
+    },
+    /// A mixture of experts (`qwen3_5_moe`): every layer's MLP is one.
+    Experts(ExpertsShape),
+}
+
+/// A Qwen3.5 MoE layer's sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertsShape {
+    /// Routed experts (`num_experts`).
+    pub experts: usize,
+    /// Experts each token goes to (`num_experts_per_tok`, at most `experts`).
+    pub per_token: usize,
+    /// A routed expert's SwiGLU width (`moe_intermediate_size`).
+    pub width: usize,
+    /// The shared expert's SwiGLU width (`shared_expert_intermediate_size`).
+    pub shared_width: usize,
+}
+
 /// The subset of the config the text backbone needs, with derived sizes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -30,8 +55,8 @@ pub struct Config {
     pub hidden_size: usize,
     /// Number of decoder layers L.
     pub num_hidden_layers: usize,
-    /// MLP width.
-    pub intermediate_size: usize,
+    /// Each decoder layer's MLP: one dense SwiGLU, or a mixture of experts.
+    pub mlp: MlpShape,
     /// Vocabulary size (rows of `embed_tokens`).
     pub vocab_size: usize,
     /// RMSNorm epsilon, used by every norm.
@@ -115,6 +140,52 @@ impl Fields<'_> {
             Some(0) => Err(self.fault(key, "must be positive")),
             Some(n) => Ok(n),
         }
+    }
+
+    /// The MLP: a mixture of experts where `num_experts` is set (transformers' `qwen3_5_moe`,
+    /// whose every layer is sparse and whose router always renormalises its top-k: a
+    /// `norm_topk_prob` there is not read, as transformers does not), else dense. The Qwen3 MoE
+    /// fields that would make some layers dense are refused unless they say none is.
+    fn mlp_shape(&self) -> Result<MlpShape, ConfigFault> {
+        let Some(experts) = self.opt_usize("num_experts")? else {
+            return Ok(MlpShape::Dense {
+                width: self.size("intermediate_size")?,
+            });
+        };
+        if experts == 0 {
+            return Err(self.fault("num_experts", "must be positive"));
+        }
+        let per_token = self.size("num_experts_per_tok")?;
+        if per_token > experts {
+            return Err(self.fault(
+                "num_experts_per_tok",
+                format!("{per_token} is more than `num_experts` = {experts}"),
+            ));
+        }
+        if let Some(step) = self.opt_usize("decoder_sparse_step")? {
+            if step != 1 {
+                return Err(self.fault(
+                    "decoder_sparse_step",
+                    format!("{step} is not supported: every Qwen3.5 MoE layer is sparse (1)"),
+                ));
+            }
+        }
+        match self.obj.get("mlp_only_layers") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(v) => {
+                return Err(self.fault(
+                    "mlp_only_layers",
+                    format!("{v} is not supported: every Qwen3.5 MoE layer is sparse ([])"),
+                ))
+            }
+        }
+        Ok(MlpShape::Experts(ExpertsShape {
+            experts,
+            per_token,
+            width: self.size("moe_intermediate_size")?,
+            shared_width: self.size("shared_expert_intermediate_size")?,
+        }))
     }
 
     fn opt_f64(&self, key: &str) -> Result<Option<f64>, ConfigFault> {
@@ -355,10 +426,11 @@ impl Config {
         if linear_conv_kernel_dim < 2 {
             return Err(f.fault("linear_conv_kernel_dim", "must be at least 2"));
         }
+        let mlp = f.mlp_shape()?;
         Ok(Self {
             hidden_size: f.size("hidden_size")?,
             num_hidden_layers,
-            intermediate_size: f.size("intermediate_size")?,
+            mlp,
             vocab_size: f.size("vocab_size")?,
             rms_norm_eps,
             layer_types,

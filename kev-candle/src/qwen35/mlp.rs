@@ -1,8 +1,8 @@
-//! The SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
+//! The SwiGLU MLP: `down(silu(gate(x)) · up(x))`: a dense layer's, or a MoE layer's shared
+//! expert.
 
 use candle_core::{Module, Result, Tensor};
 
-use super::config::Config;
 use super::linear::{linear, linear_cat, Projection};
 use crate::weights::Weights;
 
@@ -14,9 +14,9 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// Loads `layers.{i}.mlp.*`.
-    pub fn new(cfg: &Config, w: &Weights, prefix: &str) -> kev_core::Result<Self> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    /// Loads `{prefix}.*` (`layers.{i}.mlp`, or a MoE layer's `mlp.shared_expert`): `h` wide,
+    /// `i` inside.
+    pub fn new(w: &Weights, prefix: &str, h: usize, i: usize) -> kev_core::Result<Self> {
         Ok(Self {
             gate_up_proj: linear_cat(
                 w,

@@ -8,10 +8,11 @@ mod deltanet;
 mod linear;
 mod mlp;
 mod model;
+mod moe;
 mod norm;
 mod rope;
 mod split;
 
 pub use cache::{Cache, LayerCache};
-pub use config::{Config, LayerType};
+pub use config::{Config, ExpertsShape, LayerType, MlpShape};
 pub use model::Model;

@@ -8,9 +8,10 @@ use rayon::prelude::*;
 
 use super::attention::Attention;
 use super::cache::{Cache, LayerCache};
-use super::config::{Config, LayerType};
+use super::config::{Config, LayerType, MlpShape};
 use super::deltanet::GatedDeltaNet;
 use super::mlp::Mlp;
+use super::moe::SparseMoe;
 use super::norm::ZeroCenteredRmsNorm;
 use super::rope::Rope;
 use super::split::Outputs;
@@ -25,7 +26,31 @@ struct DecoderLayer {
     input_layernorm: ZeroCenteredRmsNorm,
     mixer: Mixer,
     post_attention_layernorm: ZeroCenteredRmsNorm,
-    mlp: Mlp,
+    mlp: Feedforward,
+}
+
+/// A decoder layer's MLP.
+enum Feedforward {
+    Dense(Mlp),
+    Experts(SparseMoe),
+}
+
+impl Feedforward {
+    fn new(cfg: &Config, w: &Weights, prefix: &str) -> kev_core::Result<Self> {
+        Ok(match &cfg.mlp {
+            MlpShape::Dense { width } => Self::Dense(Mlp::new(w, prefix, cfg.hidden_size, *width)?),
+            MlpShape::Experts(shape) => {
+                Self::Experts(SparseMoe::new(shape, cfg.hidden_size, w, prefix)?)
+            }
+        })
+    }
+
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(mlp) => mlp.forward(xs),
+            Self::Experts(moe) => moe.forward(xs),
+        }
+    }
 }
 
 /// Inputs every layer of one forward shares.
@@ -72,7 +97,7 @@ impl DecoderLayer {
             input_layernorm: norm("input_layernorm")?,
             mixer,
             post_attention_layernorm: norm("post_attention_layernorm")?,
-            mlp: Mlp::new(cfg, w, &format!("{prefix}.mlp"))?,
+            mlp: Feedforward::new(cfg, w, &format!("{prefix}.mlp"))?,
         })
     }
 
