@@ -534,3 +534,60 @@ fn a_token_id_without_an_embedding_is_refused_at_load() {
         "{err}"
     );
 }
+
+/// A fresh copy of `kev-moe` with its base, in a unique temp folder.
+fn broken_moe_copy(tag: &str) -> PathBuf {
+    let root = std::env::temp_dir().join(format!("kev-errors-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    copy_dir(&fixture("kev-moe"), &root.join("kev-moe"));
+    copy_dir(&fixture("base-moe"), &root.join("base-moe"));
+    root.join("kev-moe")
+}
+
+/// A MoE config that contradicts the tensors is refused naming the tensor: an expert the config
+/// counts but the file lacks, experts the config does not count, a missing shared-expert gate.
+#[test]
+fn moe_configs_that_contradict_their_tensors_are_refused() {
+    let config = |dir: &Path| dir.parent().unwrap().join("base-moe/config.json");
+    let weights = |dir: &Path| dir.parent().unwrap().join("base-moe/model.safetensors");
+
+    let dir = broken_moe_copy("moe-more-experts");
+    edit_json(&config(&dir), |c| {
+        c["text_config"]["num_experts"] = 5.into()
+    });
+    let msg = load_err(&dir).to_string();
+    // Layers load in parallel: whichever layer's tensor is met first is named, the missing
+    // fifth expert or the router stored for four.
+    assert!(
+        msg.contains("mlp.experts.4.gate_proj.weight") || msg.contains("mlp.gate.weight"),
+        "{msg}"
+    );
+
+    let dir = broken_moe_copy("moe-fewer-experts");
+    edit_json(&config(&dir), |c| {
+        c["text_config"]["num_experts"] = 3.into()
+    });
+    let msg = load_err(&dir).to_string();
+    // The router stored for four experts, or the unread fourth expert, is named.
+    assert!(
+        msg.contains("mlp.experts.3.") || msg.contains("layers.0.mlp.gate.weight"),
+        "{msg}"
+    );
+
+    let dir = broken_moe_copy("moe-no-shared-gate");
+    edit_safetensors(&weights(&dir), |t| {
+        t.remove("model.language_model.layers.2.mlp.shared_expert_gate.weight");
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(
+        msg.contains("layers.2.mlp.shared_expert_gate.weight"),
+        "{msg}"
+    );
+
+    let dir = broken_moe_copy("moe-top-k");
+    edit_json(&config(&dir), |c| {
+        c["text_config"]["num_experts_per_tok"] = 9.into()
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(msg.contains("text_config.num_experts_per_tok"), "{msg}");
+}

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use kev_candle::lora::Adapter;
-use kev_candle::qwen35::{Config, Model};
+use kev_candle::qwen35::{Config, MlpShape, Model};
 use kev_candle::weights::Weights;
 use kev_candle::{DecisionModel, PointerHead};
 use kev_core::{Error, LoadOptions, Record};
@@ -544,6 +544,11 @@ fn size_edit() -> impl Strategy<Value = (&'static str, Value)> {
             "rms_norm_eps",
             "rope_theta",
             "partial_rotary_factor",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "decoder_sparse_step",
         ]),
         size_value(),
     )
@@ -552,22 +557,23 @@ fn size_edit() -> impl Strategy<Value = (&'static str, Value)> {
 proptest! {
     #![proptest_config(cases(256))]
 
-    /// config.json: the two shipped layouts with edits (any value anywhere, or extreme sizes),
+    /// config.json: the three shipped bases (two dense layouts, one MoE) with edits (any value
+    /// anywhere, or extreme sizes, the MoE sizes among them),
     /// and arbitrary text. An accepted config obeys the rules the model relies on, and building
     /// the backbone from it over the matching shipped weights succeeds, or fails naming a
     /// tensor, and never allocates by an unchecked size (an abort here fails the whole run).
     #[test]
     fn config_json(
-        text_layout in any::<bool>(), e in edit(), sizes in prop::collection::vec(size_edit(), 0..3),
+        layout in 0usize..3, e in edit(), sizes in prop::collection::vec(size_edit(), 0..3),
         drop_layer_types in any::<bool>(), t in text_edit(),
     ) {
-        let (cfg_file, files) = if text_layout {
-            (fixture("base-text/config.json"), vec![
+        let (cfg_file, files) = match layout {
+            0 => (fixture("base-text/config.json"), vec![
                 fixture("base-text/model-00001-of-00002.safetensors"),
                 fixture("base-text/model-00002-of-00002.safetensors"),
-            ])
-        } else {
-            (fixture("base-mm/config.json"), base_mm_files())
+            ]),
+            1 => (fixture("base-mm/config.json"), base_mm_files()),
+            _ => (fixture("base-moe/config.json"), vec![fixture("base-moe/model.safetensors")]),
         };
         let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_file).unwrap()).unwrap();
         {
@@ -590,6 +596,10 @@ proptest! {
                 prop_assert!(cfg.linear_conv_kernel_dim >= 2);
                 prop_assert!(cfg.rms_norm_eps.is_finite() && cfg.rms_norm_eps > 0.0);
                 prop_assert!(cfg.rope_theta.is_finite() && cfg.rope_theta > 0.0);
+                if let MlpShape::Experts(x) = cfg.mlp {
+                    prop_assert!(x.per_token > 0 && x.per_token <= x.experts);
+                    prop_assert!(x.width > 0 && x.shared_width > 0);
+                }
                 let names: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
                 let w = Weights::open(&files, None, 1.0, DType::F32, Device::Cpu).unwrap();
                 build_and_run(&cfg, &w, &names)?;

@@ -544,4 +544,73 @@ mod tests {
         let dup = Config::from_json(&flat(", \"head_dim\": 16")).unwrap_err();
         assert!(dup.message.contains("duplicate key `head_dim`"), "{dup}");
     }
+
+    const MOE: &str = r#", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48"#;
+
+    /// `num_experts` makes every layer's MLP a mixture of experts, with the other MoE sizes
+    /// required; `intermediate_size` is then not read.
+    #[test]
+    fn moe_config_reads_its_sizes() {
+        let cfg = Config::from_json(&format!("{{\"text_config\": {TEXT}{MOE}}}}}")).unwrap();
+        let want = ExpertsShape {
+            experts: 4,
+            per_token: 2,
+            width: 32,
+            shared_width: 48,
+        };
+        assert_eq!(cfg.mlp, MlpShape::Experts(want));
+        let dense = Config::from_json(&format!("{TEXT}}}")).unwrap();
+        assert_eq!(dense.mlp, MlpShape::Dense { width: 128 });
+        let without = TEXT.replace("\"intermediate_size\": 128,", "");
+        assert!(Config::from_json(&format!("{without}{MOE}}}")).is_ok());
+    }
+
+    /// A MoE config that cannot describe a Qwen3.5 MoE layer names the field at fault.
+    #[test]
+    fn moe_faults_name_their_field() {
+        let with = |extra: &str| format!("{{\"text_config\": {TEXT}{MOE}{extra}}}}}");
+        let replaced = |from: &str, to: &str| {
+            format!("{{\"text_config\": {TEXT}{}}}}}", MOE.replace(from, to))
+        };
+        let cases = [
+            (
+                replaced("\"num_experts\": 4", "\"num_experts\": 0"),
+                "num_experts",
+            ),
+            (
+                replaced("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5"),
+                "num_experts_per_tok",
+            ),
+            (
+                replaced("\"num_experts_per_tok\": 2,", ""),
+                "num_experts_per_tok",
+            ),
+            (
+                replaced("\"moe_intermediate_size\": 32,", ""),
+                "moe_intermediate_size",
+            ),
+            (
+                replaced(
+                    "\"shared_expert_intermediate_size\": 48",
+                    "\"shared_expert_intermediate_size\": 0",
+                ),
+                "shared_expert_intermediate_size",
+            ),
+            (
+                replaced("\"num_experts\": 4", "\"num_experts\": -4"),
+                "num_experts",
+            ),
+            (with(", \"decoder_sparse_step\": 2"), "decoder_sparse_step"),
+            (with(", \"mlp_only_layers\": [0]"), "mlp_only_layers"),
+        ];
+        for (json, field) in cases {
+            let err = Config::from_json(&json).unwrap_err();
+            assert_eq!(err.field, format!("text_config.{field}"), "{json}: {err}");
+        }
+        assert!(Config::from_json(&with(
+            ", \"decoder_sparse_step\": 1, \"mlp_only_layers\": []"
+        ))
+        .is_ok());
+    }
 }

@@ -43,7 +43,13 @@ impl SparseMoe {
         let fused = format!("{prefix}.experts.gate_up_proj");
         let experts = if w.contains(&fused) {
             let dtype = w.projection_dtype();
-            let gate_up = w.get_as(&fused, &[e, 2 * i, h], dtype)?;
+            let Some(two_i) = i.checked_mul(2) else {
+                return Err(kev_core::Error::Tensor {
+                    name: fused,
+                    message: format!("an expert width of {i} has no [gate | up] of 2 x {i} rows"),
+                });
+            };
+            let gate_up = w.get_as(&fused, &[e, two_i, h], dtype)?;
             let down_name = format!("{prefix}.experts.down_proj");
             let down = w.get_as(&down_name, &[e, h, i], dtype)?;
             let expert = |t: &Tensor, name: &str, x: usize| {
