@@ -41,7 +41,11 @@ impl Executor {
         let _ = graphs;
         Self {
             #[cfg(feature = "cuda")]
-            graphs: (graphs && model.device().is_cuda()).then(crate::graphs::Graphs::default),
+            // A MoE layer decides its routing on the host, which a graph cannot replay.
+            graphs: (graphs
+                && model.device().is_cuda()
+                && matches!(model.config().mlp, crate::qwen35::MlpShape::Dense { .. }))
+            .then(crate::graphs::Graphs::default),
             model,
             head,
             prefill_chunk,

@@ -134,10 +134,16 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
             None | Some(Value::Null) => {}
             Some(Value::Array(a)) if a.is_empty() => {}
             Some(v) => {
+                // LoRA on parameters: in a Qwen3.5 MoE, the fused routed experts.
+                let why = if key == "target_parameters" {
+                    ": a LoRA on parameters (a MoE layer's fused routed experts) is not folded; target modules"
+                } else {
+                    ""
+                };
                 return Err(fault(
                     key,
-                    format!("is not supported (got {})", json::show(v)),
-                ))
+                    format!("is not supported (got {}){why}", json::show(v)),
+                ));
             }
         }
     }
