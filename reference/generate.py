@@ -16,6 +16,10 @@ What it writes (see tests/fixtures/README.md):
                           routed experts stored per expert as the published files store them
   kev-moe/                Kev checkpoint on base-moe: LoRA on every linear module, the shared
                           expert's and its gate's included
+  base-fp8/               the dense base's weights block-quantized to FP8 (e4m3, 16x16 blocks, f32
+                          scales) as Qwen's FP8 releases store them, in the text-only layout
+  kev-fp8/                Kev checkpoint on base-fp8; its reference is transformers' own FP8 load
+                          with dequantize=True, in f32
   kev-*/reference.json    row-form logits and probabilities per question, lora_scale 1.0/0.5/0.0
 
 The numbers come from transformers' own Qwen3.5 (eager attention, its torch delta-rule paths:
@@ -253,6 +257,63 @@ def save_moe_base(model, cfg_dict, root: Path, tokenizer_path: Path):
     shutil.copy(tokenizer_path, base / "tokenizer.json")
 
 
+FP8_BLOCK = [16, 16]
+FP8_MAX = 448.0   # the largest finite float8_e4m3fn
+
+
+def fp8_quantize(w: torch.Tensor, block):
+    """Block-wise e4m3 quantization as Qwen's FP8 releases hold it: per block, scale = amax / 448
+    (1 for an all-zero block) stored in f32 as `weight_scale_inv`, values w / scale in e4m3."""
+    rows, cols = w.shape
+    bm, bn = block
+    blocks = w.float().reshape(rows // bm, bm, cols // bn, bn)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return q, scale.contiguous()
+
+
+def save_fp8_base(model, cfg_dict, root: Path, tokenizer_path: Path):
+    """The dense base in the text-only layout with every layer projection whose sides are whole
+    blocks stored in FP8 (the DeltaNet's small in_proj_b / in_proj_a, the conv, norms, A_log,
+    dt_bias and the embeddings stay as they are, as in the published FP8 files)."""
+    tensors = file_tensors(model)
+    tensors.pop("lm_head.weight")
+    out, kept = {}, []
+    for name, t in tensors.items():
+        linear = name.startswith("model.layers.") and name.split(".")[-2] in LINEAR_MODULES
+        quantize = (linear and t.dim() == 2
+                    and t.shape[0] % FP8_BLOCK[0] == 0 and t.shape[1] % FP8_BLOCK[1] == 0)
+        if quantize:
+            q, scale = fp8_quantize(t, FP8_BLOCK)
+            out[name], out[name + "_scale_inv"] = q, scale
+        else:
+            out[name] = t
+            if linear:
+                kept.append(name[len("model."): -len(".weight")])
+    base = root / "base-fp8"
+    base.mkdir()
+    save_file(out, str(base / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(cfg_dict)
+    cfg.update({"architectures": ["Qwen3_5ForCausalLM"], "tie_word_embeddings": True,
+                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": FP8_BLOCK,
+                                        "modules_to_not_convert": sorted(kept)}})
+    (base / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.copy(tokenizer_path, base / "tokenizer.json")
+
+
+def load_fp8_base(root: Path):
+    """transformers' own load of base-fp8, dequantized (FineGrainedFP8Config(dequantize=True)) in
+    f32: the reference's dequantized weights."""
+    from transformers import FineGrainedFP8Config, Qwen3_5ForCausalLM
+
+    model = Qwen3_5ForCausalLM.from_pretrained(
+        str(root / "base-fp8"), dtype=torch.float32, attn_implementation="eager",
+        quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=tuple(FP8_BLOCK)))
+    return model.float().eval()
+
+
 @torch.no_grad()
 def backbone_reference(model, vocab_size, out_file: Path):
     """Hidden states per layer and after the final norm, from transformers itself."""
@@ -449,7 +510,8 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     torch.use_deterministic_algorithms(True)
     out = Path(args.out)
-    for name in ["base-mm", "base-text", "kev-small", "kev-rslora", "kev-tokens", "base-moe", "kev-moe"]:
+    for name in ["base-mm", "base-text", "kev-small", "kev-rslora", "kev-tokens", "base-moe", "kev-moe",
+                 "base-fp8", "kev-fp8"]:
         if (out / name).exists():
             shutil.rmtree(out / name)
     out.mkdir(parents=True, exist_ok=True)
@@ -470,8 +532,11 @@ def main():
     moe_cfg = moe_text_config(vocab)
     moe = build_model(moe_cfg, seed=3, moe=True)
     save_moe_base(moe, moe_cfg, out, out / "tokenizer.json")
+    save_fp8_base(model, cfg, out, out / "tokenizer.json")
+    fp8 = load_fp8_base(out)
     variants = [("kev-small", "lora", "../base-mm", 0.7, model), ("kev-rslora", "rslora", "../base-text", 1.0, model),
-                ("kev-tokens", "tokens", "../base-mm", 1.3, model), ("kev-moe", "moe", "../base-moe", 0.9, moe)]
+                ("kev-tokens", "tokens", "../base-mm", 1.3, model), ("kev-moe", "moe", "../base-moe", 0.9, moe),
+                ("kev-fp8", "lora", "../base-fp8", 0.8, fp8)]
     for i, (name, variant, base, temperature, model) in enumerate(variants):
         ckpt = out / name
         ckpt.mkdir()

@@ -535,13 +535,17 @@ fn a_token_id_without_an_embedding_is_refused_at_load() {
     );
 }
 
-/// A fresh copy of `kev-moe` with its base, in a unique temp folder.
-fn broken_moe_copy(tag: &str) -> PathBuf {
+/// A fresh copy of fixture checkpoint `ckpt` with its base `base`, in a unique temp folder.
+fn broken_copy_of(ckpt: &str, base: &str, tag: &str) -> PathBuf {
     let root = std::env::temp_dir().join(format!("kev-errors-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
-    copy_dir(&fixture("kev-moe"), &root.join("kev-moe"));
-    copy_dir(&fixture("base-moe"), &root.join("base-moe"));
-    root.join("kev-moe")
+    copy_dir(&fixture(ckpt), &root.join(ckpt));
+    copy_dir(&fixture(base), &root.join(base));
+    root.join(ckpt)
+}
+
+fn broken_moe_copy(tag: &str) -> PathBuf {
+    broken_copy_of("kev-moe", "base-moe", tag)
 }
 
 /// A MoE config that contradicts the tensors is refused naming the tensor: an expert the config
@@ -590,4 +594,57 @@ fn moe_configs_that_contradict_their_tensors_are_refused() {
     });
     let msg = load_err(&dir).to_string();
     assert!(msg.contains("text_config.num_experts_per_tok"), "{msg}");
+}
+
+/// An FP8 base whose block scales are missing or do not tile the weight, or whose config names
+/// another quantization, is refused naming the tensor or the field.
+#[test]
+fn fp8_bases_that_cannot_be_dequantized_are_refused() {
+    let weight = "model.layers.0.linear_attn.out_proj.weight";
+    let config = |dir: &Path| dir.parent().unwrap().join("base-fp8/config.json");
+    let weights = |dir: &Path| dir.parent().unwrap().join("base-fp8/model.safetensors");
+
+    let dir = broken_copy_of("kev-fp8", "base-fp8", "fp8-no-scales");
+    edit_safetensors(&weights(&dir), |t| {
+        t.remove(&format!("{weight}_scale_inv"));
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(
+        msg.contains(weight) && msg.contains("without its block scales"),
+        "{msg}"
+    );
+
+    let dir = broken_copy_of("kev-fp8", "base-fp8", "fp8-bad-grid");
+    edit_safetensors(&weights(&dir), |t| {
+        let grid =
+            candle_core::Tensor::ones((3, 4), candle_core::DType::F32, &candle_core::Device::Cpu);
+        t.insert(format!("{weight}_scale_inv"), grid.unwrap());
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(
+        msg.contains(&format!("{weight}_scale_inv")) && msg.contains("whole blocks"),
+        "{msg}"
+    );
+
+    let dir = broken_copy_of("kev-fp8", "base-fp8", "fp8-awq");
+    edit_json(&config(&dir), |c| {
+        c["quantization_config"]["quant_method"] = "awq".into()
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(msg.contains("quantization_config.quant_method"), "{msg}");
+
+    // Block scales left over beside a weight that is not FP8 are not read: refused as unread.
+    let dir = broken_copy_of("kev-fp8", "base-fp8", "fp8-stray-scales");
+    edit_safetensors(&weights(&dir), |t| {
+        let scales = t[&format!("{weight}_scale_inv")].clone();
+        t.insert(
+            "model.layers.0.linear_attn.in_proj_a.weight_scale_inv".into(),
+            scales,
+        );
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(
+        msg.contains("in_proj_a.weight_scale_inv") && msg.contains("not read"),
+        "{msg}"
+    );
 }

@@ -181,6 +181,10 @@ impl Weights {
             });
         }
         let touched = self.adapter.as_ref().filter(|a| a.touches(name));
+        if view.dtype() == safetensors::Dtype::F8_E4M3 {
+            let stored = StepTimes::time(&times.read, || self.dequantized(name, &full, shape))?;
+            return self.finish(name, stored, touched, dtype);
+        }
         if let (Some(adapter), Some(values)) = (touched, stored_values(&view)) {
             let folded = StepTimes::time(&times.fold, || {
                 adapter.fold_values(name, values, shape, self.lora_scale, dtype)
@@ -199,9 +203,21 @@ impl Weights {
         }
         let stored = StepTimes::time(&times.read, || self.st.load(&full, &Device::Cpu))
             .map_err(|_| self.missing(&full))?;
-        // Only tensors the adapter changes are folded (in f32, rounded once to `dtype`); the
-        // others go straight to their dtype (the same values: bf16 → f32 is exact, f32 → bf16
-        // rounds once).
+        self.finish(name, stored, touched, dtype)
+    }
+
+    /// `stored` (on the CPU) with the adapter folded in where it touches `name`, in `dtype`, on
+    /// the device. Only tensors the adapter changes are folded (in f32, rounded once to
+    /// `dtype`); the others go straight to their dtype (the same values: bf16 → f32 is exact,
+    /// f32 → bf16 rounds once).
+    fn finish(
+        &self,
+        name: &str,
+        stored: Tensor,
+        touched: Option<&Adapter>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let times = &self.times;
         let w = match touched {
             Some(adapter) => {
                 let folded = StepTimes::time(&times.fold, || {
@@ -214,6 +230,70 @@ impl Weights {
         let w =
             StepTimes::time(&times.convert, || w.to_dtype(dtype)).map_err(|e| self.err(name, e))?;
         StepTimes::time(&times.upload, || w.to_device(&self.device)).map_err(|e| self.err(name, e))
+    }
+
+    /// An FP8 weight (e4m3, `full`) dequantized to f32 on the CPU with its block scales
+    /// `{name}_scale_inv` (`[⌈rows/bm⌉, ⌈cols/bn⌉]` per trailing matrix, f32, bf16 or f16), as
+    /// Qwen's FP8 releases store them and transformers dequantizes them: each `bm × bn` block
+    /// times its scale, the block size read from the grid (rows and columns must divide into it).
+    fn dequantized(&self, name: &str, full: &str, shape: &[usize]) -> Result<Tensor> {
+        let scale_name = format!("{name}_scale_inv");
+        let scale_full = self.mark_used(&scale_name);
+        let fault = |message: String| Error::Tensor {
+            name: full.to_string(),
+            message,
+        };
+        if shape.len() < 2 {
+            return Err(fault(format!(
+                "stored in FP8, which only a matrix may be (shape {shape:?})"
+            )));
+        }
+        let scales = self.st.load(&scale_full, &Device::Cpu).map_err(|_| {
+            fault(format!(
+                "stored in FP8 without its block scales `{scale_full}`"
+            ))
+        })?;
+        if !matches!(scales.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::Tensor {
+                name: scale_full,
+                message: format!(
+                    "block scales in {:?}: only f32, bf16 or f16 are read",
+                    scales.dtype()
+                ),
+            });
+        }
+        let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+        let lead: usize = shape[..shape.len() - 2].iter().product();
+        let grid = scales.dims();
+        let fits = grid.len() == shape.len()
+            && grid[..grid.len() - 2] == shape[..shape.len() - 2]
+            && grid[grid.len() - 2] > 0
+            && grid[grid.len() - 1] > 0
+            && rows.is_multiple_of(grid[grid.len() - 2])
+            && cols.is_multiple_of(grid[grid.len() - 1]);
+        if !fits {
+            return Err(Error::Tensor {
+                name: scale_full,
+                message: format!(
+                    "block scales of shape {grid:?} do not tile the FP8 weight {shape:?} into whole blocks"
+                ),
+            });
+        }
+        let (sr, sc) = (grid[grid.len() - 2], grid[grid.len() - 1]);
+        let (bm, bn) = (rows / sr, cols / sc);
+        let err = |e| self.err(name, e);
+        let q = self
+            .st
+            .load(full, &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .map_err(err)?;
+        let s = scales.to_dtype(DType::F32).map_err(err)?;
+        let blocks = q
+            .reshape((lead, sr, bm, sc, bn))
+            .and_then(|q| q.broadcast_mul(&s.reshape((lead, sr, 1, sc, 1))?))
+            .and_then(|w| w.reshape(shape))
+            .map_err(err)?;
+        Ok(blocks)
     }
 
     /// The time spent so far in each step of [`Weights::get_as`], summed over threads.

@@ -557,14 +557,14 @@ fn size_edit() -> impl Strategy<Value = (&'static str, Value)> {
 proptest! {
     #![proptest_config(cases(256))]
 
-    /// config.json: the three shipped bases (two dense layouts, one MoE) with edits (any value
+    /// config.json: the four shipped bases (two dense layouts, one MoE, one FP8) with edits (any value
     /// anywhere, or extreme sizes, the MoE sizes among them),
     /// and arbitrary text. An accepted config obeys the rules the model relies on, and building
     /// the backbone from it over the matching shipped weights succeeds, or fails naming a
     /// tensor, and never allocates by an unchecked size (an abort here fails the whole run).
     #[test]
     fn config_json(
-        layout in 0usize..3, e in edit(), sizes in prop::collection::vec(size_edit(), 0..3),
+        layout in 0usize..4, e in edit(), sizes in prop::collection::vec(size_edit(), 0..3),
         drop_layer_types in any::<bool>(), t in text_edit(),
     ) {
         let (cfg_file, files) = match layout {
@@ -573,7 +573,8 @@ proptest! {
                 fixture("base-text/model-00002-of-00002.safetensors"),
             ]),
             1 => (fixture("base-mm/config.json"), base_mm_files()),
-            _ => (fixture("base-moe/config.json"), vec![fixture("base-moe/model.safetensors")]),
+            2 => (fixture("base-moe/config.json"), vec![fixture("base-moe/model.safetensors")]),
+            _ => (fixture("base-fp8/config.json"), vec![fixture("base-fp8/model.safetensors")]),
         };
         let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_file).unwrap()).unwrap();
         {

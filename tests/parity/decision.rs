@@ -124,7 +124,13 @@ fn encoding_matches_reference() {
 #[test]
 fn f32_probabilities_match_reference_for_every_checkpoint_and_scale() {
     let recs = records();
-    for ckpt in ["kev-small", "kev-rslora", "kev-tokens", "kev-moe"] {
+    for ckpt in [
+        "kev-small",
+        "kev-rslora",
+        "kev-tokens",
+        "kev-moe",
+        "kev-fp8",
+    ] {
         let refs = reference(ckpt);
         for (scale, want) in &refs {
             let model = load(ckpt, scale.parse().unwrap(), DType::F32);

@@ -215,6 +215,58 @@ impl Fields<'_> {
     }
 }
 
+/// Accepts the one quantization Kev reads: Qwen's FP8 releases (`quant_method` `fp8`, e4m3
+/// weights with block scales, activations quantized on the fly), which load dequantized
+/// (docs/BACKBONE.md §2.1). Any other method would leave weights Kev cannot read.
+fn check_quantization(q: &Value, field: &str) -> Result<(), ConfigFault> {
+    let fault = |key: &str, message: String| ConfigFault {
+        field: format!("{field}.{key}"),
+        message,
+    };
+    let Some(obj) = q.as_object() else {
+        return Err(ConfigFault {
+            field: field.to_string(),
+            message: format!("must be an object, found {q}"),
+        });
+    };
+    let text = |key: &str| obj.get(key).filter(|v| !v.is_null());
+    match text("quant_method") {
+        Some(Value::String(m)) if m == "fp8" => {}
+        Some(v) => {
+            return Err(fault(
+                "quant_method",
+                format!("{v} is not supported: only \"fp8\" (Qwen's block-scaled e4m3 releases)"),
+            ))
+        }
+        None => return Err(fault("quant_method", "missing".into())),
+    }
+    if let Some(fmt) = text("fmt") {
+        if fmt.as_str() != Some("e4m3") {
+            return Err(fault("fmt", format!("{fmt} is not supported: only `e4m3`")));
+        }
+    }
+    if let Some(scheme) = text("activation_scheme") {
+        if scheme.as_str() != Some("dynamic") {
+            return Err(fault(
+                "activation_scheme",
+                format!("{scheme} is not supported: only `dynamic` (no stored activation scales)"),
+            ));
+        }
+    }
+    if let Some(block) = text("weight_block_size") {
+        let ok = block
+            .as_array()
+            .is_some_and(|b| b.len() == 2 && b.iter().all(|x| x.as_u64().is_some_and(|n| n > 0)));
+        if !ok {
+            return Err(fault(
+                "weight_block_size",
+                format!("must be two positive integers, found {block}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Config {
     /// Reads a `config.json` strictly (a repeated key is an error, a byte order mark is
     /// skipped); every fault is an [`Error::Config`] naming the field, or an [`Error::Json`].
@@ -255,6 +307,17 @@ impl Config {
                 })
             }
         };
+        // Qwen's FP8 releases put it at the top; a text-only save may carry it either way.
+        let quantization =
+            [(root_obj, ""), (f.obj, f.prefix)]
+                .into_iter()
+                .find_map(|(obj, prefix)| {
+                    let q = obj.get("quantization_config").filter(|q| !q.is_null())?;
+                    Some((q, format!("{prefix}quantization_config")))
+                });
+        if let Some((q, field)) = quantization {
+            check_quantization(q, &field)?;
+        }
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
                 return Err(f.fault(
@@ -564,6 +627,40 @@ mod tests {
         assert_eq!(dense.mlp, MlpShape::Dense { width: 128 });
         let without = TEXT.replace("\"intermediate_size\": 128,", "");
         assert!(Config::from_json(&format!("{without}{MOE}}}")).is_ok());
+    }
+
+    /// Qwen's FP8 quantization is accepted (its weights load dequantized); any other, or FP8
+    /// settings Kev does not read, are refused naming the field, at the top or in text_config.
+    #[test]
+    fn quantization_other_than_qwens_fp8_is_refused() {
+        let fp8 = r#""quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]"#;
+        let top =
+            |q: &str| format!("{{\"quantization_config\": {{{q}}}, \"text_config\": {TEXT}}}}}");
+        assert!(Config::from_json(&top(fp8)).is_ok());
+        let cases = [
+            (
+                top(r#""quant_method": "awq""#),
+                "quantization_config.quant_method",
+            ),
+            (top(r#""fmt": "e4m3""#), "quantization_config.quant_method"),
+            (top(&fp8.replace("e4m3", "e5m2")), "quantization_config.fmt"),
+            (
+                top(&fp8.replace("dynamic", "static")),
+                "quantization_config.activation_scheme",
+            ),
+            (
+                top(&fp8.replace("[128, 128]", "[128]")),
+                "quantization_config.weight_block_size",
+            ),
+            (
+                format!("{TEXT}, \"quantization_config\": {{\"quant_method\": \"gptq\"}}}}"),
+                "quantization_config.quant_method",
+            ),
+        ];
+        for (json, field) in cases {
+            let err = Config::from_json(&json).unwrap_err();
+            assert_eq!(err.field, field, "{json}: {err}");
+        }
     }
 
     /// A MoE config that cannot describe a Qwen3.5 MoE layer names the field at fault.
