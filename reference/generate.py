@@ -174,31 +174,36 @@ def file_tensors(model):
     return out
 
 
+def write_multimodal(base: Path, tensors, cfg_dict, tokenizer_path: Path, architecture, model_type):
+    """A base in the published multimodal layout: one file, the text config under `text_config`
+    beside a stub vision config, untied."""
+    base.mkdir()
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "text_config": dict(cfg_dict),
+        "vision_config": {"model_type": model_type, "depth": 1, "hidden_size": 16},
+        "tie_word_embeddings": False,
+        "image_token_id": 1,
+        "video_token_id": 2,
+    }
+    (base / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.copy(tokenizer_path, base / "tokenizer.json")
+
+
 def save_bases(model, cfg_dict, root: Path, tokenizer_path: Path):
     tensors = file_tensors(model)
     lm_head = tensors.pop("lm_head.weight")
 
     # Multimodal layout, untied (lm_head stored), one file, with vision and MTP tensors to ignore.
-    mm = root / "base-mm"
-    mm.mkdir()
     mm_tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
     mm_tensors["lm_head.weight"] = lm_head
     g = torch.Generator().manual_seed(7)
     mm_tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, generator=g).to(torch.bfloat16)
     mm_tensors["mtp.fc.weight"] = torch.randn(64, 128, generator=g).to(torch.bfloat16)
-    save_file(mm_tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
-    text_cfg = dict(cfg_dict)
-    mm_cfg = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": text_cfg,
-        "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 16},
-        "tie_word_embeddings": False,
-        "image_token_id": 1,
-        "video_token_id": 2,
-    }
-    (mm / "config.json").write_text(json.dumps(mm_cfg, indent=2) + "\n")
-    shutil.copy(tokenizer_path, mm / "tokenizer.json")
+    write_multimodal(root / "base-mm", mm_tensors, cfg_dict, tokenizer_path,
+                     "Qwen3_5ForConditionalGeneration", "qwen3_5")
 
     # Text-only layout, tied (no lm_head), older top-level RoPE fields and no layer_types, sharded.
     tx = root / "base-text"
@@ -241,20 +246,8 @@ def save_moe_base(model, cfg_dict, root: Path, tokenizer_path: Path):
         else:
             out[name] = t
     out["lm_head.weight"] = lm_head
-    base = root / "base-moe"
-    base.mkdir()
-    save_file(out, str(base / "model.safetensors"), metadata={"format": "pt"})
-    cfg = {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "model_type": "qwen3_5_moe",
-        "text_config": dict(cfg_dict),
-        "vision_config": {"model_type": "qwen3_5_moe", "depth": 1, "hidden_size": 16},
-        "tie_word_embeddings": False,
-        "image_token_id": 1,
-        "video_token_id": 2,
-    }
-    (base / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    shutil.copy(tokenizer_path, base / "tokenizer.json")
+    write_multimodal(root / "base-moe", out, cfg_dict, tokenizer_path,
+                     "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")
 
 
 FP8_BLOCK = [16, 16]
@@ -451,7 +444,15 @@ def make_adapter(base_model, variant, seed, out_dir: Path, opt_id, dec_id):
     cfg_path = out_dir / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["target_modules"] = sorted(cfg["target_modules"])
+    # A base loaded from disk (base-fp8) would leave its path here and in PEFT's model card: the
+    # files name no base, as for a model built in memory.
+    cfg["base_model_name_or_path"] = None
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    card = out_dir / "README.md"
+    lines = card.read_text().splitlines(keepends=True)
+    card.write_text("".join("base_model: ''\n" if l.startswith("base_model:") else
+                            "- 'base_model:adapter:'\n" if l.startswith("- base_model:adapter:") else l
+                            for l in lines))
 
 
 def scaled_adapter(adapter_dir: Path, scale: float, tmp: Path, base_embed):
