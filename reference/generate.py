@@ -20,6 +20,9 @@ What it writes (see tests/fixtures/README.md):
                           scales) as Qwen's FP8 releases store them, in the text-only layout
   kev-fp8/                Kev checkpoint on base-fp8; its reference is transformers' own FP8 load
                           with dequantize=True, in f32
+  base-ratios/            a tiny dense Qwen3.5 with the 27B's head ratios (6 query heads a KV head,
+                          3 DeltaNet value heads a key head), text-only layout
+  kev-ratios/             Kev checkpoint on base-ratios: LoRA on every linear module
   kev-*/reference.json    row-form logits and probabilities per question, lora_scale 1.0/0.5/0.0
 
 The numbers come from transformers' own Qwen3.5 (eager attention, its torch delta-rule paths:
@@ -98,6 +101,16 @@ def text_config(vocab_size):
         "pad_token_id": 0,
         "tie_word_embeddings": False,
     }
+
+
+def ratios_text_config(vocab_size):
+    """The dense tiny config with the head ratios of the 27B: six query heads a key/value head
+    (24 / 4 there) and three DeltaNet value heads a key head (48 / 16), dk = dv as published."""
+    cfg = text_config(vocab_size)
+    cfg.update({"num_attention_heads": 6, "num_key_value_heads": 1, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 6, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+    return cfg
 
 
 def moe_text_config(vocab_size):
@@ -284,14 +297,18 @@ def save_fp8_base(model, cfg_dict, root: Path, tokenizer_path: Path):
             out[name] = t
             if linear:
                 kept.append(name[len("model."): -len(".weight")])
-    base = root / "base-fp8"
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": FP8_BLOCK, "modules_to_not_convert": sorted(kept)}
+    write_text_only(root / "base-fp8", out, cfg_dict, tokenizer_path, quantization_config=quantization)
+
+
+def write_text_only(base: Path, tensors, cfg_dict, tokenizer_path: Path, **extra):
+    """A base in the text-only layout as `Qwen3_5ForCausalLM` saves it: one file, tied (no
+    lm_head), the config at the top level with `extra` fields."""
     base.mkdir()
-    save_file(out, str(base / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(cfg_dict)
-    cfg.update({"architectures": ["Qwen3_5ForCausalLM"], "tie_word_embeddings": True,
-                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                        "weight_block_size": FP8_BLOCK,
-                                        "modules_to_not_convert": sorted(kept)}})
+    cfg.update({"architectures": ["Qwen3_5ForCausalLM"], "tie_word_embeddings": True, **extra})
     (base / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     shutil.copy(tokenizer_path, base / "tokenizer.json")
 
@@ -512,7 +529,7 @@ def main():
     torch.use_deterministic_algorithms(True)
     out = Path(args.out)
     for name in ["base-mm", "base-text", "kev-small", "kev-rslora", "kev-tokens", "base-moe", "kev-moe",
-                 "base-fp8", "kev-fp8"]:
+                 "base-fp8", "kev-fp8", "base-ratios", "kev-ratios"]:
         if (out / name).exists():
             shutil.rmtree(out / name)
     out.mkdir(parents=True, exist_ok=True)
@@ -535,9 +552,13 @@ def main():
     save_moe_base(moe, moe_cfg, out, out / "tokenizer.json")
     save_fp8_base(model, cfg, out, out / "tokenizer.json")
     fp8 = load_fp8_base(out)
+    ratios = build_model(ratios_text_config(vocab), seed=5)
+    tensors = file_tensors(ratios)
+    tensors.pop("lm_head.weight")
+    write_text_only(out / "base-ratios", tensors, ratios_text_config(vocab), out / "tokenizer.json")
     variants = [("kev-small", "lora", "../base-mm", 0.7, model), ("kev-rslora", "rslora", "../base-text", 1.0, model),
                 ("kev-tokens", "tokens", "../base-mm", 1.3, model), ("kev-moe", "moe", "../base-moe", 0.9, moe),
-                ("kev-fp8", "lora", "../base-fp8", 0.8, fp8)]
+                ("kev-fp8", "lora", "../base-fp8", 0.8, fp8), ("kev-ratios", "lora", "../base-ratios", 1.1, ratios)]
     for i, (name, variant, base, temperature, model) in enumerate(variants):
         ckpt = out / name
         ckpt.mkdir()

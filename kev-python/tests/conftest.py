@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 RECORDS = FIXTURES / "records.jsonl"
-CHECKPOINTS = ["kev-small", "kev-rslora", "kev-tokens", "kev-moe", "kev-fp8"]
+CHECKPOINTS = ["kev-small", "kev-rslora", "kev-tokens", "kev-moe", "kev-fp8", "kev-ratios"]
 
 #: f32 probabilities vs the PyTorch reference (KEV.md parity target).
 TOL_PROBS_F32 = 1e-5

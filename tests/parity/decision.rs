@@ -130,6 +130,7 @@ fn f32_probabilities_match_reference_for_every_checkpoint_and_scale() {
         "kev-tokens",
         "kev-moe",
         "kev-fp8",
+        "kev-ratios",
     ] {
         let refs = reference(ckpt);
         for (scale, want) in &refs {
