@@ -613,7 +613,7 @@ fn fp8_bases_that_cannot_be_dequantized_are_refused() {
     });
     let msg = load_err(&dir).to_string();
     assert!(
-        msg.contains(&format!("{weight}_scale_inv")) && msg.contains("whole blocks"),
+        msg.contains(&format!("{weight}_scale_inv")) && msg.contains("16 x 16 block"),
         "{msg}"
     );
 

@@ -28,6 +28,8 @@ pub struct Weights {
     dtype: DType,
     /// The dtype of the projections' weights and the embedding table (`dtype` unless set).
     projections: DType,
+    /// FP8 weights' block (rows, columns), where the config gives one.
+    fp8_block: Option<(usize, usize)>,
     device: Device,
     /// Text-model tensors read so far (full names), for [`Weights::check_all_used`].
     used: Mutex<BTreeSet<String>>,
@@ -109,6 +111,7 @@ impl Weights {
             lora_scale,
             dtype,
             projections: dtype,
+            fp8_block: None,
             device,
             used: Mutex::default(),
             times: StepTimes::default(),
@@ -139,6 +142,13 @@ impl Weights {
     /// backbone's (the CPU's bf16 mode: bf16 weights, f32 activations).
     pub fn with_projection_dtype(mut self, dtype: DType) -> Self {
         self.projections = dtype;
+        self
+    }
+
+    /// Reads FP8 weights' block scales as one per `block` (rows, columns): the config's
+    /// `weight_block_size` ([`crate::qwen35::Config::fp8_block`]).
+    pub fn with_fp8_block(mut self, block: Option<(usize, usize)>) -> Self {
+        self.fp8_block = block;
         self
     }
 
@@ -233,67 +243,82 @@ impl Weights {
     }
 
     /// An FP8 weight (e4m3, `full`) dequantized to f32 on the CPU with its block scales
-    /// `{name}_scale_inv` (`[⌈rows/bm⌉, ⌈cols/bn⌉]` per trailing matrix, f32, bf16 or f16), as
-    /// Qwen's FP8 releases store them and transformers dequantizes them: each `bm × bn` block
-    /// times its scale, the block size read from the grid (rows and columns must divide into it).
+    /// `{name}_scale_inv` (f32, bf16 or f16; one per block of each trailing matrix, a last block
+    /// of a side that is not a whole number of blocks included), as Qwen's FP8 releases store
+    /// them: element (r, c) times the scale of block (r / bm, c / bn). The block is the config's
+    /// `weight_block_size`, which the grid must fit; without one it is read from the grid, whose
+    /// blocks must then tile the matrix whole (as transformers reads it).
     fn dequantized(&self, name: &str, full: &str, shape: &[usize]) -> Result<Tensor> {
         let scale_name = format!("{name}_scale_inv");
         let scale_full = self.mark_used(&scale_name);
-        let fault = |message: String| Error::Tensor {
-            name: full.to_string(),
+        if shape.len() < 2 {
+            return Err(Error::Tensor {
+                name: full.to_string(),
+                message: format!("stored in FP8, which only a matrix may be (shape {shape:?})"),
+            });
+        }
+        let scales = self
+            .st
+            .load(&scale_full, &Device::Cpu)
+            .map_err(|_| Error::Tensor {
+                name: full.to_string(),
+                message: format!("stored in FP8 without its block scales `{scale_full}`"),
+            })?;
+        let scale_fault = |message: String| Error::Tensor {
+            name: scale_full.clone(),
             message,
         };
-        if shape.len() < 2 {
-            return Err(fault(format!(
-                "stored in FP8, which only a matrix may be (shape {shape:?})"
+        if !matches!(scales.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            let dtype = scales.dtype();
+            return Err(scale_fault(format!(
+                "block scales in {dtype:?}: only f32, bf16 or f16 are read"
             )));
         }
-        let scales = self.st.load(&scale_full, &Device::Cpu).map_err(|_| {
-            fault(format!(
-                "stored in FP8 without its block scales `{scale_full}`"
-            ))
-        })?;
-        if !matches!(scales.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-            return Err(Error::Tensor {
-                name: scale_full,
-                message: format!(
-                    "block scales in {:?}: only f32, bf16 or f16 are read",
-                    scales.dtype()
-                ),
-            });
-        }
-        let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
-        let lead: usize = shape[..shape.len() - 2].iter().product();
+        let (lead, [rows, cols]) = (
+            &shape[..shape.len() - 2],
+            [shape[shape.len() - 2], shape[shape.len() - 1]],
+        );
         let grid = scales.dims();
-        let fits = grid.len() == shape.len()
-            && grid[..grid.len() - 2] == shape[..shape.len() - 2]
-            && grid[grid.len() - 2] > 0
-            && grid[grid.len() - 1] > 0
-            && rows.is_multiple_of(grid[grid.len() - 2])
-            && cols.is_multiple_of(grid[grid.len() - 1]);
-        if !fits {
-            return Err(Error::Tensor {
-                name: scale_full,
-                message: format!(
-                    "block scales of shape {grid:?} do not tile the FP8 weight {shape:?} into whole blocks"
-                ),
-            });
+        let (sr, sc) = match grid {
+            [g_lead @ .., sr, sc] if g_lead == lead && *sr > 0 && *sc > 0 => (*sr, *sc),
+            _ => {
+                return Err(scale_fault(format!(
+                    "block scales of shape {grid:?} for the FP8 weight {shape:?}"
+                )))
+            }
+        };
+        let (bm, bn) = match self.fp8_block {
+            Some(block) => block,
+            None if rows.is_multiple_of(sr) && cols.is_multiple_of(sc) => (rows / sr, cols / sc),
+            None => {
+                return Err(scale_fault(format!(
+                    "block scales of shape {grid:?} do not tile the FP8 weight {shape:?} into whole blocks (and the config gives no `weight_block_size`)"
+                )))
+            }
+        };
+        if (sr, sc) != (rows.div_ceil(bm), cols.div_ceil(bn)) {
+            return Err(scale_fault(format!(
+                "block scales of shape {grid:?} are not one per {bm} x {bn} block of the FP8 weight {shape:?}"
+            )));
         }
-        let (sr, sc) = (grid[grid.len() - 2], grid[grid.len() - 1]);
-        let (bm, bn) = (rows / sr, cols / sc);
         let err = |e| self.err(name, e);
-        let q = self
-            .st
+        // Each row's and column's block, as indices into the grid.
+        let index = |n: usize, block: usize| {
+            let idx: Vec<u32> = (0..n).map(|i| (i / block) as u32).collect();
+            Tensor::from_vec(idx, n, &Device::Cpu)
+        };
+        let lead_n: usize = lead.iter().product();
+        let per_element = scales
+            .to_dtype(DType::F32)
+            .and_then(|s| s.reshape((lead_n, sr, sc)))
+            .and_then(|s| s.index_select(&index(rows, bm)?, 1))
+            .and_then(|s| s.index_select(&index(cols, bn)?, 2))
+            .map_err(err)?;
+        self.st
             .load(full, &Device::Cpu)
-            .and_then(|t| t.to_dtype(DType::F32))
-            .map_err(err)?;
-        let s = scales.to_dtype(DType::F32).map_err(err)?;
-        let blocks = q
-            .reshape((lead, sr, bm, sc, bn))
-            .and_then(|q| q.broadcast_mul(&s.reshape((lead, sr, 1, sc, 1))?))
-            .and_then(|w| w.reshape(shape))
-            .map_err(err)?;
-        Ok(blocks)
+            .and_then(|q| q.to_dtype(DType::F32)?.reshape((lead_n, rows, cols)))
+            .and_then(|q| q.mul(&per_element)?.reshape(shape))
+            .map_err(err)
     }
 
     /// The time spent so far in each step of [`Weights::get_as`], summed over threads.

@@ -184,3 +184,61 @@ fn reading_from_the_map_names_the_tensor_in_its_errors() {
         "{err}"
     );
 }
+
+/// An FP8 weight is each element times its block's scale, a last block of a side that is not a
+/// whole number of blocks included (the config's block); without the config's block, the grid
+/// must tile the weight whole, and a grid that is not one per block is refused, naming it.
+#[test]
+fn fp8_weights_dequantize_by_their_blocks() {
+    let file = std::env::temp_dir().join(format!("kev-fp8-{}.safetensors", std::process::id()));
+    let name = "layers.0.mlp.up_proj.weight";
+    let values: Vec<f32> = (0..35).map(|i| (i as f32 - 17.0) * 0.375).collect();
+    let q = Tensor::from_vec(values, (5, 7), &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F8E4M3)
+        .unwrap();
+    let scales: Vec<f32> = (0..12).map(|i| 0.5 + i as f32).collect();
+    let s = Tensor::from_vec(scales.clone(), (3, 4), &Device::Cpu).unwrap();
+    let embed = Tensor::zeros((2, 7), DType::F32, &Device::Cpu).unwrap();
+    let tensors = [
+        (format!("model.{name}"), q.clone()),
+        (format!("model.{name}_scale_inv"), s),
+        ("model.embed_tokens.weight".to_string(), embed),
+    ];
+    candle_core::safetensors::save(&tensors.into_iter().collect(), &file).unwrap();
+    let open = |block| {
+        Weights::open(
+            std::slice::from_ref(&file),
+            None,
+            1.0,
+            DType::F32,
+            Device::Cpu,
+        )
+        .unwrap()
+        .with_fp8_block(block)
+    };
+
+    let got = open(Some((2, 2)))
+        .get_as(name, &[5, 7], DType::F32)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let q = q.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+    for r in 0..5 {
+        for c in 0..7 {
+            assert_eq!(
+                got[r][c],
+                q[r][c] * scales[(r / 2) * 4 + c / 2],
+                "({r}, {c})"
+            );
+        }
+    }
+    // 5 x 7 in a 3 x 4 grid is no whole number of blocks; a 3 x 3 block needs a 2 x 3 grid.
+    for block in [None, Some((3, 3))] {
+        let err = open(block).get_as(name, &[5, 7], DType::F32).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("model.{name}_scale_inv")),
+            "{err}"
+        );
+    }
+}

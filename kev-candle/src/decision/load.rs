@@ -145,7 +145,8 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
         dtype,
         device.clone(),
     )?
-    .with_projection_dtype(weights_dtype);
+    .with_projection_dtype(weights_dtype)
+    .with_fp8_block(cfg.fp8_block);
     breakdown.open_weights_s = lap(&mut clock);
     let model = Model::new(&cfg, &weights)?;
     breakdown.backbone_s = lap(&mut clock);

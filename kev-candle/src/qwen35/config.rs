@@ -57,6 +57,9 @@ pub struct Config {
     pub num_hidden_layers: usize,
     /// Each decoder layer's MLP: one dense SwiGLU, or a mixture of experts.
     pub mlp: MlpShape,
+    /// The FP8 weights' block (rows, columns) where `quantization_config` gives one: each
+    /// weight's scale grid must be the block's (`None`: the block is read from each grid).
+    pub fp8_block: Option<(usize, usize)>,
     /// Vocabulary size (rows of `embed_tokens`).
     pub vocab_size: usize,
     /// RMSNorm epsilon, used by every norm.
@@ -218,7 +221,7 @@ impl Fields<'_> {
 /// Accepts the one quantization Kev reads: Qwen's FP8 releases (`quant_method` `fp8`, e4m3
 /// weights with block scales, activations quantized on the fly), which load dequantized
 /// (docs/BACKBONE.md §2.1). Any other method would leave weights Kev cannot read.
-fn check_quantization(q: &Value, field: &str) -> Result<(), ConfigFault> {
+fn check_quantization(q: &Value, field: &str) -> Result<Option<(usize, usize)>, ConfigFault> {
     let fault = |key: &str, message: String| ConfigFault {
         field: format!("{field}.{key}"),
         message,
@@ -253,18 +256,21 @@ fn check_quantization(q: &Value, field: &str) -> Result<(), ConfigFault> {
             ));
         }
     }
-    if let Some(block) = text("weight_block_size") {
-        let ok = block
-            .as_array()
-            .is_some_and(|b| b.len() == 2 && b.iter().all(|x| x.as_u64().is_some_and(|n| n > 0)));
-        if !ok {
-            return Err(fault(
-                "weight_block_size",
-                format!("must be two positive integers, found {block}"),
-            ));
-        }
+    let Some(block) = text("weight_block_size") else {
+        return Ok(None);
+    };
+    let size = |x: &Value| {
+        x.as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|&n| n > 0)
+    };
+    match block.as_array().map(Vec::as_slice) {
+        Some([bm, bn]) if size(bm).is_some() && size(bn).is_some() => Ok(size(bm).zip(size(bn))),
+        _ => Err(fault(
+            "weight_block_size",
+            format!("must be two positive integers, found {block}"),
+        )),
     }
-    Ok(())
 }
 
 impl Config {
@@ -307,16 +313,22 @@ impl Config {
                 })
             }
         };
-        // Qwen's FP8 releases put it at the top; a text-only save may carry it either way.
-        let quantization =
-            [(root_obj, ""), (f.obj, f.prefix)]
-                .into_iter()
-                .find_map(|(obj, prefix)| {
-                    let q = obj.get("quantization_config").filter(|q| !q.is_null())?;
-                    Some((q, format!("{prefix}quantization_config")))
+        // Qwen's FP8 releases put it at the top; a text-only save may carry it either way (both
+        // are checked; they must then agree).
+        let mut fp8_block = None;
+        for (obj, prefix) in [(root_obj, ""), (f.obj, f.prefix)] {
+            let Some(q) = obj.get("quantization_config").filter(|q| !q.is_null()) else {
+                continue;
+            };
+            let field = format!("{prefix}quantization_config");
+            let block = check_quantization(q, &field)?;
+            if fp8_block.is_some_and(|b| Some(b) != block) {
+                return Err(ConfigFault {
+                    field: format!("{field}.weight_block_size"),
+                    message: "differs from the top-level `quantization_config`'s".into(),
                 });
-        if let Some((q, field)) = quantization {
-            check_quantization(q, &field)?;
+            }
+            fp8_block = fp8_block.or(block);
         }
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
@@ -494,6 +506,7 @@ impl Config {
             hidden_size: f.size("hidden_size")?,
             num_hidden_layers,
             mlp,
+            fp8_block,
             vocab_size: f.size("vocab_size")?,
             rms_norm_eps,
             layer_types,

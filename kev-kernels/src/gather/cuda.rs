@@ -180,6 +180,9 @@ fn copy_parts<T: DeviceRepr + CudaDType>(
     Ok(out)
 }
 
+/// One group of [`pack`]: each view's storage and its `(start, elements)` runs in it.
+pub(crate) type GroupSources<'a> = Vec<(&'a CudaStorage, Vec<(usize, usize)>)>;
+
 /// `copy_runs16`: per group a new buffer of the group's elements, its sources' runs one after
 /// another (each source's `(start, elements)` runs in its storage, in order), all groups in one
 /// launch from one table of addresses (gather.rs checked the dtype and that every run starts and
@@ -187,51 +190,67 @@ fn copy_parts<T: DeviceRepr + CudaDType>(
 pub(crate) fn pack(
     dev: &CudaDevice,
     dtype: DType,
-    groups: &[Vec<(&CudaStorage, Vec<(usize, usize)>)>],
+    groups: &[GroupSources],
 ) -> Result<Vec<CudaStorage>> {
     let k = Kernel::load(&GATHER, dev, "copy_runs16")?;
     let size = dtype.size_in_bytes();
     by_dtype!(dtype, "pack", |T| {
-        let (mut src, mut dst, mut units) = (Vec::new(), Vec::new(), Vec::new());
-        let mut outs = Vec::with_capacity(groups.len());
-        for group in groups {
-            let total: usize = group.iter().flat_map(|(_, r)| r).map(|&(_, n)| n).sum();
-            // SAFETY: the launch below writes every element: the runs cover the group's total.
-            let mut out = unsafe { dev.alloc::<T>(total) }?;
-            let base = out.device_ptr_mut(&k.stream).0;
-            let mut at = 0;
-            for (storage, runs) in group {
-                let from = storage.as_cuda_slice::<T>()?.device_ptr(&k.stream).0;
-                for &(start, n) in runs {
-                    src.push(from + (start * size) as u64);
-                    dst.push(base + (at * size) as u64);
-                    units.push((n * size / 16) as u64);
-                    at += n;
+        let mut outs = groups
+            .iter()
+            .map(|group| {
+                let total = group.iter().flat_map(|(_, r)| r).map(|&(_, n)| n).sum();
+                // SAFETY: the launch below writes every element: the runs cover the total.
+                unsafe { dev.alloc::<T>(total) }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        {
+            // The address guards live until the launch is queued.
+            let dst: Vec<_> = outs
+                .iter_mut()
+                .map(|o| o.device_ptr_mut(&k.stream))
+                .collect();
+            let sources: Vec<Vec<_>> = groups
+                .iter()
+                .map(|g| {
+                    g.iter()
+                        .map(|(storage, _)| Ok(storage.as_cuda_slice::<T>()?.device_ptr(&k.stream)))
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<_>>()?;
+            let (mut from, mut to, mut units) = (Vec::new(), Vec::new(), Vec::new());
+            for ((group, srcs), (base, _)) in groups.iter().zip(&sources).zip(&dst) {
+                let mut at = 0;
+                for ((_, runs), (src, _)) in group.iter().zip(srcs) {
+                    for &(start, n) in runs {
+                        from.push(src + (start * size) as u64);
+                        to.push(base + (at * size) as u64);
+                        units.push((n * size / 16) as u64);
+                        at += n;
+                    }
                 }
             }
-            outs.push(out);
-        }
-        let n = src.len();
-        if n > 0 {
-            let widest = units.iter().copied().max().unwrap_or(0) as usize;
-            let table: Vec<u64> = src.into_iter().chain(dst).chain(units).collect();
-            let table = k.stream.clone_htod(&table).w()?;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    widest.div_ceil(256).clamp(1, 64) as u32,
-                    n.clamp(1, 65535) as u32,
-                    1,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let n_ = n as i32;
-            let mut b = k.stream.launch_builder(&k.func);
-            b.arg(&table).arg(&n_);
-            // SAFETY: argument types and order match `copy_runs16` in gather.cu; every address
-            // in the table lies in a live buffer (the sources are borrowed by the caller, the
-            // outputs are held here) for the run's whole length.
-            unsafe { b.launch(cfg) }.w()?;
+            let n = from.len();
+            if n > 0 {
+                let widest = units.iter().copied().max().unwrap_or(0) as usize;
+                let table: Vec<u64> = from.into_iter().chain(to).chain(units).collect();
+                let table = k.stream.clone_htod(&table).w()?;
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        widest.div_ceil(256).clamp(1, 64) as u32,
+                        n.clamp(1, 65535) as u32,
+                        1,
+                    ),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let n_ = n as i32;
+                let mut b = k.stream.launch_builder(&k.func);
+                b.arg(&table).arg(&n_);
+                // SAFETY: argument types and order match `copy_runs16` in gather.cu; every
+                // address in the table lies in a live buffer (the sources are borrowed by the
+                // caller, the outputs held here) for the run's whole length.
+                unsafe { b.launch(cfg) }.w()?;
+            }
         }
         Ok(outs
             .into_iter()

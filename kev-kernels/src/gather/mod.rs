@@ -483,33 +483,68 @@ pub fn pack(groups: &[Vec<Tensor>]) -> Result<Vec<Tensor>> {
             .map(|g| {
                 let flat = g
                     .iter()
-                    .map(Tensor::flatten_all)
+                    .map(|t| t.counted_contiguous()?.flatten_all())
                     .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&flat, 0)
+                counted_cat(&flat, 0)
             })
             .collect::<Result<Vec<_>>>()
     };
-    let words = |t: &Tensor, elems: usize| (elems * t.dtype().size_in_bytes()).is_multiple_of(16);
-    let runs: Vec<Vec<Vec<(usize, usize)>>> = groups
-        .iter()
-        .map(|g| g.iter().map(|t| runs(t.layout())).collect())
-        .collect();
-    let fused = backend(&device) == Backend::Cuda
-        && groups.iter().zip(&runs).all(|(g, runs)| {
-            g.iter().zip(runs).all(|(t, runs)| {
-                matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
-                    && runs.iter().all(|&(at, n)| words(t, at) && words(t, n))
-            })
-        });
-    if !fused {
+    let runs = (backend(&device) == Backend::Cuda)
+        .then(|| fused_runs(groups))
+        .flatten();
+    let Some(runs) = runs else {
         return composed();
-    }
-    dispatch::launch("pack", 1, &device, || pack_on_gpu(groups, &runs), composed)
+    };
+    let mut dtypes: Vec<DType> = groups.iter().map(|g| g[0].dtype()).collect();
+    dtypes.sort_by_key(|d| d.as_str());
+    dtypes.dedup();
+    dispatch::launch(
+        "pack",
+        dtypes.len(),
+        &device,
+        || pack_on_gpu(groups, &runs),
+        composed,
+    )
 }
 
-/// [`pack`]'s one launch, the groups taken by dtype (a launch's table holds one element size).
+/// Each view's `(start, elements)` runs, for one group of [`pack`].
+type GroupRuns = Vec<Vec<(usize, usize)>>;
+
+/// The most runs one [`pack`] launch copies (a table of 24 bytes a run); past it, or for views
+/// of short runs, the composed copies.
+const MAX_PACK_RUNS: usize = 1 << 20;
+
+/// Every view's runs where CUDA's one copy takes them all: float views whose every run is whole
+/// 16-byte words at a 16-byte offset, each group holding some elements, at most
+/// [`MAX_PACK_RUNS`] runs in all. `None`: the composed copies.
+fn fused_runs(groups: &[Vec<Tensor>]) -> Option<Vec<GroupRuns>> {
+    let mut budget = MAX_PACK_RUNS;
+    groups
+        .iter()
+        .map(|g| {
+            let runs = g
+                .iter()
+                .map(|t| {
+                    let size = t.dtype().size_in_bytes();
+                    let words = |elems: usize| (elems * size).is_multiple_of(16);
+                    if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+                        return None;
+                    }
+                    let runs = runs(t.layout(), budget)?;
+                    budget -= runs.len();
+                    runs.iter()
+                        .all(|&(at, n)| words(at) && words(n))
+                        .then_some(runs)
+                })
+                .collect::<Option<Vec<_>>>()?;
+            runs.iter().flatten().any(|&(_, n)| n > 0).then_some(runs)
+        })
+        .collect()
+}
+
+/// [`pack`]'s launches, one a dtype (a launch's table holds one element size).
 #[cfg(feature = "cuda")]
-fn pack_on_gpu(groups: &[Vec<Tensor>], runs: &[Vec<Vec<(usize, usize)>>]) -> Result<Vec<Tensor>> {
+fn pack_on_gpu(groups: &[Vec<Tensor>], runs: &[GroupRuns]) -> Result<Vec<Tensor>> {
     use candle_core::{op::BackpropOp, Storage};
     let Device::Cuda(dev) = groups[0][0].device() else {
         bail!("pack: not on a CUDA device")
@@ -560,16 +595,17 @@ fn pack_on_gpu(groups: &[Vec<Tensor>], runs: &[Vec<Vec<(usize, usize)>>]) -> Res
 }
 
 #[cfg(not(feature = "cuda"))]
-fn pack_on_gpu(_: &[Vec<Tensor>], _: &[Vec<Vec<(usize, usize)>>]) -> Result<Vec<Tensor>> {
+fn pack_on_gpu(_: &[Vec<Tensor>], _: &[GroupRuns]) -> Result<Vec<Tensor>> {
     bail!("pack: built without CUDA")
 }
 
 /// A view's contiguous runs in its storage, `(start, elements)` in row-major order: the trailing
-/// dims laid out one after another make one run, the leading ones repeat it.
-fn runs(l: &Layout) -> Vec<(usize, usize)> {
+/// dims laid out one after another make one run, the leading ones repeat it. `None` where there
+/// would be more than `max` runs (the list is never built then).
+fn runs(l: &Layout, max: usize) -> Option<Vec<(usize, usize)>> {
     let (dims, strides) = (l.dims(), l.stride());
     if l.shape().elem_count() == 0 {
-        return Vec::new();
+        return Some(Vec::new());
     }
     let (mut inner, mut run) = (dims.len(), 1);
     while inner > 0 && (dims[inner - 1] == 1 || strides[inner - 1] == run) {
@@ -577,14 +613,18 @@ fn runs(l: &Layout) -> Vec<(usize, usize)> {
         inner -= 1;
     }
     let outer = &dims[..inner];
+    let count = outer.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
+    if count > max {
+        return None;
+    }
     let mut index = vec![0usize; inner];
-    let mut out = Vec::with_capacity(outer.iter().product());
+    let mut out = Vec::with_capacity(count);
     loop {
         let at = l.start_offset() + index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>();
         out.push((at, run));
         // The next outer index, last dim fastest; done when it wraps around.
         let Some(d) = (0..inner).rev().find(|&d| index[d] + 1 < outer[d]) else {
-            return out;
+            return Some(out);
         };
         index[d] += 1;
         index[d + 1..].iter_mut().for_each(|i| *i = 0);
