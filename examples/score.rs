@@ -63,6 +63,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    kev::keep_freed_memory();
     let mut partial = None;
     match run(&args, &mut partial) {
         Ok(()) => ExitCode::SUCCESS,

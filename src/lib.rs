@@ -30,6 +30,7 @@
 
 pub mod score;
 
+pub use kev_candle::device::keep_freed_memory;
 pub use kev_candle::{
     qwen35, reference, state_pass_tokens, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown,
     ModelId, PointerHead, Prefix, PrefixCache, PrefixCacheStats, Scored,

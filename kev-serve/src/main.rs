@@ -8,6 +8,7 @@ use kev_serve::{Config, Server};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    kev::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .with_env_filter(
