@@ -130,9 +130,9 @@ pub fn release_freed_memory() {
 /// Keeps the memory a forward frees for the next one, for the whole process (glibc: large
 /// blocks from the heap instead of fresh `mmap`s, and the heap's top never trimmed). A CPU
 /// forward allocates activations of tens of MB per op; glibc maps each one anew and unmaps it
-/// when freed, so every batch page-faults its working set again (20 varied records, 0.8B f32,
-/// 2 cores: 3.5 M minor faults and 25 s of system time against 140 s of user time; with this,
-/// 1.3 M and 10 s, the same peak RSS). Process-wide, so for programs that are the scorer
+/// when freed, so every batch page-faults its working set again (BENCHMARKS.md, "CPU: `score`
+/// at scale": a third of the system time, a fifth of the faults, the same peak RSS).
+/// Process-wide, so for programs that are the scorer
 /// (`score`, `kev-serve`); the library never calls it. A model load still hands its transient
 /// copies back ([`release_freed_memory`] trims explicitly).
 pub fn keep_freed_memory() {

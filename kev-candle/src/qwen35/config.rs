@@ -264,13 +264,15 @@ fn check_quantization(q: &Value, field: &str) -> Result<Option<(usize, usize)>, 
             .and_then(|n| usize::try_from(n).ok())
             .filter(|&n| n > 0)
     };
-    match block.as_array().map(Vec::as_slice) {
-        Some([bm, bn]) if size(bm).is_some() && size(bn).is_some() => Ok(size(bm).zip(size(bn))),
-        _ => Err(fault(
-            "weight_block_size",
-            format!("must be two positive integers, found {block}"),
-        )),
+    if let Some([bm, bn]) = block.as_array().map(Vec::as_slice) {
+        if let (Some(bm), Some(bn)) = (size(bm), size(bn)) {
+            return Ok(Some((bm, bn)));
+        }
     }
+    Err(fault(
+        "weight_block_size",
+        format!("must be two positive integers, found {block}"),
+    ))
 }
 
 impl Config {

@@ -495,14 +495,18 @@ pub fn pack(groups: &[Vec<Tensor>]) -> Result<Vec<Tensor>> {
     let Some(runs) = runs else {
         return composed();
     };
-    let mut dtypes: Vec<DType> = groups.iter().map(|g| g[0].dtype()).collect();
-    dtypes.sort_by_key(|d| d.as_str());
-    dtypes.dedup();
+    // The distinct dtypes in the order groups first hold them: one launch each.
+    let mut dtypes: Vec<DType> = Vec::new();
+    for g in groups {
+        if !dtypes.contains(&g[0].dtype()) {
+            dtypes.push(g[0].dtype());
+        }
+    }
     dispatch::launch(
         "pack",
         dtypes.len(),
         &device,
-        || pack_on_gpu(groups, &runs),
+        || pack_on_gpu(groups, &runs, &dtypes),
         composed,
     )
 }
@@ -542,21 +546,19 @@ fn fused_runs(groups: &[Vec<Tensor>]) -> Option<Vec<GroupRuns>> {
         .collect()
 }
 
-/// [`pack`]'s launches, one a dtype (a launch's table holds one element size).
+/// [`pack`]'s launches, one for each of `dtypes` (a launch's table holds one element size).
 #[cfg(feature = "cuda")]
-fn pack_on_gpu(groups: &[Vec<Tensor>], runs: &[GroupRuns]) -> Result<Vec<Tensor>> {
+fn pack_on_gpu(
+    groups: &[Vec<Tensor>],
+    runs: &[GroupRuns],
+    dtypes: &[DType],
+) -> Result<Vec<Tensor>> {
     use candle_core::{op::BackpropOp, Storage};
     let Device::Cuda(dev) = groups[0][0].device() else {
         bail!("pack: not on a CUDA device")
     };
     let mut out: Vec<Option<Tensor>> = vec![None; groups.len()];
-    let mut dtypes: Vec<DType> = Vec::new();
-    for g in groups {
-        if !dtypes.contains(&g[0].dtype()) {
-            dtypes.push(g[0].dtype());
-        }
-    }
-    for dtype in dtypes {
+    for &dtype in dtypes {
         let picked: Vec<usize> = (0..groups.len())
             .filter(|&g| groups[g][0].dtype() == dtype)
             .collect();
@@ -595,7 +597,7 @@ fn pack_on_gpu(groups: &[Vec<Tensor>], runs: &[GroupRuns]) -> Result<Vec<Tensor>
 }
 
 #[cfg(not(feature = "cuda"))]
-fn pack_on_gpu(_: &[Vec<Tensor>], _: &[GroupRuns]) -> Result<Vec<Tensor>> {
+fn pack_on_gpu(_: &[Vec<Tensor>], _: &[GroupRuns], _: &[DType]) -> Result<Vec<Tensor>> {
     bail!("pack: built without CUDA")
 }
 
