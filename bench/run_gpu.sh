@@ -23,15 +23,15 @@
 #                busy fraction over its scoring pass (nvidia-smi every 100 ms) and the records'
 #                model FLOPs (workload_flops.py); transformers + flash-linear-attention and Kev in
 #                the prefix form on 64 varied records       varied.jsonl, varied-score.txt
-#   prefix       the prefix form, records one after another (one, 8, 64, 256 records of one shape
-#                and the first 256 `score` records of varied shapes), and the batch form on 64,
+#   prefix       the prefix form, records one after another (one, 8, 64, 256 records of one shape,
+#                the first 256 `score` records and the first 256 varied ones), and the batch form on 64,
 #                with each run's CUDA graph counts; BINS alternate ROUNDS times  prefix.jsonl
 #   eager        the prefix form with and without CUDA graphs, alternating, on one record and
 #                the 256 varied records                                       eager.jsonl
 #   ab           BINS alternating ROUNDS times over SIZES and AB_WORKLOADS   ab.jsonl
-#   score        `score` on 10,000 records (each of SCORE_BINS, alternating ROUNDS times; one run
-#                per budget in BATCH_TOKENS if set), then the library's batch form on their first
-#                256                                                          score.txt, score.jsonl
+#   score        `score` on 10,000 records (SCORE_RECORDS: score, or varied; each of SCORE_BINS,
+#                alternating ROUNDS times; one run per budget in BATCH_TOKENS if set), then the
+#                library's batch form on their first 256                      score.txt, score.jsonl
 #   capture      the pass that captures a graph (one record, 8 records; BINS)  capture.jsonl
 #   ncu          ncu's kernel times (at the GPU's own clocks) over one timed pass per size and
 #                NCU_WORKLOADS; NCU_FULL="kernel:workload ..." adds ncu's full set on one launch
@@ -55,7 +55,7 @@
 # Knobs [defaults]: SIZES ["0.8b 4b"]  BIN [bench]  BINS [bench]  ROUNDS [2]  WORKLOADS (peers:
 # [one batch8 batch64 batch256] at 0.8B, [one batch8 batch64] at 4B)  KEV_FORMS [prefix,batch]
 # PEERS ["plain fla"]  PEER_TIMEOUT [200]  AB_WORKLOADS ["one:prefix one:batch batch8:batch"]
-# SCORE_BINS [score]  LOADGEN_BINS [loadgen]  BATCH_TOKENS []  NCU_WORKLOADS [one]  NCU_ARGS [--form batch]  NCU_FULL []
+# SCORE_BINS [score]  SCORE_RECORDS [score]  LOADGEN_BINS [loadgen]  BATCH_TOKENS []  NCU_WORKLOADS [one]  NCU_ARGS [--form batch]  NCU_FULL []
 set -uo pipefail
 case "${1:-}" in ""|-h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;; esac
 cd "$(dirname "$0")/.."
@@ -81,6 +81,10 @@ gen() { [ -f $C/kev-$1/kev.json ] || python3 bench/make_checkpoint.py --size $1 
 score_records() {
   [ -f $C/score-10k.jsonl ] || python3 bench/stream_records.py --n 10000 --out $C/score-10k.jsonl >/dev/null
   head -n 256 $C/score-10k.jsonl > $R/score-256.jsonl
+}
+varied_records() {
+  [ -f $C/varied-10k.jsonl ] || python3 bench/varied_records.py --n 10000 --out $C/varied-10k.jsonl 2>>$O/stderr.txt
+  head -n 256 $C/varied-10k.jsonl > $R/varied-256.jsonl; head -n 64 $C/varied-10k.jsonl > $R/varied-64.jsonl
 }
 fla() { pip install -q --no-index --no-deps --no-compile --target /tmp/fla-site .whl/*.whl >/dev/null 2>&1; }
 # One line per JSON result on stdout.
@@ -129,9 +133,7 @@ if has report; then
 fi
 
 if has varied; then
-  gen 0.8b
-  [ -f $C/varied-10k.jsonl ] || python3 bench/varied_records.py --n 10000 --out $C/varied-10k.jsonl 2>>$O/stderr.txt
-  head -n 256 $C/varied-10k.jsonl > $R/varied-256.jsonl; head -n 64 $C/varied-10k.jsonl > $R/varied-64.jsonl
+  gen 0.8b; varied_records
   cat $C/varied-10k.lengths.json | tr -d '\n ' | tee -a $O/varied.jsonl; echo | tee -a $O/varied.jsonl
   kev varied $BIN --checkpoint $C/kev-0.8b $(recs one batch8 batch64 batch256 varied-256) --form prefix,batch \
     --repeats 5 --warmup 2 --label uniform-and-varied
@@ -160,10 +162,10 @@ PY
 fi
 
 if has prefix; then
-  gen 0.8b; score_records
+  gen 0.8b; score_records; varied_records
   for r in $(seq $ROUNDS); do
     for b in $BINS; do
-      kev prefix $b --checkpoint $C/kev-0.8b $(recs one batch8 batch64 batch256 score-256) --form prefix --repeats 5 --warmup 2 --label $b-r$r
+      kev prefix $b --checkpoint $C/kev-0.8b $(recs one batch8 batch64 batch256 score-256 varied-256) --form prefix --repeats 5 --warmup 2 --label $b-r$r
       kev prefix $b --checkpoint $C/kev-0.8b $(recs batch64) --form batch --repeats 5 --warmup 2 --label $b-r$r
     done
   done
@@ -193,20 +195,20 @@ if has ab; then
 fi
 
 if has score; then
-  gen 0.8b; score_records
+  gen 0.8b; score_records; varied_records; S=${SCORE_RECORDS:-score}
   for r in $(seq $ROUNDS); do
     for b in ${SCORE_BINS:-score}; do
       for t in ${BATCH_TOKENS:-default}; do
         arg=""; [ $t = default ] || arg="--batch-tokens $t"
-        echo "$b round $r, batch tokens $t:" | tee -a $O/score.txt
-        .gpu/$b --checkpoint $C/kev-0.8b --records $C/score-10k.jsonl --out /tmp/score-$b.jsonl --backend cuda --dtype bf16 $arg \
+        echo "$b round $r, $S-10k, batch tokens $t:" | tee -a $O/score.txt
+        .gpu/$b --checkpoint $C/kev-0.8b --records $C/$S-10k.jsonl --out /tmp/score-$b.jsonl --backend cuda --dtype bf16 $arg \
           2>&1 | grep "records/s" | tee -a $O/score.txt
       done
     done
   done
   set -- ${SCORE_BINS:-score}
   [ $# -ge 2 ] && cmp /tmp/score-$1.jsonl /tmp/score-$2.jsonl && echo "score outputs identical" | tee -a $O/score.txt
-  kev score $BIN --checkpoint $C/kev-0.8b $(recs score-256) --form batch --repeats 3 --warmup 1 --label library-256
+  kev score $BIN --checkpoint $C/kev-0.8b $(recs $S-256) --form batch --repeats 3 --warmup 1 --label library-256
 fi
 
 if has capture; then

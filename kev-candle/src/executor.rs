@@ -10,10 +10,26 @@ use kev_kernels::dispatch::{counted_cat, CountedTensor};
 use kev_kernels::{gather_rows, RowIndex, SplitBatch};
 
 use crate::device::backend_err;
-use crate::graphs::{GraphStats, PassInputs};
+use crate::graphs::GraphStats;
 use crate::head::PointerHead;
 use crate::plan::{head_positions, pieces, Pass, Piece, Plan};
-use crate::qwen35::{Cache, Model};
+use crate::qwen35::{Cache, Model, SplitTables};
+
+/// A pass's inputs on the device: everything its forward reads that was built on the host from
+/// more than its shape (token ids, head positions, lengths, owners), as copies of their own, so
+/// that a CUDA graph captured on one pass serves the others of its shape once these are
+/// rewritten ([`Executor::write_inputs`]).
+pub(crate) struct PassInputs {
+    /// Each piece's token ids, [`Pass::pieces`] order.
+    ids: Vec<Tensor>,
+    /// Where the head reads ([`Pass::head_reads`]), `[N + M]` u32.
+    heads: Tensor,
+    /// Each option's question, `[M]` u32.
+    owner: Tensor,
+    /// A pass in one pass over the layers: its split (with its table on the device) and the
+    /// backbone's tables for it.
+    split: Option<SplitTables>,
+}
 
 /// What a pass gives: all its options' logits in row order, and with [`Pass::keep`] each
 /// computed state's row of the cache (one-row caches, cut to the state's tokens).
@@ -31,7 +47,7 @@ pub(crate) struct Executor {
     prefill_chunk: usize,
     /// Passes replayed as CUDA graphs ([`kev_core::LoadOptions::cuda_graphs`]).
     #[cfg(feature = "cuda")]
-    graphs: Option<crate::graphs::Graphs>,
+    graphs: Option<crate::graphs::Graphs<PassInputs>>,
 }
 
 impl Executor {
@@ -72,6 +88,22 @@ impl Executor {
         self.prefill_chunk
     }
 
+    /// Whether plain passes replay as CUDA graphs (their pieces then pad to bucket widths).
+    pub(crate) fn graphs_on(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.graphs.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Whether every input of `pass` that depends on more than its shape is in its
+    /// [`PassInputs`]: one pass over the layers (`Executor::one_pass`) with the rotary rows
+    /// gathered on the device. Then one graph serves every pass of its widths and row counts.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn lengths_are_inputs(&self, pass: &Pass) -> bool {
+        pass.is_one_piece() && self.model.rope_gathers()
+    }
+
     /// How the CUDA graphs have fared (all zero off CUDA or without them).
     pub(crate) fn graph_stats(&self) -> GraphStats {
         #[cfg(feature = "cuda")]
@@ -108,10 +140,10 @@ impl Executor {
         pieces(seqs, self.prefill_chunk)
     }
 
-    /// The token ids of `piece` on the device (always a copy: they are a graph's inputs).
-    pub(crate) fn upload_ids(&self, piece: &Piece) -> Result<Tensor> {
-        Tensor::from_vec(
-            piece.ids.clone(),
+    /// The token ids of `piece` on the device.
+    fn upload_ids(&self, piece: &Piece) -> Result<Tensor> {
+        Tensor::from_slice(
+            &piece.ids,
             (piece.lengths.len(), piece.width),
             self.device(),
         )
@@ -123,10 +155,9 @@ impl Executor {
         pieces.into_iter().map(|p| self.upload_ids(p)).collect()
     }
 
-    /// Where `pass`'s head reads ([`Pass::head_reads`]) on the device, as u32 (always a copy: a
-    /// graph's input). Checked within the branch rows here, since a graph's replay reads them
-    /// without the gathers' own checks.
-    pub(crate) fn upload_heads(&self, pass: &Pass) -> Result<Tensor> {
+    /// Where `pass`'s head reads ([`Pass::head_reads`]) as u32, checked within the branch rows
+    /// here, since a graph's replay reads them without the gathers' own checks.
+    fn head_reads(pass: &Pass) -> Result<Vec<u32>> {
         let (reads, _) = pass.head_reads();
         let positions: usize = pass
             .branches
@@ -137,28 +168,86 @@ impl Executor {
                 message: format!("head position {bad} outside the {positions} branch positions"),
             });
         }
-        let reads = reads
+        reads
             .into_iter()
             .map(u32::try_from)
             .collect::<std::result::Result<Vec<u32>, _>>()
             .map_err(|_| kev_core::Error::Device {
                 message: "head positions: a batch over 2^32 token positions".to_string(),
-            })?;
-        let n = reads.len();
-        Tensor::from_vec(reads, n, self.device()).map_err(backend_err("head positions"))
+            })
     }
 
-    /// `pass`'s inputs on the device.
-    pub(crate) fn upload_inputs(&self, pass: &Pass) -> Result<PassInputs> {
+    /// `values` on the device as `[n]` u32 (a copy of its own).
+    fn upload_u32(&self, values: &[u32], what: &'static str) -> Result<Tensor> {
+        Tensor::from_slice(values, values.len(), self.device()).map_err(backend_err(what))
+    }
+
+    /// `pass`'s inputs on the device, its given prefixes' rows `given` (one cache) where it has
+    /// some.
+    fn upload_inputs(&self, pass: &Pass, given: Option<&Cache>) -> Result<PassInputs> {
+        let (_, owner) = pass.head_reads();
+        let split = match self.one_pass(pass)? {
+            Some(split) => Some(
+                self.model
+                    .split_tables(split, given)
+                    .map_err(backend_err("split tables"))?,
+            ),
+            None => None,
+        };
         Ok(PassInputs {
             ids: self.upload_all(pass.pieces())?,
-            heads: self.upload_heads(pass)?,
+            heads: self.upload_u32(&Self::head_reads(pass)?, "head positions")?,
+            owner: self.upload_u32(&owner, "option owners")?,
+            split,
         })
+    }
+
+    /// Rewrites `inputs` (of a pass of `pass`'s shape, [`Executor::lengths_are_inputs`] where
+    /// their lengths differ) with `pass`'s: a CUDA graph's next replay reads them.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn write_inputs(&self, pass: &Pass, inputs: &PassInputs) -> Result<()> {
+        let write = |slot: &Tensor, values: Tensor, what: &'static str| {
+            slot.slice_set(&values, 0, 0).map_err(backend_err(what))
+        };
+        for (slot, piece) in inputs.ids.iter().zip(pass.pieces()) {
+            write(slot, self.upload_ids(piece)?, "writing the token ids")?;
+        }
+        let reads = Self::head_reads(pass)?;
+        write(
+            &inputs.heads,
+            self.upload_u32(&reads, "head positions")?,
+            "writing the head positions",
+        )?;
+        let (_, owner) = pass.head_reads();
+        write(
+            &inputs.owner,
+            self.upload_u32(&owner, "option owners")?,
+            "writing the option owners",
+        )?;
+        if let Some(tables) = &inputs.split {
+            let split = self.split_of(pass, tables.split().table().clone())?;
+            let table = SplitBatch::host_table(
+                split.state_lengths(),
+                split.branch_lengths(),
+                split.owners(),
+            )
+            .map_err(backend_err("split table"))?;
+            write(
+                split.table(),
+                self.upload_u32(&table, "split table")?,
+                "writing the split table",
+            )?;
+            let (host, _) = self.model.split_host(&split, None);
+            tables
+                .write(&host, self.device())
+                .map_err(backend_err("writing the split tables"))?;
+        }
+        Ok(())
     }
 
     /// [`Executor::pass_logits`] with fresh uploads, read back.
     pub(crate) fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>> {
-        self.pass_logits(pass, &self.upload_inputs(pass)?)?
+        self.pass_logits(pass, &self.upload_inputs(pass, None)?)?
             .to_vec1::<f32>()
             .map_err(backend_err("pointer head"))
     }
@@ -169,14 +258,14 @@ impl Executor {
         let (reads, owner) = pass.head_reads();
         let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
             .map_err(backend_err("head positions"))?;
-        let hidden = if let Some(split) = self.one_pass(pass)? {
+        let hidden = if let Some(tables) = &inputs.split {
             // One piece each (every state within `prefill_chunk`): one pass over the layers, the
             // last layer's MLP only on the rows the head reads.
             self.model
                 .forward_split(
                     &inputs.ids[0],
                     &inputs.ids[1],
-                    &split,
+                    tables,
                     Some(&picked),
                     None,
                     false,
@@ -193,64 +282,85 @@ impl Executor {
                 .and_then(|flat| gather_rows(&flat, &picked))
                 .map_err(backend_err("pointer head"))?
         };
-        self.head_at_reads(pass, &hidden, &owner)
+        self.head_at_reads(pass, &hidden, &owner, &inputs.owner)
     }
 
     /// The head on `hidden: [P, H]`, the rows `pass` reads ([`Pass::head_reads`], whose option
-    /// owners are `owner`): all options' logits `[M]` on the device.
-    fn head_at_reads(&self, pass: &Pass, hidden: &Tensor, owner: &[u32]) -> Result<Tensor> {
+    /// owners are `owner`, on the device `owner_on_device`): all options' logits `[M]` on the
+    /// device.
+    fn head_at_reads(
+        &self,
+        pass: &Pass,
+        hidden: &Tensor,
+        owner: &[u32],
+        owner_on_device: &Tensor,
+    ) -> Result<Tensor> {
         let err = backend_err("pointer head");
         let n = pass.rows.len();
         let decide = hidden.narrow(0, 0, n).map_err(&err)?;
         let opts = hidden.narrow(0, n, owner.len()).map_err(&err)?;
         self.head
-            .logits_on_device(&decide, &opts, owner)
+            .logits_on_device(&decide, &opts, owner, Some(owner_on_device))
             .map_err(&err)
     }
 
-    /// The split of `pass` when it runs in one pass over the layers: its computed states and its
-    /// branches are one piece each (the given prefixes' rows follow the computed ones).
+    /// The split of `pass` when it runs in one pass over the layers ([`Pass::is_one_piece`]:
+    /// its computed states and its branches are one piece each; the given prefixes' rows follow
+    /// the computed ones), with its table on the device (a copy of its own).
     fn one_pass(&self, pass: &Pass) -> Result<Option<SplitBatch>> {
-        let ([state], [branches]) = (&pass.state[..], &pass.branches[..]) else {
+        if !pass.is_one_piece() {
             return Ok(None);
-        };
-        SplitBatch::with_given(
+        }
+        let (state, branches) = (&pass.state[0], &pass.branches[0]);
+        let table = SplitBatch::host_table(&state.lengths, &branches.lengths, &pass.owners)
+            .map_err(backend_err("split table"))?;
+        let table = self.upload_u32(&table, "split table")?;
+        self.split_of(pass, table).map(Some)
+    }
+
+    /// The split of the one-piece `pass` on `table` (holding its [`SplitBatch::host_table`], or to be
+    /// rewritten with it).
+    fn split_of(&self, pass: &Pass, table: Tensor) -> Result<SplitBatch> {
+        let (state, branches) = (&pass.state[0], &pass.branches[0]);
+        SplitBatch::on_device(
             state.width,
             state.lengths.clone(),
             pass.given.len(),
             branches.width,
             branches.lengths.clone(),
             pass.owners.clone(),
-            self.device(),
+            table,
         )
-        .map(Some)
         .map_err(backend_err("backbone forward"))
     }
 
     /// A pass that keeps its computed states or continues given prefixes, in one pass over the
     /// layers where it fits ([`Executor::one_pass`]), else [`Executor::pass_with_prefixes`].
     fn pass_keeping(&self, pass: &Pass) -> Result<PassOut> {
-        let Some(split) = self.one_pass(pass)? else {
+        if !pass.is_one_piece() {
             return self.pass_with_prefixes(pass);
+        }
+        let given = self.given_rows(pass)?;
+        let inputs = self.upload_inputs(pass, given.as_ref())?;
+        let Some(tables) = &inputs.split else {
+            unreachable!("a one-piece pass has its split")
         };
-        let inputs = self.upload_inputs(pass)?;
         let (reads, owner) = pass.head_reads();
         let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
             .map_err(backend_err("head positions"))?;
-        let given = self.given_rows(pass)?;
         let (hidden, kept) = self
             .model
             .forward_split(
                 &inputs.ids[0],
                 &inputs.ids[1],
-                &split,
+                tables,
                 Some(&picked),
                 given.as_ref(),
                 pass.keep,
             )
             .map_err(backend_err("backbone forward"))?;
         let logits = self
-            .head_at_reads(pass, &hidden, &owner)?
+            .head_at_reads(pass, &hidden, &owner, &inputs.owner)?
             .to_vec1::<f32>()
             .map_err(backend_err("pointer head"))?;
         let kept = match kept {
@@ -389,16 +499,18 @@ fn cut_rows(cache: &Cache, rows: usize) -> Result<Vec<Cache>> {
 
 #[cfg(feature = "cuda")]
 impl crate::graphs::Replays for Executor {
+    type Inputs = PassInputs;
+
     fn upload_inputs(&self, pass: &Pass) -> Result<PassInputs> {
-        Executor::upload_inputs(self, pass)
+        Executor::upload_inputs(self, pass, None)
     }
 
-    fn upload_ids(&self, piece: &Piece) -> Result<Tensor> {
-        Executor::upload_ids(self, piece)
+    fn write_inputs(&self, pass: &Pass, inputs: &PassInputs) -> Result<()> {
+        Executor::write_inputs(self, pass, inputs)
     }
 
-    fn upload_heads(&self, pass: &Pass) -> Result<Tensor> {
-        Executor::upload_heads(self, pass)
+    fn lengths_are_inputs(&self, pass: &Pass) -> bool {
+        Executor::lengths_are_inputs(self, pass)
     }
 
     fn pass_logits(&self, pass: &Pass, inputs: &PassInputs) -> Result<Tensor> {

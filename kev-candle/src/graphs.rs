@@ -3,13 +3,17 @@
 //!
 //! One request is about a thousand small launches, and on the GPU its time is the host's: each
 //! candle op costs several microseconds to issue. A graph issues them all at once. The host
-//! code of a forward is fixed by the pass's token *shapes* (`PassShape`: piece widths, row
-//! lengths, options per row), not by its token ids or where its options sit, so the second
-//! record of a shape (where a graph of it will be kept) is run eagerly once more to record its
-//! uploads ([`kev_kernels::uploads`]), then captured; later records of that shape only copy
-//! their ids and head positions ([`PassInputs`]) into the graph's input tensors and launch it.
-//! The kernels and their inputs are the same as eagerly, so are the numbers. A batch is one pass
-//! (its states' rows, then all its branches), so a batch of the same shapes replays as well.
+//! code of a forward is fixed by the pass's *shape* (`PassShape`), not by the contents of its
+//! inputs (`Replays::Inputs`: token ids, where the head reads, each option's question and, for
+//! a pass in one pass over the layers, its rows' lengths and owners and what the backbone
+//! derives from them), so the second pass of a shape (where a graph of it will be kept) is run
+//! eagerly once more to record its other uploads ([`kev_kernels::uploads`]), then captured;
+//! later passes of that shape only write their inputs into the graph's and launch it. The
+//! kernels and their inputs are the same as eagerly, so are the numbers. A pass in one pass
+//! over the layers is shaped by its row counts and widths alone, which the plan pads to a few
+//! buckets ([`crate::plan::bucket_width`]), so records of other lengths replay too; other
+//! passes (states in several pieces) by their rows' lengths as well. A batch is one pass (its
+//! states' rows, then all its branches), so a batch of the same shapes replays as well.
 //!
 //! A few graphs are kept, by how often their shape comes back ([`KEEP`], [`HALVE_EVERY`]):
 //! capturing costs more than an eager forward, so a shape seen again replaces a kept graph
@@ -19,15 +23,21 @@
 //! eager: their host time is small beside their GPU time, and a graph would hold a second copy
 //! of their working memory.
 
-use candle_core::Tensor;
+/// Passes whose rows are longer than this (a long state) run eagerly. A graph reserves its own
+/// copy of the forward's working memory (the driver keeps graph memory apart from the pool
+/// eager forwards use), while a long row's host time is small beside its GPU time: with a
+/// 4096-token state a graph saved 10 % at 0.8B and 2 % at 4B on the H200 but held 2.9 and
+/// 5.6 GiB more; one request (704 positions) held the same or +0.7 GiB.
+const MAX_ROW_POSITIONS: usize = 2048;
+/// Passes computing more token positions than this (a large batch) run eagerly, for the same
+/// reason. 8 records of a 512-token state and 4 questions compute 5632; eagerly, their host
+/// time was 5 of 29 ms at 0.8B and 10 of 101 ms at 4B on the H200.
+const MAX_TOKENS: usize = 8192;
 
-/// A pass's inputs on the device: what differs between passes of one shape, so that a CUDA
-/// graph captured on one of them serves the others once these are rewritten.
-pub(crate) struct PassInputs {
-    /// Each piece's token ids, [`Pass::pieces`](crate::plan::Pass::pieces) order.
-    pub(crate) ids: Vec<Tensor>,
-    /// Where the head reads ([`Pass::head_reads`](crate::plan::Pass::head_reads)), `[N]` u32.
-    pub(crate) heads: Tensor,
+/// Whether a pass of `tokens` token positions (padding included) whose longest row (a state
+/// and a branch, padded) is `row_positions` long is worth a graph.
+pub(crate) fn graph_sized(tokens: usize, row_positions: usize) -> bool {
+    tokens <= MAX_TOKENS && row_positions <= MAX_ROW_POSITIONS
 }
 
 /// How the CUDA graphs of a model have fared: for benchmarks, tests and logs.
@@ -59,16 +69,21 @@ mod cuda {
     use kev_core::{Error, Result};
     use kev_kernels::uploads::{self, UploadMemo};
 
-    use super::{GraphStats, PassInputs};
-    use crate::plan::{Pass, Piece};
+    use super::GraphStats;
+    use crate::plan::Pass;
 
     /// What the graphs capture and replay: the executor's runs of plain passes, through these
     /// alone (the graphs know nothing of the model they serve).
     pub(crate) trait Replays {
-        fn upload_inputs(&self, pass: &Pass) -> Result<PassInputs>;
-        fn upload_ids(&self, piece: &Piece) -> Result<Tensor>;
-        fn upload_heads(&self, pass: &Pass) -> Result<Tensor>;
-        fn pass_logits(&self, pass: &Pass, inputs: &PassInputs) -> Result<Tensor>;
+        /// A pass's inputs on the device, copies of their own.
+        type Inputs;
+        fn upload_inputs(&self, pass: &Pass) -> Result<Self::Inputs>;
+        /// Rewrites `inputs` (of a pass of `pass`'s shape) with `pass`'s.
+        fn write_inputs(&self, pass: &Pass, inputs: &Self::Inputs) -> Result<()>;
+        /// Whether `pass`'s inputs hold everything it reads that its widths and row counts do
+        /// not fix (else its shape holds its rows' lengths as well).
+        fn lengths_are_inputs(&self, pass: &Pass) -> bool;
+        fn pass_logits(&self, pass: &Pass, inputs: &Self::Inputs) -> Result<Tensor>;
         fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>>;
     }
 
@@ -80,32 +95,44 @@ mod cuda {
     pub(super) const HALVE_EVERY: u64 = 32 * KEEP as u64;
     /// Shapes without a graph remembered at most (forgotten all at once beyond it).
     const SEEN: usize = 4096;
-    /// Passes whose rows are longer than this (a long state) run eagerly. A graph reserves its own
-    /// copy of the forward's working memory (the driver keeps graph memory apart from the pool
-    /// eager forwards use), while a long row's host time is small beside its GPU time: with a
-    /// 4096-token state a graph saved 10 % at 0.8B and 2 % at 4B on the H200 but held 2.9 and
-    /// 5.6 GiB more; one request (704 positions) held the same or +0.7 GiB.
-    const MAX_ROW_POSITIONS: usize = 2048;
-    /// Passes computing more token positions than this (a large batch) run eagerly, for the same
-    /// reason. 8 records of a 512-token state and 4 questions compute 5632; eagerly, their host
-    /// time was 5 of 29 ms at 0.8B and 10 of 101 ms at 4B on the H200.
-    const MAX_TOKENS: usize = 8192;
-
-    /// A [`Pass`] without its token ids: passes of equal shape run the same kernels on the same
-    /// shapes with the same host-built inputs, so one CUDA graph serves them all.
+    /// A [`Pass`] without its inputs: passes of equal shape run the same kernels on the same
+    /// shapes with the same host-built tensors besides their inputs, so one CUDA graph serves
+    /// them all.
     #[derive(Clone, PartialEq, Eq, Hash)]
-    struct PassShape {
-        state_pieces: usize,
-        computed: usize,
-        pieces: Vec<(usize, Vec<usize>)>,
-        owners: Vec<usize>,
-        /// Options per row (where the head reads is a graph input).
-        options: Vec<usize>,
+    enum PassShape {
+        /// One pass over the layers, lengths and owners among the inputs: the state and branch
+        /// pieces' rows and widths, and the head's rows and options.
+        Split {
+            states: (usize, usize),
+            branches: (usize, usize),
+            rows: usize,
+            options: usize,
+        },
+        /// Otherwise: every piece's width and rows' lengths too, and the branch rows' states.
+        Rows {
+            state_pieces: usize,
+            computed: usize,
+            pieces: Vec<(usize, Vec<usize>)>,
+            owners: Vec<usize>,
+            rows: usize,
+            options: usize,
+        },
     }
 
     impl PassShape {
-        fn of(pass: &Pass) -> Self {
-            Self {
+        fn of(pass: &Pass, lengths_are_inputs: bool) -> Self {
+            let rows = pass.rows.len();
+            let options = pass.rows.iter().map(|r| r.opts.len()).sum();
+            if lengths_are_inputs {
+                let dims = |p: &crate::plan::Piece| (p.lengths.len(), p.width);
+                return Self::Split {
+                    states: dims(&pass.state[0]),
+                    branches: dims(&pass.branches[0]),
+                    rows,
+                    options,
+                };
+            }
+            Self::Rows {
                 state_pieces: pass.state.len(),
                 computed: pass.computed,
                 owners: pass.owners.clone(),
@@ -113,7 +140,8 @@ mod cuda {
                     .pieces()
                     .map(|p| (p.width, p.lengths.clone()))
                     .collect(),
-                options: pass.rows.iter().map(|r| r.opts.len()).collect(),
+                rows,
+                options,
             }
         }
     }
@@ -128,15 +156,28 @@ mod cuda {
         pass.pieces().map(|p| p.width).sum()
     }
 
-    /// The graphs of one model.
-    #[derive(Default)]
-    pub(crate) struct Graphs {
-        book: Mutex<Book>,
+    /// The graphs of one model, whose passes' inputs are `I`.
+    pub(crate) struct Graphs<I> {
+        book: Mutex<Book<I>>,
+    }
+
+    impl<I> Default for Graphs<I> {
+        fn default() -> Self {
+            Self {
+                book: Mutex::new(Book {
+                    seen: HashMap::new(),
+                    failed: HashSet::new(),
+                    capturing: HashSet::new(),
+                    graphs: VecDeque::new(),
+                    forwards: 0,
+                    stats: GraphStats::default(),
+                }),
+            }
+        }
     }
 
     /// What the graphs keep account of, behind one lock.
-    #[derive(Default)]
-    struct Book {
+    struct Book<I> {
         /// Shapes without a graph, and how often each came (halved every [`HALVE_EVERY`]).
         seen: HashMap<PassShape, u32>,
         failed: HashSet<PassShape>,
@@ -146,7 +187,7 @@ mod cuda {
         /// The kept graphs, least recently used first. A graph out for a replay keeps its
         /// place (its `graph` taken), so the room left, the halving and the choice of a victim
         /// count it while another thread runs it.
-        graphs: VecDeque<Kept>,
+        graphs: VecDeque<Kept<I>>,
         /// Forwards of graph-sized passes, for the halving.
         forwards: u64,
         stats: GraphStats,
@@ -154,13 +195,13 @@ mod cuda {
 
     /// A kept graph (`None` while a thread replays it), and how often its shape came (the
     /// sightings before its capture included).
-    struct Kept {
+    struct Kept<I> {
         shape: PassShape,
-        graph: Option<Captured>,
+        graph: Option<Captured<I>>,
         count: u32,
     }
 
-    impl Book {
+    impl<I> Book<I> {
         /// Counts a forward of a graph-sized pass, halving every count every [`HALVE_EVERY`].
         fn tick(&mut self) {
             self.forwards += 1;
@@ -194,17 +235,18 @@ mod cuda {
 
     /// A captured forward. Field order is drop order: the output (a graph allocation) is freed
     /// before the graph goes.
-    struct Captured {
+    struct Captured<I> {
         logits: Tensor,
         graph: CudaGraph,
-        inputs: PassInputs,
+        inputs: I,
         _uploads: UploadMemo,
     }
 
     // SAFETY: CUDA graph objects may be used from any thread as long as no two threads use one
     // at a time. A `Captured` has one owner at a time: the list (behind the mutex), or the one
-    // thread that took it from its place in the list to replay it.
-    unsafe impl Send for Captured {}
+    // thread that took it from its place in the list to replay it. Its inputs are device
+    // tensors, used by that one owner alike.
+    unsafe impl<I> Send for Captured<I> {}
 
     fn backend(context: &str, e: impl std::fmt::Display) -> Error {
         Error::Device {
@@ -212,12 +254,12 @@ mod cuda {
         }
     }
 
-    impl Graphs {
+    impl<I> Graphs<I> {
         pub(crate) fn stats(&self) -> GraphStats {
             self.lock().stats.clone()
         }
 
-        fn lock(&self) -> std::sync::MutexGuard<'_, Book> {
+        fn lock(&self) -> std::sync::MutexGuard<'_, Book<I>> {
             self.book.lock().unwrap_or_else(PoisonError::into_inner)
         }
 
@@ -225,14 +267,14 @@ mod cuda {
         /// graph yet, one whose graph another thread is running, or one that failed to capture).
         pub(crate) fn logits(
             &self,
-            exec: &impl Replays,
+            exec: &impl Replays<Inputs = I>,
             pass: &Pass,
             dev: &CudaDevice,
         ) -> Result<Vec<f32>> {
-            if tokens(pass) > MAX_TOKENS || row_positions(pass) > MAX_ROW_POSITIONS {
+            if !super::graph_sized(tokens(pass), row_positions(pass)) {
                 return exec.pass_logits_eager(pass);
             }
-            let shape = PassShape::of(pass);
+            let shape = PassShape::of(pass, exec.lengths_are_inputs(pass));
             // The lock is not held while the GPU works: other threads' forwards (on their own
             // streams) go on; a graph in use is taken from its place until it is done.
             let action = self.lock().action(&shape);
@@ -272,9 +314,9 @@ mod cuda {
         }
     }
 
-    impl Book {
+    impl<I> Book<I> {
         /// What a forward of a graph-sized pass of `shape` does, counting it.
-        fn action(&mut self, shape: &PassShape) -> Action {
+        fn action(&mut self, shape: &PassShape) -> Action<I> {
             self.tick();
             if self.failed.contains(shape) || self.capturing.contains(shape) {
                 return Action::Eager;
@@ -307,7 +349,7 @@ mod cuda {
         }
 
         /// Returns a replayed graph to its place (none: the replay failed, the place goes).
-        fn put_back(&mut self, shape: &PassShape, graph: Option<Captured>) {
+        fn put_back(&mut self, shape: &PassShape, graph: Option<Captured<I>>) {
             let Some(i) = self.graphs.iter().position(|k| k.shape == *shape) else {
                 return;
             };
@@ -320,7 +362,7 @@ mod cuda {
         /// Keeps a new graph of a shape that came `count` times at the most recent end, in
         /// place of [`Book::victim`] once [`KEEP`] are kept; or drops it, where the graphs
         /// kept meanwhile (by other threads) leave no room for it.
-        fn keep(&mut self, shape: PassShape, graph: Captured, count: u32) {
+        fn keep(&mut self, shape: PassShape, graph: Captured<I>, count: u32) {
             if !self.room_for(count) {
                 return;
             }
@@ -338,23 +380,15 @@ mod cuda {
     }
 
     /// What a forward does; a capture with its shape's count.
-    enum Action {
+    enum Action<I> {
         Eager,
         Capture(u32),
-        Replay(Captured),
+        Replay(Captured<I>),
     }
 
-    impl Captured {
-        fn replay(&self, exec: &impl Replays, pass: &Pass) -> Result<Vec<f32>> {
-            for (slot, piece) in self.inputs.ids.iter().zip(pass.pieces()) {
-                let ids = exec.upload_ids(piece)?;
-                slot.slice_set(&ids, 0, 0)
-                    .map_err(|e| backend("writing the token ids", e))?;
-            }
-            self.inputs
-                .heads
-                .slice_set(&exec.upload_heads(pass)?, 0, 0)
-                .map_err(|e| backend("writing the head positions", e))?;
+    impl<I> Captured<I> {
+        fn replay(&self, exec: &impl Replays<Inputs = I>, pass: &Pass) -> Result<Vec<f32>> {
+            exec.write_inputs(pass, &self.inputs)?;
             self.graph.launch().map_err(|e| backend("launch", e))?;
             self.logits
                 .to_vec1::<f32>()
@@ -365,11 +399,11 @@ mod cuda {
     /// Records `pass`'s uploads in an eager run, captures a second run, launches it once and
     /// returns the graph and its logits; on failure, why, with the stream out of capture and the
     /// errors the abandoned capture left on the context taken.
-    fn capture(
-        exec: &impl Replays,
+    fn capture<I>(
+        exec: &impl Replays<Inputs = I>,
         pass: &Pass,
         dev: &CudaDevice,
-    ) -> std::result::Result<(Captured, Vec<f32>), String> {
+    ) -> std::result::Result<(Captured<I>, Vec<f32>), String> {
         let inputs = exec.upload_inputs(pass).map_err(|e| e.to_string())?;
         let stream = dev.cuda_stream();
         let (captured, memo, ended) = {

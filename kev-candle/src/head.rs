@@ -100,18 +100,21 @@ impl PointerHead {
     }
 
     /// `h_decide: [N, H]` (one per question), `h_opts: [M, H]` (all options), `owner[i]`: the
-    /// question of option i. Returns the M logits (f32) in option order, on the device (nothing
-    /// waits for it, so a CUDA graph can end here).
+    /// question of option i, also on the device where `owner_on_device` holds it (a CUDA
+    /// graph's input; else uploaded here). Returns the M logits (f32) in option order, on the
+    /// device (nothing waits for it, so a CUDA graph can end here).
     pub fn logits_on_device(
         &self,
         h_decide: &Tensor,
         h_opts: &Tensor,
         owner: &[u32],
+        owner_on_device: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         self.logits_of_f32(
             &kev_kernels::rows_f32(h_decide, None)?,
             &kev_kernels::rows_f32(h_opts, None)?,
             owner,
+            owner_on_device,
         )
     }
 
@@ -128,6 +131,7 @@ impl PointerHead {
             &kev_kernels::rows_f32(hidden, Some(decide))?,
             &kev_kernels::rows_f32(hidden, Some(opts))?,
             owner,
+            None,
         )
     }
 
@@ -137,6 +141,7 @@ impl PointerHead {
         h_decide: &Tensor,
         h_opts: &Tensor,
         owner: &[u32],
+        owner_on_device: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         let questions = h_decide.dim(0)?;
         if let Some(bad) = owner.iter().find(|&&o| o as usize >= questions) {
@@ -144,7 +149,15 @@ impl PointerHead {
         }
         let q = h_decide.counted_matmul(&self.q_weight.t()?)?;
         let k = h_opts.counted_matmul(&self.k_weight.t()?)?;
-        let owner = kev_kernels::uploads::upload(owner.to_vec(), owner.len(), q.device())?;
+        let owner = match owner_on_device {
+            Some(t) if t.dims() == [owner.len()] => t.clone(),
+            Some(t) => candle_core::bail!(
+                "pointer head: {:?} option owners on the device for {} options",
+                t.dims(),
+                owner.len()
+            ),
+            None => kev_kernels::uploads::upload(owner.to_vec(), owner.len(), q.device())?,
+        };
         kev_kernels::pointer_logits(
             &q,
             &k,
@@ -162,7 +175,7 @@ impl PointerHead {
         h_opts: &Tensor,
         owner: &[u32],
     ) -> candle_core::Result<Vec<f32>> {
-        self.logits_on_device(h_decide, h_opts, owner)?
+        self.logits_on_device(h_decide, h_opts, owner, None)?
             .to_vec1::<f32>()
     }
 }

@@ -64,12 +64,15 @@ pub(crate) struct RecordOut {
 impl Plan {
     /// The plan scoring `records`, where `given[i]` (when `given` is not empty) is record i's
     /// prefix, already checked to be of its state; `keep`: the computed states' rows are kept.
-    /// Pieces are at most `chunk` steps.
+    /// Pieces are at most `chunk` steps. With `buckets` (passes replayed as CUDA graphs), a
+    /// plain pass in one pass over the layers pads its two pieces to [`bucket_width`]s where it
+    /// stays graph-sized, so that records of nearby lengths share a graph.
     pub(crate) fn new(
         records: &[EncodedRecord],
         given: &[Option<Arc<Prefix>>],
         keep: bool,
         chunk: usize,
+        buckets: bool,
     ) -> Self {
         let given_of = |i: usize| given.get(i).and_then(Option::as_ref);
         // The distinct computed states, and each computed record's.
@@ -151,6 +154,15 @@ impl Plan {
             let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
             pass.branches = pieces(&ids, chunk);
             pass.rows = rows.into_iter().cloned().collect();
+            if buckets && pass.is_plain() && pass.is_one_piece() {
+                let widths = [&pass.state[0], &pass.branches[0]]
+                    .map(|p| (p.lengths.len(), bucket_width(p.width, chunk)));
+                let tokens = widths.iter().map(|(rows, w)| rows * w).sum();
+                if crate::graphs::graph_sized(tokens, widths[0].1 + widths[1].1) {
+                    pass.state[0].pad_to(widths[0].1);
+                    pass.branches[0].pad_to(widths[1].1);
+                }
+            }
         }
         Plan { passes, at }
     }
@@ -193,6 +205,12 @@ impl Pass {
         self.given.is_empty() && !self.keep && !self.rows.is_empty()
     }
 
+    /// Whether its computed states and its branches are one piece each: it runs in one pass
+    /// over the layers ([`crate::qwen35::Model::forward_split`]).
+    pub(crate) fn is_one_piece(&self) -> bool {
+        self.state.len() == 1 && self.branches.len() == 1
+    }
+
     /// The state's pieces, then the branches'.
     pub(crate) fn pieces(&self) -> impl Iterator<Item = &Piece> {
         self.state.iter().chain(&self.branches)
@@ -211,6 +229,36 @@ impl Pass {
     pub(crate) fn branch_width(&self) -> usize {
         self.branches.iter().map(|p| p.width).sum()
     }
+}
+
+impl Piece {
+    /// The same rows right-padded to `width` (at least the piece's own).
+    fn pad_to(&mut self, width: usize) {
+        if width <= self.width {
+            return;
+        }
+        let mut ids = Vec::with_capacity(self.lengths.len() * width);
+        for row in self.ids.chunks(self.width.max(1)).take(self.lengths.len()) {
+            ids.extend_from_slice(row);
+            ids.extend(std::iter::repeat_n(PAD_ID, width - row.len()));
+        }
+        ids.resize(self.lengths.len() * width, PAD_ID);
+        self.ids = ids;
+        self.width = width;
+    }
+}
+
+/// The width a CUDA-graphed piece of `width` steps pads to (at most `chunk`, the longest piece):
+/// a multiple of 32 up to 128, then a quarter of the power of two below (4 widths an octave),
+/// so padding adds at most a quarter of the steps, or 31, and a few graphs serve every length.
+pub(crate) fn bucket_width(width: usize, chunk: usize) -> usize {
+    let bucket = if width <= 128 {
+        width.div_ceil(32) * 32
+    } else {
+        let step = (1usize << width.ilog2()) / 4;
+        width.div_ceil(step) * step
+    };
+    bucket.min(chunk).max(width)
 }
 
 /// Right-pads `seqs` into `[B, T]` and cuts it into pieces of at most `chunk` steps.
@@ -316,7 +364,33 @@ pub(crate) fn split_logits(flat: &[f32], rows: &[Row]) -> Vec<Vec<f32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::length_buckets;
+    use super::{bucket_width, length_buckets, pieces};
+
+    #[test]
+    fn bucket_widths_bound_the_padding() {
+        assert_eq!(bucket_width(0, 512), 0);
+        assert_eq!(bucket_width(1, 512), 32);
+        assert_eq!(bucket_width(128, 512), 128);
+        assert_eq!(bucket_width(129, 512), 160);
+        assert_eq!(bucket_width(700, 2048), 768);
+        assert_eq!(bucket_width(700, 720), 720, "never past the chunk");
+        assert_eq!(bucket_width(900, 720), 900, "never below the width");
+        let mut widths = std::collections::BTreeSet::new();
+        for w in 1..=2048 {
+            let b = bucket_width(w, 4096);
+            assert!(b >= w && (b - w) * 4 <= w.max(124), "{w} -> {b}");
+            widths.insert(b);
+        }
+        assert_eq!(widths.len(), 4 + 4 * 4, "{widths:?}");
+    }
+
+    #[test]
+    fn padded_pieces_keep_their_rows() {
+        let mut piece = pieces(&[vec![1u32, 2, 3], vec![4]], 8).remove(0);
+        piece.pad_to(5);
+        assert_eq!(piece.ids, [1, 2, 3, 0, 0, 4, 0, 0, 0, 0]);
+        assert_eq!((piece.width, piece.lengths.clone()), (5, vec![3, 1]));
+    }
 
     #[test]
     fn buckets_keep_padding_bounded_and_cover_every_record_once() {

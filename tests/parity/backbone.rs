@@ -186,8 +186,9 @@ fn split_forward_equals_states_then_branches() {
         let last = cfg.layer_types[layers - 1];
         let model = Model::new(&cfg, &w).unwrap();
         let split = fixture_split(owners.clone(), 0, w.device());
+        let tables = model.split_tables(split, None).unwrap();
         let (ours, _) = model
-            .forward_split(&states, &branches, &split, None, None, false)
+            .forward_split(&states, &branches, &tables, None, None, false)
             .unwrap();
 
         let mut cache = model.new_cache(2).unwrap();
@@ -207,7 +208,7 @@ fn split_forward_equals_states_then_branches() {
         let picked = [17usize, 0, 8, 9, 25, 0];
         let index = kev_kernels::RowIndex::new(&picked, &device()).unwrap();
         let (some, _) = model
-            .forward_split(&states, &branches, &split, Some(&index), None, false)
+            .forward_split(&states, &branches, &tables, Some(&index), None, false)
             .unwrap();
         let flat = ours.flatten(0, 1).unwrap();
         let want = Tensor::cat(
@@ -255,8 +256,9 @@ fn split_forward_continues_given_rows_and_keeps_its_states() {
         }
         let owners = vec![2, 0, 2];
         let split = fixture_split(owners.clone(), 1, w.device());
+        let tables = model.split_tables(split, Some(&given)).unwrap();
         let (ours, kept) = model
-            .forward_split(&states, &branches, &split, None, Some(&given), true)
+            .forward_split(&states, &branches, &tables, None, Some(&given), true)
             .unwrap();
         let kept = kept.expect("kept states");
 

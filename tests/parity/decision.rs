@@ -339,6 +339,10 @@ fn check_graph_stats(model: &DecisionModel, check: impl FnOnce(&kev::GraphStats)
     }
 }
 
+/// With graphs, a pass in one pass over the layers pads its pieces to bucket widths, which the
+/// model without them does not: the sums inside the taller products may round differently.
+const TOL_PADDED: f32 = 1e-5;
+
 /// On CUDA, [`DecisionModel::forward`] replays a graph for a record shape seen before: the
 /// replayed logits equal the eager ones for the record that was captured and for another
 /// record of the same shape (its ids written into the graph's inputs). Elsewhere this checks
@@ -359,7 +363,10 @@ fn graph_replays_equal_eager_forwards() {
             worst = worst.max(max_delta(&graphs.logits(rec).unwrap(), want));
         }
     }
-    assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
+    assert!(
+        worst <= TOL_PADDED,
+        "graph vs eager logits differ by {worst:e}"
+    );
     let stats = graphs.graph_stats();
     eprintln!("graphs: {stats:?}, max |Δ logit| vs eager {worst:e}");
     check_graph_stats(&graphs, |stats| {
@@ -431,21 +438,33 @@ fn graph_replays_read_each_records_head_positions() {
                 worst = worst.max(max_delta(&graphs.logits(rec).unwrap(), want));
             }
         }
-        assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
+        assert!(
+            worst <= TOL_PADDED,
+            "graph vs eager logits differ by {worst:e}"
+        );
         let stats = graphs.graph_stats();
         eprintln!(
             "prefill chunk {chunk:?}, {} pairs; graphs: {stats:?}, max |Δ logit| vs eager {worst:e}",
             pairs.len()
         );
         check_graph_stats(&graphs, |stats| {
-            // A pair's shape is captured on the twin's first sight and replayed for both
-            // records after (the pairs past the graphs kept run eagerly throughout); keyed by
-            // head positions, each record would be captured on its own second sight and never
-            // replayed.
-            assert_eq!(stats.captured, pairs.len().min(8), "{stats:?}");
-            assert_eq!(stats.replayed, 2 * stats.captured, "{stats:?}");
+            // A pair's shape is captured on the twin's first sight (or earlier, where pairs
+            // share a shape) and replayed for both records after; keyed by head positions,
+            // each record would be captured on its own second sight and never replayed.
+            assert!(
+                (1..=pairs.len().min(8)).contains(&stats.captured),
+                "{stats:?}"
+            );
+            assert!(stats.replayed >= 2 * stats.captured, "{stats:?}");
         });
     }
+}
+
+/// `record` with `n` questions: its own, repeated in turn.
+fn with_questions(record: &Record, n: usize) -> Record {
+    let mut r = record.clone();
+    r.questions = record.questions.iter().cycle().take(n).cloned().collect();
+    r
 }
 
 /// On CUDA, more record shapes than graphs are kept, coming round in turn: the graphs captured
@@ -455,17 +474,8 @@ fn graph_replays_read_each_records_head_positions() {
 fn graphs_stay_when_more_shapes_come_round() {
     let (graphs, eager) = with_and_without_graphs(f32_options());
     let base = records().remove(0);
-    let words: Vec<String> = (0..24).map(|i| format!("w{i}")).collect();
-    let mut shapes: Vec<Record> = Vec::new();
-    let mut lengths = std::collections::BTreeSet::new();
-    for n in 1..=words.len() {
-        let mut r = base.clone();
-        r.state = words[..n].join(" ");
-        if lengths.insert(graphs.encode(&r).unwrap().rows().0.len()) {
-            shapes.push(r);
-        }
-    }
-    assert!(shapes.len() >= 16, "{} state lengths", shapes.len());
+    // Shapes by their number of questions (branch rows), which no padding shares.
+    let shapes: Vec<Record> = (1..=16).map(|n| with_questions(&base, n)).collect();
     let want: Vec<_> = shapes.iter().map(|r| eager.logits(r).unwrap()).collect();
     let mut worst = 0f32;
     for _round in 0..4 {
@@ -473,7 +483,10 @@ fn graphs_stay_when_more_shapes_come_round() {
             worst = worst.max(max_delta(&graphs.logits(r).unwrap(), want));
         }
     }
-    assert!(worst <= 1e-6, "graph vs eager logits differ by {worst:e}");
+    assert!(
+        worst <= TOL_PADDED,
+        "graph vs eager logits differ by {worst:e}"
+    );
     let stats = graphs.graph_stats();
     eprintln!("{} shapes, 4 rounds; graphs: {stats:?}", shapes.len());
     check_graph_stats(&graphs, |stats| {
@@ -481,6 +494,64 @@ fn graphs_stay_when_more_shapes_come_round() {
         // and the fourth; the rest eager throughout.
         assert_eq!(stats.captured, 8, "{stats:?}");
         assert_eq!(stats.replayed, 2 * stats.captured, "{stats:?}");
+    });
+}
+
+/// On CUDA, records whose states differ in length but pad to the same width share one graph
+/// (the rows' lengths, and what attention, the rotary rows and the kernels derive from them,
+/// are its inputs), and each replay reads its own record's lengths: every forward equals the
+/// same model's eager forward of that record bit for bit, and the model without graphs (no
+/// padding) within [`TOL_PADDED`].
+#[test]
+fn graph_replays_read_each_records_lengths() {
+    let (graphs, eager) = with_and_without_graphs(f32_options());
+    let base = records().remove(0);
+    let words: Vec<String> = (0..40).map(|i| format!("w{i}")).collect();
+    let state_len = |r: &Record| graphs.encode(r).unwrap().rows().0.len();
+    // States of distinct lengths, all padding to the same bucket as the first's (which the
+    // count of graphs below checks on CUDA).
+    let mut recs: Vec<Record> = Vec::new();
+    let mut lengths = std::collections::BTreeSet::new();
+    for n in 1..=words.len() {
+        let mut r = base.clone();
+        r.state = words[..n].join(" ");
+        let len = state_len(&r);
+        if (33..=64).contains(&len) && lengths.insert(len) {
+            recs.push(r);
+        }
+    }
+    assert!(recs.len() >= 4, "{} state lengths in 33..=64", recs.len());
+    let want: Vec<_> = recs.iter().map(|r| eager.logits(r).unwrap()).collect();
+    assert!(
+        max_delta(&want[0], &want[1]) > 1e-3,
+        "records must score differently, or a replay with stale lengths would pass"
+    );
+    // The first round: the first record eager, the second captured, the rest replayed; the
+    // second round all replayed.
+    let first: Vec<_> = recs.iter().map(|r| graphs.logits(r).unwrap()).collect();
+    let (mut same, mut padded) = (0f32, 0f32);
+    for ((r, want), first) in recs.iter().zip(&want).zip(&first) {
+        let again = graphs.logits(r).unwrap();
+        same = same.max(max_delta(&again, first));
+        padded = padded.max(max_delta(&again, want).max(max_delta(first, want)));
+    }
+    let stats = graphs.graph_stats();
+    eprintln!(
+        "{} state lengths in one bucket; graphs: {stats:?}, max |Δ logit| against its own \
+         first forward {same:e}, against no padding {padded:e}",
+        recs.len()
+    );
+    assert!(
+        same <= 1e-6,
+        "replays differ from the first forward by {same:e}"
+    );
+    assert!(
+        padded <= TOL_PADDED,
+        "graph vs eager logits differ by {padded:e}"
+    );
+    check_graph_stats(&graphs, |stats| {
+        assert_eq!(stats.captured, 1, "{stats:?}");
+        assert_eq!(stats.replayed, 2 * recs.len() - 2, "{stats:?}");
     });
 }
 
@@ -508,7 +579,7 @@ fn graph_replays_equal_eager_batches() {
         worst = worst.max(max_delta(&flat(graphs.probs_batch(recs).unwrap()), want));
     }
     assert!(
-        worst <= 1e-6,
+        worst <= TOL_PADDED,
         "graph vs eager probabilities differ by {worst:e}"
     );
     let stats = graphs.graph_stats();

@@ -191,7 +191,14 @@ impl DecisionModel {
         if records.is_empty() {
             return Ok(Vec::new());
         }
-        let plan = Plan::new(records, prefixes, keep, self.exec.prefill_chunk());
+        let exec = &self.exec;
+        let plan = Plan::new(
+            records,
+            prefixes,
+            keep,
+            exec.prefill_chunk(),
+            exec.graphs_on(),
+        );
         let outs = recovered(self.device(), self.exec.run(&plan))?;
         let (logits, kept): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.logits, o.kept)).unzip();
         // Each kept state's cache, made a prefix once for the records that share it.

@@ -15,4 +15,4 @@ mod split;
 
 pub use cache::{Cache, LayerCache};
 pub use config::{Config, ExpertsShape, LayerType, MlpShape};
-pub use model::Model;
+pub use model::{Model, SplitHost, SplitTables};

@@ -62,6 +62,92 @@ struct Step<'a> {
     lengths: &'a [usize],
 }
 
+/// What a split forward reads that depends on its rows' lengths and owners, not on its shape
+/// alone, on the host ([`Model::split_host`]): where the branch rows' rotary rows sit in the
+/// device's table (where the device gathers them: [`Rope::index`]) and their attention key
+/// bias. A CUDA graph of a split forward has these as inputs, rewritten between replays.
+pub struct SplitHost {
+    /// `[2·B·T]` (a GPU), or none (the host computes the rows).
+    pub rope_index: Option<Vec<u32>>,
+    /// `[B, W+T]` (with attention layers only; W the past's width).
+    pub key_bias: Option<Vec<f32>>,
+    /// Positions the branch rows may reach: W + T.
+    bound: usize,
+}
+
+/// A split and its [`SplitHost`] on the device (always copies of their own: a graph's inputs).
+pub struct SplitTables {
+    split: SplitBatch,
+    rope_index: Option<Tensor>,
+    key_bias: Option<Tensor>,
+    /// Each branch row's first position (its state's length): for the host's rotary rows.
+    owner_lengths: Vec<usize>,
+    rope_rows: Vec<usize>,
+    bound: usize,
+}
+
+impl SplitHost {
+    /// The tables of `split` on `device`.
+    pub fn upload(
+        self,
+        split: SplitBatch,
+        owner_lengths: Vec<usize>,
+        device: &Device,
+    ) -> Result<SplitTables> {
+        let rope_rows: Vec<usize> = self
+            .rope_index
+            .iter()
+            .flatten()
+            .map(|&i| i as usize)
+            .collect();
+        let put = |v: Vec<u32>| {
+            let n = v.len();
+            Tensor::from_vec(v, n, device)
+        };
+        Ok(SplitTables {
+            split,
+            rope_index: self.rope_index.map(put).transpose()?,
+            key_bias: self
+                .key_bias
+                .map(|b| {
+                    let n = b.len();
+                    Tensor::from_vec(b, n, device)
+                })
+                .transpose()?,
+            owner_lengths,
+            rope_rows,
+            bound: self.bound,
+        })
+    }
+}
+
+impl SplitTables {
+    /// The split.
+    pub fn split(&self) -> &SplitBatch {
+        &self.split
+    }
+
+    /// Rewrites the tables with `host`'s (of a split of the same shape): a graph's next replay
+    /// reads them.
+    pub fn write(&self, host: &SplitHost, device: &Device) -> Result<()> {
+        fn put<T: candle_core::WithDType>(
+            slot: Option<&Tensor>,
+            values: Option<&Vec<T>>,
+            device: &Device,
+        ) -> Result<()> {
+            match (slot, values) {
+                (Some(slot), Some(v)) if slot.dims() == [v.len()] => {
+                    slot.slice_set(&Tensor::from_slice(v, v.len(), device)?, 0, 0)
+                }
+                (None, None) => Ok(()),
+                _ => candle_core::bail!("split tables of another shape"),
+            }
+        }
+        put(self.rope_index.as_ref(), host.rope_index.as_ref(), device)?;
+        put(self.key_bias.as_ref(), host.key_bias.as_ref(), device)
+    }
+}
+
 /// Inputs every layer of one [`Model::forward_split`] shares: the states' and the branches' RoPE
 /// and key bias.
 struct SplitStep<'a> {
@@ -399,11 +485,12 @@ impl Model {
         &self,
         state_ids: &Tensor,
         branch_ids: &Tensor,
-        split: &SplitBatch,
+        tables: &SplitTables,
         picked: Option<&RowIndex>,
         given: Option<&Cache>,
         keep: bool,
     ) -> Result<(Tensor, Option<Cache>)> {
+        let split = &tables.split;
         let (states, s_len) = (split.states(), split.state_width());
         if states == 0 || s_len == 0 {
             candle_core::bail!("a split needs at least one state step ({split:?})")
@@ -423,50 +510,37 @@ impl Model {
                 split.given()
             )
         }
-        let rope = |start: &[usize], len| self.rope.at(start, len, self.dtype, &self.device);
-        let upload = |bias: Vec<f32>, rows: usize, width: usize| {
-            kev_kernels::uploads::upload(bias, (rows, width), &self.device)
-        };
-        // A state's padding is seen only by its own later pads (causality); a branch row sees
-        // its state row's real keys (computed or given) and its own.
-        let owner_lengths: Vec<usize> = split
-            .owners()
-            .iter()
-            .map(|&o| match o.checked_sub(states) {
-                None => split.state_lengths()[o],
-                Some(g) => given.map_or(0, |c| c.seen()[g]),
-            })
-            .collect();
-        let past_width = s_len.max(given.map_or(0, Cache::kv_len));
         let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
-        let key_bias = has_attention
-            .then(|| {
-                let visible = |o: usize, p: usize| match o.checked_sub(states) {
-                    None => p < split.state_lengths()[o],
-                    Some(g) => given.is_some_and(|c| c.key_valid()[g].get(p) == Some(&true)),
-                };
-                let branch_bias = split
-                    .owners()
-                    .iter()
-                    .flat_map(|&o| {
-                        (0..past_width + width).map(move |p| {
-                            if p < past_width && !visible(o, p) {
-                                f32::NEG_INFINITY
-                            } else {
-                                0f32
-                            }
-                        })
-                    })
-                    .collect();
-                Ok::<_, candle_core::Error>((
-                    upload(vec![0f32; states * s_len], states, s_len)?,
-                    upload(branch_bias, b_rows, past_width + width)?,
+        let cos_sin_b = match &tables.rope_index {
+            Some(index) => {
+                let index = RowIndex::on_device(index.clone(), &tables.rope_rows)?;
+                let (rows, bound) = (b_rows, tables.bound);
+                self.rope
+                    .gathered(&index, rows, width, bound, self.dtype, &self.device)?
+            }
+            None => self
+                .rope
+                .at(&tables.owner_lengths, width, self.dtype, &self.device)?,
+        };
+        let key_bias = match (has_attention, &tables.key_bias) {
+            (false, _) => None,
+            (true, Some(bias)) => {
+                let zeros = vec![0f32; states * s_len];
+                let past_width = tables.bound - width;
+                Some((
+                    kev_kernels::uploads::upload(zeros, (states, s_len), &self.device)?,
+                    bias.counted_reshape((b_rows, past_width + width))?,
                 ))
-            })
-            .transpose()?;
+            }
+            (true, None) => candle_core::bail!("split tables without the key bias"),
+        };
         let step = SplitStep {
             split,
-            cos_sin: (rope(&vec![0; states], s_len)?, rope(&owner_lengths, width)?),
+            cos_sin: (
+                self.rope
+                    .at(&vec![0; states], s_len, self.dtype, &self.device)?,
+                cos_sin_b,
+            ),
             key_bias,
             keep,
         };
@@ -516,6 +590,66 @@ impl Model {
             Cache::after_first_forward(kept_layers, s_len, split.state_lengths(), &self.device)
         });
         Ok((hidden, kept))
+    }
+
+    /// [`SplitHost`] of `split` (whose given rows are `given`'s), and each branch row's first
+    /// position (its state's length).
+    pub fn split_host(&self, split: &SplitBatch, given: Option<&Cache>) -> (SplitHost, Vec<usize>) {
+        let states = split.states();
+        let (s_len, width) = (split.state_width(), split.branch_width());
+        // A state's padding is seen only by its own later pads (causality); a branch row sees
+        // its state row's real keys (computed or given) and its own.
+        let owner_lengths: Vec<usize> = split
+            .owners()
+            .iter()
+            .map(|&o| match o.checked_sub(states) {
+                None => split.state_lengths()[o],
+                Some(g) => given.map_or(0, |c| c.seen()[g]),
+            })
+            .collect();
+        let past_width = s_len.max(given.map_or(0, Cache::kv_len));
+        let has_attention = self.cfg.layer_types.contains(&LayerType::FullAttention);
+        let key_bias = has_attention.then(|| {
+            let visible = |o: usize, p: usize| match o.checked_sub(states) {
+                None => p < split.state_lengths()[o],
+                Some(g) => given.is_some_and(|c| c.key_valid()[g].get(p) == Some(&true)),
+            };
+            split
+                .owners()
+                .iter()
+                .flat_map(|&o| {
+                    (0..past_width + width).map(move |p| {
+                        if p < past_width && !visible(o, p) {
+                            f32::NEG_INFINITY
+                        } else {
+                            0f32
+                        }
+                    })
+                })
+                .collect()
+        });
+        let rope_index = self
+            .rope
+            .index(&owner_lengths, width, self.dtype, &self.device);
+        let host = SplitHost {
+            rope_index,
+            key_bias,
+            bound: past_width + width,
+        };
+        (host, owner_lengths)
+    }
+
+    /// Whether the device gathers the rotary rows from its table, so that their positions are
+    /// a tensor ([`SplitHost::rope_index`]); so too a backbone without attention layers.
+    pub fn rope_gathers(&self) -> bool {
+        !self.cfg.layer_types.contains(&LayerType::FullAttention)
+            || self.rope.index(&[0], 1, self.dtype, &self.device).is_some()
+    }
+
+    /// `split` with [`Model::split_host`] on the device.
+    pub fn split_tables(&self, split: SplitBatch, given: Option<&Cache>) -> Result<SplitTables> {
+        let (host, owner_lengths) = self.split_host(&split, given);
+        host.upload(split, owner_lengths, &self.device)
     }
 
     /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached

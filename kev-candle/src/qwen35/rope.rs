@@ -102,7 +102,7 @@ impl Rope {
     /// held in `dtype` (HF rotates in the activation dtype): `[2, B, T, rotary_dim]`, the layout
     /// [`kev_kernels::qk_norm_rope`] reads. Rounded on the host (to nearest, ties to even, as
     /// candle's casts round), so the device runs no cast kernel for them; on a GPU gathered
-    /// from the device's table.
+    /// from the device's table ([`Rope::index`], [`Rope::gathered`]).
     pub fn at(
         &self,
         start: &[usize],
@@ -110,26 +110,14 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
+        if let Some(index) = self.index(start, seq_len, dtype, device) {
+            let index: Vec<usize> = index.into_iter().map(|i| i as usize).collect();
+            let index = RowIndex::new(&index, device)?;
+            return self.gathered(&index, start.len(), seq_len, 0, dtype, device);
+        }
         let end = start.iter().map(|&s| s + seq_len).max().unwrap_or(0);
         let table = self.table(end);
         let shape = (2, start.len(), seq_len, self.rotary_dim);
-        // Whole rows move as 16-byte words in Kev's gather (other widths would fall back to a
-        // candle kernel).
-        let rd = self.rotary_dim;
-        let words = rd > 0 && (rd * dtype.size_in_bytes()).is_multiple_of(16);
-        if dispatch::backend(device) != Backend::Cpu && words && seq_len > 0 && !start.is_empty() {
-            let rows = self.device_rows(&table, end, dtype, device)?;
-            let index: Vec<usize> = [0, 1]
-                .iter()
-                .flat_map(|&part| {
-                    start
-                        .iter()
-                        .flat_map(move |&s| (s..s + seq_len).map(move |p| 2 * p + part))
-                })
-                .collect();
-            let index = RowIndex::new(&index, device)?;
-            return gather_rows(&rows, &index)?.counted_reshape(shape);
-        }
         in_dtype(
             self.rows(&table, start, seq_len),
             shape,
@@ -137,6 +125,52 @@ impl Rope {
             device,
             true,
         )
+    }
+
+    /// Where [`Rope::at`]'s rows sit in the device's table, cos rows then sin rows, where it
+    /// gathers them from there (a GPU, whole rows of 16-byte words); `None` where the host
+    /// computes them. A CUDA graph of a forward has this index as an input.
+    pub fn index(
+        &self,
+        start: &[usize],
+        seq_len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Option<Vec<u32>> {
+        // Whole rows move as 16-byte words in Kev's gather (other widths would fall back to a
+        // candle kernel).
+        let rd = self.rotary_dim;
+        let words = rd > 0 && (rd * dtype.size_in_bytes()).is_multiple_of(16);
+        let gathers = dispatch::backend(device) != Backend::Cpu && words;
+        (gathers && seq_len > 0 && !start.is_empty()).then(|| {
+            [0, 1]
+                .iter()
+                .flat_map(|&part| {
+                    start
+                        .iter()
+                        .flat_map(move |&s| (s..s + seq_len).map(move |p| (2 * p + part) as u32))
+                })
+                .collect()
+        })
+    }
+
+    /// [`Rope::at`]'s rows for `rows` rows of `seq_len` positions, gathered by `index` (from
+    /// [`Rope::index`]) from the device's table, which first grows to hold at least positions
+    /// `0..bound` and those `index` reads: a graph replayed with other indices of the same
+    /// bound reads the table it was captured with (replaced tables are kept).
+    pub fn gathered(
+        &self,
+        index: &RowIndex,
+        rows: usize,
+        seq_len: usize,
+        bound: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let end = index.max().map_or(0, |m| m / 2 + 1).max(bound);
+        let table = self.table(end);
+        let rows_on_device = self.device_rows(&table, end, dtype, device)?;
+        gather_rows(&rows_on_device, index)?.counted_reshape((2, rows, seq_len, self.rotary_dim))
     }
 
     /// The [`DeviceTable`] in `dtype` on `device`, holding at least positions `0..end` (copied

@@ -6,7 +6,7 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 
-use crate::backend::cuda::kernel::{contiguous, device_lengths, grid_for, Kernel};
+use crate::backend::cuda::kernel::{contiguous, device_lengths, device_table, grid_for, Kernel};
 use crate::backend::cuda::sources::{CAUSAL_CONV1D, CONV_CACHED_BLOCK, CONV_RUN, CONV_VEC};
 use crate::layout::rows::row_view;
 use crate::layout::split::SplitBatch;
@@ -111,8 +111,8 @@ pub(crate) fn causal_conv1d_split(
             "causal-conv1d: {states} states of {s_len} steps and {b_sz} rows of {t_len} exceed one launch"
         )
     }
-    let state_lengths = device_lengths(&k.dev, split.padded_state_lengths().as_deref())?;
-    let owners = device_lengths(&k.dev, split.kernel_owners().as_deref())?;
+    let state_lengths = device_table(&k.dev, split.state_lengths_on_device()?)?;
+    let owners = device_table(&k.dev, split.owners_on_device()?)?;
     by_dtype!(ss.dtype(), "causal-conv1d", |T| {
         let out = k.output::<T>(n)?;
         let xs = ss.as_cuda_slice::<T>()?.slice(sv.span());

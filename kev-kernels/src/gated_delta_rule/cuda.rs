@@ -9,7 +9,9 @@ use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
 use super::op::{GatedDeltaRule, GatedDeltaRuleSplit};
 use crate::backend::cuda::gpu::gpu;
-use crate::backend::cuda::kernel::{contiguous, device_lengths, tag, DeviceLengths, Kernel};
+use crate::backend::cuda::kernel::{
+    contiguous, device_lengths, device_table, tag, DeviceLengths, Kernel,
+};
 use crate::backend::cuda::sources::{
     CHUNK, FMA_THREADS, GDR_CHUNKED, GDR_RECURRENT, MAX_DIM, MMA_THREADS, PREPARE_MMA_SMEM,
     PREPARE_SMEM, RECURRENT_WARPS, SCAN_MMA, SCAN_READ, SCAN_SHARED, SCAN_SMEM, SCAN_WRITE,
@@ -313,9 +315,9 @@ pub(crate) fn gated_delta_rule_split(
     let s_tokens = states * s_len;
     let g_split = g0 + s_tokens * hv * 2;
     let (gates_a, gates_b) = (gates.slice(g0..g_split), gates.slice(g_split..g1));
-    let lengths = device_lengths(&prep.dev, split.padded_branch_lengths().as_deref())?;
-    let state_lengths = device_lengths(&prep.dev, split.padded_state_lengths().as_deref())?;
-    let owners = device_lengths(&prep.dev, split.kernel_owners().as_deref())?;
+    let lengths = device_table(&prep.dev, split.branch_lengths_on_device()?)?;
+    let state_lengths = device_table(&prep.dev, split.state_lengths_on_device()?)?;
+    let owners = device_table(&prep.dev, split.owners_on_device()?)?;
     let layout = ScratchLayout::new(blocks_a + blocks_b, dv, true);
     let scratch = prep.output::<f32>(layout.total())?;
     let [wt, qt, kd, at, u, gtot] = layout.parts(&scratch, 0);

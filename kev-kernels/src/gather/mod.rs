@@ -63,6 +63,11 @@ impl RowIndex {
         })
     }
 
+    /// The largest row picked (none: nothing is picked).
+    pub fn max(&self) -> Option<usize> {
+        self.max
+    }
+
     /// Number of rows picked.
     pub fn len(&self) -> usize {
         self.idx.elem_count()

@@ -12,8 +12,8 @@ use candle_core::{bail, Device, Result, Tensor};
 use crate::dispatch::CountedTensor;
 use crate::gather::{gather_rows, join_rows, RowIndex};
 
-/// The two parts' shapes, real lengths and the state row of each branch row, with those owners
-/// also on the device (uploaded once, for every layer's copies of state rows to branch rows).
+/// The two parts' shapes, real lengths and the state row of each branch row, with the lengths
+/// and owners also on the device ([`SplitBatch::host_table`], one tensor for every layer's kernels).
 #[derive(Clone)]
 pub struct SplitBatch {
     state_width: usize,
@@ -23,6 +23,8 @@ pub struct SplitBatch {
     /// Given state rows, after the `R` computed ones (not among the packed rows).
     given: usize,
     owners: Vec<usize>,
+    /// [`SplitBatch::host_table`] on the device: `[B + R + B]` u32.
+    table: Tensor,
     owner_index: RowIndex,
     /// [`SplitBatch::state_ends`] for one window, uploaded by the first layer that asks.
     state_ends: OnceLock<(usize, RowIndex)>,
@@ -77,6 +79,48 @@ impl SplitBatch {
         owners: Vec<usize>,
         device: &Device,
     ) -> Result<Self> {
+        let table = Self::host_table(&state_lengths, &branch_lengths, &owners)?;
+        let n = table.len();
+        let table = crate::uploads::upload(table, n, device)?;
+        Self::on_device(
+            state_width,
+            state_lengths,
+            given,
+            branch_width,
+            branch_lengths,
+            owners,
+            table,
+        )
+    }
+
+    /// What the kernels read of a split's rows, as `[B + R + B]` u32: the owners, the state
+    /// rows' lengths, the branch rows' lengths. A CUDA graph of a split forward has this as an
+    /// input, so one graph serves every split of the same widths and row counts.
+    pub fn host_table(
+        state_lengths: &[usize],
+        branch_lengths: &[usize],
+        owners: &[usize],
+    ) -> Result<Vec<u32>> {
+        owners
+            .iter()
+            .chain(state_lengths)
+            .chain(branch_lengths)
+            .map(|&v| u32::try_from(v))
+            .collect::<std::result::Result<Vec<u32>, _>>()
+            .map_err(|_| candle_core::Error::Msg("split batch: a length or row over u32".into()))
+    }
+
+    /// [`SplitBatch::with_given`] with its [`SplitBatch::host_table`] already on the device: `table`
+    /// must hold it (only its shape is checked here).
+    pub fn on_device(
+        state_width: usize,
+        state_lengths: Vec<usize>,
+        given: usize,
+        branch_width: usize,
+        branch_lengths: Vec<usize>,
+        owners: Vec<usize>,
+        table: Tensor,
+    ) -> Result<Self> {
         if u32::try_from(state_width.max(branch_width).max(state_lengths.len())).is_err() {
             bail!(
                 "split batch: {state_width} or {branch_width} steps or {} rows are over u32",
@@ -102,7 +146,15 @@ impl SplitBatch {
                 state_lengths.len() + given
             )
         }
-        let owner_index = RowIndex::new(&owners, device)?;
+        let (b, r) = (branch_lengths.len(), state_lengths.len());
+        if table.dtype() != candle_core::DType::U32 || table.dims() != [2 * b + r] {
+            bail!(
+                "split batch: a table of {:?} {:?} for {r} state and {b} branch rows",
+                table.dtype(),
+                table.dims()
+            )
+        }
+        let owner_index = RowIndex::on_device(table.narrow(0, 0, b)?, &owners)?;
         Ok(Self {
             state_width,
             state_lengths,
@@ -110,6 +162,7 @@ impl SplitBatch {
             branch_lengths,
             given,
             owners,
+            table,
             owner_index,
             state_ends: OnceLock::new(),
         })
@@ -134,6 +187,11 @@ impl SplitBatch {
         let index = RowIndex::new(&rows, device)?;
         let _ = self.state_ends.set((window, index.clone()));
         Ok(index)
+    }
+
+    /// [`SplitBatch::host_table`] on the device.
+    pub fn table(&self) -> &Tensor {
+        &self.table
     }
 
     /// Given state rows (G), after the computed ones.
@@ -247,28 +305,22 @@ impl SplitBatch {
         Ok(())
     }
 
-    /// The state rows' real steps as the kernels read them, `None` when none is padded.
+    /// The state rows' real steps as the kernels read them: a view of the table.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn padded_state_lengths(&self) -> Option<Vec<u32>> {
-        padded(&self.state_lengths, self.state_width)
+    pub(crate) fn state_lengths_on_device(&self) -> Result<Tensor> {
+        self.table.narrow(0, self.branches(), self.states())
     }
 
-    /// The branch rows' real steps as the kernels read them, `None` when none is padded.
+    /// The branch rows' real steps as the kernels read them: a view of the table.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn padded_branch_lengths(&self) -> Option<Vec<u32>> {
-        padded(&self.branch_lengths, self.branch_width)
+    pub(crate) fn branch_lengths_on_device(&self) -> Result<Tensor> {
+        self.table
+            .narrow(0, self.branches() + self.states(), self.branches())
     }
 
-    /// The owners as the kernels read them, `None` when there is one state row (all zeros).
+    /// The owners as the kernels read them: a view of the table.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn kernel_owners(&self) -> Option<Vec<u32>> {
-        (self.states() > 1).then(|| self.owners.iter().map(|&o| o as u32).collect())
+    pub(crate) fn owners_on_device(&self) -> Result<Tensor> {
+        self.table.narrow(0, 0, self.branches())
     }
-}
-
-/// `lengths` as u32 (each fits: `SplitBatch::new` checked the widths), `None` when all are `width`.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn padded(lengths: &[usize], width: usize) -> Option<Vec<u32>> {
-    let padded = lengths.iter().any(|&l| l != width);
-    padded.then(|| lengths.iter().map(|&l| l as u32).collect())
 }

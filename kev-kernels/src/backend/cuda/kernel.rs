@@ -236,11 +236,20 @@ pub(crate) fn device_lengths(dev: &CudaDevice, lengths: Option<&[u32]>) -> Resul
         });
     };
     let t = crate::uploads::upload(lengths.to_vec(), lengths.len(), &Device::Cuda(dev.clone()))?;
+    device_table(dev, t)
+}
+
+/// `t`, u32 already on the device (a view of a table, [`crate::SplitBatch::table`]), as a
+/// kernel argument.
+pub(crate) fn device_table(dev: &CudaDevice, t: Tensor) -> Result<DeviceLengths> {
     let ptr = {
         let (storage, layout) = t.storage_and_layout();
         let candle_core::Storage::Cuda(s) = &*storage else {
-            bail!("row lengths were not uploaded to the CUDA device")
+            bail!("row lengths are not on the CUDA device")
         };
+        if !layout.is_contiguous() {
+            bail!("row lengths must be contiguous")
+        }
         let stream = dev.cuda_stream();
         let slice = s.as_cuda_slice::<u32>()?.slice(layout.start_offset()..);
         let (ptr, _sync) = slice.device_ptr(&stream);
