@@ -24,7 +24,8 @@
 #                model FLOPs (workload_flops.py); transformers + flash-linear-attention and Kev in
 #                the prefix form on 64 varied records       varied.jsonl, varied-score.txt
 #   prefix       the prefix form, records one after another (one, 8, 64, 256 records of one shape,
-#                the first 256 `score` records and the first 256 varied ones), and the batch form on 64,
+#                the first 256 `score` records, the first 256 varied ones and their states asking
+#                the first one's questions), and the batch form on 64,
 #                with each run's CUDA graph counts; BINS alternate ROUNDS times  prefix.jsonl
 #   eager        the prefix form with and without CUDA graphs, alternating, on one record and
 #                the 256 varied records                                       eager.jsonl
@@ -85,6 +86,8 @@ score_records() {
 varied_records() {
   [ -f $C/varied-10k.jsonl ] || python3 bench/varied_records.py --n 10000 --out $C/varied-10k.jsonl 2>>$O/stderr.txt
   head -n 256 $C/varied-10k.jsonl > $R/varied-256.jsonl; head -n 64 $C/varied-10k.jsonl > $R/varied-64.jsonl
+  [ -f $R/varied-states-256.jsonl ] || python3 bench/varied_records.py --n 256 --same-questions \
+    --out $R/varied-states-256.jsonl 2>>$O/stderr.txt
 }
 fla() { pip install -q --no-index --no-deps --no-compile --target /tmp/fla-site .whl/*.whl >/dev/null 2>&1; }
 # One line per JSON result on stdout.
@@ -165,7 +168,8 @@ if has prefix; then
   gen 0.8b; score_records; varied_records
   for r in $(seq $ROUNDS); do
     for b in $BINS; do
-      kev prefix $b --checkpoint $C/kev-0.8b $(recs one batch8 batch64 batch256 score-256 varied-256) --form prefix --repeats 5 --warmup 2 --label $b-r$r
+      kev prefix $b --checkpoint $C/kev-0.8b $(recs one batch8 batch64 batch256 score-256 varied-256 varied-states-256) \
+        --form prefix --repeats 5 --warmup 2 --label $b-r$r
       kev prefix $b --checkpoint $C/kev-0.8b $(recs batch64) --form batch --repeats 5 --warmup 2 --label $b-r$r
     done
   done

@@ -9,6 +9,9 @@ a few thousand); 1-6 questions, each a sentence-length prompt and 2-6 options of
 from the same text. Lengths are approximate (the state is cut at a word boundary at most its
 target, counted as the sum of its words' tokens). The corpus is read from the checkout, so a commit defines the workload; seeded: a rerun
 writes the same file. A summary of the token counts goes to stderr and to OUT's `.lengths.json`.
+
+With --same-questions every record asks the first record's questions (one application's question
+set over varied states); the states are those of the records without it.
 """
 
 import argparse
@@ -74,6 +77,7 @@ def main():
     ap.add_argument("--min-state", type=int, default=4)
     ap.add_argument("--max-state", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=43)
+    ap.add_argument("--same-questions", action="store_true")
     args = ap.parse_args()
     if not args.tokenizer.is_file():
         raise SystemExit(f"{args.tokenizer} is missing: python scripts/make_qwen_tokenizer.py "
@@ -84,8 +88,12 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     states, branches, totals = [], [], []
     with args.out.open("w", encoding="utf-8") as f:
+        first = None
         for i in range(args.n):
             r = record(corpus, rng, i, args)
+            first = first or r["questions"]
+            if args.same_questions:
+                r["questions"] = first
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
             s, rows = encode(tok, r)
             states.append(len(s))
