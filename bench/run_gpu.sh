@@ -27,6 +27,8 @@
 #                the first 256 `score` records, the first 256 varied ones and their states asking
 #                the first one's questions), and the batch form on 64,
 #                with each run's CUDA graph counts; BINS alternate ROUNDS times  prefix.jsonl
+#   kept         the prefix form on varied-256 and varied-states-256 keeping at most each of KEPT
+#                [8 32 64] CUDA graphs (BIN), with the GPU memory used        kept.jsonl
 #   eager        the prefix form with and without CUDA graphs, alternating, on one record and
 #                the 256 varied records                                       eager.jsonl
 #   ab           BINS alternating ROUNDS times over SIZES and AB_WORKLOADS   ab.jsonl
@@ -171,6 +173,16 @@ if has prefix; then
       kev prefix $b --checkpoint $C/kev-0.8b $(recs one batch8 batch64 batch256 score-256 varied-256 varied-states-256) \
         --form prefix --repeats 5 --warmup 2 --label $b-r$r
       kev prefix $b --checkpoint $C/kev-0.8b $(recs batch64) --form batch --repeats 5 --warmup 2 --label $b-r$r
+    done
+  done
+fi
+
+if has kept; then
+  gen 0.8b; varied_records
+  for r in $(seq $ROUNDS); do
+    for k in ${KEPT:-8 32 64}; do
+      kev kept $BIN --checkpoint $C/kev-0.8b $(recs varied-256 varied-states-256) --form prefix --repeats 3 --warmup 1 \
+        --cuda-graphs-kept $k --label kept-$k-r$r
     done
   done
 fi

@@ -61,6 +61,9 @@ struct Args {
     /// Run every forward eagerly on CUDA (no graph replays), for an A/B in one command.
     #[arg(long)]
     no_cuda_graphs: bool,
+    /// CUDA graphs kept at most (`LoadOptions::cuda_graphs_kept`).
+    #[arg(long, default_value_t = kev::DEFAULT_CUDA_GRAPHS_KEPT)]
+    cuda_graphs_kept: usize,
     /// Bracket the timed runs with the CUDA profiler's start and stop, for
     /// `ncu --profile-from-start off`: kernels of the load and warm-ups stay out of the profile.
     #[arg(long)]
@@ -352,7 +355,8 @@ fn main() -> Result<()> {
     let options = LoadOptions::default()
         .with_backend(args.backend)
         .with_dtype(args.dtype)
-        .with_cuda_graphs(!args.no_cuda_graphs);
+        .with_cuda_graphs(!args.no_cuda_graphs)
+        .with_cuda_graphs_kept(args.cuda_graphs_kept);
     let started = Instant::now();
     let model = DecisionModel::load(&args.checkpoint, &options)
         .with_context(|| format!("loading `{}`", args.checkpoint.display()))?;
@@ -482,6 +486,7 @@ fn main() -> Result<()> {
                 let g = model.graph_stats();
                 line["cuda_graphs"] = json!({
                     "enabled": !args.no_cuda_graphs,
+                    "kept_at_most": args.cuda_graphs_kept,
                     "captured": g.captured - graphs_before.captured,
                     "replayed": g.replayed - graphs_before.replayed,
                     "failed": g.failed - graphs_before.failed,

@@ -38,5 +38,5 @@ pub use kev_candle::{
 pub use kev_core::json;
 pub use kev_core::{
     Backend, BaseFiles, BaseRef, Checkpoint, DType, Encoder, Encoding, Error, JsonlRecords,
-    KevConfig, LoadOptions, Question, Record, Result, Row,
+    KevConfig, LoadOptions, Question, Record, Result, Row, DEFAULT_CUDA_GRAPHS_KEPT,
 };

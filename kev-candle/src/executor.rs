@@ -51,17 +51,23 @@ pub(crate) struct Executor {
 }
 
 impl Executor {
-    /// `graphs`: replay plain passes as CUDA graphs (on a CUDA device only).
-    pub(crate) fn new(model: Model, head: PointerHead, prefill_chunk: usize, graphs: bool) -> Self {
+    /// `graphs`: replay plain passes as CUDA graphs, keeping up to that many (on a CUDA device
+    /// only; 0: none).
+    pub(crate) fn new(
+        model: Model,
+        head: PointerHead,
+        prefill_chunk: usize,
+        graphs: usize,
+    ) -> Self {
         #[cfg(not(feature = "cuda"))]
         let _ = graphs;
         Self {
             #[cfg(feature = "cuda")]
             // A MoE layer decides its routing on the host, which a graph cannot replay.
-            graphs: (graphs
+            graphs: (graphs > 0
                 && model.device().is_cuda()
                 && matches!(model.config().mlp, crate::qwen35::MlpShape::Dense { .. }))
-            .then(crate::graphs::Graphs::default),
+            .then(|| crate::graphs::Graphs::new(graphs)),
             model,
             head,
             prefill_chunk,

@@ -15,10 +15,11 @@
 //! passes (states in several pieces) by their rows' lengths as well. A batch is one pass (its
 //! states' rows, then all its branches), so a batch of the same shapes replays as well.
 //!
-//! A few graphs are kept, by how often their shape comes back ([`KEEP`], [`HALVE_EVERY`]):
-//! capturing costs more than an eager forward, so a shape seen again replaces a kept graph
-//! only if it has come more often; shapes cycling through more than [`KEEP`] at the same rate
-//! then leave the first ones kept instead of each capture evicting the graph needed next.
+//! A few graphs are kept (`LoadOptions::cuda_graphs_kept`), by how often their shape comes back
+//! ([`HALVE_EVERY`]): capturing costs more than an eager forward, so a shape seen again replaces
+//! a kept graph only if it has come more often; more shapes than are kept, coming round at the
+//! same rate, then leave the first ones kept instead of each capture evicting the graph needed
+//! next.
 //! Long rows (over `MAX_ROW_POSITIONS`) and large batches (over `MAX_TOKENS` positions) stay
 //! eager: their host time is small beside their GPU time, and a graph would hold a second copy
 //! of their working memory.
@@ -87,12 +88,10 @@ mod cuda {
         fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>>;
     }
 
-    /// Graphs kept (the shapes that came most often, then most recently). Each holds its inputs
-    /// and its output; the driver shares the rest of the graphs' memory between them.
-    pub(super) const KEEP: usize = 8;
-    /// Every this many forwards of graph-sized passes, every shape's count is halved (and shapes
-    /// without a graph that reach zero forgotten), so the graphs follow a change of traffic.
-    pub(super) const HALVE_EVERY: u64 = 32 * KEEP as u64;
+    /// Every this many forwards of graph-sized passes a graph kept, every shape's count is
+    /// halved (and shapes without a graph that reach zero forgotten), so the graphs follow a
+    /// change of traffic.
+    pub(super) const HALVE_EVERY: u64 = 32;
     /// Shapes without a graph remembered at most (forgotten all at once beyond it).
     const SEEN: usize = 4096;
     /// A [`Pass`] without its inputs: passes of equal shape run the same kernels on the same
@@ -161,10 +160,14 @@ mod cuda {
         book: Mutex<Book<I>>,
     }
 
-    impl<I> Default for Graphs<I> {
-        fn default() -> Self {
+    impl<I> Graphs<I> {
+        /// Graphs keeping up to `keep` (the shapes that came most often, then most recently).
+        /// Each holds its inputs and its output; the driver shares the rest of the graphs'
+        /// memory between them.
+        pub(crate) fn new(keep: usize) -> Self {
             Self {
                 book: Mutex::new(Book {
+                    keep,
                     seen: HashMap::new(),
                     failed: HashSet::new(),
                     capturing: HashSet::new(),
@@ -178,6 +181,8 @@ mod cuda {
 
     /// What the graphs keep account of, behind one lock.
     struct Book<I> {
+        /// Graphs kept at most.
+        keep: usize,
         /// Shapes without a graph, and how often each came (halved every [`HALVE_EVERY`]).
         seen: HashMap<PassShape, u32>,
         failed: HashSet<PassShape>,
@@ -202,10 +207,11 @@ mod cuda {
     }
 
     impl<I> Book<I> {
-        /// Counts a forward of a graph-sized pass, halving every count every [`HALVE_EVERY`].
+        /// Counts a forward of a graph-sized pass, halving every count every [`HALVE_EVERY`] a
+        /// graph kept.
         fn tick(&mut self) {
             self.forwards += 1;
-            if self.forwards.is_multiple_of(HALVE_EVERY) {
+            if self.forwards.is_multiple_of(HALVE_EVERY * self.keep as u64) {
                 for kept in &mut self.graphs {
                     kept.count /= 2;
                 }
@@ -216,7 +222,7 @@ mod cuda {
             }
         }
 
-        /// The kept graph a new one would replace once [`KEEP`] are kept: the least counted of
+        /// The kept graph a new one would replace once all are kept: the least counted of
         /// those not out for a replay, the least recent of those.
         fn victim(&self) -> Option<usize> {
             let idle = || self.graphs.iter().filter(|k| k.graph.is_some());
@@ -229,7 +235,8 @@ mod cuda {
         /// Whether a new graph of a shape that came `count` times is kept: there is room, or
         /// it came more often than the graph it would replace.
         fn room_for(&self, count: u32) -> bool {
-            self.graphs.len() < KEEP || self.victim().is_some_and(|v| count > self.graphs[v].count)
+            self.graphs.len() < self.keep
+                || self.victim().is_some_and(|v| count > self.graphs[v].count)
         }
     }
 
@@ -360,13 +367,13 @@ mod cuda {
         }
 
         /// Keeps a new graph of a shape that came `count` times at the most recent end, in
-        /// place of [`Book::victim`] once [`KEEP`] are kept; or drops it, where the graphs
+        /// place of [`Book::victim`] once all are kept; or drops it, where the graphs
         /// kept meanwhile (by other threads) leave no room for it.
         fn keep(&mut self, shape: PassShape, graph: Captured<I>, count: u32) {
             if !self.room_for(count) {
                 return;
             }
-            if self.graphs.len() >= KEEP {
+            if self.graphs.len() >= self.keep {
                 if let Some(v) = self.victim() {
                     self.graphs.remove(v);
                 }

@@ -49,7 +49,7 @@ pub use adapter::AdapterConfig;
 pub use checkpoint::{hub_cache_dir, BaseFiles, BaseRef, Checkpoint, HeadConfig, KevConfig};
 pub use encoding::{BranchPositions, Encoder, Encoding, Row};
 pub use error::{Error, Result};
-pub use options::{Backend, DType, LoadOptions, DEFAULT_PREFILL_CHUNK};
+pub use options::{Backend, DType, LoadOptions, DEFAULT_CUDA_GRAPHS_KEPT, DEFAULT_PREFILL_CHUNK};
 pub use record::{JsonlRecords, Question, Record, DEFAULT_MAX_LINE_BYTES};
 pub use template::Template;
 /// The tokenizers crate, re-exported so callers build [`Encoder`]s with the same version.

@@ -135,14 +135,23 @@ pub struct LoadOptions {
     /// default, [`DEFAULT_PREFILL_CHUNK`].
     pub prefill_chunk: usize,
     /// On CUDA, replay the prefix-form forward (`DecisionModel::forward`, `probs` and
-    /// `probs_batch`) as a CUDA graph once a record or batch of the same token shapes (state
-    /// lengths, branch lengths, decision and option positions) comes a second time: one launch
-    /// instead of about a thousand, the same kernels and numbers. Each distinct shape keeps a
-    /// captured graph (the few most recent); rows over 2048 token positions and batches over
-    /// 8192 stay eager (a graph holds its own copy of the working memory). Ignored elsewhere.
-    /// By default, true.
+    /// `probs_batch`) as a CUDA graph once a record or batch of the same shape comes a second
+    /// time: one launch instead of about a thousand, the same kernels. A record or batch whose
+    /// states and branches each fit `prefill_chunk` is shaped by its row and option counts and
+    /// its widths, which are then padded to a few buckets (so its numbers may differ from an
+    /// eager forward's in the last bits); otherwise by its rows' lengths too. Up to
+    /// [`LoadOptions::cuda_graphs_kept`] graphs are kept, those of the shapes that come most
+    /// often; rows over 2048 token positions and batches over 8192 stay eager (a graph holds
+    /// its own copy of the working memory). Ignored elsewhere. By default, true.
     pub cuda_graphs: bool,
+    /// How many CUDA graphs are kept at most ([`LoadOptions::cuda_graphs`]): more serve more
+    /// shapes of traffic at the cost of each one's memory. By default,
+    /// [`DEFAULT_CUDA_GRAPHS_KEPT`].
+    pub cuda_graphs_kept: usize,
 }
+
+/// Default [`LoadOptions::cuda_graphs_kept`].
+pub const DEFAULT_CUDA_GRAPHS_KEPT: usize = 8;
 
 /// Default [`LoadOptions::prefill_chunk`]: 2048 tokens (f32 scores of one 0.8B attention layer:
 /// 8 heads × 2048 × 4096 keys × 4 B = 256 MiB at a 4096-token state).
@@ -156,6 +165,7 @@ impl Default for LoadOptions {
             lora_scale: 1.0,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             cuda_graphs: true,
+            cuda_graphs_kept: DEFAULT_CUDA_GRAPHS_KEPT,
         }
     }
 }
@@ -198,6 +208,13 @@ impl LoadOptions {
     #[must_use]
     pub fn with_cuda_graphs(mut self, on: bool) -> Self {
         self.cuda_graphs = on;
+        self
+    }
+
+    /// Sets [`LoadOptions::cuda_graphs_kept`].
+    #[must_use]
+    pub fn with_cuda_graphs_kept(mut self, graphs: usize) -> Self {
+        self.cuda_graphs_kept = graphs;
         self
     }
 

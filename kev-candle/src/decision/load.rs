@@ -202,7 +202,16 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     breakdown.total_s = load_started.elapsed().as_secs_f64();
     Ok(Loaded {
         id,
-        executor: Executor::new(model, head, options.prefill_chunk, options.cuda_graphs),
+        executor: Executor::new(
+            model,
+            head,
+            options.prefill_chunk,
+            if options.cuda_graphs {
+                options.cuda_graphs_kept
+            } else {
+                0
+            },
+        ),
         encoder,
         checkpoint,
         breakdown,
