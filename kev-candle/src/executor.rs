@@ -94,20 +94,28 @@ impl Executor {
         self.prefill_chunk
     }
 
-    /// Whether plain passes replay as CUDA graphs (their pieces then pad to bucket widths).
-    pub(crate) fn graphs_on(&self) -> bool {
+    /// Whether a plain pass in one pass over the layers pads its pieces to bucket widths `s`
+    /// and `t`: where it replays as a CUDA graph that takes its lengths as inputs.
+    pub(crate) fn pads_widths(&self, s: usize, t: usize) -> bool {
         #[cfg(feature = "cuda")]
-        return self.graphs.is_some();
+        return self.graphs.is_some() && self.model.lengths_are_inputs(s, t);
         #[cfg(not(feature = "cuda"))]
-        false
+        {
+            let _ = (s, t);
+            false
+        }
     }
 
     /// Whether every input of `pass` that depends on more than its shape is in its
-    /// [`PassInputs`]: one pass over the layers (`Executor::one_pass`) with the rotary rows
-    /// gathered on the device. Then one graph serves every pass of its widths and row counts.
+    /// [`PassInputs`]: one pass over the layers (`Executor::one_pass`) whose backbone reads its
+    /// lengths from its tables ([`Model::lengths_are_inputs`]). Then one graph serves every
+    /// pass of its widths and row counts.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn lengths_are_inputs(&self, pass: &Pass) -> bool {
-        pass.is_one_piece() && self.model.rope_gathers()
+        pass.is_one_piece()
+            && self
+                .model
+                .lengths_are_inputs(pass.state[0].width, pass.branches[0].width)
     }
 
     /// How the CUDA graphs have fared (all zero off CUDA or without them).

@@ -64,15 +64,16 @@ pub(crate) struct RecordOut {
 impl Plan {
     /// The plan scoring `records`, where `given[i]` (when `given` is not empty) is record i's
     /// prefix, already checked to be of its state; `keep`: the computed states' rows are kept.
-    /// Pieces are at most `chunk` steps. With `buckets` (passes replayed as CUDA graphs), a
-    /// plain pass in one pass over the layers pads its two pieces to [`bucket_width`]s where it
-    /// stays graph-sized, so that records of nearby lengths share a graph.
+    /// Pieces are at most `chunk` steps. A plain pass in one pass over the layers pads its two
+    /// pieces to [`bucket_width`]s where `pads` says so for those widths (a CUDA graph of it
+    /// would take its lengths as inputs) and it stays graph-sized, so that records of nearby
+    /// lengths share a graph.
     pub(crate) fn new(
         records: &[EncodedRecord],
         given: &[Option<Arc<Prefix>>],
         keep: bool,
         chunk: usize,
-        buckets: bool,
+        pads: &dyn Fn(usize, usize) -> bool,
     ) -> Self {
         let given_of = |i: usize| given.get(i).and_then(Option::as_ref);
         // The distinct computed states, and each computed record's.
@@ -154,11 +155,12 @@ impl Plan {
             let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
             pass.branches = pieces(&ids, chunk);
             pass.rows = rows.into_iter().cloned().collect();
-            if buckets && pass.is_plain() && pass.is_one_piece() {
+            if pass.is_plain() && pass.is_one_piece() {
                 let widths = [&pass.state[0], &pass.branches[0]]
                     .map(|p| (p.lengths.len(), bucket_width(p.width, chunk)));
                 let tokens = widths.iter().map(|(rows, w)| rows * w).sum();
-                if crate::graphs::graph_sized(tokens, widths[0].1 + widths[1].1) {
+                let (s, t) = (widths[0].1, widths[1].1);
+                if crate::graphs::graph_sized(tokens, s + t) && pads(s, t) {
                     pass.state[0].pad_to(widths[0].1);
                     pass.branches[0].pad_to(widths[1].1);
                 }

@@ -123,7 +123,7 @@ pub use flash_attention::{flash_attention_fills_gpu, AttentionPast, FLASH_HEAD_D
 pub use gated_delta_rule::{
     conv_gated_delta_rule_split, conv_gated_delta_rule_split_keeping, gated_delta_rule,
     gated_delta_rule_as, gated_delta_rule_chunked, gated_delta_rule_ref, gated_delta_rule_split,
-    GdrDims, GdrForm, CHUNKED_MIN_LEN, METAL_CHUNKED_MIN_LEN,
+    split_reads_table, GdrDims, GdrForm, CHUNKED_MIN_LEN, METAL_CHUNKED_MIN_LEN,
 };
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{copy_rows, embed, gather_cat, gather_rows, join_rows, pack, RowIndex};

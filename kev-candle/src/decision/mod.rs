@@ -192,13 +192,8 @@ impl DecisionModel {
             return Ok(Vec::new());
         }
         let exec = &self.exec;
-        let plan = Plan::new(
-            records,
-            prefixes,
-            keep,
-            exec.prefill_chunk(),
-            exec.graphs_on(),
-        );
+        let pads = |s, t| exec.pads_widths(s, t);
+        let plan = Plan::new(records, prefixes, keep, exec.prefill_chunk(), &pads);
         let outs = recovered(self.device(), self.exec.run(&plan))?;
         let (logits, kept): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.logits, o.kept)).unzip();
         // Each kept state's cache, made a prefix once for the records that share it.

@@ -639,11 +639,26 @@ impl Model {
         (host, owner_lengths)
     }
 
-    /// Whether the device gathers the rotary rows from its table, so that their positions are
-    /// a tensor ([`SplitHost::rope_index`]); so too a backbone without attention layers.
-    pub fn rope_gathers(&self) -> bool {
-        !self.cfg.layer_types.contains(&LayerType::FullAttention)
-            || self.rope.index(&[0], 1, self.dtype, &self.device).is_some()
+    /// Whether a split forward of `s_len` state and `width` branch steps reads its rows'
+    /// lengths and owners only from its split's table and its [`SplitTables`]: the device
+    /// gathers the rotary rows ([`SplitHost::rope_index`]) and the DeltaNet layers run the split
+    /// kernels that read the table ([`kev_kernels::split_reads_table`]). Then a CUDA graph of
+    /// it serves splits of other lengths.
+    pub fn lengths_are_inputs(&self, s_len: usize, width: usize) -> bool {
+        let has = |kind| self.cfg.layer_types.contains(&kind);
+        let rope = !has(LayerType::FullAttention)
+            || self.rope.index(&[0], 1, self.dtype, &self.device).is_some();
+        let deltanet = !has(LayerType::LinearAttention) || {
+            let c = &self.cfg;
+            let dims = kev_kernels::GdrDims {
+                num_k_heads: c.linear_num_key_heads,
+                num_v_heads: c.linear_num_value_heads,
+                head_k_dim: c.linear_key_head_dim,
+                head_v_dim: c.linear_value_head_dim,
+            };
+            kev_kernels::split_reads_table(self.dtype, &self.device, dims, s_len, width)
+        };
+        rope && deltanet
     }
 
     /// `split` with [`Model::split_host`] on the device.

@@ -24,7 +24,7 @@ mod reference;
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, DType, Device, InplaceOp3, Layout, Result, Shape, Tensor};
 
 use crate::backend::cuda::cuda_gpu;
 use crate::causal_conv1d::causal_conv1d_split;
@@ -401,19 +401,43 @@ impl<'a> SplitCall<'a> {
             && s_len > 0
             && width > 0
             && b_rows > 0
-            && fused_split_applies(state_qkv, dims, s_len, width))
+            && fused_split_applies(state_qkv.dtype(), state_qkv.device(), dims, s_len, width))
     }
+}
+
+/// Whether a split of `s_len` and `width` steps in `dtype` on `device` runs the conv and the
+/// delta rule ([`conv_gated_delta_rule_split`]) on CUDA kernels that read the split's lengths
+/// and owners from its table ([`SplitBatch::host_table`]) alone, none from the host: then a
+/// CUDA graph of it serves splits of other lengths once the table is rewritten. (The
+/// composed forms upload the host's lengths.)
+pub fn split_reads_table(
+    dtype: DType,
+    device: &Device,
+    dims: GdrDims,
+    s_len: usize,
+    width: usize,
+) -> bool {
+    backend(device) == Backend::Cuda
+        && s_len > 0
+        && width > 0
+        && fused_split_applies(dtype, device, dims, s_len, width)
 }
 
 /// Whether [`gated_delta_rule_split`] has its fused form here: on Metal always (each part takes
 /// the kernel [`gated_delta_rule`] would), on CUDA under the conditions under which
 /// [`gated_delta_rule`] would run both parts on the chunked tensor-core kernels.
-fn fused_split_applies(x: &Tensor, dims: GdrDims, s_len: usize, width: usize) -> bool {
-    if backend(x.device()) == Backend::Metal {
+fn fused_split_applies(
+    dtype: DType,
+    device: &Device,
+    dims: GdrDims,
+    s_len: usize,
+    width: usize,
+) -> bool {
+    if backend(device) == Backend::Metal {
         return true;
     }
-    x.dtype() != DType::F32
-        && cuda_gpu(x.device()).is_some_and(|gpu| gpu.tensor_cores)
+    dtype != DType::F32
+        && cuda_gpu(device).is_some_and(|gpu| gpu.tensor_cores)
         && dims.head_k_dim.max(dims.head_v_dim) <= 128
         && op::auto_prefers_chunked(s_len)
         && op::auto_prefers_chunked(width)
