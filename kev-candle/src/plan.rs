@@ -251,11 +251,11 @@ impl Piece {
 }
 
 /// The width a CUDA-graphed piece of `width` steps pads to (at most `chunk`, the longest piece):
-/// a multiple of 32 up to 128, then a quarter of the power of two below (4 widths an octave),
-/// so padding adds at most a quarter of the steps, or 31, and a few graphs serve every length.
+/// a multiple of 16 up to 128, then a quarter of the power of two below (4 widths an octave),
+/// so padding adds at most a quarter of the steps, or 15, and a few graphs serve every length.
 pub(crate) fn bucket_width(width: usize, chunk: usize) -> usize {
     let bucket = if width <= 128 {
-        width.div_ceil(32) * 32
+        width.div_ceil(16) * 16
     } else {
         let step = (1usize << width.ilog2()) / 4;
         width.div_ceil(step) * step
@@ -371,7 +371,8 @@ mod tests {
     #[test]
     fn bucket_widths_bound_the_padding() {
         assert_eq!(bucket_width(0, 512), 0);
-        assert_eq!(bucket_width(1, 512), 32);
+        assert_eq!(bucket_width(1, 512), 16);
+        assert_eq!(bucket_width(48, 512), 48);
         assert_eq!(bucket_width(128, 512), 128);
         assert_eq!(bucket_width(129, 512), 160);
         assert_eq!(bucket_width(700, 2048), 768);
@@ -380,10 +381,10 @@ mod tests {
         let mut widths = std::collections::BTreeSet::new();
         for w in 1..=2048 {
             let b = bucket_width(w, 4096);
-            assert!(b >= w && (b - w) * 4 <= w.max(124), "{w} -> {b}");
+            assert!(b >= w && (b - w) * 4 <= w.max(60), "{w} -> {b}");
             widths.insert(b);
         }
-        assert_eq!(widths.len(), 4 + 4 * 4, "{widths:?}");
+        assert_eq!(widths.len(), 8 + 4 * 4, "{widths:?}");
     }
 
     #[test]

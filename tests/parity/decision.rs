@@ -506,11 +506,11 @@ fn graph_replays_read_each_records_lengths() {
         let mut r = base.clone();
         r.state = words[..n].join(" ");
         let len = state_len(&r);
-        if (33..=64).contains(&len) && lengths.insert(len) {
+        if (49..=64).contains(&len) && lengths.insert(len) {
             recs.push(r);
         }
     }
-    assert!(recs.len() >= 4, "{} state lengths in 33..=64", recs.len());
+    assert!(recs.len() >= 4, "{} state lengths in 49..=64", recs.len());
     let want: Vec<_> = recs.iter().map(|r| load().logits(r).unwrap()).collect();
     assert!(
         max_delta(&want[0], &want[1]) > 1e-3,
