@@ -6,18 +6,22 @@
 # llama.cpp is the copy vendored in PyPI's llama-cpp-python source distribution (Debian 12 has no
 # llama.cpp package and only PyPI, crates.io and Debian are reachable here): fetched with
 # `pip download` (the sdist, no dependencies) and its sha256 checked, built with PyPI's cmake for
-# this CPU (GGML_NATIVE), only the llama-bench tool. The checkpoint's base model (random weights,
-# LoRA not folded: prefill speed does not depend on it) is converted to GGUF with llama.cpp's
-# converter (bench/llamacpp_convert.py) in each of TYPES (`--no-mtp`: the checkpoints have no
-# multi-token-prediction block, and Kev does not use one), and `llama-bench -p 512 -n 0` measures
+# this CPU (GGML_NATIVE), only the llama-bench and llama-quantize tools. The checkpoint's base model
+# (random weights, LoRA not folded: prefill speed does not depend on it) is converted to GGUF with
+# llama.cpp's converter (bench/llamacpp_convert.py) in each of TYPES (`--no-mtp`: the checkpoints
+# have no multi-token-prediction block, and Kev does not use one); the types the converter does not
+# write (q4_0, q4_k_m, ...) are made from the f32 file by llama-quantize, as CPU users make them.
+# llama.cpp repacks Q4_0 and Q8_0 for its CPU GEMMs at load (its default). `llama-bench -p 512 -n 0` measures
 # the prefill of 512 tokens. Kev then runs the state pass of the one-request workload (a 512-token
 # state; bench example `--form state`) on the same checkpoint, in each of KEV_TYPES, in the same
-# command.
+# command. Where Kev runs an approximate dtype (int8), `score` then scores DRIFT_RECORDS in f32
+# and in it, and bench/dtype_drift.py gives its max |Δp| and argmax flips against f32.
 #
 # Environment knobs (defaults in brackets):
-#   KEV_TYPES ["f32 bf16"] (Kev's dtypes; bf16 on a CPU with AVX512-BF16 is bf16 weights with f32
-#   activations, as llama.cpp's bf16)  KEV_REPS [5] (Kev's repeats after one warm-up)
-#   SIZE [0.8b]  THREADS [2]  REPS [3]  TYPES ["f32 bf16 f16"]  PYTHON [/work/pyenv/bin/python if
+#   KEV_TYPES ["f32 bf16", and int8 on a CPU with AVX-512 VNNI] (Kev's dtypes; bf16 on a CPU with
+#   AVX512-BF16 is bf16 weights with f32 activations, as llama.cpp's bf16)  KEV_REPS [5] (Kev's
+#   repeats after one warm-up)  DRIFT_RECORDS [batch8 and 64 varied records, real tokenizer]
+#   SIZE [0.8b]  THREADS [2]  REPS [3]  TYPES ["f32 bf16 f16 q8_0 q4_0 q4_k_m"]  PYTHON [/work/pyenv/bin/python if
 #   present, else python3] (numpy, torch, safetensors, transformers for the converter)  JOBS [2]
 # Everything goes to bench/.cache/ (ignored by git): llama.cpp/ (source and build), gguf/,
 # results-cpu-llamacpp-$SIZE.jsonl (llama-bench's JSON lines, then Kev's).
@@ -29,8 +33,8 @@ PYTHON=${PYTHON:-$([ -x /work/pyenv/bin/python ] && echo /work/pyenv/bin/python 
 SIZE=${SIZE:-0.8b}
 THREADS=${THREADS:-2}
 REPS=${REPS:-3}
-TYPES=${TYPES:-"f32 bf16 f16"}
-KEV_TYPES=${KEV_TYPES:-"f32 bf16"}
+TYPES=${TYPES:-"f32 bf16 f16 q8_0 q4_0 q4_k_m"}
+KEV_TYPES=${KEV_TYPES:-"f32 bf16$(grep -qw avx512_vnni /proc/cpuinfo && echo ' int8')"}
 KEV_REPS=${KEV_REPS:-5}
 JOBS=${JOBS:-2}
 VERSION=0.3.36
@@ -40,11 +44,15 @@ CKPT=$CACHE/kev-$SIZE
 LLAMA=$CACHE/llama.cpp
 SRC=$LLAMA/llama_cpp_python-$VERSION/vendor/llama.cpp
 BENCH=$LLAMA/build/bin/llama-bench
+QUANTIZE=$LLAMA/build/bin/llama-quantize
 RESULTS=$CACHE/results-cpu-llamacpp-$SIZE.jsonl
 mkdir -p "$LLAMA" "$CACHE/gguf"
 
 [ -f "$CKPT/kev.json" ] || nice "$PYTHON" bench/make_checkpoint.py --size "$SIZE" --out "$CKPT"
 [ -f "$CACHE/records/one.jsonl" ] || "$PYTHON" bench/records.py --out "$CACHE/records"
+VARIED=$CACHE/records/varied-64.jsonl
+[ -f "$VARIED" ] || "$PYTHON" bench/varied_records.py --n 64 --out "$VARIED"
+DRIFT_RECORDS=${DRIFT_RECORDS:-"$CACHE/records/batch8.jsonl $VARIED"}
 
 if [ ! -d "$SRC" ]; then
   echo "== fetching llama-cpp-python $VERSION (vendored llama.cpp) from PyPI" >&2
@@ -56,34 +64,61 @@ if [ ! -d "$SRC" ]; then
   mv "$sdist" "$LLAMA/sdist.tar.gz"
   tar xzf "$LLAMA/sdist.tar.gz" -C "$LLAMA" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 fi
-if [ ! -x "$BENCH" ]; then
+if [ ! -x "$BENCH" ] || [ ! -x "$QUANTIZE" ]; then
   # PyPI's cmake lands in the Python environment's scripts folder, which need not be on PATH.
   CMAKE=$(command -v cmake || { "$PYTHON" -m pip install -q cmake >&2 &&
     "$PYTHON" -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))'; })
-  echo "== building llama-bench (CPU, native)" >&2
+  echo "== building llama-bench and llama-quantize (CPU, native)" >&2
   "$CMAKE" -S "$SRC" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
-  "$CMAKE" --build "$LLAMA/build" --target llama-bench -j "$JOBS" >&2
+  "$CMAKE" --build "$LLAMA/build" --target llama-bench llama-quantize -j "$JOBS" >&2
 fi
 
 : > "$RESULTS"
+gguf_of() { echo "$CACHE/gguf/kev-$SIZE-$1.gguf"; }
+convert() {
+  echo "== converting to GGUF ($1)" >&2
+  "$PYTHON" bench/llamacpp_convert.py "$SRC" "$CKPT/base" --no-mtp --outtype "$1" --outfile "$(gguf_of "$1")" 2>&1 \
+    | grep -vE "^INFO|Writing:" >&2 || true
+  [ -f "$(gguf_of "$1")" ] || { echo "converting to $1 failed" >&2; exit 1; }
+}
 for t in $TYPES; do
-  gguf=$CACHE/gguf/kev-$SIZE-$t.gguf
+  gguf=$(gguf_of "$t")
   if [ ! -f "$gguf" ]; then
-    echo "== converting to GGUF ($t)" >&2
-    "$PYTHON" bench/llamacpp_convert.py "$SRC" "$CKPT/base" --no-mtp --outtype "$t" --outfile "$gguf" 2>&1 \
-      | grep -vE "^INFO|Writing:" >&2 || true
+    case $t in
+      f32|f16|bf16|q8_0) convert "$t" ;;
+      *)
+        [ -f "$(gguf_of f32)" ] || convert f32
+        echo "== quantizing to $t" >&2
+        "$QUANTIZE" "$(gguf_of f32)" "$gguf" "${t^^}" "$THREADS" > "$CACHE/gguf/quantize-$t.log" 2>&1 ||
+          { tail -5 "$CACHE/gguf/quantize-$t.log" >&2; exit 1; }
+        ;;
+    esac
   fi
   echo "== llama-bench pp512 ($t), $THREADS threads" >&2
   "$BENCH" -m "$gguf" -p 512 -n 0 -t "$THREADS" -r "$REPS" -o jsonl >> "$RESULTS"
 done
 
-cargo build --release --example bench -j "$JOBS" >&2
+cargo build --release --example bench --example score -j "$JOBS" >&2
 for t in $KEV_TYPES; do
   echo "== kev state pass (512 tokens), $t, $THREADS threads" >&2
   RAYON_NUM_THREADS=$THREADS target/release/examples/bench --checkpoint "$CKPT" \
     --records "$CACHE/records/one.jsonl" --backend cpu --dtype "$t" --form state \
     --repeats "$KEV_REPS" --warmup 1 >> "$RESULTS"
+done
+
+for t in $KEV_TYPES; do
+  [ "$t" = int8 ] || continue
+  for records in $DRIFT_RECORDS; do
+    name=$(basename "$records" .jsonl)
+    for d in f32 "$t"; do
+      echo "== kev score $name ($d)" >&2
+      RAYON_NUM_THREADS=$THREADS target/release/examples/score --checkpoint "$CKPT" --records "$records" \
+        --backend cpu --dtype "$d" --out "$CACHE/score-$name-$d.jsonl" 2>/dev/null
+    done
+    "$PYTHON" bench/dtype_drift.py "$CACHE/score-$name-f32.jsonl" "$CACHE/score-$name-$t.jsonl" \
+      --label "$t against f32, $name" >> "$RESULTS"
+  done
 done
 
 "$PYTHON" - "$RESULTS" <<'PY'
@@ -100,4 +135,8 @@ for r in rows:
         kev = r["computed_tok_per_s"]
         print(f"kev {r['dtype']} state pass: {r['computed_tokens']} tokens, median {r['latency_ms_median']:.0f} ms,"
               f" {kev:.1f} tok/s" + (f" = {kev / best:.2f}x llama.cpp's best" if best else ""))
+for r in rows:
+    if "argmax_flips" in r:
+        print(f"{r['label']}: max |dp| {r['max_abs_dp']:.2e}, mean per question {r['mean_question_max_abs_dp']:.2e},"
+              f" argmax flips {r['argmax_flips']} of {r['questions']} questions")
 PY

@@ -104,10 +104,10 @@ pub fn settle(dev: &Device) -> Result<()> {
     dev.synchronize().map_err(|e| err(e.to_string()))
 }
 
-/// The backbone dtype for `dtype` on `device`.
+/// The backbone dtype for `dtype` on `device` (`int8`'s activations are f32).
 pub fn select_dtype(dtype: kev_core::DType, device: &Device) -> DType {
     match dtype {
-        kev_core::DType::F32 => DType::F32,
+        kev_core::DType::F32 | kev_core::DType::Int8 => DType::F32,
         kev_core::DType::BF16 => DType::BF16,
         kev_core::DType::F16 => DType::F16,
         _ if device.is_cpu() => DType::F32,

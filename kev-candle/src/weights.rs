@@ -28,6 +28,8 @@ pub struct Weights {
     dtype: DType,
     /// The dtype of the projections' weights and the embedding table (`dtype` unless set).
     projections: DType,
+    /// Whether the projections are quantized to int8 at load (the `int8` dtype).
+    int8: bool,
     /// FP8 weights' block (rows, columns), where the config gives one.
     fp8_block: Option<(usize, usize)>,
     device: Device,
@@ -111,6 +113,7 @@ impl Weights {
             lora_scale,
             dtype,
             projections: dtype,
+            int8: false,
             fp8_block: None,
             device,
             used: Mutex::default(),
@@ -143,6 +146,17 @@ impl Weights {
     pub fn with_projection_dtype(mut self, dtype: DType) -> Self {
         self.projections = dtype;
         self
+    }
+
+    /// Quantizes the projections to int8 once loaded (the `int8` dtype, [`kev_kernels::PackedInt8`]).
+    pub fn with_int8_projections(mut self, int8: bool) -> Self {
+        self.int8 = int8;
+        self
+    }
+
+    /// Whether the projections are quantized to int8 once loaded.
+    pub fn int8_projections(&self) -> bool {
+        self.int8
     }
 
     /// Reads FP8 weights' block scales as one per `block` (rows, columns): the config's

@@ -86,35 +86,49 @@ pub enum DType {
     BF16,
     /// IEEE half precision.
     F16,
+    /// CPU only, opt-in, not exact: the projections' weights quantized to int8 at load (in
+    /// blocks of 32 inputs, a scale each) and multiplied with int8 dot products against
+    /// activations quantized the same way at each product (f32 otherwise); needs AVX-512 VNNI.
+    /// Its drift from f32 is measured, not bounded (BENCHMARKS.md).
+    Int8,
 }
 
 impl FromStr for DType {
     type Err = Error;
 
-    /// Parses `auto`, `f32`, `bf16`, `f16` (case-insensitive).
+    /// Parses `auto`, `f32`, `bf16`, `f16`, `int8` (case-insensitive).
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(DType::Auto),
             "f32" => Ok(DType::F32),
             "bf16" => Ok(DType::BF16),
             "f16" => Ok(DType::F16),
+            "int8" => Ok(DType::Int8),
             _ => Err(Error::invalid_argument(
                 "dtype",
-                format!("`{s}`: expected `auto`, `f32`, `bf16` or `f16`"),
+                format!("`{s}`: expected `auto`, `f32`, `bf16`, `f16` or `int8`"),
             )),
         }
     }
 }
 
-impl fmt::Display for DType {
-    /// `auto`, `f32`, `bf16`, `f16` (parses back with [`FromStr`]).
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl DType {
+    /// `auto`, `f32`, `bf16`, `f16`, `int8` (parses back with [`FromStr`]).
+    pub fn as_str(&self) -> &'static str {
+        match self {
             DType::Auto => "auto",
             DType::F32 => "f32",
             DType::BF16 => "bf16",
             DType::F16 => "f16",
-        })
+            DType::Int8 => "int8",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    /// [`DType::as_str`].
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -279,6 +293,7 @@ mod tests {
             ("f32", DType::F32),
             ("bf16", DType::BF16),
             ("F16", DType::F16),
+            ("int8", DType::Int8),
         ] {
             assert_eq!(s.parse::<DType>().unwrap(), d);
             assert_eq!(d.to_string().parse::<DType>().unwrap(), d);

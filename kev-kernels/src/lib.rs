@@ -97,6 +97,7 @@ mod gated_delta_rule;
 mod gates;
 mod gather;
 mod head;
+mod int8_gemm;
 mod layout;
 mod linear;
 mod norm;
@@ -128,6 +129,7 @@ pub use gated_delta_rule::{
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{copy_rows, embed, gather_cat, gather_rows, join_rows, pack, RowIndex};
 pub use head::{pointer_logits, rows_f32};
+pub use int8_gemm::{int8_gemm_available, quantize_block, PackedInt8, BLOCK as INT8_BLOCK};
 pub use layout::split::SplitBatch;
 pub use linear::{linear, tuning, MAX_TUNED_ROWS};
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};

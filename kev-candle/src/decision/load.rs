@@ -117,6 +117,20 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     let kernel_seconds_before = kev_kernels::kernel_seconds();
     let kernels = prepare_kernels(&device);
     let dtype = select_dtype(options.dtype, &device);
+    // The `int8` dtype: f32 weights (the LoRA folded) quantized once, f32 activations.
+    let int8 = options.dtype == kev_core::DType::Int8;
+    if int8 && kev_kernels::dispatch::backend(&device) != kev_kernels::dispatch::Backend::Cpu {
+        return Err(Error::invalid_argument(
+            "dtype",
+            format!("`int8` runs on the CPU only, not on {device:?}"),
+        ));
+    }
+    if int8 && !kev_kernels::int8_gemm_available() {
+        return Err(Error::invalid_argument(
+            "dtype",
+            "`int8` needs a CPU with AVX-512 VNNI, which this one lacks".to_string(),
+        ));
+    }
     // The CPU's bf16 mode where it has AVX512-BF16: the projections and the embedding table
     // in bf16, the activations in f32 between the matmuls (as llama.cpp's bf16 models),
     // since its bf16 matmul takes f32 rows and the rest of the forward is faster in f32.
@@ -146,6 +160,7 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
         device.clone(),
     )?
     .with_projection_dtype(weights_dtype)
+    .with_int8_projections(int8)
     .with_fp8_block(cfg.fp8_block);
     breakdown.open_weights_s = lap(&mut clock);
     let model = Model::new(&cfg, &weights)?;

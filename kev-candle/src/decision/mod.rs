@@ -90,12 +90,20 @@ impl DecisionModel {
 
     /// The dtype of the backbone's weights (projections and embedding table): the activations'
     /// but in the CPU's bf16 mode (on CPUs with AVX512-BF16), where bf16 weights run with f32
-    /// activations.
-    pub fn weights_dtype(&self) -> DType {
-        self.exec.model().weights_dtype()
+    /// activations, and in the `int8` dtype (int8 projections, f32 activations and embedding
+    /// table).
+    pub fn weights_dtype(&self) -> kev_core::DType {
+        let model = self.exec.model();
+        match model.weights_dtype() {
+            _ if model.int8_projections() => kev_core::DType::Int8,
+            DType::BF16 => kev_core::DType::BF16,
+            DType::F16 => kev_core::DType::F16,
+            _ => kev_core::DType::F32,
+        }
     }
 
-    /// The activations' dtype: [`DecisionModel::weights_dtype`] but in the CPU's bf16 mode (f32).
+    /// The activations' dtype: [`DecisionModel::weights_dtype`] but in the CPU's bf16 and int8
+    /// modes (f32).
     pub fn activation_dtype(&self) -> DType {
         self.exec.model().dtype()
     }

@@ -3,7 +3,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Linear;
 use kev_kernels::dispatch::{self, Backend};
-use kev_kernels::{bf16_gemm_available, PackedBf16};
+use kev_kernels::{bf16_gemm_available, PackedBf16, PackedInt8};
 
 use crate::weights::Weights;
 
@@ -21,22 +21,29 @@ use crate::weights::Weights;
 ///   ([`PackedBf16`]): candle has no CPU bf16 matmul of its own (it widens both operands to
 ///   f32 on every call). Its input and output are in the activation dtype (f32 in the CPU's
 ///   bf16 mode, see `Weights::projection_dtype`).
+/// - On the CPU in the `int8` dtype, Kev's int8 matmul ([`PackedInt8`]): the f32 weight (LoRA
+///   folded) quantized once, f32 activations in and out.
 #[derive(Clone)]
 pub enum Projection {
     Candle(Linear),
     Bf16(PackedBf16),
+    Int8(PackedInt8),
     /// A CUDA weight `[out, in]` (or one counted as CUDA's, [`dispatch::backend`]).
     Cuda(Tensor),
 }
 
 impl Projection {
     /// The layer of `weight: [out, in]`, on `weight`'s device and in its dtype (laid out as a
-    /// GPU's while a dispatch count for one runs, [`dispatch::backend`]).
-    pub fn new(weight: Tensor) -> Result<Self> {
+    /// GPU's while a dispatch count for one runs, [`dispatch::backend`]); on the CPU quantized to
+    /// int8 where `int8` (the load refused it elsewhere).
+    pub fn new(weight: Tensor, int8: bool) -> Result<Self> {
         match dispatch::backend(weight.device()) {
             Backend::Cuda => return Ok(Self::Cuda(weight)),
             Backend::Metal => return Ok(Self::Candle(Linear::new(weight, None))),
             Backend::Cpu => {}
+        }
+        if int8 {
+            return Ok(Self::Int8(PackedInt8::pack(&weight)?));
         }
         if weight.dtype() == DType::BF16 && bf16_gemm_available() {
             return Ok(Self::Bf16(PackedBf16::pack(&weight)?));
@@ -53,6 +60,7 @@ impl Projection {
             // the whole weight's row pitch, which candle's `gemm` matmul takes as it is.
             Self::Candle(l) => Self::Candle(Linear::new(l.weight().narrow(0, start, len)?, None)),
             Self::Bf16(p) => Self::Bf16(p.rows(start, len)?),
+            Self::Int8(p) => Self::Int8(p.rows(start, len)?),
             Self::Cuda(w) => Self::Cuda(w.narrow(0, start, len)?),
         })
     }
@@ -65,6 +73,7 @@ impl Module for Projection {
         match self {
             Self::Candle(l) => l.forward(xs),
             Self::Bf16(p) => p.forward(&xs.contiguous()?),
+            Self::Int8(p) => p.forward(&xs.contiguous()?),
             Self::Cuda(w) => kev_kernels::linear(xs, w),
         }
     }
@@ -91,7 +100,7 @@ pub(super) fn linear_cat(
     // Device-to-device copies on CUDA: candle's `cat` would launch a kernel of its own.
     let weights: Vec<&candle_core::Tensor> = weights.iter().collect();
     kev_kernels::join_rows(&weights)
-        .and_then(Projection::new)
+        .and_then(|weight| Projection::new(weight, w.int8_projections()))
         .map_err(|e| kev_core::Error::backend(format!("merging {:?}", names()), e))
 }
 
@@ -104,5 +113,5 @@ pub(super) fn linear(
 ) -> kev_core::Result<Projection> {
     let key = format!("{prefix}.weight");
     let weight = w.get_as(&key, &[out_dim, in_dim], w.projection_dtype())?;
-    Projection::new(weight).map_err(|e| kev_core::Error::backend(key, e))
+    Projection::new(weight, w.int8_projections()).map_err(|e| kev_core::Error::backend(key, e))
 }

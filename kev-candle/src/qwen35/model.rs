@@ -305,6 +305,8 @@ pub struct Model {
     dtype: DType,
     /// Of the projections and the embedding table (`dtype` but in the CPU's bf16 mode).
     weights_dtype: DType,
+    /// Whether the projections are int8 ([`crate::weights::Weights::int8_projections`]).
+    int8_projections: bool,
     device: Device,
 }
 
@@ -351,6 +353,7 @@ impl Model {
             rope: Rope::new(cfg.rope_theta, rotary_dim),
             dtype: w.dtype(),
             weights_dtype: w.projection_dtype(),
+            int8_projections: w.int8_projections(),
             device: w.device().clone(),
         })
     }
@@ -369,6 +372,12 @@ impl Model {
     /// the CPU's bf16 mode (bf16 weights, f32 activations).
     pub fn weights_dtype(&self) -> DType {
         self.weights_dtype
+    }
+
+    /// Whether the projections' weights are int8 (the `int8` dtype; the embedding table is in
+    /// [`Model::weights_dtype`]).
+    pub fn int8_projections(&self) -> bool {
+        self.int8_projections
     }
 
     /// The embeddings of every id of `ids`, one part after another, `[N, H]` in the

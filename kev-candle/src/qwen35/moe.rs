@@ -54,7 +54,7 @@ impl SparseMoe {
             let down = w.get_as(&down_name, &[e, h, i], dtype)?;
             let expert = |t: &Tensor, name: &str, x: usize| {
                 t.get(x)
-                    .and_then(|t| Projection::new(t.contiguous()?))
+                    .and_then(|t| Projection::new(t.contiguous()?, w.int8_projections()))
                     .map_err(|err| kev_core::Error::backend(format!("`{name}` expert {x}"), err))
             };
             (0..e)

@@ -77,8 +77,8 @@ class DecisionModel:
     ) -> DecisionModel:
         """Loads the checkpoint folder `path` (holding kev.json).
 
-        backend: "auto", "cpu", "cuda[:i]" or "metal[:i]"; dtype: "auto", "f32", "bf16" or
-        "f16"; lora_scale: 0 = base model, 1 = fine-tune."""
+        backend: "auto", "cpu", "cuda[:i]" or "metal[:i]"; dtype: "auto", "f32", "bf16", "f16"
+        or "int8" (CPU with AVX-512 VNNI; approximate); lora_scale: 0 = base model, 1 = fine-tune."""
     def encode(self, record: RecordLike, *, line: Optional[int] = None) -> Encoding:
         """Token ids, segments and head positions; `line` is named by any error."""
     def forward(self, record: RecordLike) -> PerQuestion:
@@ -112,7 +112,7 @@ class DecisionModel:
         files with the same settings; a `Prefix` made by a model with another id is refused."""
     @property
     def dtype(self) -> str:
-        """The weights' dtype: "f32", "bf16" or "f16"."""
+        """The weights' dtype: "f32", "bf16", "f16" or "int8"."""
     @property
     def activation_dtype(self) -> str: ...
     @property
