@@ -20,7 +20,7 @@
 # Environment knobs (defaults in brackets):
 #   KEV_TYPES ["f32 bf16", and int8 on a CPU with AVX-512 VNNI] (Kev's dtypes; bf16 on a CPU with
 #   AVX512-BF16 is bf16 weights with f32 activations, as llama.cpp's bf16)  KEV_REPS [5] (Kev's
-#   repeats after one warm-up)  DRIFT_RECORDS [batch8 and 64 varied records, real tokenizer]
+#   repeats after one warm-up)  DRIFT_RECORDS [batch8 and 32 varied records, real tokenizer]
 #   SIZE [0.8b]  THREADS [2]  REPS [3]  TYPES ["f32 bf16 f16 q8_0 q4_0 q4_k_m"]  PYTHON [/work/pyenv/bin/python if
 #   present, else python3] (numpy, torch, safetensors, transformers for the converter)  JOBS [2]
 # Everything goes to bench/.cache/ (ignored by git): llama.cpp/ (source and build), gguf/,
@@ -50,8 +50,8 @@ mkdir -p "$LLAMA" "$CACHE/gguf"
 
 [ -f "$CKPT/kev.json" ] || nice "$PYTHON" bench/make_checkpoint.py --size "$SIZE" --out "$CKPT"
 [ -f "$CACHE/records/one.jsonl" ] || "$PYTHON" bench/records.py --out "$CACHE/records"
-VARIED=$CACHE/records/varied-64.jsonl
-[ -f "$VARIED" ] || "$PYTHON" bench/varied_records.py --n 64 --out "$VARIED"
+VARIED=$CACHE/records/varied-32.jsonl
+[ -f "$VARIED" ] || "$PYTHON" bench/varied_records.py --n 32 --out "$VARIED"
 DRIFT_RECORDS=${DRIFT_RECORDS:-"$CACHE/records/batch8.jsonl $VARIED"}
 
 if [ ! -d "$SRC" ]; then

@@ -391,10 +391,10 @@ fn fused_ops_match_references() -> Result<()> {
     })
 }
 
-/// The int8 matmul against its definition computed here in f64: both operands quantized per
-/// block of `INT8_BLOCK` inputs by `quantize_block`, integer products per block, scaled by the two
-/// blocks' scales. The kernel sums each block exactly in i32 and the blocks in f32, so only f32
-/// rounding separates them. Row counts across a micro-tile (6), none, k not a multiple of 4 nor
+/// The int8 matmul against its definition computed here in f64: `quantize_block` of each weight
+/// row (an output column) whole and of each input row per block of `INT8_BLOCK` inputs, integer
+/// products per block scaled by the input block's scale, their sum by the column's. The kernel
+/// sums each block exactly in i32 and the blocks in f32, so only f32 rounding separates them. Row counts across a micro-tile (6), none, k not a multiple of 4 nor
 /// of the block, n not a multiple of the 32-column block and over several tasks' blocks; a row
 /// range of the packed weight; an outlier confined to its block; a NaN input giving NaN outputs
 /// in its row only. Against the f32 matmul: within the quantization's error. On a CPU without
@@ -409,13 +409,13 @@ fn packed_int8_matmul_matches_its_blockwise_definition() -> Result<()> {
     );
     let bad = Tensor::new(&[[1f32, f32::NAN]], &Device::Cpu)?;
     assert!(PackedInt8::pack(&bad).is_err(), "packed a NaN weight");
-    // Per row of `t: [rows, k]`, its blocks' scales and integers.
+    // Per row of `t: [rows, k]`, its blocks' (of `block` values) scales and integers.
     type Blocks = Vec<(f32, Vec<i8>)>;
-    let quantized = |t: &Tensor| -> Result<Vec<Blocks>> {
+    let quantized = |t: &Tensor, block: usize| -> Result<Vec<Blocks>> {
         Ok(t.to_vec2::<f32>()?
             .iter()
             .map(|row| {
-                row.chunks(INT8_BLOCK)
+                row.chunks(block)
                     .map(|v| {
                         let mut q = vec![0i8; v.len()];
                         (quantize_block(v, &mut q), q)
@@ -448,19 +448,22 @@ fn packed_int8_matmul_matches_its_blockwise_definition() -> Result<()> {
             println!("no AVX-512 VNNI here: only the refusal was checked, not the kernel");
             continue;
         }
-        let (qx, qw) = (quantized(&x)?, quantized(&w)?);
+        let (qx, qw) = (quantized(&x, INT8_BLOCK)?, quantized(&w, k)?);
         let want: Vec<f32> = qx
             .iter()
             .flat_map(|xr| {
                 qw.iter().map(move |wr| {
-                    xr.iter()
-                        .zip(wr)
-                        .map(|((sa, a), (sw, b))| {
+                    let (sw, b) = &wr[0];
+                    let blocks: f64 = xr
+                        .iter()
+                        .zip(b.chunks(INT8_BLOCK))
+                        .map(|((sa, a), b)| {
                             let dot: i64 =
                                 a.iter().zip(b).map(|(&a, &b)| a as i64 * b as i64).sum();
-                            *sa as f64 * *sw as f64 * dot as f64
+                            *sa as f64 * dot as f64
                         })
-                        .sum::<f64>() as f32
+                        .sum();
+                    (*sw as f64 * blocks) as f32
                 })
             })
             .collect();

@@ -3,14 +3,15 @@
 //! `vpdpbusd` (four u8 · i8 products summed into each i32 lane per instruction: twice the
 //! multiply-adds of `vdpbf16ps`, four times an f32 FMA's).
 //!
-//! Numbers: both operands are quantized symmetrically in blocks of [`BLOCK`] inputs, one f32
-//! scale per block (a weight column's, an input row's), to integers in −127..=127 (round to
-//! nearest even of `v · 127 / max|v|`): an outlier costs precision only within its own block,
-//! as in llama.cpp's Q8_0. Blocks of 32: on the test fixture blocks of 128 drifted about twice
-//! as far from f32 (max |Δp| 0.25 against 0.14), the inputs' blocks most. A block's products
-//! are summed exactly in i32, scaled by the two blocks' scales and summed over blocks in f32.
-//! Inputs go in as `q + 128` (the instruction's unsigned operand), so each block's sums start
-//! at `−128 · Σ q_w`.
+//! Numbers: both operands are quantized symmetrically to integers in −127..=127 (round to
+//! nearest even of `v · 127 / max|v|`, one f32 scale per group of values): the weight per output
+//! column, each input row per block of [`BLOCK`] inputs, so that an outlier among the
+//! activations costs precision only within its own block, as in llama.cpp's Q8_0. On the test
+//! fixture input blocks of 128 drifted about twice as far from f32 as blocks of 32 (max |Δp|
+//! 0.25 against 0.14); the weights' grouping mattered less. A block's products are summed
+//! exactly in i32 and scaled by the input block's scale into f32 sums, which the column's scale
+//! multiplies once. Inputs go in as `q + 128` (the instruction's unsigned operand), so each
+//! block's sums start at `−128 · Σ q_w`.
 //! Non-finite inputs give non-finite outputs (their block's scale is).
 
 use std::sync::Arc;
@@ -70,14 +71,14 @@ pub fn quantize_block(v: &[f32], out: &mut [i8]) -> f32 {
     amax / 127.0
 }
 
-/// A weight `[n, k]` quantized in blocks of [`BLOCK`] inputs per column and packed as
+/// A weight `[n, k]` quantized per output column and packed as
 /// `[⌈n/32⌉][⌈k/4⌉ padded to whole blocks][32][4]` i8: per block of 32 output columns, for each
 /// four inputs, the 32 columns' four values side by side (the operand layout of `vpdpbusd`).
-/// Per column block and quantization block, the 32 columns' scales and `128 · Σ q`.
+/// Per column block, the 32 columns' scales, and per block of [`BLOCK`] inputs their `128 · Σ q`.
 #[derive(Clone)]
 pub struct PackedInt8 {
     data: Arc<Vec<i8>>,
-    /// `[⌈n/32⌉][k blocks][32]`.
+    /// `[⌈n/32⌉ × 32]`.
     scales: Arc<Vec<f32>>,
     /// `[⌈n/32⌉][k blocks][32]`: 128 × the block's integer sum (the unsigned inputs' offset).
     offsets: Arc<Vec<i32>>,
@@ -105,23 +106,21 @@ impl PackedInt8 {
         let col_block = blocks * QUADS * COLS * 4;
         let col_blocks = n.div_ceil(COLS);
         let mut data = vec![0i8; col_blocks * col_block];
-        let mut scales = vec![0f32; col_blocks * blocks * COLS];
+        let mut scales = vec![0f32; col_blocks * COLS];
         let mut offsets = vec![0i32; col_blocks * blocks * COLS];
         data.par_chunks_mut(col_block)
-            .zip(scales.par_chunks_mut(blocks * COLS))
+            .zip(scales.par_chunks_mut(COLS))
             .zip(offsets.par_chunks_mut(blocks * COLS))
             .enumerate()
             .for_each(|(b, ((out, scales), offsets))| {
-                let mut q = [0i8; BLOCK];
+                let mut q = vec![0i8; k];
                 for c in 0..COLS.min(n - b * COLS) {
-                    let row = &w[(b * COLS + c) * k..][..k];
-                    for (blk, v) in row.chunks(BLOCK).enumerate() {
-                        let q = &mut q[..v.len()];
-                        scales[blk * COLS + c] = quantize_block(v, q);
+                    scales[c] = quantize_block(&w[(b * COLS + c) * k..][..k], &mut q);
+                    for (blk, q) in q.chunks(BLOCK).enumerate() {
                         offsets[blk * COLS + c] = 128 * q.iter().map(|&x| x as i32).sum::<i32>();
-                        for (i, &x) in q.iter().enumerate() {
-                            out[in_block(blk * BLOCK + i, c)] = x;
-                        }
+                    }
+                    for (i, &x) in q.iter().enumerate() {
+                        out[in_block(i, c)] = x;
                     }
                 }
             });
@@ -144,7 +143,7 @@ impl PackedInt8 {
         let col_block = blocks * QUADS * COLS * 4;
         let col_blocks = len.div_ceil(COLS);
         let mut data = vec![0i8; col_blocks * col_block];
-        let mut scales = vec![0f32; col_blocks * blocks * COLS];
+        let mut scales = vec![0f32; col_blocks * COLS];
         let mut offsets = vec![0i32; col_blocks * blocks * COLS];
         for r in 0..len {
             let (from, c) = ((start + r) / COLS, (start + r) % COLS);
@@ -153,13 +152,10 @@ impl PackedInt8 {
                 data[to * col_block + in_block(i, d)] =
                     self.data[from * col_block + in_block(i, c)];
             }
+            scales[r] = self.scales[start + r];
             for blk in 0..blocks {
-                let (s, t) = (
-                    (from * blocks + blk) * COLS + c,
-                    (to * blocks + blk) * COLS + d,
-                );
-                scales[t] = self.scales[s];
-                offsets[t] = self.offsets[s];
+                offsets[(to * blocks + blk) * COLS + d] =
+                    self.offsets[(from * blocks + blk) * COLS + c];
             }
         }
         Ok(Self {
@@ -315,7 +311,7 @@ impl PackedInt8 {
                 for block in t * per_task..((t + 1) * per_task).min(blocks) {
                     let w = Weights {
                         data: &self.data[block * kb * QUADS * COLS * 4..][..kb * QUADS * COLS * 4],
-                        scales: &self.scales[block * kb * COLS..][..kb * COLS],
+                        scales: &self.scales[block * COLS..][..COLS],
                         offsets: &self.offsets[block * kb * COLS..][..kb * COLS],
                         cols: COLS.min(n - block * COLS),
                     };
@@ -385,9 +381,10 @@ impl OutPtr {
     }
 }
 
-/// R rows × 32 columns: per quantization block, the exact i32 sums of the block's products
-/// (`vpdpbusd` over its 32 groups of four), less the unsigned offset, scaled by the two blocks'
-/// scales into f32 accumulators; then the first `w.cols` columns stored at `c` (row pitch `n`).
+/// R rows × 32 columns: per block of inputs, the exact i32 sums of the block's products
+/// (`vpdpbusd` over its groups of four, from the unsigned offset's negative), scaled by the
+/// input block's scale into f32 accumulators; then, times the columns' scales, the first
+/// `w.cols` columns stored at `c` (row pitch `n`).
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `a` holds R rows of `kb × 32` groups, `s` R rows of `kb`
@@ -427,17 +424,16 @@ unsafe fn tile<const R: usize>(
                 sums[1] = _mm512_dpbusd_epi32(sums[1], x, b1);
             }
         }
-        let sc = w.scales.as_ptr().add(blk * COLS);
-        let (sc0, sc1) = (_mm512_loadu_ps(sc), _mm512_loadu_ps(sc.add(16)));
         for r in 0..R {
             let sa = _mm512_set1_ps(s[r * kb + blk]);
-            let d0 = _mm512_cvtepi32_ps(sums[r][0]);
-            let d1 = _mm512_cvtepi32_ps(sums[r][1]);
-            acc[r][0] = _mm512_fmadd_ps(d0, _mm512_mul_ps(sc0, sa), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(d1, _mm512_mul_ps(sc1, sa), acc[r][1]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][0]), sa, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][1]), sa, acc[r][1]);
         }
     }
+    let sc = w.scales.as_ptr();
+    let (sc0, sc1) = (_mm512_loadu_ps(sc), _mm512_loadu_ps(sc.add(16)));
     for (r, acc) in acc.iter().enumerate() {
+        let acc = [_mm512_mul_ps(acc[0], sc0), _mm512_mul_ps(acc[1], sc1)];
         let row = c.add(r * n);
         if w.cols == COLS {
             _mm512_storeu_ps(row, acc[0]);
