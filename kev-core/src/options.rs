@@ -86,9 +86,9 @@ pub enum DType {
     BF16,
     /// IEEE half precision.
     F16,
-    /// CPU only, opt-in, not exact: the projections' weights quantized to int8 at load (in
-    /// blocks of 32 inputs, a scale each) and multiplied with int8 dot products against
-    /// activations quantized the same way at each product (f32 otherwise); needs AVX-512 VNNI.
+    /// CPU only, opt-in, not exact: the projections' weights quantized to int8 at load (a scale
+    /// per output feature) and multiplied with int8 dot products against activations quantized
+    /// at each product (a scale per block of 32 inputs); f32 otherwise; needs AVX-512 VNNI.
     /// Its drift from f32 is measured, not bounded (BENCHMARKS.md).
     Int8,
 }

@@ -632,11 +632,11 @@ fn cpu_has_vnni() -> bool {
 
 #[test]
 fn int8_weights_on_the_cpu() {
-    // The `int8` dtype quantizes the projections and their inputs per block of 32 values: not
-    // exact, so its drift from the reference is measured and bounded loosely: on the CPU
-    // max|Δp| 1.2e-1 and 1 argmax flip of 21, three times bf16's drift (the fixture's peaked heads
-    // amplify it; flips are reported, not asserted). Where it cannot run (a GPU backend, a CPU without AVX-512
-    // VNNI) the load is refused, naming the dtype.
+    // The `int8` dtype quantizes the projections' weights per output column and their inputs per
+    // block of 32 values: not exact, so its drift from the reference is measured and bounded
+    // loosely: on the CPU max|Δp| 1.2e-1 and 1 argmax flip of 21, three times bf16's drift (the
+    // fixture's peaked heads amplify it; flips are reported, not asserted). Where it cannot run
+    // (a GPU backend, a CPU without AVX-512 VNNI) the load is refused, naming the dtype.
     let opts = LoadOptions::default()
         .with_dtype(DType::Int8)
         .with_backend(backend());
