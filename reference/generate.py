@@ -15,7 +15,8 @@ What it writes (see tests/fixtures/README.md):
   base-moe/               a tiny Qwen3.5 MoE (qwen3_5_moe) in the published multimodal layout, its
                           routed experts stored per expert as the published files store them
   kev-moe/                Kev checkpoint on base-moe: LoRA on every linear module, the shared
-                          expert's and its gate's included
+                          expert's and its gate's included, and on the fused routed experts'
+                          parameters (PEFT's target_parameters)
   base-fp8/               the dense base's weights block-quantized to FP8 (e4m3, 16x16 blocks, f32
                           scales) as Qwen's FP8 releases store them, in the text-only layout
   kev-fp8/                Kev checkpoint on base-fp8; its reference is transformers' own FP8 load
@@ -443,8 +444,10 @@ def make_adapter(base_model, variant, seed, out_dir: Path, opt_id, dec_id):
                                        "trainable_token_indices": {"embed_tokens": [opt_id, dec_id]}}
     elif variant == "moe":
         # The shared expert's projections are gate_proj, up_proj, down_proj; its gate a linear
-        # module of its own. The router and the fused routed experts are not modules PEFT wraps.
-        target, kwargs = model.model, {"lora_alpha": 8, "target_modules": LINEAR_MODULES + ["shared_expert_gate"]}
+        # module of its own. The fused routed experts are parameters, which PEFT wraps through
+        # `target_parameters` (the router it does not adapt).
+        target, kwargs = model.model, {"lora_alpha": 8, "target_modules": LINEAR_MODULES + ["shared_expert_gate"],
+                                       "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
     else:
         target, kwargs = model.model, {"lora_alpha": 8, "target_modules": LINEAR_MODULES}
     cfg = LoraConfig(r=4, lora_dropout=0.0, bias="none", **kwargs)

@@ -639,3 +639,41 @@ fn fp8_bases_that_cannot_be_dequantized_are_refused() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_lora_on_the_fused_experts_that_does_not_fit_is_refused() {
+    // The parameter wrappers without `target_parameters` to say what they adapt.
+    let dir = broken_moe_copy("experts-no-params");
+    assert!(DecisionModel::load(&dir, &LoadOptions::default()).is_ok());
+    edit_json(&dir.join("adapter/adapter_config.json"), |c| {
+        c["target_parameters"] = serde_json::Value::Null;
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(msg.contains("layers.0.mlp.experts"), "{msg}");
+    assert!(msg.contains("`target_parameters` []"), "{msg}");
+    // Named in the other order: down_proj's factors then meet gate_up_proj's weight.
+    let dir = broken_moe_copy("experts-swapped");
+    edit_json(&dir.join("adapter/adapter_config.json"), |c| {
+        c["target_parameters"] =
+            serde_json::json!(["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]);
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(msg.contains("does not fit base weight"), "{msg}");
+    // An expert count the factors do not hold (A's rows not a multiple of the rank).
+    let dir = broken_moe_copy("experts-rank");
+    edit_safetensors(&adapter_file(&dir), |t| {
+        let key = "base_model.model.layers.1.mlp.experts.lora_A.weight";
+        let a = t[key].narrow(0, 0, 6).unwrap();
+        t.insert(key.into(), a);
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(msg.contains("layers.1.mlp.experts.down_proj"), "{msg}");
+    assert!(msg.contains("rank 4 per expert"), "{msg}");
+    // A parameter PEFT could wrap that is not the fused experts.
+    let dir = broken_moe_copy("experts-router");
+    edit_json(&dir.join("adapter/adapter_config.json"), |c| {
+        c["target_parameters"] = serde_json::json!(["mlp.gate.weight"]);
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(msg.contains("target_parameters[0]"), "{msg}");
+}

@@ -3,7 +3,11 @@
 //! The merge happens once, at load, on the CPU in f32: `W' = W + (B·A)·s·lora_scale`, with `s`
 //! from `adapter_config.json` (`alpha/r`, or `alpha/√r` with rsLoRA), and the result is rounded
 //! once to the backbone dtype, in one pass over the weight. Trained token embeddings
-//! (`trainable_token_indices`) replace rows: `row' = (1 − s)·row + s·new_row`.
+//! (`trainable_token_indices`) replace rows: `row' = (1 − s)·row + s·new_row`. A LoRA on a MoE
+//! layer's fused routed experts (PEFT's `target_parameters`) is one pair per parameter whose
+//! factors hold every expert's (`A: [r·E, in]`, expert e's rows `e·r..`; `B: [out, r·E]`,
+//! expert e's columns `j·E + e`), folded expert by expert into the fused tensor or into each
+//! expert's own projections.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -22,11 +26,47 @@ const PREFIXES: [&str; 3] = [
 /// Where PEFT 0.21 stores the new rows of `trainable_token_indices` (relative to the text model).
 const TOKENS_KEY: &str = "embed_tokens.token_adapter.trainable_tokens_delta";
 
-/// One LoRA pair, f32 on the CPU.
+/// One LoRA pair, f32 on the CPU: a module's, or a fused experts parameter's (`experts` > 1).
 struct LoraPair {
     a: Tensor,
     b: Tensor,
     scaling: f64,
+    /// Experts whose factors the pair holds (1 for a module).
+    experts: usize,
+}
+
+impl LoraPair {
+    /// Expert `e`'s factors `(B_e, A_e)`, `B_e`'s rows `rows` only (a part of the fused output).
+    fn expert(
+        &self,
+        e: usize,
+        rows: std::ops::Range<usize>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (out, re) = self.b.dims2()?;
+        let r = re / self.experts;
+        let b = self.b.reshape((out, r, self.experts))?.narrow(2, e, 1)?;
+        let b = b.reshape((out, r))?.narrow(0, rows.start, rows.len())?;
+        Ok((b.contiguous()?, self.a.narrow(0, e * r, r)?.contiguous()?))
+    }
+}
+
+/// What part of a pair a base weight takes: the whole product, or one expert's rows `rows` of
+/// it (a routed expert's own projection in the per-expert layout).
+enum Part {
+    Whole,
+    Expert(usize, std::ops::Range<usize>),
+}
+
+/// The fused experts module of a PEFT parameter wrapper (`layers.N.mlp.experts`, each further
+/// wrapper one `.base_layer` deeper) and its depth.
+fn expert_wrapper(module: &str) -> Option<(&str, usize)> {
+    let mut m = module;
+    let mut depth = 0;
+    while let Some(inner) = m.strip_suffix(".base_layer") {
+        m = inner;
+        depth += 1;
+    }
+    m.ends_with(".mlp.experts").then_some((m, depth))
 }
 
 /// A loaded adapter: LoRA pairs by base weight name (text-model relative, e.g.
@@ -104,6 +144,7 @@ impl Adapter {
             });
         }
         let mut pairs = HashMap::new();
+        let mut wrappers: BTreeMap<String, Vec<(usize, Tensor, Tensor)>> = BTreeMap::new();
         for (module, (a, b)) in halves {
             let (Some(a), Some(b)) = (a, b) else {
                 errors.push(tensor_err(
@@ -112,6 +153,13 @@ impl Adapter {
                 ));
                 continue;
             };
+            if let Some((experts, depth)) = expert_wrapper(&module) {
+                wrappers
+                    .entry(experts.to_string())
+                    .or_default()
+                    .push((depth, a, b));
+                continue;
+            }
             if let Some(problem) = module_problem(&config, &module, &a, &b) {
                 errors.push(tensor_err(&module, problem));
                 continue;
@@ -122,9 +170,11 @@ impl Adapter {
                     a,
                     b,
                     scaling: config.scaling(&module),
+                    experts: 1,
                 },
             );
         }
+        errors.extend(expert_pairs(&config, wrappers, &mut pairs, weights_path));
         errors.extend(uncovered_targets(&config, &pairs, weights_path));
         if pairs.is_empty() && tokens.is_none() && errors.is_empty() {
             errors.push(Error::Adapter {
@@ -143,9 +193,21 @@ impl Adapter {
         })
     }
 
-    /// The base weight names this adapter modifies (for the up-front coverage check).
-    pub fn targets(&self) -> impl Iterator<Item = &str> {
-        self.pairs.keys().map(String::as_str)
+    /// Per LoRA pair, the base tensors any of which shows its target is there and read (for
+    /// the up-front coverage check): the weight it folds into; for fused routed experts, the
+    /// fused parameter or, in the per-expert layout, expert 0's first projection of it.
+    pub fn targets(&self) -> impl Iterator<Item = Vec<String>> + '_ {
+        self.pairs.keys().map(|k| match k.rsplit_once(".experts.") {
+            Some((stem, param)) if !k.ends_with(".weight") => {
+                let first = if param == "gate_up_proj" {
+                    "gate_proj"
+                } else {
+                    "down_proj"
+                };
+                vec![k.clone(), format!("{stem}.experts.0.{first}.weight")]
+            }
+            _ => vec![k.clone()],
+        })
     }
 
     /// The adapter file, for messages.
@@ -155,7 +217,86 @@ impl Adapter {
 
     /// Whether the adapter changes base weight `name`.
     pub fn touches(&self, name: &str) -> bool {
-        self.pairs.contains_key(name) || (name == "embed_tokens.weight" && self.tokens.is_some())
+        self.lora_of(name).is_some() || (name == "embed_tokens.weight" && self.tokens.is_some())
+    }
+
+    /// The pair that folds into base weight `name`, and which part of its product: a module's
+    /// or a fused experts parameter's whole, or in the per-expert layout
+    /// (`layers.N.mlp.experts.X.{gate,up,down}_proj.weight`) expert X's rows of its parameter
+    /// (`gate_up_proj`'s first half for `gate_proj`, its second for `up_proj`).
+    fn lora_of(&self, name: &str) -> Option<(&LoraPair, Part)> {
+        if let Some(pair) = self.pairs.get(name) {
+            return Some((pair, Part::Whole));
+        }
+        let (stem, rest) = name.rsplit_once(".experts.")?;
+        let (x, proj) = rest.split_once('.')?;
+        let x: usize = x.parse().ok()?;
+        let (param, half) = match proj {
+            "gate_proj.weight" => ("gate_up_proj", Some(0)),
+            "up_proj.weight" => ("gate_up_proj", Some(1)),
+            "down_proj.weight" => ("down_proj", None),
+            _ => return None,
+        };
+        let pair = self.pairs.get(&format!("{stem}.experts.{param}"))?;
+        let out = pair.b.dims()[0];
+        let rows = match half {
+            Some(h) => h * out / 2..(h + 1) * out / 2,
+            None => 0..out,
+        };
+        Some((pair, Part::Expert(x, rows)))
+    }
+
+    /// The factors `(B, A)` that fold into base weight `name` of `shape`, one pair per matrix
+    /// of it (a fused experts tensor `[E, out, in]` has E), checked to fit it.
+    fn factors(
+        &self,
+        name: &str,
+        pair: &LoraPair,
+        part: &Part,
+        shape: &[usize],
+    ) -> Result<Vec<(Tensor, Tensor)>> {
+        let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
+        let misfit = || {
+            tensor_err(
+                name,
+                format!(
+                    "LoRA A {:?} · B {:?}{} does not fit base weight {shape:?}",
+                    pair.a.dims(),
+                    pair.b.dims(),
+                    if pair.experts > 1 {
+                        format!(" ({} experts)", pair.experts)
+                    } else {
+                        String::new()
+                    }
+                ),
+            )
+        };
+        let (b_out, a_in) = (pair.b.dims()[0], pair.a.dims()[1]);
+        let mats = match (part, shape) {
+            (Part::Whole, &[out, inp]) if name.ends_with(".weight") => {
+                if b_out != out || a_in != inp {
+                    return Err(misfit());
+                }
+                vec![(pair.b.clone(), pair.a.clone())]
+            }
+            (Part::Whole, &[e, out, inp]) if !name.ends_with(".weight") => {
+                if e != pair.experts || b_out != out || a_in != inp {
+                    return Err(misfit());
+                }
+                (0..e)
+                    .map(|x| pair.expert(x, 0..out))
+                    .collect::<candle_core::Result<_>>()
+                    .map_err(ctx)?
+            }
+            (Part::Expert(x, rows), &[out, inp]) => {
+                if *x >= pair.experts || rows.len() != out || a_in != inp {
+                    return Err(misfit());
+                }
+                vec![pair.expert(*x, rows.clone()).map_err(ctx)?]
+            }
+            _ => return Err(misfit()),
+        };
+        Ok(mats)
     }
 
     /// Folds the adapter into base weight `name` (`stored`: as stored, on the CPU) with
@@ -169,10 +310,23 @@ impl Adapter {
         dtype: DType,
     ) -> Result<std::result::Result<Tensor, f32>> {
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
-        if let Some(pair) = self.pairs.get(name) {
-            self.check_fits(name, pair, stored.dims())?;
+        if let Some((pair, part)) = self.lora_of(name) {
+            let mats = self.factors(name, pair, &part, stored.dims())?;
             let scale = pair.scaling * lora_scale;
-            return fold_update(stored, &pair.b, &pair.a, scale, dtype).map_err(ctx);
+            if stored.rank() == 2 {
+                let (b, a) = &mats[0];
+                return fold_update(stored, b, a, scale, dtype).map_err(ctx);
+            }
+            // Fused experts: expert by expert.
+            let mut folded = Vec::with_capacity(mats.len());
+            for (x, (b, a)) in mats.iter().enumerate() {
+                let base = stored.get(x).map_err(ctx)?;
+                match fold_update(&base, b, a, scale, dtype).map_err(ctx)? {
+                    Ok(w) => folded.push(w),
+                    Err(bad) => return Ok(Err(bad)),
+                }
+            }
+            return Tensor::stack(&folded, 0).map(Ok).map_err(ctx);
         }
         let mut weight = stored.to_dtype(DType::F32).map_err(ctx)?;
         if name == "embed_tokens.weight" {
@@ -202,36 +356,35 @@ impl Adapter {
         lora_scale: f64,
         dtype: DType,
     ) -> Result<Option<std::result::Result<Tensor, f32>>> {
-        let Some(pair) = self.pairs.get(name) else {
+        let Some((pair, part)) = self.lora_of(name) else {
             return Ok(None);
         };
         let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
-        self.check_fits(name, pair, shape)?;
-        let fold = Fold {
-            b: &pair.b,
-            a: &pair.a,
-            scale: (pair.scaling * lora_scale) as f32,
-            dtype,
-            shape,
-        };
-        fold.values(values).map(Some).map_err(ctx)
-    }
-
-    /// Whether `B·A` of `pair` fits the base weight's `shape`.
-    fn check_fits(&self, name: &str, pair: &LoraPair, shape: &[usize]) -> Result<()> {
-        let ctx = |e| Error::backend(format!("merging the adapter into `{name}`"), e);
-        let (out_f, in_f) = candle_core::Shape::from(shape).dims2().map_err(ctx)?;
-        if pair.b.dims()[0] != out_f || pair.a.dims()[1] != in_f {
-            return Err(tensor_err(
-                name,
-                format!(
-                    "LoRA A {:?} · B {:?} does not fit base weight [{out_f}, {in_f}]",
-                    pair.a.dims(),
-                    pair.b.dims()
-                ),
-            ));
+        let mats = self.factors(name, pair, &part, shape)?;
+        // One matrix, or a fused experts tensor's E, each `per` values.
+        let matrix = &shape[shape.len() - 2..];
+        let per = matrix[0] * matrix[1];
+        let mut folded = Vec::with_capacity(mats.len());
+        for (x, (b, a)) in mats.iter().enumerate() {
+            let fold = Fold {
+                b,
+                a,
+                scale: (pair.scaling * lora_scale) as f32,
+                dtype,
+                shape: matrix,
+            };
+            match fold
+                .values(values.slice(x * per..(x + 1) * per))
+                .map_err(ctx)?
+            {
+                Ok(w) => folded.push(w),
+                Err(bad) => return Ok(Some(Err(bad))),
+            }
         }
-        Ok(())
+        if shape.len() == 2 {
+            return Ok(Some(Ok(folded.remove(0))));
+        }
+        Tensor::stack(&folded, 0).map(|w| Some(Ok(w))).map_err(ctx)
     }
 }
 
@@ -244,6 +397,17 @@ pub enum StoredValues<'a> {
     F16(&'a [half::f16]),
     /// Stored as f32.
     F32(&'a [f32]),
+}
+
+impl<'a> StoredValues<'a> {
+    /// Values `range` (one expert's matrix of a fused tensor).
+    fn slice(self, range: std::ops::Range<usize>) -> Self {
+        match self {
+            Self::Bf16(v) => Self::Bf16(&v[range]),
+            Self::F16(v) => Self::F16(&v[range]),
+            Self::F32(v) => Self::F32(&v[range]),
+        }
+    }
 }
 
 /// Whether the folded value `v` can be rounded to `dtype` without becoming infinite.
@@ -543,15 +707,8 @@ fn module_problem(config: &AdapterConfig, module: &str, a: &Tensor, b: &Tensor) 
             b.dims()
         ));
     }
-    if let Some(layers) = &config.layers_to_transform {
-        match layer_of(module) {
-            Some(l) if layers.contains(&l) => {}
-            _ => {
-                return Some(format!(
-                    "is outside `layers_to_transform` {layers:?} of the adapter config"
-                ))
-            }
-        }
+    if let Some(problem) = outside_layers(config, module) {
+        return Some(problem);
     }
     if !targets_are_regex(config) && !config.target_modules.is_empty() {
         let name = module.rsplit('.').next().unwrap_or(module);
@@ -567,6 +724,82 @@ fn module_problem(config: &AdapterConfig, module: &str, a: &Tensor, b: &Tensor) 
         }
     }
     None
+}
+
+/// Why `module` may not carry a LoRA: a layer outside `layers_to_transform`.
+fn outside_layers(config: &AdapterConfig, module: &str) -> Option<String> {
+    let layers = config.layers_to_transform.as_ref()?;
+    match layer_of(module) {
+        Some(l) if layers.contains(&l) => None,
+        _ => Some(format!(
+            "is outside `layers_to_transform` {layers:?} of the adapter config"
+        )),
+    }
+}
+
+/// The fused experts' pairs from `wrappers` (per experts module, each parameter wrapper's depth
+/// and factors) into `pairs`, keyed by parameter (`layers.N.mlp.experts.gate_up_proj`): PEFT
+/// nests one wrapper per `target_parameters` entry, the first innermost (deepest). Errors:
+/// wrappers that do not match `target_parameters` one to one, a layer outside
+/// `layers_to_transform`, factors whose shapes do not agree with the rank, and
+/// `target_parameters` with no wrapper at all.
+fn expert_pairs(
+    config: &AdapterConfig,
+    wrappers: BTreeMap<String, Vec<(usize, Tensor, Tensor)>>,
+    pairs: &mut HashMap<String, LoraPair>,
+    path: &Path,
+) -> Vec<Error> {
+    let params = &config.target_parameters;
+    let mut errors = Vec::new();
+    if !params.is_empty() && wrappers.is_empty() {
+        errors.push(Error::Adapter {
+            path: path.to_path_buf(),
+            message: format!(
+                "`target_parameters` names {params:?} but the adapter holds no LoRA tensors for them"
+            ),
+        });
+    }
+    let r = config.r;
+    for (module, mut found) in wrappers {
+        found.sort_by_key(|w| w.0);
+        let depths: Vec<usize> = found.iter().map(|w| w.0).collect();
+        if depths != (0..params.len()).collect::<Vec<_>>() {
+            errors.push(tensor_err(
+                &module,
+                format!("LoRA on parameters at wrapper depths {depths:?} does not match `target_parameters` {params:?} of the adapter config (one wrapper each)"),
+            ));
+            continue;
+        }
+        if let Some(problem) = outside_layers(config, &module) {
+            errors.push(tensor_err(&module, problem));
+            continue;
+        }
+        for (depth, a, b) in found {
+            let key = format!("{module}.{}", params[params.len() - 1 - depth]);
+            let re = a.dims().first().copied().unwrap_or(0);
+            if a.rank() != 2 || b.rank() != 2 || re == 0 || re % r != 0 || b.dims()[1] != re {
+                errors.push(tensor_err(
+                    &key,
+                    format!(
+                        "LoRA shapes A {:?}, B {:?} do not agree with rank {r} per expert (A must be [{r} × experts, in], B [out, {r} × experts])",
+                        a.dims(),
+                        b.dims()
+                    ),
+                ));
+                continue;
+            }
+            pairs.insert(
+                key,
+                LoraPair {
+                    a,
+                    b,
+                    scaling: config.scaling(&module),
+                    experts: re / r,
+                },
+            );
+        }
+    }
+    errors
 }
 
 /// PEFT's `target_modules` is either a list of names or one string holding a regular expression,
@@ -604,8 +837,10 @@ fn uncovered_targets(
         .iter()
         .filter(|t| {
             !pairs.keys().any(|k| {
-                let module = k.strip_suffix(".weight").unwrap_or(k);
-                module.rsplit('.').next() == Some(t.as_str()) || suffix_of(module, t)
+                // (A fused experts parameter's pair covers no target module.)
+                k.strip_suffix(".weight").is_some_and(|module| {
+                    module.rsplit('.').next() == Some(t.as_str()) || suffix_of(module, t)
+                })
             })
         })
         .map(|t| Error::Adapter {

@@ -122,9 +122,12 @@ impl Weights {
         if let Some(adapter) = &weights.adapter {
             let missing = adapter
                 .targets()
-                .filter(|t| weights.st.get(&format!("{prefix}{t}")).is_err())
+                .filter(|t| {
+                    t.iter()
+                        .all(|n| weights.st.get(&format!("{prefix}{n}")).is_err())
+                })
                 .map(|t| Error::Tensor {
-                    name: t.to_string(),
+                    name: t[0].clone(),
                     message: format!(
                         "adapter `{}` modifies a weight the base does not have",
                         adapter.path().display()
@@ -387,13 +390,17 @@ impl Weights {
             })
             .collect();
         if let Some(adapter) = &self.adapter {
-            let mut unapplied: Vec<&str> = adapter
+            let mut unapplied: Vec<String> = adapter
                 .targets()
-                .filter(|t| !used.contains(&format!("{}{t}", self.prefix)))
+                .filter(|t| {
+                    !t.iter()
+                        .any(|n| used.contains(&format!("{}{n}", self.prefix)))
+                })
+                .map(|t| t[0].clone())
                 .collect();
             unapplied.sort();
             errors.extend(unapplied.into_iter().map(|t| Error::Tensor {
-                name: t.to_string(),
+                name: t,
                 message: format!(
                     "adapter `{}` modifies it, but the model does not read it",
                     adapter.path().display()

@@ -34,6 +34,10 @@ pub struct AdapterConfig {
     /// The layers PEFT put adapters on (`layers_to_transform`), `None` for every layer. The
     /// adapter's tensors must keep to them.
     pub layers_to_transform: Option<Vec<usize>>,
+    /// The parameters PEFT adapts directly (`target_parameters`), in the config's order, as the
+    /// parameter's name: only a MoE layer's fused routed experts, `gate_up_proj` and
+    /// `down_proj` of `mlp.experts`. PEFT nests one wrapper per parameter, the first innermost.
+    pub target_parameters: Vec<String>,
 }
 
 impl AdapterConfig {
@@ -129,24 +133,17 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
             return Err(fault(key, "`true` is not supported"));
         }
     }
-    for key in ["alora_invocation_tokens", "target_parameters"] {
-        match obj.get(key) {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(v) => {
-                // LoRA on parameters: in a Qwen3.5 MoE, the fused routed experts.
-                let why = if key == "target_parameters" {
-                    ": a LoRA on parameters (a MoE layer's fused routed experts) is not folded; target modules"
-                } else {
-                    ""
-                };
-                return Err(fault(
-                    key,
-                    format!("is not supported (got {}){why}", json::show(v)),
-                ));
-            }
+    match obj.get("alora_invocation_tokens") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(v) => {
+            return Err(fault(
+                "alora_invocation_tokens",
+                format!("is not supported (got {})", json::show(v)),
+            ));
         }
     }
+    let target_parameters = expert_parameters(obj)?;
     match obj.get("layer_replication") {
         None | Some(Value::Null) => {}
         Some(v) => {
@@ -284,6 +281,14 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
         ));
     }
 
+    let patterns = !rank_pattern.is_empty() || !alpha_pattern.is_empty();
+    if !target_parameters.is_empty() && patterns {
+        return Err(fault(
+            "target_parameters",
+            "with `rank_pattern` or `alpha_pattern` is not supported: the experts' rank would be ambiguous",
+        ));
+    }
+
     Ok(AdapterConfig {
         r,
         lora_alpha,
@@ -293,7 +298,48 @@ fn parse(value: &Value) -> FieldResult<AdapterConfig> {
         alpha_pattern,
         trainable_token_indices,
         layers_to_transform,
+        target_parameters,
     })
+}
+
+/// `target_parameters`: each entry a MoE layer's fused routed experts' `gate_up_proj` or
+/// `down_proj` (`mlp.experts.gate_up_proj`, `experts.down_proj` or the bare name), each at
+/// most once; anything else PEFT could wrap is refused, naming the entry.
+fn expert_parameters(obj: &Map<String, Value>) -> FieldResult<Vec<String>> {
+    let entries = match obj.get("target_parameters") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(v) => {
+            return Err(fault(
+                "target_parameters",
+                format!("must be a list of strings, found {}", json::type_name(v)),
+            ))
+        }
+    };
+    let mut params: Vec<String> = Vec::new();
+    for (i, v) in entries.iter().enumerate() {
+        let field = format!("target_parameters[{i}]");
+        let Some(entry) = v.as_str() else {
+            return Err(fault(
+                field,
+                format!("must be a string, found {}", json::type_name(v)),
+            ));
+        };
+        let param = ["gate_up_proj", "down_proj"]
+            .into_iter()
+            .find(|p| entry == *p || suffix_matches(entry, &format!("experts.{p}")));
+        let Some(param) = param else {
+            return Err(fault(
+                field,
+                format!("`{entry}` is not supported: only a MoE layer's fused routed experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) are folded"),
+            ));
+        };
+        if params.iter().any(|p| p == param) {
+            return Err(fault(field, format!("names `{param}` twice")));
+        }
+        params.push(param.to_string());
+    }
+    Ok(params)
 }
 
 /// Alpha scales every merged delta: it must be finite (a huge one overflows the folded weights,
@@ -540,8 +586,29 @@ mod tests {
         );
         assert_eq!(
             config_field(load(&with("target_parameters", r#"["mlp.experts"]"#))),
+            "target_parameters[0]"
+        );
+        assert_eq!(
+            config_field(load(&with(
+                "target_parameters",
+                r#"["mlp.experts.down_proj", "experts.down_proj"]"#
+            ))),
+            "target_parameters[1]"
+        );
+        assert_eq!(
+            config_field(load(&with("target_parameters", r#"{"a": 1}"#))),
             "target_parameters"
         );
+        let c = load(&with(
+            "target_parameters",
+            r#"["mlp.experts.gate_up_proj", "down_proj"]"#,
+        ))
+        .unwrap();
+        assert_eq!(c.target_parameters, ["gate_up_proj", "down_proj"]);
+        let mut v: Value = serde_json::from_str(PEFT).unwrap();
+        v["target_parameters"] = serde_json::json!(["down_proj"]);
+        v["rank_pattern"] = serde_json::json!({"q_proj": 4});
+        assert_eq!(config_field(load(&v.to_string())), "target_parameters");
         assert!(load(&with("alora_invocation_tokens", "null")).is_ok());
         assert_eq!(
             config_field(load(&with("trainable_token_indices", "[3, 3]"))),

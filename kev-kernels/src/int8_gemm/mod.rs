@@ -145,6 +145,7 @@ impl PackedInt8 {
         let mut data = vec![0i8; col_blocks * col_block];
         let mut scales = vec![0f32; col_blocks * COLS];
         let mut offsets = vec![0i32; col_blocks * blocks * COLS];
+        scales[..len].copy_from_slice(&self.scales[start..start + len]);
         for r in 0..len {
             let (from, c) = ((start + r) / COLS, (start + r) % COLS);
             let (to, d) = (r / COLS, r % COLS);
@@ -152,7 +153,6 @@ impl PackedInt8 {
                 data[to * col_block + in_block(i, d)] =
                     self.data[from * col_block + in_block(i, c)];
             }
-            scales[r] = self.scales[start + r];
             for blk in 0..blocks {
                 offsets[(to * blocks + blk) * COLS + d] =
                     self.offsets[(from * blocks + blk) * COLS + c];
