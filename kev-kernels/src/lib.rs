@@ -91,6 +91,7 @@ mod attention;
 mod backend;
 mod bf16_gemm;
 mod causal_conv1d;
+mod cpu_tiles;
 pub mod dispatch;
 mod flash_attention;
 mod gated_delta_rule;

@@ -14,8 +14,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-/// Output columns per packed block: two 16-lane vectors.
-const COLS: usize = 32;
+use crate::cpu_tiles::COLS;
+#[cfg(target_arch = "x86_64")]
+use crate::cpu_tiles::{column_tiles, store_row};
+
 /// Rows of the input per micro-tile (16 accumulators of the 32 registers).
 #[cfg(target_arch = "x86_64")]
 const TILE: usize = 8;
@@ -186,35 +188,36 @@ unsafe fn f32_row_pairs(out: &mut [u32], row: &[f32]) {
 }
 
 impl PackedBf16 {
-    /// `a` (`m` rows of bf16 pairs) times the packed weight, in f32: tasks own ranges of column
-    /// blocks, so each block of the weight is read once while the rows (shared) stream past it
-    /// from L2.
+    /// `a` (`m` rows of bf16 pairs) times the packed weight, in f32 ([`column_tiles`]: the
+    /// rows, shared, stream past each block of the weight from L2).
     ///
     /// # Safety
     /// The CPU has AVX-512F and AVX512-BF16 ([`bf16_gemm_available`]).
     #[cfg(target_arch = "x86_64")]
     unsafe fn matmul(&self, a: &[u32], m: usize) -> Vec<f32> {
         let (n, pairs) = (self.n, self.k.div_ceil(2));
-        // Every element is stored by exactly one tile (pairs > 0: `pack` refuses k = 0), so the
-        // output is not zeroed first.
-        let mut out: Vec<f32> = Vec::with_capacity(m * n);
-        let blocks = n.div_ceil(COLS);
-        if m > 0 {
-            let out_ptr = OutPtr(out.as_mut_ptr());
-            // A few tasks per thread for balance, at most BLOCKS_PER_TASK blocks each.
-            let per_task = (blocks / (4 * rayon::current_num_threads())).clamp(1, BLOCKS_PER_TASK);
-            let tasks = blocks.div_ceil(per_task);
-            (0..tasks).into_par_iter().for_each(|t| {
-                let range = t * per_task..((t + 1) * per_task).min(blocks);
-                // SAFETY: the CPU has AVX-512F and AVX512-BF16 (this fn's contract); `a` holds m
-                // rows of `pairs` pairs, the packed data ⌈n/32⌉ blocks of `pairs` × 32 pairs,
-                // `out` m × n floats, and the tasks write disjoint column blocks of it.
-                unsafe { blocks_task(&self.data, a, out_ptr, m, n, pairs, range) };
-            });
-        }
-        // SAFETY: the tasks stored all m × n elements (see above).
-        unsafe { out.set_len(m * n) };
-        out
+        let run_tile = |block: usize, r0: usize, rows: usize, c: *mut f32| {
+            let b = &self.data[block * pairs * COLS * 2..][..pairs * COLS * 2];
+            let cols = COLS.min(n - block * COLS);
+            let a = &a[r0 * pairs..][..rows * pairs];
+            // SAFETY: the CPU has AVX-512F and AVX512-BF16 (this fn's contract); `a` holds
+            // the tile's rows of `pairs` pairs, `b` the block's `pairs` × 32 pairs, `c` the
+            // tile's rows of `cols` floats.
+            unsafe {
+                match rows {
+                    8 => tile::<8>(b, a, c, n, pairs, cols),
+                    7 => tile::<7>(b, a, c, n, pairs, cols),
+                    6 => tile::<6>(b, a, c, n, pairs, cols),
+                    5 => tile::<5>(b, a, c, n, pairs, cols),
+                    4 => tile::<4>(b, a, c, n, pairs, cols),
+                    3 => tile::<3>(b, a, c, n, pairs, cols),
+                    2 => tile::<2>(b, a, c, n, pairs, cols),
+                    _ => tile::<1>(b, a, c, n, pairs, cols),
+                }
+            }
+        };
+        // SAFETY: each tile stores its rows × columns (pairs > 0: `pack` refuses k = 0).
+        unsafe { column_tiles(m, n, TILE, BLOCKS_PER_TASK, run_tile) }
     }
 
     /// Elsewhere [`bf16_gemm_available`] is false and `cpu_fwd` refuses before this.
@@ -260,51 +263,6 @@ impl CustomOp1 for PackedBf16 {
     }
 }
 
-/// The output's base pointer, shared by tasks that write disjoint column blocks.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own column blocks (`blocks_task`).
-#[cfg(target_arch = "x86_64")]
-unsafe impl Send for OutPtr {}
-#[cfg(target_arch = "x86_64")]
-unsafe impl Sync for OutPtr {}
-
-/// Column blocks `range` of the output (`m × n`, f32, at `out`) from all `m` rows of `a`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn blocks_task(
-    w: &[u16],
-    a: &[u32],
-    out: OutPtr,
-    m: usize,
-    n: usize,
-    pairs: usize,
-    range: std::ops::Range<usize>,
-) {
-    for block in range {
-        let b = &w[block * pairs * COLS * 2..][..pairs * COLS * 2];
-        let cols = COLS.min(n - block * COLS);
-        let mut r0 = 0;
-        while r0 < m {
-            let t = TILE.min(m - r0);
-            let a = &a[r0 * pairs..][..t * pairs];
-            let c = out.0.add(r0 * n + block * COLS);
-            match t {
-                8 => tile::<8>(b, a, c, n, pairs, cols),
-                7 => tile::<7>(b, a, c, n, pairs, cols),
-                6 => tile::<6>(b, a, c, n, pairs, cols),
-                5 => tile::<5>(b, a, c, n, pairs, cols),
-                4 => tile::<4>(b, a, c, n, pairs, cols),
-                3 => tile::<3>(b, a, c, n, pairs, cols),
-                2 => tile::<2>(b, a, c, n, pairs, cols),
-                _ => tile::<1>(b, a, c, n, pairs, cols),
-            }
-            r0 += t;
-        }
-    }
-}
-
 /// R rows × 32 columns: for each input pair, the block's 32 columns' pairs (two vectors) times
 /// each row's pair broadcast, accumulated in f32; then the first `cols` columns stored at `c`
 /// (row pitch `n`; the caller guarantees R rows of `cols` floats there).
@@ -331,15 +289,6 @@ unsafe fn tile<const R: usize>(
         }
     }
     for (r, acc) in acc.iter().enumerate() {
-        let row = c.add(r * n);
-        if cols == COLS {
-            _mm512_storeu_ps(row, acc[0]);
-            _mm512_storeu_ps(row.add(16), acc[1]);
-        } else {
-            let mut tmp = [0f32; COLS];
-            _mm512_storeu_ps(tmp.as_mut_ptr(), acc[0]);
-            _mm512_storeu_ps(tmp.as_mut_ptr().add(16), acc[1]);
-            std::ptr::copy_nonoverlapping(tmp.as_ptr(), row, cols);
-        }
+        store_row(c.add(r * n), *acc, cols);
     }
 }

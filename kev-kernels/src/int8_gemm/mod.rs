@@ -20,10 +20,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::cpu_tiles::COLS;
+#[cfg(target_arch = "x86_64")]
+use crate::cpu_tiles::{column_tiles, store_row};
+
 /// Inputs per quantization block (a weight column's or an input row's, one scale each).
 pub const BLOCK: usize = 32;
-/// Output columns per packed block: two 16-lane vectors.
-const COLS: usize = 32;
 /// Groups of four inputs per quantization block (one `vpdpbusd` step each).
 const QUADS: usize = BLOCK / 4;
 /// Rows of the input per micro-tile: 2 × 6 i32 and 2 × 6 f32 accumulators of the 32 registers.
@@ -291,9 +293,8 @@ impl CustomOp1 for PackedInt8 {
 }
 
 impl PackedInt8 {
-    /// `a` (`m` quantized rows, their scales `a_scales`) times the packed weight, in f32: tasks
-    /// own ranges of column blocks, so each block of the weight is read once while the rows
-    /// stream past it.
+    /// `a` (`m` quantized rows, their scales `a_scales`) times the packed weight, in f32
+    /// ([`column_tiles`]).
     ///
     /// # Safety
     /// The CPU has AVX-512 F, BW and VNNI ([`int8_gemm_available`]).
@@ -301,46 +302,30 @@ impl PackedInt8 {
     unsafe fn matmul(&self, a: &[u32], a_scales: &[f32], m: usize) -> Vec<f32> {
         let n = self.n;
         let kb = self.k.div_ceil(BLOCK);
-        let mut out: Vec<f32> = Vec::with_capacity(m * n);
-        let blocks = n.div_ceil(COLS);
-        if m > 0 {
-            let out_ptr = OutPtr(out.as_mut_ptr());
-            let per_task = (blocks / (4 * rayon::current_num_threads())).clamp(1, BLOCKS_PER_TASK);
-            let tasks = blocks.div_ceil(per_task);
-            (0..tasks).into_par_iter().for_each(|t| {
-                for block in t * per_task..((t + 1) * per_task).min(blocks) {
-                    let w = Weights {
-                        data: &self.data[block * kb * QUADS * COLS * 4..][..kb * QUADS * COLS * 4],
-                        scales: &self.scales[block * COLS..][..COLS],
-                        offsets: &self.offsets[block * kb * COLS..][..kb * COLS],
-                        cols: COLS.min(n - block * COLS),
-                    };
-                    let mut r0 = 0;
-                    while r0 < m {
-                        let r = TILE.min(m - r0);
-                        let a = &a[r0 * kb * QUADS..][..r * kb * QUADS];
-                        let s = &a_scales[r0 * kb..][..r * kb];
-                        // SAFETY: the CPU has the features (this fn's contract); the tasks
-                        // write disjoint column blocks of the m × n output, rows r0..r0 + r.
-                        unsafe {
-                            let c = out_ptr.at(r0 * n + block * COLS);
-                            match r {
-                                6 => tile::<6>(&w, a, s, c, n, kb),
-                                5 => tile::<5>(&w, a, s, c, n, kb),
-                                4 => tile::<4>(&w, a, s, c, n, kb),
-                                3 => tile::<3>(&w, a, s, c, n, kb),
-                                2 => tile::<2>(&w, a, s, c, n, kb),
-                                _ => tile::<1>(&w, a, s, c, n, kb),
-                            }
-                        }
-                        r0 += r;
-                    }
+        let run_tile = |block: usize, r0: usize, rows: usize, c: *mut f32| {
+            let w = Weights {
+                data: &self.data[block * kb * QUADS * COLS * 4..][..kb * QUADS * COLS * 4],
+                scales: &self.scales[block * COLS..][..COLS],
+                offsets: &self.offsets[block * kb * COLS..][..kb * COLS],
+                cols: COLS.min(n - block * COLS),
+            };
+            let a = &a[r0 * kb * QUADS..][..rows * kb * QUADS];
+            let s = &a_scales[r0 * kb..][..rows * kb];
+            // SAFETY: the CPU has the features (this fn's contract); `a` and `s` hold the
+            // tile's rows, `w` the block's `kb` blocks, `c` the tile's rows of `w.cols`.
+            unsafe {
+                match rows {
+                    6 => tile::<6>(&w, a, s, c, n, kb),
+                    5 => tile::<5>(&w, a, s, c, n, kb),
+                    4 => tile::<4>(&w, a, s, c, n, kb),
+                    3 => tile::<3>(&w, a, s, c, n, kb),
+                    2 => tile::<2>(&w, a, s, c, n, kb),
+                    _ => tile::<1>(&w, a, s, c, n, kb),
                 }
-            });
-        }
-        // SAFETY: the tiles stored all m × n elements.
-        unsafe { out.set_len(m * n) };
-        out
+            }
+        };
+        // SAFETY: each tile stores its rows × columns.
+        unsafe { column_tiles(m, n, TILE, BLOCKS_PER_TASK, run_tile) }
     }
 
     /// Elsewhere [`int8_gemm_available`] is false and `cpu_fwd` refuses before this.
@@ -358,27 +343,6 @@ struct Weights<'a> {
     offsets: &'a [i32],
     /// Columns of the block that exist (≤ 32).
     cols: usize,
-}
-
-/// The output's base pointer, shared by tasks that write disjoint column blocks.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own column blocks.
-#[cfg(target_arch = "x86_64")]
-unsafe impl Send for OutPtr {}
-#[cfg(target_arch = "x86_64")]
-unsafe impl Sync for OutPtr {}
-
-#[cfg(target_arch = "x86_64")]
-impl OutPtr {
-    /// The element `offset` floats past the base.
-    ///
-    /// # Safety
-    /// `offset` is within the output.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
-        self.0.add(offset)
-    }
 }
 
 /// R rows × 32 columns: per block of inputs, the exact i32 sums of the block's products
@@ -434,15 +398,6 @@ unsafe fn tile<const R: usize>(
     let (sc0, sc1) = (_mm512_loadu_ps(sc), _mm512_loadu_ps(sc.add(16)));
     for (r, acc) in acc.iter().enumerate() {
         let acc = [_mm512_mul_ps(acc[0], sc0), _mm512_mul_ps(acc[1], sc1)];
-        let row = c.add(r * n);
-        if w.cols == COLS {
-            _mm512_storeu_ps(row, acc[0]);
-            _mm512_storeu_ps(row.add(16), acc[1]);
-        } else {
-            let mut tmp = [0f32; COLS];
-            _mm512_storeu_ps(tmp.as_mut_ptr(), acc[0]);
-            _mm512_storeu_ps(tmp.as_mut_ptr().add(16), acc[1]);
-            std::ptr::copy_nonoverlapping(tmp.as_ptr(), row, w.cols);
-        }
+        store_row(c.add(r * n), acc, w.cols);
     }
 }
