@@ -167,3 +167,17 @@ def test_head_dtype_device(small):
     assert small.dtype == "f32" and small.device == "cpu"
     assert small.max_tokens == 1024
     assert "kev-small" in repr(small)
+
+
+def test_int8_runs_where_the_cpu_has_vnni_and_is_refused_elsewhere():
+    """`dtype="int8"`: approximate (int8 projections, f32 activations) on a CPU with AVX-512
+    VNNI, its drift from f32 measured in the Rust suite; elsewhere an ArgumentError naming it."""
+    try:
+        model = kev.DecisionModel.load(FIXTURES / "kev-small", backend="cpu", dtype="int8")
+    except kev.ArgumentError as err:
+        assert "int8" in str(err) and err.name == "dtype"
+        return
+    assert model.dtype == "int8" and model.activation_dtype == "f32"
+    for probs in model.probs_batch(records()):
+        for q in probs:
+            assert np.isfinite(q).all() and abs(float(q.sum()) - 1.0) < 1e-5
