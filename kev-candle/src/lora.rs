@@ -313,20 +313,16 @@ impl Adapter {
         if let Some((pair, part)) = self.lora_of(name) {
             let mats = self.factors(name, pair, &part, stored.dims())?;
             let scale = pair.scaling * lora_scale;
-            if stored.rank() == 2 {
-                let (b, a) = &mats[0];
-                return fold_update(stored, b, a, scale, dtype).map_err(ctx);
-            }
-            // Fused experts: expert by expert.
-            let mut folded = Vec::with_capacity(mats.len());
-            for (x, (b, a)) in mats.iter().enumerate() {
-                let base = stored.get(x).map_err(ctx)?;
-                match fold_update(&base, b, a, scale, dtype).map_err(ctx)? {
-                    Ok(w) => folded.push(w),
-                    Err(bad) => return Ok(Err(bad)),
-                }
-            }
-            return Tensor::stack(&folded, 0).map(Ok).map_err(ctx);
+            let fused = stored.rank() == 3;
+            return fold_each(&mats, fused, |x, b, a| {
+                let base = if fused {
+                    stored.get(x)?
+                } else {
+                    stored.clone()
+                };
+                fold_update(&base, b, a, scale, dtype)
+            })
+            .map_err(ctx);
         }
         let mut weight = stored.to_dtype(DType::F32).map_err(ctx)?;
         if name == "embed_tokens.weight" {
@@ -364,8 +360,7 @@ impl Adapter {
         // One matrix, or a fused experts tensor's E, each `per` values.
         let matrix = &shape[shape.len() - 2..];
         let per = matrix[0] * matrix[1];
-        let mut folded = Vec::with_capacity(mats.len());
-        for (x, (b, a)) in mats.iter().enumerate() {
+        fold_each(&mats, shape.len() == 3, |x, b, a| {
             let fold = Fold {
                 b,
                 a,
@@ -373,18 +368,31 @@ impl Adapter {
                 dtype,
                 shape: matrix,
             };
-            match fold
-                .values(values.slice(x * per..(x + 1) * per))
-                .map_err(ctx)?
-            {
-                Ok(w) => folded.push(w),
-                Err(bad) => return Ok(Some(Err(bad))),
-            }
+            fold.values(values.slice(x * per..(x + 1) * per))
+        })
+        .map(Some)
+        .map_err(ctx)
+    }
+}
+
+/// `fold(x, B, A)` of each matrix's factors in `mats`, stacked into `[E, out, in]` for a fused
+/// experts weight (`fused`), else the one matrix; `Err(v)` for the first value that does not fit.
+fn fold_each(
+    mats: &[(Tensor, Tensor)],
+    fused: bool,
+    fold: impl Fn(usize, &Tensor, &Tensor) -> candle_core::Result<std::result::Result<Tensor, f32>>,
+) -> candle_core::Result<std::result::Result<Tensor, f32>> {
+    let mut folded = Vec::with_capacity(mats.len());
+    for (x, (b, a)) in mats.iter().enumerate() {
+        match fold(x, b, a)? {
+            Ok(w) => folded.push(w),
+            Err(bad) => return Ok(Err(bad)),
         }
-        if shape.len() == 2 {
-            return Ok(Some(Ok(folded.remove(0))));
-        }
-        Tensor::stack(&folded, 0).map(|w| Some(Ok(w))).map_err(ctx)
+    }
+    if fused {
+        Tensor::stack(&folded, 0).map(Ok)
+    } else {
+        Ok(Ok(folded.remove(0)))
     }
 }
 

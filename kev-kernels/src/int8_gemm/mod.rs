@@ -24,7 +24,8 @@ use crate::cpu_tiles::COLS;
 #[cfg(target_arch = "x86_64")]
 use crate::cpu_tiles::{column_tiles, store_row};
 
-/// Inputs per quantization block (a weight column's or an input row's, one scale each).
+/// Inputs per quantization block of an input row (one scale each; the weight's per-block sums
+/// follow the same blocks).
 pub const BLOCK: usize = 32;
 /// Groups of four inputs per quantization block (one `vpdpbusd` step each).
 const QUADS: usize = BLOCK / 4;
@@ -76,14 +77,15 @@ pub fn quantize_block(v: &[f32], out: &mut [i8]) -> f32 {
 /// A weight `[n, k]` quantized per output column and packed as
 /// `[⌈n/32⌉][⌈k/4⌉ padded to whole blocks][32][4]` i8: per block of 32 output columns, for each
 /// four inputs, the 32 columns' four values side by side (the operand layout of `vpdpbusd`).
-/// Per column block, the 32 columns' scales, and per block of [`BLOCK`] inputs their `128 · Σ q`.
+/// Per column block, the 32 columns' scales, and per block of [`BLOCK`] inputs their `−128 · Σ q`.
 #[derive(Clone)]
 pub struct PackedInt8 {
     data: Arc<Vec<i8>>,
     /// `[⌈n/32⌉ × 32]`.
     scales: Arc<Vec<f32>>,
-    /// `[⌈n/32⌉][k blocks][32]`: 128 × the block's integer sum (the unsigned inputs' offset).
-    offsets: Arc<Vec<i32>>,
+    /// `[⌈n/32⌉][k blocks][32]`: −128 × the block's integer sum, where a block's i32 sums
+    /// start (the unsigned inputs' offset, taken away).
+    starts: Arc<Vec<i32>>,
     n: usize,
     k: usize,
 }
@@ -109,17 +111,17 @@ impl PackedInt8 {
         let col_blocks = n.div_ceil(COLS);
         let mut data = vec![0i8; col_blocks * col_block];
         let mut scales = vec![0f32; col_blocks * COLS];
-        let mut offsets = vec![0i32; col_blocks * blocks * COLS];
+        let mut starts = vec![0i32; col_blocks * blocks * COLS];
         data.par_chunks_mut(col_block)
             .zip(scales.par_chunks_mut(COLS))
-            .zip(offsets.par_chunks_mut(blocks * COLS))
+            .zip(starts.par_chunks_mut(blocks * COLS))
             .enumerate()
-            .for_each(|(b, ((out, scales), offsets))| {
+            .for_each(|(b, ((out, scales), starts))| {
                 let mut q = vec![0i8; k];
                 for c in 0..COLS.min(n - b * COLS) {
                     scales[c] = quantize_block(&w[(b * COLS + c) * k..][..k], &mut q);
                     for (blk, q) in q.chunks(BLOCK).enumerate() {
-                        offsets[blk * COLS + c] = 128 * q.iter().map(|&x| x as i32).sum::<i32>();
+                        starts[blk * COLS + c] = -128 * q.iter().map(|&x| x as i32).sum::<i32>();
                     }
                     for (i, &x) in q.iter().enumerate() {
                         out[in_block(i, c)] = x;
@@ -129,7 +131,7 @@ impl PackedInt8 {
         Ok(Self {
             data: Arc::new(data),
             scales: Arc::new(scales),
-            offsets: Arc::new(offsets),
+            starts: Arc::new(starts),
             n,
             k,
         })
@@ -146,7 +148,7 @@ impl PackedInt8 {
         let col_blocks = len.div_ceil(COLS);
         let mut data = vec![0i8; col_blocks * col_block];
         let mut scales = vec![0f32; col_blocks * COLS];
-        let mut offsets = vec![0i32; col_blocks * blocks * COLS];
+        let mut starts = vec![0i32; col_blocks * blocks * COLS];
         scales[..len].copy_from_slice(&self.scales[start..start + len]);
         for r in 0..len {
             let (from, c) = ((start + r) / COLS, (start + r) % COLS);
@@ -156,14 +158,14 @@ impl PackedInt8 {
                     self.data[from * col_block + in_block(i, c)];
             }
             for blk in 0..blocks {
-                offsets[(to * blocks + blk) * COLS + d] =
-                    self.offsets[(from * blocks + blk) * COLS + c];
+                starts[(to * blocks + blk) * COLS + d] =
+                    self.starts[(from * blocks + blk) * COLS + c];
             }
         }
         Ok(Self {
             data: Arc::new(data),
             scales: Arc::new(scales),
-            offsets: Arc::new(offsets),
+            starts: Arc::new(starts),
             n: len,
             k: self.k,
         })
@@ -174,7 +176,7 @@ impl PackedInt8 {
         x.apply_op1_no_bwd(self)
     }
 
-    /// `x`'s rows quantized: `[m][k blocks × 32]` groups of four `q + 128` bytes (zeros past k
+    /// `x`'s rows quantized: `[m][k blocks × QUADS]` groups of four `q + 128` bytes (zeros past k
     /// quantized as 0) and `[m][k blocks]` scales.
     ///
     /// # Safety
@@ -306,7 +308,7 @@ impl PackedInt8 {
             let w = Weights {
                 data: &self.data[block * kb * QUADS * COLS * 4..][..kb * QUADS * COLS * 4],
                 scales: &self.scales[block * COLS..][..COLS],
-                offsets: &self.offsets[block * kb * COLS..][..kb * COLS],
+                starts: &self.starts[block * kb * COLS..][..kb * COLS],
                 cols: COLS.min(n - block * COLS),
             };
             let a = &a[r0 * kb * QUADS..][..rows * kb * QUADS];
@@ -340,18 +342,18 @@ impl PackedInt8 {
 struct Weights<'a> {
     data: &'a [i8],
     scales: &'a [f32],
-    offsets: &'a [i32],
+    starts: &'a [i32],
     /// Columns of the block that exist (≤ 32).
     cols: usize,
 }
 
 /// R rows × 32 columns: per block of inputs, the exact i32 sums of the block's products
-/// (`vpdpbusd` over its groups of four, from the unsigned offset's negative), scaled by the
+/// (`vpdpbusd` over its groups of four, from the block's start, the unsigned offset taken away), scaled by the
 /// input block's scale into f32 accumulators; then, times the columns' scales, the first
 /// `w.cols` columns stored at `c` (row pitch `n`).
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and VNNI; `a` holds R rows of `kb × 32` groups, `s` R rows of `kb`
+/// The CPU has AVX-512 F, BW and VNNI; `a` holds R rows of `kb × QUADS` groups, `s` R rows of `kb`
 /// scales, `w` `kb` blocks, and `c` R rows of `w.cols` floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
@@ -370,15 +372,12 @@ unsafe fn tile<const R: usize>(
         let wp = w.data.as_ptr().add(blk * QUADS * COLS * 4);
         let ap = a.as_ptr().add(blk * QUADS);
         // The sums start at −128 · Σ q_w, which the unsigned inputs add back.
-        let off = w.offsets.as_ptr().add(blk * COLS);
-        let neg = [
-            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(off.cast())),
-            _mm512_sub_epi32(
-                _mm512_setzero_si512(),
-                _mm512_loadu_si512(off.add(16).cast()),
-            ),
+        let start = w.starts.as_ptr().add(blk * COLS);
+        let start = [
+            _mm512_loadu_si512(start.cast()),
+            _mm512_loadu_si512(start.add(16).cast()),
         ];
-        let mut sums = [neg; R];
+        let mut sums = [start; R];
         for g in 0..QUADS {
             let b0 = _mm512_loadu_si512(wp.add(g * COLS * 4).cast());
             let b1 = _mm512_loadu_si512(wp.add(g * COLS * 4 + 64).cast());
