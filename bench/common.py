@@ -62,23 +62,35 @@ def layer_types(tc):
             for i in range(tc["num_hidden_layers"])]
 
 
+def mlp_flops(tc):
+    """Per-token matmul FLOPs of one layer's MLP (dense, or a MoE's active part)."""
+    h = tc["hidden_size"]
+    if "num_experts" not in tc:
+        return 2 * 3 * h * tc["intermediate_size"]
+    routed = tc["num_experts_per_tok"] * 2 * 3 * h * tc["moe_intermediate_size"]
+    shared = 2 * 3 * h * tc["shared_expert_intermediate_size"] + 2 * h
+    return 2 * h * tc["num_experts"] + routed + shared
+
+
 def flop_model(tc):
     """Per-token matmul FLOPs summed over layers, and the per-full-attention-layer score factor.
 
     Model FLOPs of a forward (what `flops` counts; examples/bench.rs computes the same):
       * every projection: 2 * in * out per token (LoRA is merged, the lm_head is never run);
       * full attention: 4 * Hq * head_dim per (query, visible key) pair, causal (QK^T and AV);
+      * a MoE's MLP: the router, the k chosen routed experts and the shared expert with its gate
+        (the experts a token is not routed to are not run);
       * DeltaNet: the recurrence at 8 * dk * dv per value head per token (decay, S^T k, rank-1
         update, S^T q), plus the causal conv at 2 * K per channel per token;
       norms, activations, gates, RoPE, embedding look-up and the pointer head are left out."""
-    h, inter = tc["hidden_size"], tc["intermediate_size"]
+    h = tc["hidden_size"]
     hq, hkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
     hk, hv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
     dk, dv, kconv = tc["linear_key_head_dim"], tc["linear_value_head_dim"], tc["linear_conv_kernel_dim"]
     per_token = 0
     n_full = 0
     for t in layer_types(tc):
-        per_token += 2 * 3 * h * inter  # MLP
+        per_token += mlp_flops(tc)
         if t == "full_attention":
             n_full += 1
             per_token += 2 * h * (2 * hq * hd + 2 * hkv * hd) + 2 * hq * hd * h

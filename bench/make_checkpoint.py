@@ -2,6 +2,8 @@
 
     python bench/make_checkpoint.py --size 0.8b --out bench/.cache/kev-0.8b          # CPU, ~1.6 GB
     python bench/make_checkpoint.py --size 4b --out bench/.cache/kev-4b --device cuda # ~8.5 GB
+    python bench/make_checkpoint.py --size 35b-a3b --layers 8 --out bench/.cache/kev-35b-a3b-8l --device cuda
+                                                    # the MoE's shapes, 8 of its 40 layers, ~14 GB
 
 Layout (docs/CONTRACT.md §4, docs/BACKBONE.md §1-2):
   DIR/kev.json                  base "base", adapter "adapter", head dim 256 (tiny: 16), the
@@ -14,6 +16,8 @@ Layout (docs/CONTRACT.md §4, docs/BACKBONE.md §1-2):
                                 layer_types and rope_parameters), tied embeddings
   DIR/base/model*.safetensors   model.language_model.* (+ small model.visual.* / mtp.* tensors to
                                 be ignored), bf16 except A_log and linear_attn.norm.weight (F32);
+                                a MoE size (qwen3_5_moe) stores its routed experts per expert
+                                (mlp.experts.{e}.gate_proj / up_proj / down_proj), as published;
                                 shards of --shard-gb with model.safetensors.index.json
   DIR/base/tokenizer.json       Qwen3.5's real tokenizer with the Kev markers (248,079 ids of the
                                 248,320 embedding rows; bench/.cache/qwen-tokenizer, made by
@@ -52,20 +56,29 @@ SIZES = {
     "4b": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, head_dim_kev=256),
+    # Qwen3.5-35B-A3B (../shared/docs/QWEN35.md §1.2): 256 routed experts, top 8, and a shared one.
+    "35b-a3b": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                    linear_value_head_dim=128, vocab_size=248320, head_dim_kev=256, num_experts=256,
+                    num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512),
 }
+MOE_FIELDS = ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"]
 
 
-def text_config(size):
+def is_moe(tc):
+    return "num_experts" in tc
+
+
+def text_config(size, layers=None):
     s = SIZES[size]
-    n = s["num_hidden_layers"]
-    return {
-        "model_type": "qwen3_5_text",
+    n = layers or s["num_hidden_layers"]
+    tc = {
+        "model_type": "qwen3_5_moe_text" if "num_experts" in s else "qwen3_5_text",
         "architectures": None,
         "hidden_size": s["hidden_size"],
         "num_hidden_layers": n,
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)],
         "full_attention_interval": 4,
-        "intermediate_size": s["intermediate_size"],
         "vocab_size": s["vocab_size"],
         "num_attention_heads": s["num_attention_heads"],
         "num_key_value_heads": s["num_key_value_heads"],
@@ -96,14 +109,21 @@ def text_config(size):
         "tie_word_embeddings": True,
         "use_cache": True,
     }
+    if "num_experts" in s:
+        tc.update({k: s[k] for k in MOE_FIELDS})
+        tc["router_aux_loss_coef"] = 0.001
+    else:
+        tc["intermediate_size"] = s["intermediate_size"]
+    return tc
 
 
-def full_config(size):
-    tc = text_config(size)
+def full_config(tc):
+    tc = dict(tc)
     tc.pop("architectures")
+    moe = is_moe(tc)
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
         "text_config": tc,
         # Not used by Kev nor by bench/peers.py (text model only); a placeholder for the layout.
         "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 16},
@@ -118,7 +138,7 @@ def full_config(size):
 
 def plan(tc):
     """[(name, shape, dtype, init)] in file order. init: (kind, value)."""
-    h, inter, v = tc["hidden_size"], tc["intermediate_size"], tc["vocab_size"]
+    h, v = tc["hidden_size"], tc["vocab_size"]
     hq, hkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
     hk, hv, dk, dv = (tc["linear_num_key_heads"], tc["linear_num_value_heads"],
                       tc["linear_key_head_dim"], tc["linear_value_head_dim"])
@@ -152,15 +172,30 @@ def plan(tc):
                     (a + "o_proj.weight", (h, hq * hd), bf, w),
                     (a + "q_norm.weight", (hd,), bf, small),
                     (a + "k_norm.weight", (hd,), bf, small)]
-        out += [(L + "mlp.gate_proj.weight", (inter, h), bf, w),
-                (L + "mlp.up_proj.weight", (inter, h), bf, w),
-                (L + "mlp.down_proj.weight", (h, inter), bf, w)]
+        out += mlp_plan(tc, L + "mlp.", w)
     out.append((p + "norm.weight", (h,), bf, small))
     # Stand-ins for the parts of the published files that a text runtime skips.
     out += [("model.visual.patch_embed.proj.weight", (16, 3, 2, 4, 4), bf, w),
             ("mtp.fc.weight", (h, 2 * h), bf, w),
             ("mtp.norm.weight", (h,), bf, small)]
     return out
+
+
+def mlp_plan(tc, m, w):
+    """A layer's MLP tensors: dense SwiGLU, or the router, per-expert routed SwiGLUs and the gated
+    shared expert of a MoE."""
+    h, bf = tc["hidden_size"], torch.bfloat16
+
+    def swiglu(p, inter):
+        return [(p + "gate_proj.weight", (inter, h), bf, w), (p + "up_proj.weight", (inter, h), bf, w),
+                (p + "down_proj.weight", (h, inter), bf, w)]
+    if not is_moe(tc):
+        return swiglu(m, tc["intermediate_size"])
+    out = [(m + "gate.weight", (tc["num_experts"], h), bf, w)]
+    for e in range(tc["num_experts"]):
+        out += swiglu(f"{m}experts.{e}.", tc["moe_intermediate_size"])
+    return out + swiglu(m + "shared_expert.", tc["shared_expert_intermediate_size"]) + [
+        (m + "shared_expert_gate.weight", (1, h), bf, w)]
 
 
 def seed_of(name, seed):
@@ -217,8 +252,9 @@ def write_base(tc, base, seed, device, shard_bytes):
 
 
 def lora_shapes(tc):
-    """[(peft module path, in, out)] for every linear module of every layer."""
-    h, inter = tc["hidden_size"], tc["intermediate_size"]
+    """[(peft module path, in, out)] for every linear module of every layer (of a MoE: the
+    shared expert's; its routed experts are 3-D parameters, not modules)."""
+    h = tc["hidden_size"]
     hq, hkv, hd = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
     hk, hv, dk, dv = (tc["linear_num_key_heads"], tc["linear_num_value_heads"],
                       tc["linear_key_head_dim"], tc["linear_value_head_dim"])
@@ -232,17 +268,19 @@ def lora_shapes(tc):
             a = f"layers.{i}.self_attn."
             out += [(a + "q_proj", h, 2 * hq * hd), (a + "k_proj", h, hkv * hd),
                     (a + "v_proj", h, hkv * hd), (a + "o_proj", hq * hd, h)]
-        m = f"layers.{i}.mlp."
+        m = f"layers.{i}.mlp." + ("shared_expert." if is_moe(tc) else "")
+        inter = tc["shared_expert_intermediate_size"] if is_moe(tc) else tc["intermediate_size"]
         out += [(m + "gate_proj", h, inter), (m + "up_proj", h, inter), (m + "down_proj", inter, h)]
     return out
 
 
-def adapter_config(r, alpha):
+def adapter_config(r, alpha, moe=False):
     """What PEFT 0.21 writes for a LoRA on Qwen3_5TextModel (cf. tests/fixtures/kev-small/adapter)."""
+    family = "qwen3_5_moe" if moe else "qwen3_5"
     return {
         "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
-        "auto_mapping": {"base_model_class": "Qwen3_5TextModel",
-                         "parent_library": "transformers.models.qwen3_5.modeling_qwen3_5"},
+        "auto_mapping": {"base_model_class": "Qwen3_5MoeTextModel" if moe else "Qwen3_5TextModel",
+                         "parent_library": f"transformers.models.{family}.modeling_{family}"},
         "base_model_name_or_path": None, "bias": "none", "corda_config": None,
         "ensure_weight_tying": False, "eva_config": None, "exclude_modules": None,
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
@@ -266,7 +304,7 @@ def write_adapter(tc, out, seed, device, r=16, alpha=32):
         tensors[key + ".lora_A.weight"] = make_tensor(key + "A", (r, fan_in), torch.float32, ("normal", 0.02), seed, device)
         tensors[key + ".lora_B.weight"] = make_tensor(key + "B", (fan_out, r), torch.float32, ("normal", 0.02), seed, device)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(adapter_config(r, alpha), indent=2, sort_keys=True) + "\n")
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config(r, alpha, is_moe(tc)), indent=2, sort_keys=True) + "\n")
     return len(tensors)
 
 
@@ -287,6 +325,8 @@ def main():
     ap.add_argument("--out", required=True, help="checkpoint folder to write (replaced if present)")
     ap.add_argument("--device", default="cpu", help="where to draw the random numbers (cpu, cuda)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0, help="the first N layers only (a full attention layer "
+                    "every fourth), where the whole model does not fit the GPU")
     ap.add_argument("--shard-gb", type=float, default=2.0, help="base shard size (GB)")
     ap.add_argument("--tokenizer", default=str(QWEN_TOKENIZER))
     args = ap.parse_args()
@@ -297,10 +337,10 @@ def main():
     if tmp.exists():
         shutil.rmtree(tmp)
     (tmp / "base").mkdir(parents=True)
-    tc = text_config(args.size)
+    tc = text_config(args.size, args.layers)
     dim = SIZES[args.size]["head_dim_kev"]
 
-    (tmp / "base" / "config.json").write_text(json.dumps(full_config(args.size), indent=2) + "\n")
+    (tmp / "base" / "config.json").write_text(json.dumps(full_config(tc), indent=2) + "\n")
     shutil.copy(args.tokenizer, tmp / "base" / "tokenizer.json")
     total = write_base(tc, tmp / "base", args.seed, args.device, int(args.shard_gb * 1e9))
     n_lora = write_adapter(tc, tmp / "adapter", args.seed + 1, args.device)

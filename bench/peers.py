@@ -102,28 +102,53 @@ def load_text_weights(base, device, dtype):
                 else:
                     continue  # model.visual.*, mtp.*, lm_head.weight
                 sd[name] = st.get_tensor(k).to(dtype)
+    return fuse_experts(sd)
+
+
+def fuse_experts(sd):
+    """A MoE's per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as published) as the fused
+    parameters transformers holds (`mlp.experts.gate_up_proj: [E, 2I, H]`, `down_proj: [E, H, I]`),
+    as its checkpoint conversion does in from_pretrained."""
+    stems = sorted({k.split("experts.")[0] for k in sd if ".mlp.experts.0.gate_proj.weight" in k})
+    for stem in stems:
+        n = sum(1 for k in sd if k.startswith(stem + "experts.") and k.endswith(".down_proj.weight"))
+        gate_up, down = [], []
+        for e in range(n):
+            p = f"{stem}experts.{e}."
+            gate_up.append(torch.cat([sd.pop(p + "gate_proj.weight"), sd.pop(p + "up_proj.weight")]))
+            down.append(sd.pop(p + "down_proj.weight"))
+        sd[stem + "experts.gate_up_proj"] = torch.stack(gate_up)
+        sd[stem + "experts.down_proj"] = torch.stack(down)
+        del gate_up, down
     return sd
 
 
-def load(ckpt, device, dtype, attn):
-    from transformers import Qwen3_5TextConfig
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
+def load(ckpt, device, dtype, attn, experts=None):
     kev = json.loads((ckpt / "kev.json").read_text())
     base = resolve_base(ckpt, kev)
     cfg_json = json.loads((base / "config.json").read_text())
     tc = dict(cfg_json.get("text_config", cfg_json))
     tc.pop("architectures", None)
-    cfg = Qwen3_5TextConfig(**tc)
+    if "num_experts" in tc:
+        from transformers import Qwen3_5MoeTextConfig as Config
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+        Model, Rotary = m.Qwen3_5MoeTextModel, m.Qwen3_5MoeTextRotaryEmbedding
+    else:
+        from transformers import Qwen3_5TextConfig as Config
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+        Model, Rotary = m.Qwen3_5TextModel, m.Qwen3_5TextRotaryEmbedding
+    cfg = Config(**tc)
     cfg._attn_implementation = attn
+    if experts:
+        cfg._experts_implementation = experts
     with torch.device("meta"):
-        model = m.Qwen3_5TextModel(cfg)
+        model = Model(cfg)
     sd = load_text_weights(base, device, dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
-        raise SystemExit(f"weights do not match Qwen3_5TextModel: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise SystemExit(f"weights do not match {Model.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     del sd
-    model.rotary_emb = m.Qwen3_5TextRotaryEmbedding(config=cfg).to(device)  # non-persistent buffers
+    model.rotary_emb = Rotary(config=cfg).to(device)  # non-persistent buffers
     model.eval()
     if kev.get("adapter"):
         from peft import PeftModel
@@ -219,6 +244,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--attn", default="sdpa", help="transformers attention implementation")
+    ap.add_argument("--experts", default="", help="a MoE's experts implementation (eager, grouped_mm, "
+                    "batched_mm; default: transformers' choice, reported as `experts`)")
     ap.add_argument("--label", default="", help="free text copied into every line")
     ap.add_argument("--compile", default="", choices=["", "default", "reduce-overhead", "max-autotune"],
                     help="torch.compile the text model (reduce-overhead: with CUDA graphs); compiling and "
@@ -253,7 +280,9 @@ def main():
     torch.set_grad_enabled(False)
     sync(device)
     t0 = time.perf_counter()
-    model, head, kev, tok, tc = load(ckpt, device, dtype, args.attn)
+    model, head, kev, tok, tc = load(ckpt, device, dtype, args.attn, args.experts or None)
+    if "num_experts" in tc:
+        common["experts"] = getattr(model.config, "_experts_implementation", None) or "eager"
     sync(device)
     load_s = time.perf_counter() - t0
     print(f"loaded {ckpt} in {load_s:.2f} s", file=sys.stderr)

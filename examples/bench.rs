@@ -160,7 +160,16 @@ impl FlopModel {
                 .map(u128::from)
                 .with_context(|| format!("`{k}` missing from `{}`", path.display()))
         };
-        let (h, inter) = (get("hidden_size")?, get("intermediate_size")?);
+        let h = get("hidden_size")?;
+        // A layer's MLP per token: dense SwiGLU, or a MoE's router, k routed experts and the
+        // gated shared expert (as `mlp_flops` in bench/common.py).
+        let mlp = if tc.get("num_experts").is_some() {
+            let routed = get("num_experts_per_tok")? * 2 * 3 * h * get("moe_intermediate_size")?;
+            let shared = 2 * 3 * h * get("shared_expert_intermediate_size")? + 2 * h;
+            2 * h * get("num_experts")? + routed + shared
+        } else {
+            2 * 3 * h * get("intermediate_size")?
+        };
         let (hq, hkv, hd) = (
             get("num_attention_heads")?,
             get("num_key_value_heads")?,
@@ -185,7 +194,7 @@ impl FlopModel {
         };
         let (mut per_token, mut n_full) = (0u128, 0u128);
         for full in types {
-            per_token += 2 * 3 * h * inter;
+            per_token += mlp;
             if full {
                 n_full += 1;
                 per_token += 2 * h * (2 * hq * hd + 2 * hkv * hd) + 2 * hq * hd * h;

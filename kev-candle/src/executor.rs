@@ -63,11 +63,8 @@ impl Executor {
         let _ = graphs;
         Self {
             #[cfg(feature = "cuda")]
-            // A MoE layer decides its routing on the host, which a graph cannot replay.
-            graphs: (graphs > 0
-                && model.device().is_cuda()
-                && matches!(model.config().mlp, crate::qwen35::MlpShape::Dense { .. }))
-            .then(|| crate::graphs::Graphs::new(graphs)),
+            graphs: (graphs > 0 && model.device().is_cuda())
+                .then(|| crate::graphs::Graphs::new(graphs)),
             model,
             head,
             prefill_chunk,

@@ -3,25 +3,35 @@
 //! by their renormalised softmax probabilities, and every token also goes through one shared
 //! SwiGLU expert scaled by a sigmoid gate.
 //!
-//! The routing is decided on the host: the router's logits come back, each token's experts are
-//! picked there, and each chosen expert multiplies only its own tokens (gathered, then added back
-//! into place, expert by expert in index order as the reference does). Tokens that no expert
-//! was chosen for cost nothing.
+//! On CUDA the routed experts stay on the device as two fused `[E, 2·I, H]` and `[E, H, I]`
+//! tensors, and [`kev_kernels::routed_experts`] routes, groups and multiplies them there (no host
+//! round trip, so CUDA graphs replay the layer). On the CPU and Metal the routing is decided on
+//! the host ([`Routes`]), and each chosen expert multiplies only its own tokens with its own
+//! projections (gathered, then added back into place, expert by expert in index order as the
+//! reference does). Tokens that no expert was chosen for cost nothing.
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use kev_kernels::swiglu;
+use kev_kernels::dispatch::{self, Backend};
+use kev_kernels::{swiglu, Routes};
 
 use super::config::ExpertsShape;
 use super::linear::{linear, linear_cat, Projection};
 use super::mlp::Mlp;
 use crate::weights::Weights;
 
+/// The routed experts' weights, as the backend multiplies them.
+enum Experts {
+    /// Per routed expert: `[gate | up]: [2·I, H]` and `down: [H, I]` (CPU, Metal).
+    Each(Vec<(Projection, Projection)>),
+    /// Every expert's `[gate | up]`: `[E, 2·I, H]` and `down`: `[E, H, I]` (CUDA).
+    Fused { gate_up: Tensor, down: Tensor },
+}
+
 /// One layer's experts, router and shared expert.
 pub struct SparseMoe {
     /// `gate.weight: [E, H]`.
     router: Projection,
-    /// Per routed expert: `[gate | up]: [2·I, H]` and `down: [H, I]`.
-    experts: Vec<(Projection, Projection)>,
+    experts: Experts,
     shared: Mlp,
     /// `shared_expert_gate.weight: [1, H]`.
     shared_gate: Projection,
@@ -41,6 +51,7 @@ impl SparseMoe {
     ) -> kev_core::Result<Self> {
         let (e, i, h) = (shape.experts, shape.width, hidden);
         let fused = format!("{prefix}.experts.gate_up_proj");
+        let on_gpu = dispatch::backend(w.device()) == Backend::Cuda;
         let experts = if w.contains(&fused) {
             let dtype = w.projection_dtype();
             let Some(two_i) = i.checked_mul(2) else {
@@ -52,16 +63,24 @@ impl SparseMoe {
             let gate_up = w.get_as(&fused, &[e, two_i, h], dtype)?;
             let down_name = format!("{prefix}.experts.down_proj");
             let down = w.get_as(&down_name, &[e, h, i], dtype)?;
-            let expert = |t: &Tensor, name: &str, x: usize| {
-                t.get(x)
-                    .and_then(|t| Projection::new(t.contiguous()?, w.int8_projections()))
-                    .map_err(|err| kev_core::Error::backend(format!("`{name}` expert {x}"), err))
-            };
-            (0..e)
-                .map(|x| Ok((expert(&gate_up, &fused, x)?, expert(&down, &down_name, x)?)))
-                .collect::<kev_core::Result<Vec<_>>>()?
+            if on_gpu {
+                Experts::Fused { gate_up, down }
+            } else {
+                let expert = |t: &Tensor, name: &str, x: usize| {
+                    t.get(x)
+                        .and_then(|t| Projection::new(t.contiguous()?, w.int8_projections()))
+                        .map_err(|err| {
+                            kev_core::Error::backend(format!("`{name}` expert {x}"), err)
+                        })
+                };
+                Experts::Each(
+                    (0..e)
+                        .map(|x| Ok((expert(&gate_up, &fused, x)?, expert(&down, &down_name, x)?)))
+                        .collect::<kev_core::Result<Vec<_>>>()?,
+                )
+            }
         } else {
-            (0..e)
+            let each = (0..e)
                 .map(|x| {
                     let p = format!("{prefix}.experts.{x}");
                     let gate_up = linear_cat(
@@ -71,7 +90,12 @@ impl SparseMoe {
                     )?;
                     Ok((gate_up, linear(w, &format!("{p}.down_proj"), i, h)?))
                 })
-                .collect::<kev_core::Result<Vec<_>>>()?
+                .collect::<kev_core::Result<Vec<_>>>()?;
+            if on_gpu {
+                fuse(each, prefix)?
+            } else {
+                Experts::Each(each)
+            }
         };
         Ok(Self {
             router: linear(w, &format!("{prefix}.gate"), h, e)?,
@@ -87,16 +111,29 @@ impl SparseMoe {
         let dims = xs.dims().to_vec();
         let h = *dims.last().unwrap_or(&0);
         let x = xs.reshape(((), h))?;
-        let n = x.dim(0)?;
-        let logits = self
-            .router
-            .forward(&x)?
-            .to_dtype(DType::F32)?
-            .to_vec2::<f32>()?;
-        let routes = Routes::pick(&logits, self.experts.len(), self.per_token);
-        let mut out = Tensor::zeros((n, h), x.dtype(), x.device())?;
-        for (expert, (gate_up, down)) in self.experts.iter().enumerate() {
-            let (tokens, weights) = &routes.by_expert[expert];
+        let logits = self.router.forward(&x)?;
+        let routed = match &self.experts {
+            Experts::Fused { gate_up, down } => {
+                kev_kernels::routed_experts(&x, &logits, gate_up, down, self.per_token)?
+            }
+            Experts::Each(experts) => self.each(&x, &logits, experts)?,
+        };
+        let gate = candle_nn::ops::sigmoid(&self.shared_gate.forward(&x)?)?;
+        let shared = self.shared.forward(&x)?.broadcast_mul(&gate)?;
+        (routed + shared)?.reshape(dims)
+    }
+
+    /// The routed experts' sum with the routes picked on the host.
+    fn each(
+        &self,
+        x: &Tensor,
+        logits: &Tensor,
+        experts: &[(Projection, Projection)],
+    ) -> Result<Tensor> {
+        let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let routes = Routes::pick(&logits, experts.len(), self.per_token);
+        let mut out = Tensor::zeros(x.dims(), x.dtype(), x.device())?;
+        for ((gate_up, down), (tokens, weights)) in experts.iter().zip(&routes.by_expert) {
             if tokens.is_empty() {
                 continue;
             }
@@ -106,63 +143,37 @@ impl SparseMoe {
             let weights = column(weights, x.dtype(), x.device())?;
             out = out.index_add(&index, &y.broadcast_mul(&weights)?, 0)?;
         }
-        let gate = candle_nn::ops::sigmoid(&self.shared_gate.forward(&x)?)?;
-        let shared = self.shared.forward(&x)?.broadcast_mul(&gate)?;
-        (out + shared)?.reshape(dims)
+        Ok(out)
     }
+}
+
+/// Per-expert projections stacked into the fused tensors the CUDA kernels read.
+fn fuse(each: Vec<(Projection, Projection)>, prefix: &str) -> kev_core::Result<Experts> {
+    let stack = |parts: Vec<Tensor>| {
+        Tensor::stack(&parts, 0)
+            .map_err(|err| kev_core::Error::backend(format!("`{prefix}.experts`"), err))
+    };
+    let weight = |p: Projection| match p {
+        Projection::Cuda(w) => Ok(w),
+        _ => Err(kev_core::Error::Tensor {
+            name: format!("{prefix}.experts"),
+            message: "an expert's weight is not laid out for the GPU".into(),
+        }),
+    };
+    let (gate_up, down): (Vec<_>, Vec<_>) = each
+        .into_iter()
+        .map(|(g, d)| Ok((weight(g)?, weight(d)?)))
+        .collect::<kev_core::Result<Vec<_>>>()?
+        .into_iter()
+        .unzip();
+    Ok(Experts::Fused {
+        gate_up: stack(gate_up)?,
+        down: stack(down)?,
+    })
 }
 
 /// `values` as a `[N, 1]` column in `dtype` (the routing weights rounded to the activations'
 /// dtype, as the reference rounds them to the router's).
 fn column(values: &[f32], dtype: DType, device: &Device) -> Result<Tensor> {
     Tensor::from_slice(values, (values.len(), 1), device)?.to_dtype(dtype)
-}
-
-/// Each expert's tokens and their routing weights.
-struct Routes {
-    by_expert: Vec<(Vec<u32>, Vec<f32>)>,
-}
-
-impl Routes {
-    /// Per token (a row of router logits): the softmax over the experts, the `k` most probable
-    /// (the lower index first among equals), their probabilities divided by their sum.
-    fn pick(logits: &[Vec<f32>], experts: usize, k: usize) -> Self {
-        let mut by_expert = vec![(Vec::new(), Vec::new()); experts];
-        let mut order: Vec<usize> = Vec::with_capacity(experts);
-        for (token, row) in logits.iter().enumerate() {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let exp: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
-            let sum: f32 = exp.iter().sum();
-            order.clear();
-            order.extend(0..experts);
-            order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
-            let top = &order[..k];
-            let total: f32 = top.iter().map(|&x| exp[x] / sum).sum();
-            for &x in top {
-                by_expert[x].0.push(token as u32);
-                by_expert[x].1.push(exp[x] / sum / total);
-            }
-        }
-        Self { by_expert }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Routes;
-
-    /// The top k by probability, weights renormalised over them; ties to the lower index.
-    #[test]
-    fn routes_pick_the_top_k_and_renormalise() {
-        let logits = vec![vec![0.0, 2.0, 1.0, -1.0], vec![3.0, 3.0, 0.0, 0.0]];
-        let routes = Routes::pick(&logits, 4, 2);
-        let tokens: Vec<&Vec<u32>> = routes.by_expert.iter().map(|r| &r.0).collect();
-        assert_eq!(tokens, [&vec![1], &vec![0, 1], &vec![0], &vec![]]);
-        let (p1, p2) = (2f32.exp(), 1f32.exp());
-        let w = &routes.by_expert;
-        assert!((w[1].1[0] - p1 / (p1 + p2)).abs() < 1e-6);
-        assert!((w[2].1[0] - p2 / (p1 + p2)).abs() < 1e-6);
-        // Equal logits: lower index first, half each.
-        assert!((w[0].1[0] - 0.5).abs() < 1e-6 && (w[1].1[1] - 0.5).abs() < 1e-6);
-    }
 }

@@ -62,6 +62,19 @@ pub(crate) const FLASH_ROWS: usize = 64;
 pub(crate) const FLASH_THREADS: u32 = 128;
 pub(crate) const FLASH_SMEM: u32 = 101632;
 
+/// Rows of a MoE tile: each expert's slots run in whole tiles of this many rows, padded.
+pub(crate) const MOE_BM: usize = 64;
+/// Columns of W per block of the tensor-core products (`_gu`: half gate, half up), the depth of
+/// a stage, the stages and the threads (4 warps, each 32 rows × 64 columns).
+pub(crate) const MOE_BN: usize = 128;
+pub(crate) const MOE_BK: usize = 32;
+pub(crate) const MOE_STAGES: usize = 3;
+pub(crate) const MOE_THREADS: u32 = 128;
+/// The most routed experts and experts per token the routing kernels take (Qwen3.5's largest:
+/// 512 and 10).
+pub(crate) const MOE_MAX_EXPERTS: usize = 1024;
+pub(crate) const MOE_MAX_K: usize = 32;
+
 /// A constant's value as a define.
 #[derive(Clone, Copy)]
 pub(crate) enum Value {
@@ -244,8 +257,40 @@ pub(crate) static LINEAR: Source = source(
     &[],
 );
 
+pub(crate) static MOE: Source = source(
+    "moe.cu",
+    "kev_moe",
+    concat!(
+        include_str!("../../moe/moe_rows.cuh"),
+        include_str!("../../moe/moe.cu")
+    ),
+    false,
+    &[
+        ("MOE_BM", Value::Int(MOE_BM as i64)),
+        ("MOE_MAX_EXPERTS", Value::Int(MOE_MAX_EXPERTS as i64)),
+        ("MOE_MAX_K", Value::Int(MOE_MAX_K as i64)),
+    ],
+);
+
+pub(crate) static MOE_MM: Source = source(
+    "moe_mm.cu",
+    "kev_moe_mm",
+    concat!(
+        include_str!("../../moe/moe_rows.cuh"),
+        include_str!("../../moe/moe_mm.cu")
+    ),
+    true,
+    &[
+        ("MOE_BM", Value::Int(MOE_BM as i64)),
+        ("MOE_BN", Value::Int(MOE_BN as i64)),
+        ("MOE_BK", Value::Int(MOE_BK as i64)),
+        ("MOE_STAGES", Value::Int(MOE_STAGES as i64)),
+        ("MOE_THREADS", Value::Int(MOE_THREADS as i64)),
+    ],
+);
+
 /// Every source: the checks below, and compiling them all ahead of the first forward.
-pub(crate) const ALL: [&Source; 11] = [
+pub(crate) const ALL: [&Source; 13] = [
     &NORM,
     &GATES,
     &SWIGLU,
@@ -257,5 +302,7 @@ pub(crate) const ALL: [&Source; 11] = [
     &GATHER,
     &HEAD,
     &LINEAR,
+    &MOE,
+    &MOE_MM,
 ];
 
