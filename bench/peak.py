@@ -8,7 +8,9 @@ Prints one JSON line {"impl": "peak", "device", "dtype", "tflop_per_s", "n"}; be
 takes it as the peak for that device. `tflop_per_s` is the best single product after a pause
 (the GPU at its boost clock). With --sustained S the line also carries `sustained_tflop_per_s`:
 products back to back for S seconds, timed as one, which on a power-capped GPU (the H200 holds
-700 W by lowering its clock) is the rate a long batch can have.
+700 W by lowering its clock) is the rate a long batch can have. With --bandwidth the line also
+carries `bandwidth_gb_per_s`: the best of 20 copies of a 2 GiB buffer, bytes read plus written
+per second, the rate a product bound by reading its weights can have.
 """
 
 import argparse
@@ -23,6 +25,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--bandwidth", action="store_true", help="also time device memory copies")
     ap.add_argument("--sustained", type=float, default=0.0,
                     help="also time products back to back for this many seconds")
     args = ap.parse_args()
@@ -58,6 +61,19 @@ def main():
         sync()
         line["sustained_tflop_per_s"] = 2 * n**3 * count / (time.perf_counter() - start) / 1e12
         line["sustained_s"] = args.sustained
+    if args.bandwidth:
+        del a, b
+        src = torch.empty(1 << 30, device=args.device, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        sync()
+        best = float("inf")
+        for _ in range(20):
+            start = time.perf_counter()
+            dst.copy_(src)
+            sync()
+            best = min(best, time.perf_counter() - start)
+        line["bandwidth_gb_per_s"] = 2 * src.numel() * src.element_size() / best / 1e9
     print(json.dumps(line))
 
 

@@ -51,6 +51,11 @@
 #   serve-ab     the server with a prefix cache, 0.8B, each of LOADGEN_BINS alternating ROUNDS
 #                times: 2,000 distinct states (a 1 MiB cache: every state computed and kept, none
 #                hit) and 2,000 requests over 50 states (mostly hits)      serve-ab.jsonl
+#   moe          the 35B-A3B MoE's shapes, its first MOE_LAYERS [8] layers (random weights): Kev
+#                (each of BINS) on one record, 8 and 64 records (prefix and batch forms), the bf16
+#                matmul peak and the copy bandwidth, the layers' weight bytes, transformers (+ fla)
+#                with its experts implementation (MOE_EXPERTS [default grouped_mm; eager too]),
+#                Kev again                                                   moe.jsonl
 #   probe        bench/gemm_probe.cu (nvcc) on the projections' shapes: every candidate with a
 #                32 MiB workspace, then the candidates Kev times (no workspace, no split-K)
 #                against them, two rounds                                     probe-*.jsonl
@@ -131,6 +136,26 @@ if has peers; then
     done
     kev $f $BIN --checkpoint $C/kev-$s $W --form ${KEV_FORMS:-prefix,batch} --repeats $n --warmup 2 --label kev-r2
   done
+fi
+
+if has moe; then
+  L=${MOE_LAYERS:-8}; ck=$C/kev-35b-a3b-${L}l
+  [ -f $ck/kev.json ] || python3 bench/make_checkpoint.py --size 35b-a3b --layers $L --out $ck --device cuda \
+    --shard-gb 4 >/dev/null 2>>$O/stderr.txt
+  W=$(recs one batch8 batch64)
+  for b in $BINS; do kev moe $b --checkpoint $ck $W --form prefix,batch --repeats 3 --warmup 2 --label $b-r1; done
+  python3 bench/peak.py --device cuda --dtype bf16 --bandwidth 2>/dev/null | tee -a $O/moe.jsonl
+  python3 bench/weight_bytes.py --checkpoint $ck | tee -a $O/moe.jsonl
+  fla
+  for x in ${MOE_EXPERTS:-default eager}; do
+    arg=""; [ $x != default ] && arg="--experts $x"
+    t=$(date +%s)
+    PYTHONPATH=/tmp/fla-site timeout ${PEER_TIMEOUT:-200} python3 bench/peers.py --checkpoint $ck $W --device cuda \
+      --dtype bf16 --form batch --repeats 2 --warmup 1 $arg --label transformers-fla-$x 2>>$O/stderr.txt \
+      | tee -a $O/moe.jsonl | summ
+    echo "transformers-fla-$x: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t )) s"
+  done
+  for b in $BINS; do kev moe $b --checkpoint $ck $W --form prefix,batch --repeats 3 --warmup 2 --label $b-r2; done
 fi
 
 if has report; then
