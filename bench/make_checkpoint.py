@@ -56,6 +56,13 @@ SIZES = {
     "4b": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, head_dim_kev=256),
+    # The larger dense ones (../shared/docs/QWEN35.md §1.2; untied, which Kev never reads).
+    "9b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288, num_attention_heads=16,
+               num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+               linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, head_dim_kev=256),
+    "27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, head_dim_kev=256),
     # Qwen3.5-35B-A3B (../shared/docs/QWEN35.md §1.2): 256 routed experts, top 8, and a shared one.
     "35b-a3b": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
                     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,

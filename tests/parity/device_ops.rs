@@ -837,29 +837,32 @@ fn linear_on_device_gives_cublas_numbers() -> Result<()> {
     Ok(())
 }
 
-/// A MoE layer's routed experts, token by token in plain f32 loops: softmax, the k most
-/// probable (lower index among equals), renormalised, Σ w · down(silu(gate) · up).
-fn routed_experts_by_token(
+/// A MoE layer's MLP past its router and shared expert, token by token in plain f32 loops:
+/// softmax, the k most probable (lower index among equals), renormalised,
+/// Σ w · down(silu(gate) · up), plus sigmoid(shared gate) · shared.
+fn moe_mlp_by_token(
     x: &Tensor,
     logits: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
+    (gate_up, down): (&Tensor, &Tensor),
     k: usize,
+    (shared, shared_gate): (&Tensor, &Tensor),
 ) -> Result<Tensor> {
-    let x = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let f32s = |t: &Tensor| t.to_dtype(DType::F32)?.to_vec2::<f32>();
+    let (x, logits, shared, shared_gate) =
+        (f32s(x)?, f32s(logits)?, f32s(shared)?, f32s(shared_gate)?);
     let gate_up = gate_up.to_dtype(DType::F32)?.to_vec3::<f32>()?;
     let down = down.to_dtype(DType::F32)?.to_vec3::<f32>()?;
     let (h, i) = (x[0].len(), down[0][0].len());
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| a * b).sum::<f32>();
     let mut out = Vec::with_capacity(x.len() * h);
-    for (row, l) in x.iter().zip(&logits) {
+    for (t, (row, l)) in x.iter().zip(&logits).enumerate() {
         let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let p: Vec<f32> = l.iter().map(|v| (v - max).exp()).collect();
         let mut order: Vec<usize> = (0..p.len()).collect();
         order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
         let total: f32 = order[..k].iter().map(|&e| p[e]).sum();
-        let mut acc = vec![0f32; h];
+        let g = 1.0 / (1.0 + (-shared_gate[t][0]).exp());
+        let mut acc: Vec<f32> = shared[t].iter().map(|s| g * s).collect();
         for &e in &order[..k] {
             let z: Vec<f32> = (0..i)
                 .map(|c| {
@@ -876,13 +879,15 @@ fn routed_experts_by_token(
     Tensor::from_vec(out, (x.len(), h), &candle_core::Device::Cpu)
 }
 
-/// The routed experts on the device against the composed form on the CPU (itself checked
-/// against a token-by-token loop): f32 on CUDA cores, bf16 on tensor cores and, with an expert
-/// width that is no multiple of 8, on CUDA cores; experts with no token, experts with several
-/// tiles of tokens, one token, and a NaN logit making its token's row NaN.
+/// The MoE MLP on the device against the composed form on the CPU (itself checked against a
+/// token-by-token loop): f32 on CUDA cores, bf16 on tensor cores and, with an expert width that
+/// is no multiple of 8, on CUDA cores; experts with no token, experts with several tiles of
+/// tokens, one token, and a NaN logit making its token's row NaN.
 #[test]
-fn routed_experts_on_device_match_the_composed_form() -> Result<()> {
+fn moe_mlp_on_device_matches_the_composed_form() -> Result<()> {
+    use kev_kernels::{moe_mlp, moe_mlp_ref, SharedExpert};
     let dev = device();
+    let cpu = candle_core::Device::Cpu;
     // (tokens, hidden, experts, expert width, per token)
     for (t, h, e, i, k) in [
         (1, 64, 4, 32, 2),
@@ -892,37 +897,42 @@ fn routed_experts_on_device_match_the_composed_form() -> Result<()> {
     ] {
         let x = patterned(&[t, h], 0.1, 1.0)?;
         // Skewed logits: some experts get many tokens, expert e - 1 none.
-        let logits = patterned(&[t, e], 0.7, 3.0)?.broadcast_add(
-            &Tensor::arange(0f32, e as f32, &candle_core::Device::Cpu)?.affine(-0.4, 0.0)?,
-        )?;
-        let logits = logits.slice_assign(
-            &[0..t, e - 1..e],
-            &Tensor::full(-30f32, (t, 1), &candle_core::Device::Cpu)?,
-        )?;
+        let skew = Tensor::arange(0f32, e as f32, &cpu)?.affine(-0.4, 0.0)?;
+        let logits = patterned(&[t, e], 0.7, 3.0)?.broadcast_add(&skew)?;
+        let logits =
+            logits.slice_assign(&[0..t, e - 1..e], &Tensor::full(-30f32, (t, 1), &cpu)?)?;
         let gate_up = patterned(&[e, 2 * i, h], 0.3, 1.0 / (h as f32).sqrt())?;
         let down = patterned(&[e, h, i], 0.9, 1.0 / (i as f32).sqrt())?;
-        let plain = routed_experts_by_token(&x, &logits, &gate_up, &down, k)?;
-        let composed = kev_kernels::routed_experts_ref(&x, &logits, &gate_up, &down, k)?;
-        check(
-            &format!("moe composed f32 t{t} e{e} i{i}"),
-            &composed,
-            &plain,
-            1e-5,
-        )?;
+        let shared = patterned(&[t, h], 0.5, 0.5)?;
+        let shared_gate = patterned(&[t, 1], 0.2, 2.0)?;
+        let plain = moe_mlp_by_token(&x, &logits, (&gate_up, &down), k, (&shared, &shared_gate))?;
+        let weights = [&x, &logits, &gate_up, &down, &shared, &shared_gate];
         for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 0.05)] {
-            let [x, logits, gate_up, down] =
-                [&x, &logits, &gate_up, &down].map(|t| t.to_dtype(dtype));
+            let [x, logits, gate_up, down, shared, shared_gate] =
+                weights.map(|t| t.to_dtype(dtype));
             let (x, logits, gate_up, down) = (x?, logits?, gate_up?, down?);
-            let cpu = kev_kernels::routed_experts_ref(&x, &logits, &gate_up, &down, k)?;
+            let (shared, shared_gate) = (shared?, shared_gate?);
+            let s = SharedExpert {
+                output: &shared,
+                gate: &shared_gate,
+            };
+            let composed = moe_mlp_ref(&x, &logits, &gate_up, &down, k, s)?;
+            if dtype == DType::F32 {
+                check(
+                    &format!("moe composed t{t} e{e} i{i}"),
+                    &composed,
+                    &plain,
+                    1e-5,
+                )?;
+            }
             let on = |t: &Tensor| t.to_device(&dev);
-            let ours = kev_kernels::routed_experts(
-                &on(&x)?,
-                &on(&logits)?,
-                &on(&gate_up)?,
-                &on(&down)?,
-                k,
-            )?;
-            let scale = cpu
+            let (shared, shared_gate) = (on(&shared)?, on(&shared_gate)?);
+            let s = SharedExpert {
+                output: &shared,
+                gate: &shared_gate,
+            };
+            let ours = moe_mlp(&on(&x)?, &on(&logits)?, &on(&gate_up)?, &on(&down)?, k, s)?;
+            let scale = composed
                 .to_dtype(DType::F32)?
                 .abs()?
                 .max_all()?
@@ -934,24 +944,32 @@ fn routed_experts_on_device_match_the_composed_form() -> Result<()> {
             check(
                 &format!("moe {dtype:?} t{t} h{h} e{e} i{i} k{k}"),
                 &ours,
-                &cpu,
+                &composed,
                 tol * scale,
             )?;
         }
     }
     // A NaN logit: that token's row is NaN, the others are not.
     let (t, h, e, i, k) = (3, 64, 4, 32, 2);
-    let x = patterned(&[t, h], 0.1, 1.0)?;
-    let logits = patterned(&[t, e], 0.7, 3.0)?.slice_assign(
-        &[1..2, 2..3],
-        &Tensor::full(f32::NAN, (1, 1), &candle_core::Device::Cpu)?,
-    )?;
-    let gate_up = patterned(&[e, 2 * i, h], 0.3, 0.1)?;
-    let down = patterned(&[e, h, i], 0.9, 0.1)?;
-    let on = |t: &Tensor| t.to_device(&dev);
-    let ours =
-        kev_kernels::routed_experts(&on(&x)?, &on(&logits)?, &on(&gate_up)?, &on(&down)?, k)?
-            .to_vec2::<f32>()?;
+    let nan = Tensor::full(f32::NAN, (1, 1), &cpu)?;
+    let logits = patterned(&[t, e], 0.7, 3.0)?.slice_assign(&[1..2, 2..3], &nan)?;
+    let on = |t: Tensor| t.to_device(&dev);
+    let (shared, shared_gate) = (
+        on(patterned(&[t, h], 0.5, 0.5)?)?,
+        on(patterned(&[t, 1], 0.2, 1.0)?)?,
+    );
+    let ours = moe_mlp(
+        &on(patterned(&[t, h], 0.1, 1.0)?)?,
+        &on(logits)?,
+        &on(patterned(&[e, 2 * i, h], 0.3, 0.1)?)?,
+        &on(patterned(&[e, h, i], 0.9, 0.1)?)?,
+        k,
+        SharedExpert {
+            output: &shared,
+            gate: &shared_gate,
+        },
+    )?
+    .to_vec2::<f32>()?;
     for (row, values) in ours.iter().enumerate() {
         assert_eq!(
             values.iter().all(|v| v.is_nan()),

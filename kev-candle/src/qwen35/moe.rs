@@ -4,7 +4,7 @@
 //! SwiGLU expert scaled by a sigmoid gate.
 //!
 //! On CUDA the routed experts stay on the device as two fused `[E, 2·I, H]` and `[E, H, I]`
-//! tensors, and [`kev_kernels::routed_experts`] routes, groups and multiplies them there (no host
+//! tensors, and [`kev_kernels::moe_mlp`] routes, groups and multiplies them there (no host
 //! round trip, so CUDA graphs replay the layer). On the CPU and Metal the routing is decided on
 //! the host ([`Routes`]), and each chosen expert multiplies only its own tokens with its own
 //! projections (gathered, then added back into place, expert by expert in index order as the
@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use kev_kernels::dispatch::{self, Backend};
-use kev_kernels::{swiglu, Routes};
+use kev_kernels::{swiglu, Routes, SharedExpert};
 
 use super::config::ExpertsShape;
 use super::linear::{linear, linear_cat, Projection};
@@ -112,15 +112,19 @@ impl SparseMoe {
         let h = *dims.last().unwrap_or(&0);
         let x = xs.reshape(((), h))?;
         let logits = self.router.forward(&x)?;
-        let routed = match &self.experts {
-            Experts::Fused { gate_up, down } => {
-                kev_kernels::routed_experts(&x, &logits, gate_up, down, self.per_token)?
-            }
-            Experts::Each(experts) => self.each(&x, &logits, experts)?,
+        let output = self.shared.forward(&x)?;
+        let gate = self.shared_gate.forward(&x)?;
+        let shared = SharedExpert {
+            output: &output,
+            gate: &gate,
         };
-        let gate = candle_nn::ops::sigmoid(&self.shared_gate.forward(&x)?)?;
-        let shared = self.shared.forward(&x)?.broadcast_mul(&gate)?;
-        (routed + shared)?.reshape(dims)
+        match &self.experts {
+            Experts::Fused { gate_up, down } => {
+                kev_kernels::moe_mlp(&x, &logits, gate_up, down, self.per_token, shared)
+            }
+            Experts::Each(experts) => self.each(&x, &logits, experts)? + shared.gated()?,
+        }?
+        .reshape(dims)
     }
 
     /// The routed experts' sum with the routes picked on the host.

@@ -1,11 +1,11 @@
-//! The routed experts on CUDA (`moe.cu`, `moe_mm.cu`): five launches per chunk of tokens, no
+//! The MoE MLP on CUDA (`moe.cu`, `moe_mm.cu`): five launches per chunk of tokens, no
 //! host round trip, nothing uploaded.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
 
-use super::CHUNK_TOKENS;
+use super::{SharedExpert, CHUNK_TOKENS};
 use crate::backend::cuda::gpu::gpu;
 use crate::backend::cuda::kernel::{contiguous, cuda_of, rows_grid, tag, Kernel};
 use crate::backend::cuda::sources::{
@@ -20,14 +20,15 @@ const ALIGN_THREADS: u32 = 1024;
 const SIMT_THREADS: u32 = 256;
 const SIMT_COLUMNS: usize = 64;
 
-/// [`super::routed_experts`] on `x`'s GPU (shapes checked by the caller), a chunk of
+/// [`super::moe_mlp`] on `x`'s GPU (shapes checked by the caller), a chunk of
 /// [`CHUNK_TOKENS`] tokens at a time.
-pub(crate) fn routed_experts(
+pub(crate) fn moe_mlp(
     x: &Tensor,
     logits: &Tensor,
     gate_up: &Tensor,
     down: &Tensor,
     k: usize,
+    shared: SharedExpert,
 ) -> Result<Tensor> {
     let Device::Cuda(dev) = x.device() else {
         bail!("routed experts: not on a CUDA device")
@@ -47,7 +48,13 @@ pub(crate) fn routed_experts(
             let len = CHUNK_TOKENS.min(t - start);
             let x = x.narrow(0, start, len)?.contiguous()?;
             let logits = logits.narrow(0, start, len)?.contiguous()?;
-            chunk(dev, &x, &logits, &gate_up, &down, k)
+            let output = shared.output.narrow(0, start, len)?.contiguous()?;
+            let gate = shared.gate.narrow(0, start, len)?.contiguous()?;
+            let shared = SharedExpert {
+                output: &output,
+                gate: &gate,
+            };
+            chunk(dev, &x, &logits, &gate_up, &down, k, shared)
         })
         .collect::<Result<Vec<_>>>()?;
     match chunks.as_slice() {
@@ -73,6 +80,7 @@ fn chunk(
     gate_up: &Tensor,
     down: &Tensor,
     k: usize,
+    shared: SharedExpert,
 ) -> Result<Tensor> {
     let (t, h) = x.dims2()?;
     let (e, i) = (logits.dim(1)?, down.dim(2)?);
@@ -84,8 +92,14 @@ fn chunk(
     let (ls, ll) = logits.storage_and_layout();
     let (gs, gl) = gate_up.storage_and_layout();
     let (ds, dl) = down.storage_and_layout();
+    let (ss, sl) = shared.output.storage_and_layout();
+    let (gts, gtl) = shared.gate.storage_and_layout();
     let (xs, ls) = (cuda_of(&xs, "moe x")?, cuda_of(&ls, "moe logits")?);
     let (gs, ds) = (cuda_of(&gs, "moe gate_up")?, cuda_of(&ds, "moe down")?);
+    let (ss, gts) = (
+        cuda_of(&ss, "moe shared")?,
+        cuda_of(&gts, "moe shared gate")?,
+    );
     let (t_, e_, k_, h_, slots_, tiles_) = (
         t as i32,
         e as i32,
@@ -101,6 +115,8 @@ fn chunk(
         let lv = view::<T>(ls, ll, "moe logits")?;
         let gv = view::<T>(gs, gl, "moe gate_up")?;
         let dv = view::<T>(ds, dl, "moe down")?;
+        let sv = view::<T>(ss, sl, "moe shared")?;
+        let gtv = view::<T>(gts, gtl, "moe shared gate")?;
 
         let route = Kernel::for_dtype(&MOE, dev, "moe_route", dtype, "moe")?;
         let ids = route.output::<u32>(slots)?;
@@ -189,10 +205,10 @@ fn chunk(
         b.arg(&y)
             .arg(&ids)
             .arg(&weights)
-            .arg(&out)
-            .arg(&t_)
-            .arg(&k_)
-            .arg(&h_);
+            .arg(&sv)
+            .arg(&gtv)
+            .arg(&out);
+        b.arg(&t_).arg(&k_).arg(&h_);
         // SAFETY: argument types and order match `moe_combine_*` in moe.cu; the grid strides
         // over the tokens and the columns.
         unsafe { b.launch(rows_grid(h, t)) }.w()?;

@@ -1,12 +1,13 @@
-//! A MoE layer's routed experts (docs/BACKBONE.md §5): each token goes to its `k` most probable
-//! experts under the router's softmax, weighted by those probabilities renormalised over the
-//! `k`, and the experts' SwiGLU outputs are summed.
+//! A MoE layer's MLP past its router and shared expert (docs/BACKBONE.md §5.3): each token goes to
+//! its `k` most probable experts under the router's softmax, weighted by those probabilities
+//! renormalised over the `k`; the experts' SwiGLU outputs are summed, and the shared expert's
+//! output behind its sigmoid gate is added.
 //!
-//! On CUDA [`routed_experts`] never leaves the device (`moe.cu`, `moe_mm.cu`): the routing, the
+//! On CUDA [`moe_mlp`] never leaves the device (`moe.cu`, `moe_mm.cu`): the routing, the
 //! grouping of the (token, expert) slots by expert, one launch for every expert's `[gate | up]`
 //! product with SwiGLU and one for every expert's down product (tensor cores for bf16 and f16),
-//! and the combine; so a CUDA graph replays a MoE layer like any other. Elsewhere
-//! [`routed_experts_ref`] composes the same from candle ops, the routes picked on the host
+//! and the combine with the shared expert; so a CUDA graph replays a MoE layer like any other.
+//! Elsewhere [`moe_mlp_ref`] composes the same from candle ops, the routes picked on the host
 //! ([`Routes`]): kev-candle runs that form on the CPU and Metal with its own projections.
 
 #[cfg(feature = "cuda")]
@@ -46,6 +47,23 @@ impl Routes {
     }
 }
 
+/// A MoE layer's shared expert, as computed: its output `[T, H]` and its gate's logit `[T, 1]`.
+#[derive(Clone, Copy)]
+pub struct SharedExpert<'a> {
+    pub output: &'a Tensor,
+    pub gate: &'a Tensor,
+}
+
+impl SharedExpert<'_> {
+    /// `sigmoid(gate) · output` from candle ops: the sigmoid in f32 rounded once to the dtype,
+    /// as torch's is, then the product in the dtype.
+    pub fn gated(&self) -> Result<Tensor> {
+        let gate = ((self.gate.to_dtype(DType::F32)?.neg()?.exp()? + 1.0)?.recip()?)
+            .to_dtype(self.output.dtype())?;
+        self.output.broadcast_mul(&gate)
+    }
+}
+
 /// The shapes of one call, checked: tokens, hidden size, experts, expert width.
 fn check(
     x: &Tensor,
@@ -53,6 +71,7 @@ fn check(
     gate_up: &Tensor,
     down: &Tensor,
     k: usize,
+    shared: SharedExpert,
 ) -> Result<(usize, usize, usize, usize)> {
     let (t, h) = x.dims2()?;
     let (lt, e) = logits.dims2()?;
@@ -71,31 +90,42 @@ fn check(
     if k == 0 || k > e {
         bail!("routed experts: {k} experts per token of {e}")
     }
-    if gate_up.dtype() != x.dtype() || down.dtype() != x.dtype() {
-        bail!("routed experts: weights and activations differ in dtype")
+    if shared.output.dims() != [t, h] || shared.gate.dims() != [t, 1] {
+        bail!(
+            "routed experts: the shared expert's output {:?} and gate {:?} do not fit [{t}, {h}] \
+             and [{t}, 1]",
+            shared.output.dims(),
+            shared.gate.dims()
+        )
+    }
+    let dtypes = [gate_up, down, shared.output, shared.gate].map(|w| w.dtype());
+    if dtypes.iter().any(|&d| d != x.dtype()) {
+        bail!("routed experts: weights, shared expert and activations differ in dtype")
     }
     Ok((t, h, e, i))
 }
 
-/// The routed experts' sum `[T, H]` for `x: [T, H]` with router logits `logits: [T, E]` (in
-/// the activations' dtype, as the router's product gives them) and the experts' fused weights
+/// The MoE MLP's output `[T, H]` for `x: [T, H]` with router logits `logits: [T, E]` (in the
+/// activations' dtype, as the router's product gives them), the experts' fused weights
 /// `gate_up: [E, 2·I, H]` (gate rows, then up rows) and `down: [E, H, I]`, `k` experts per
-/// token. Rounded where transformers' eager loop rounds in the dtype; the weights are the
-/// renormalised probabilities rounded to the dtype, and each token's experts are added in
-/// ascending order. CUDA runs its kernels; any other device runs [`routed_experts_ref`].
-pub fn routed_experts(
+/// token, and the `shared` expert. Rounded where transformers rounds in the dtype: the weights
+/// are the renormalised probabilities rounded to the dtype, each token's experts are added in
+/// ascending order (its eager loop's `index_add_`), then the gated shared expert. CUDA runs its
+/// kernels; any other device runs [`moe_mlp_ref`].
+pub fn moe_mlp(
     x: &Tensor,
     logits: &Tensor,
     gate_up: &Tensor,
     down: &Tensor,
     k: usize,
+    shared: SharedExpert,
 ) -> Result<Tensor> {
-    let (t, h, _, _) = check(x, logits, gate_up, down, k)?;
+    let (t, h, _, _) = check(x, logits, gate_up, down, k, shared)?;
     if t == 0 {
         return Tensor::zeros((0, h), x.dtype(), x.device());
     }
     if dispatch::backend(x.device()) != dispatch::Backend::Cuda {
-        return routed_experts_ref(x, logits, gate_up, down, k);
+        return moe_mlp_ref(x, logits, gate_up, down, k, shared);
     }
     let chunks = x.dim(0)?.div_ceil(CHUNK_TOKENS).max(1);
     dispatch::launch(
@@ -105,12 +135,12 @@ pub fn routed_experts(
         || {
             #[cfg(feature = "cuda")]
             {
-                cuda::routed_experts(x, logits, gate_up, down, k)
+                cuda::moe_mlp(x, logits, gate_up, down, k, shared)
             }
             #[cfg(not(feature = "cuda"))]
             bail!("routed experts: built without CUDA")
         },
-        || routed_experts_ref(x, logits, gate_up, down, k),
+        || moe_mlp_ref(x, logits, gate_up, down, k, shared),
     )
 }
 
@@ -118,17 +148,19 @@ pub fn routed_experts(
 /// H = 2048 in bf16: 0.5 GB of expert outputs) and keeps the tiles within a grid's 65,535 rows.
 pub const CHUNK_TOKENS: usize = 16384;
 
-/// [`routed_experts`] composed from candle ops on any device: the routes picked on the host
+/// [`moe_mlp`] composed from candle ops on any device: the routes picked on the host
 /// ([`Routes`] on the logits as f32), each chosen expert's tokens gathered, multiplied, weighted
-/// and added back into place expert by expert in index order, as transformers' eager loop does.
-pub fn routed_experts_ref(
+/// and added back into place expert by expert in index order, as transformers' eager loop does,
+/// then the gated shared expert.
+pub fn moe_mlp_ref(
     x: &Tensor,
     logits: &Tensor,
     gate_up: &Tensor,
     down: &Tensor,
     k: usize,
+    shared: SharedExpert,
 ) -> Result<Tensor> {
-    let (t, h, e, _) = check(x, logits, gate_up, down, k)?;
+    let (t, h, e, _) = check(x, logits, gate_up, down, k, shared)?;
     let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let routes = Routes::pick(&rows, e, k);
     let mut out = Tensor::zeros((t, h), x.dtype(), x.device())?;
@@ -144,5 +176,5 @@ pub fn routed_experts_ref(
             Tensor::from_slice(weights, (weights.len(), 1), x.device())?.to_dtype(x.dtype())?;
         out = out.index_add(&index, &y.broadcast_mul(&weights)?, 0)?;
     }
-    Ok(out)
+    out + shared.gated()?
 }

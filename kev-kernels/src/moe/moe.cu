@@ -8,7 +8,8 @@
 //   moe_mm_* (tensor cores, 16-bit) and moe_mm_simt_* (CUDA cores, any dtype): per tile, its
 //                    expert's [gate | up] product with SwiGLU on rows gathered from the tokens
 //                    (`_gu`), or its down product on the SwiGLU rows, written to the slots (`_down`)
-//   moe_combine_*    per token: its experts' outputs times their weights, added in expert order
+//   moe_combine_*    per token: its experts' outputs times their weights, added in expert order,
+//                    and the shared expert's output behind its sigmoid gate
 // Rounding is transformers' eager loop in the dtype: the products rounded, silu(gate) rounded,
 // times up rounded, times the weight (rounded) rounded, and each add into the token rounded.
 // A slot's row depends on nothing but its own inputs, so the order atomics give the slots
@@ -208,12 +209,16 @@ MOE_MM_SIMT(bf16, BF16)
 MOE_MM_SIMT(f16, F16)
 
 // moe_combine_<dtype>: y [slots, H] (expert outputs; rows of MOE_NONE slots never written),
-// ids / weights [T, k] → out [T, H]: Σ_j round(y · w) in j order (ascending expert), each add
-// rounded; a slot with no expert makes its token's row NaN, which the forward refuses.
+// ids / weights [T, k], the shared expert's output [T, H] and gate logit [T, 1] → out [T, H]:
+// Σ_j round(y · w) in j order (ascending expert), each add rounded, plus
+// round(round(sigmoid(gate)) · shared), rounded; a slot with no expert makes its token's row
+// NaN, which the forward refuses.
 template <typename D>
 __device__ void moe_combine(const typename D::T* y, const unsigned* ids, const float* weights,
+                            const typename D::T* shared, const typename D::T* gate,
                             typename D::T* out, int tokens, int k, int h) {
-    for (int t = blockIdx.y; t < tokens; t += gridDim.y)
+    for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
+        const float g = D::round(sigmoid<D>(D::load(gate + t)));
         for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < h; col += gridDim.x * blockDim.x) {
             float acc = 0.f;
             for (int j = 0; j < k; ++j) {
@@ -221,8 +226,10 @@ __device__ void moe_combine(const typename D::T* y, const unsigned* ids, const f
                 const float v = ids[s] == MOE_NONE ? moe_nan() : D::round(D::load(y + s * h + col) * weights[s]);
                 acc = D::round(acc + v);
             }
-            D::store(out + (size_t)t * h + col, acc);
+            const size_t o = (size_t)t * h + col;
+            D::store(out + o, acc + D::round(g * D::load(shared + o)));
         }
+    }
 }
 
 #define MOE_TYPED(TAG, D)                                                                          \
@@ -231,9 +238,10 @@ __device__ void moe_combine(const typename D::T* y, const unsigned* ids, const f
         moe_route<D>(logits, ids, weights, tokens, experts, k);                                    \
     }                                                                                              \
     extern "C" __global__ void moe_combine_##TAG(const D::T* y, const unsigned* ids,               \
-                                                 const float* weights, D::T* out, int tokens,      \
-                                                 int k, int h) {                                   \
-        moe_combine<D>(y, ids, weights, out, tokens, k, h);                                        \
+                                                 const float* weights, const D::T* shared,         \
+                                                 const D::T* gate, D::T* out, int tokens, int k,   \
+                                                 int h) {                                          \
+        moe_combine<D>(y, ids, weights, shared, gate, out, tokens, k, h);                          \
     }
 MOE_TYPED(f32, F32)
 MOE_TYPED(bf16, BF16)
