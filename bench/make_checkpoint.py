@@ -42,9 +42,6 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QWEN_TOKENIZER, TEMPLATE  # noqa: E402
 
-LINEAR_MODULES = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-                  "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 SIZES = {
     # A small config with every asymmetry of the family (fast end-to-end check).
     "tiny": dict(hidden_size=64, num_hidden_layers=8, intermediate_size=112, num_attention_heads=4,
@@ -281,8 +278,9 @@ def lora_shapes(tc):
     return out
 
 
-def adapter_config(r, alpha, moe=False):
-    """What PEFT 0.21 writes for a LoRA on Qwen3_5TextModel (cf. tests/fixtures/kev-small/adapter)."""
+def adapter_config(r, alpha, modules, moe=False):
+    """What PEFT 0.21 writes for a LoRA on Qwen3_5TextModel (cf. tests/fixtures/kev-small/adapter),
+    targeting `modules` (the linear modules the layers have)."""
     family = "qwen3_5_moe" if moe else "qwen3_5"
     return {
         "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
@@ -296,7 +294,7 @@ def adapter_config(r, alpha, moe=False):
         "lora_dropout": 0.0, "lora_ga_config": None, "megatron_config": None,
         "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None,
         "peft_type": "LORA", "peft_version": "0.21.2", "qalora_group_size": 16, "r": r,
-        "rank_pattern": {}, "revision": None, "target_modules": sorted(LINEAR_MODULES),
+        "rank_pattern": {}, "revision": None, "target_modules": sorted(modules),
         "target_parameters": None, "task_type": None, "trainable_token_indices": None,
         "use_bdlora": None, "use_dora": False, "use_qalora": False, "use_rslora": False,
         "velora_config": None,
@@ -311,7 +309,7 @@ def write_adapter(tc, out, seed, device, r=16, alpha=32):
         tensors[key + ".lora_A.weight"] = make_tensor(key + "A", (r, fan_in), torch.float32, ("normal", 0.02), seed, device)
         tensors[key + ".lora_B.weight"] = make_tensor(key + "B", (fan_out, r), torch.float32, ("normal", 0.02), seed, device)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(adapter_config(r, alpha, is_moe(tc)), indent=2, sort_keys=True) + "\n")
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config(r, alpha, {p.rsplit(".", 1)[1] for p, _, _ in lora_shapes(tc)}, is_moe(tc)), indent=2, sort_keys=True) + "\n")
     return len(tensors)
 
 
