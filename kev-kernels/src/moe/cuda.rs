@@ -108,7 +108,10 @@ fn chunk(
         slots as i32,
         tiles as i32,
     );
-    let tensor_cores = dtype != DType::F32 && gpu(dev)?.tensor_cores && h % 8 == 0 && i % 8 == 0;
+    // The tensor-core products copy 16-byte pieces: rows and operands on 8-element boundaries.
+    let aligned = [&xl, &gl, &dl].iter().all(|l| l.start_offset() % 8 == 0);
+    let tensor_cores =
+        dtype != DType::F32 && gpu(dev)?.tensor_cores && h % 8 == 0 && i % 8 == 0 && aligned;
     let tag = tag(dtype, "moe")?;
     let out = by_dtype!(dtype, "moe", |T| {
         let xv = view::<T>(xs, xl, "moe x")?;
