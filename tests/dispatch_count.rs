@@ -120,3 +120,38 @@ fn metal_dispatches_no_more_than_cuda_per_layer() {
         }
     }
 }
+
+/// The MoE fixture loaded as CUDA loads it (every expert's weights joined into two fused
+/// tensors, the MLP through `kev_kernels::moe_mlp`, here its composed stand-in) scores as the
+/// CPU's per-expert path does, and its CUDA forward launches no candle kernel either.
+#[test]
+fn moe_forward_on_cuda_is_the_cpu_s_and_launches_no_candle_kernel() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kev-moe");
+    let options = LoadOptions {
+        backend: Backend::Cpu,
+        dtype: DType::F32,
+        ..LoadOptions::default()
+    };
+    let (gpu, _) = count(dispatch::Backend::Cuda, || {
+        DecisionModel::load(&dir, &options)
+    });
+    let gpu = gpu.unwrap();
+    let cpu = DecisionModel::load(&dir, &options).unwrap();
+    let records = records();
+    let (probs, tally) = count(dispatch::Backend::Cuda, || gpu.probs_batch(&records));
+    let probs = probs.unwrap();
+    assert!(tally.is_complete(), "{tally:?}");
+    assert_eq!(tally.candle_kernels(), vec![]);
+    let layers = gpu.backbone().config().layer_types.len();
+    let moe: Vec<_> = tally.entries().filter(|(_, op, _)| *op == "moe").collect();
+    assert_eq!(moe.len(), layers, "one MoE launch sequence a layer: {moe:?}");
+    let want = cpu.probs_batch(&records).unwrap();
+    let worst = probs
+        .iter()
+        .flatten()
+        .flatten()
+        .zip(want.iter().flatten().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-5, "max |Δp| {worst:e} between the fused and per-expert forms");
+}

@@ -79,23 +79,22 @@ impl SparseMoe {
                         .collect::<kev_core::Result<Vec<_>>>()?,
                 )
             }
+        } else if on_gpu {
+            fused_from_each(w, prefix, e, i, h)?
         } else {
-            let each = (0..e)
-                .map(|x| {
-                    let p = format!("{prefix}.experts.{x}");
-                    let gate_up = linear_cat(
-                        w,
-                        &[(&format!("{p}.gate_proj"), i), (&format!("{p}.up_proj"), i)],
-                        h,
-                    )?;
-                    Ok((gate_up, linear(w, &format!("{p}.down_proj"), i, h)?))
-                })
-                .collect::<kev_core::Result<Vec<_>>>()?;
-            if on_gpu {
-                fuse(each, prefix)?
-            } else {
-                Experts::Each(each)
-            }
+            Experts::Each(
+                (0..e)
+                    .map(|x| {
+                        let p = format!("{prefix}.experts.{x}");
+                        let gate_up = linear_cat(
+                            w,
+                            &[(&format!("{p}.gate_proj"), i), (&format!("{p}.up_proj"), i)],
+                            h,
+                        )?;
+                        Ok((gate_up, linear(w, &format!("{p}.down_proj"), i, h)?))
+                    })
+                    .collect::<kev_core::Result<Vec<_>>>()?,
+            )
         };
         Ok(Self {
             router: linear(w, &format!("{prefix}.gate"), h, e)?,
@@ -151,28 +150,38 @@ impl SparseMoe {
     }
 }
 
-/// Per-expert projections stacked into the fused tensors the CUDA kernels read.
-fn fuse(each: Vec<(Projection, Projection)>, prefix: &str) -> kev_core::Result<Experts> {
-    let stack = |parts: Vec<Tensor>| {
-        Tensor::stack(&parts, 0)
-            .map_err(|err| kev_core::Error::backend(format!("`{prefix}.experts`"), err))
+/// The fused tensors the CUDA kernels read, from experts stored one by one: every expert's gate
+/// and up rows, then every down, each joined by one device-to-device copy (candle's `stack`
+/// would launch a kernel of its own).
+fn fused_from_each(
+    w: &Weights,
+    prefix: &str,
+    e: usize,
+    i: usize,
+    h: usize,
+) -> kev_core::Result<Experts> {
+    let dtype = w.projection_dtype();
+    let get = |x: usize, part: &str, shape: [usize; 2]| {
+        w.get_as(
+            &format!("{prefix}.experts.{x}.{part}.weight"),
+            &shape,
+            dtype,
+        )
     };
-    let weight = |p: Projection| match p {
-        Projection::Cuda(w) => Ok(w),
-        _ => Err(kev_core::Error::Tensor {
-            name: format!("{prefix}.experts"),
-            message: "an expert's weight is not laid out for the GPU".into(),
-        }),
+    let gate_up = (0..e)
+        .flat_map(|x| [get(x, "gate_proj", [i, h]), get(x, "up_proj", [i, h])])
+        .collect::<kev_core::Result<Vec<_>>>()?;
+    let down = (0..e)
+        .map(|x| get(x, "down_proj", [h, i]))
+        .collect::<kev_core::Result<Vec<_>>>()?;
+    let join = |parts: &[Tensor], shape: (usize, usize, usize)| {
+        kev_kernels::join_rows(&parts.iter().collect::<Vec<_>>())
+            .and_then(|t| t.reshape(shape))
+            .map_err(|err| kev_core::Error::backend(format!("joining `{prefix}.experts`"), err))
     };
-    let (gate_up, down): (Vec<_>, Vec<_>) = each
-        .into_iter()
-        .map(|(g, d)| Ok((weight(g)?, weight(d)?)))
-        .collect::<kev_core::Result<Vec<_>>>()?
-        .into_iter()
-        .unzip();
     Ok(Experts::Fused {
-        gate_up: stack(gate_up)?,
-        down: stack(down)?,
+        gate_up: join(&gate_up, (e, 2 * i, h))?,
+        down: join(&down, (e, h, i))?,
     })
 }
 
