@@ -144,7 +144,11 @@ fn moe_forward_on_cuda_is_the_cpu_s_and_launches_no_candle_kernel() {
     assert_eq!(tally.candle_kernels(), vec![]);
     let layers = gpu.backbone().config().layer_types.len();
     let moe: Vec<_> = tally.entries().filter(|(_, op, _)| *op == "moe").collect();
-    assert_eq!(moe.len(), layers, "one MoE launch sequence a layer: {moe:?}");
+    assert_eq!(
+        moe.len(),
+        layers,
+        "one MoE launch sequence a layer: {moe:?}"
+    );
     let want = cpu.probs_batch(&records).unwrap();
     let worst = probs
         .iter()
@@ -153,5 +157,8 @@ fn moe_forward_on_cuda_is_the_cpu_s_and_launches_no_candle_kernel() {
         .zip(want.iter().flatten().flatten())
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
-    assert!(worst <= 1e-5, "max |Δp| {worst:e} between the fused and per-expert forms");
+    assert!(
+        worst <= 1e-5,
+        "max |Δp| {worst:e} between the fused and per-expert forms"
+    );
 }

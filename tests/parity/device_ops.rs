@@ -885,7 +885,7 @@ fn moe_mlp_by_token(
 /// tokens, one token, and a NaN logit making its token's row NaN.
 #[test]
 fn moe_mlp_on_device_matches_the_composed_form() -> Result<()> {
-    use kev_kernels::{moe_mlp, moe_mlp_ref, SharedExpert};
+    use kev_kernels::{moe_mlp, moe_mlp_ref, RoutedExperts, SharedExpert};
     let dev = device();
     let cpu = candle_core::Device::Cpu;
     // (tokens, hidden, experts, expert width, per token)
@@ -916,7 +916,12 @@ fn moe_mlp_on_device_matches_the_composed_form() -> Result<()> {
                 output: &shared,
                 gate: &shared_gate,
             };
-            let composed = moe_mlp_ref(&x, &logits, &gate_up, &down, k, s)?;
+            let experts = RoutedExperts {
+                gate_up: &gate_up,
+                down: &down,
+                per_token: k,
+            };
+            let composed = moe_mlp_ref(&x, &logits, experts, s)?;
             if dtype == DType::F32 {
                 check(
                     &format!("moe composed t{t} e{e} i{i}"),
@@ -931,7 +936,13 @@ fn moe_mlp_on_device_matches_the_composed_form() -> Result<()> {
                 output: &shared,
                 gate: &shared_gate,
             };
-            let ours = moe_mlp(&on(&x)?, &on(&logits)?, &on(&gate_up)?, &on(&down)?, k, s)?;
+            let (gate_up, down) = (on(&gate_up)?, on(&down)?);
+            let experts = RoutedExperts {
+                gate_up: &gate_up,
+                down: &down,
+                per_token: k,
+            };
+            let ours = moe_mlp(&on(&x)?, &on(&logits)?, experts, s)?;
             let scale = composed
                 .to_dtype(DType::F32)?
                 .abs()?
@@ -958,12 +969,19 @@ fn moe_mlp_on_device_matches_the_composed_form() -> Result<()> {
         on(patterned(&[t, h], 0.5, 0.5)?)?,
         on(patterned(&[t, 1], 0.2, 1.0)?)?,
     );
+    let (gate_up, down) = (
+        on(patterned(&[e, 2 * i, h], 0.3, 0.1)?)?,
+        on(patterned(&[e, h, i], 0.9, 0.1)?)?,
+    );
+    let experts = RoutedExperts {
+        gate_up: &gate_up,
+        down: &down,
+        per_token: k,
+    };
     let ours = moe_mlp(
         &on(patterned(&[t, h], 0.1, 1.0)?)?,
         &on(logits)?,
-        &on(patterned(&[e, 2 * i, h], 0.3, 0.1)?)?,
-        &on(patterned(&[e, h, i], 0.9, 0.1)?)?,
-        k,
+        experts,
         SharedExpert {
             output: &shared,
             gate: &shared_gate,

@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use kev_kernels::dispatch::{self, Backend};
-use kev_kernels::{swiglu, Routes, SharedExpert};
+use kev_kernels::{swiglu, RoutedExperts, Routes, SharedExpert};
 
 use super::config::ExpertsShape;
 use super::linear::{linear, linear_cat, Projection};
@@ -119,7 +119,12 @@ impl SparseMoe {
         };
         match &self.experts {
             Experts::Fused { gate_up, down } => {
-                kev_kernels::moe_mlp(&x, &logits, gate_up, down, self.per_token, shared)
+                let experts = RoutedExperts {
+                    gate_up,
+                    down,
+                    per_token: self.per_token,
+                };
+                kev_kernels::moe_mlp(&x, &logits, experts, shared)
             }
             Experts::Each(experts) => self.each(&x, &logits, experts)? + shared.gated()?,
         }?

@@ -5,7 +5,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKern
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
 
-use super::{SharedExpert, CHUNK_TOKENS};
+use super::{RoutedExperts, SharedExpert, CHUNK_TOKENS};
 use crate::backend::cuda::gpu::gpu;
 use crate::backend::cuda::kernel::{contiguous, cuda_of, rows_grid, tag, Kernel};
 use crate::backend::cuda::sources::{
@@ -25,11 +25,10 @@ const SIMT_COLUMNS: usize = 64;
 pub(crate) fn moe_mlp(
     x: &Tensor,
     logits: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
-    k: usize,
+    experts: RoutedExperts,
     shared: SharedExpert,
 ) -> Result<Tensor> {
+    let k = experts.per_token;
     let Device::Cuda(dev) = x.device() else {
         bail!("routed experts: not on a CUDA device")
     };
@@ -41,7 +40,12 @@ pub(crate) fn moe_mlp(
              {MOE_MAX_K})"
         )
     }
-    let (gate_up, down) = (gate_up.contiguous()?, down.contiguous()?);
+    let (gate_up, down) = (experts.gate_up.contiguous()?, experts.down.contiguous()?);
+    let experts = RoutedExperts {
+        gate_up: &gate_up,
+        down: &down,
+        per_token: k,
+    };
     let chunks = (0..t.max(1))
         .step_by(CHUNK_TOKENS)
         .map(|start| {
@@ -54,7 +58,7 @@ pub(crate) fn moe_mlp(
                 output: &output,
                 gate: &gate,
             };
-            chunk(dev, &x, &logits, &gate_up, &down, k, shared)
+            chunk(dev, &x, &logits, experts, shared)
         })
         .collect::<Result<Vec<_>>>()?;
     match chunks.as_slice() {
@@ -77,11 +81,14 @@ fn chunk(
     dev: &CudaDevice,
     x: &Tensor,
     logits: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
-    k: usize,
+    experts: RoutedExperts,
     shared: SharedExpert,
 ) -> Result<Tensor> {
+    let RoutedExperts {
+        gate_up,
+        down,
+        per_token: k,
+    } = experts;
     let (t, h) = x.dims2()?;
     let (e, i) = (logits.dim(1)?, down.dim(2)?);
     let dtype = x.dtype();

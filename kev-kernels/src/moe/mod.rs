@@ -64,15 +64,27 @@ impl SharedExpert<'_> {
     }
 }
 
+/// A MoE layer's routed experts: their fused weights `gate_up: [E, 2·I, H]` (each expert's gate
+/// rows, then its up rows) and `down: [E, H, I]`, and the experts each token goes to.
+#[derive(Clone, Copy)]
+pub struct RoutedExperts<'a> {
+    pub gate_up: &'a Tensor,
+    pub down: &'a Tensor,
+    pub per_token: usize,
+}
+
 /// The shapes of one call, checked: tokens, hidden size, experts, expert width.
 fn check(
     x: &Tensor,
     logits: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
-    k: usize,
+    experts: RoutedExperts,
     shared: SharedExpert,
 ) -> Result<(usize, usize, usize, usize)> {
+    let RoutedExperts {
+        gate_up,
+        down,
+        per_token: k,
+    } = experts;
     let (t, h) = x.dims2()?;
     let (lt, e) = logits.dims2()?;
     let (ge, two_i, gh) = gate_up.dims3()?;
@@ -106,26 +118,23 @@ fn check(
 }
 
 /// The MoE MLP's output `[T, H]` for `x: [T, H]` with router logits `logits: [T, E]` (in the
-/// activations' dtype, as the router's product gives them), the experts' fused weights
-/// `gate_up: [E, 2·I, H]` (gate rows, then up rows) and `down: [E, H, I]`, `k` experts per
-/// token, and the `shared` expert. Rounded where transformers rounds in the dtype: the weights
+/// activations' dtype, as the router's product gives them), the routed `experts` and the
+/// `shared` one. Rounded where transformers rounds in the dtype: the weights
 /// are the renormalised probabilities rounded to the dtype, each token's experts are added in
 /// ascending order (its eager loop's `index_add_`), then the gated shared expert. CUDA runs its
 /// kernels; any other device runs [`moe_mlp_ref`].
 pub fn moe_mlp(
     x: &Tensor,
     logits: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
-    k: usize,
+    experts: RoutedExperts,
     shared: SharedExpert,
 ) -> Result<Tensor> {
-    let (t, h, _, _) = check(x, logits, gate_up, down, k, shared)?;
+    let (t, h, _, _) = check(x, logits, experts, shared)?;
     if t == 0 {
         return Tensor::zeros((0, h), x.dtype(), x.device());
     }
     if dispatch::backend(x.device()) != dispatch::Backend::Cuda {
-        return moe_mlp_ref(x, logits, gate_up, down, k, shared);
+        return moe_mlp_ref(x, logits, experts, shared);
     }
     let chunks = x.dim(0)?.div_ceil(CHUNK_TOKENS).max(1);
     dispatch::launch(
@@ -135,12 +144,12 @@ pub fn moe_mlp(
         || {
             #[cfg(feature = "cuda")]
             {
-                cuda::moe_mlp(x, logits, gate_up, down, k, shared)
+                cuda::moe_mlp(x, logits, experts, shared)
             }
             #[cfg(not(feature = "cuda"))]
             bail!("routed experts: built without CUDA")
         },
-        || moe_mlp_ref(x, logits, gate_up, down, k, shared),
+        || moe_mlp_ref(x, logits, experts, shared),
     )
 }
 
@@ -155,14 +164,13 @@ pub const CHUNK_TOKENS: usize = 16384;
 pub fn moe_mlp_ref(
     x: &Tensor,
     logits: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
-    k: usize,
+    experts: RoutedExperts,
     shared: SharedExpert,
 ) -> Result<Tensor> {
-    let (t, h, e, _) = check(x, logits, gate_up, down, k, shared)?;
+    let (t, h, e, _) = check(x, logits, experts, shared)?;
     let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    let routes = Routes::pick(&rows, e, k);
+    let routes = Routes::pick(&rows, e, experts.per_token);
+    let RoutedExperts { gate_up, down, .. } = experts;
     let mut out = Tensor::zeros((t, h), x.dtype(), x.device())?;
     for (expert, (tokens, weights)) in routes.by_expert.iter().enumerate() {
         if tokens.is_empty() {
