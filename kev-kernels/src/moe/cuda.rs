@@ -63,7 +63,8 @@ pub(crate) fn moe_mlp(
         .collect::<Result<Vec<_>>>()?;
     match chunks.as_slice() {
         [one] => Ok(one.clone()),
-        _ => Tensor::cat(&chunks, 0),
+        // Device-to-device copies: candle's `cat` would launch a kernel of its own.
+        _ => crate::join_rows(&chunks.iter().collect::<Vec<_>>()),
     }
 }
 
