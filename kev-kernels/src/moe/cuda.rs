@@ -9,13 +9,11 @@ use super::{RoutedExperts, SharedExpert, CHUNK_TOKENS};
 use crate::backend::cuda::gpu::gpu;
 use crate::backend::cuda::kernel::{contiguous, cuda_of, rows_grid, tag, Kernel};
 use crate::backend::cuda::sources::{
-    MOE, MOE_BM, MOE_BN, MOE_MAX_EXPERTS, MOE_MAX_K, MOE_MM, MOE_THREADS,
+    MOE, MOE_ALIGN_THREADS, MOE_BM, MOE_BN, MOE_MAX_EXPERTS, MOE_MAX_K, MOE_MM, MOE_THREADS,
 };
 
 /// Warps per block of `moe_route_*`, a token each.
 const ROUTE_WARPS: usize = 4;
-/// Threads of `moe_align`'s one block.
-const ALIGN_THREADS: u32 = 1024;
 /// Threads per block and columns per block of `moe_mm_simt_*`.
 const SIMT_THREADS: u32 = 256;
 const SIMT_COLUMNS: usize = 64;
@@ -161,7 +159,7 @@ fn chunk(
             .arg(&tiles_);
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
-            block_dim: (ALIGN_THREADS, 1, 1),
+            block_dim: (MOE_ALIGN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: argument types and order match `moe_align` in moe.cu; one block; `tiles`

@@ -102,6 +102,9 @@ fn check(
     if k == 0 || k > e {
         bail!("routed experts: {k} experts per token of {e}")
     }
+    if h == 0 || i == 0 {
+        bail!("routed experts: a hidden size of {h} and an expert width of {i} (both must be > 0)")
+    }
     if shared.output.dims() != [t, h] || shared.gate.dims() != [t, 1] {
         bail!(
             "routed experts: the shared expert's output {:?} and gate {:?} do not fit [{t}, {h}] \
@@ -110,9 +113,9 @@ fn check(
             shared.gate.dims()
         )
     }
-    let dtypes = [gate_up, down, shared.output, shared.gate].map(|w| w.dtype());
+    let dtypes = [logits, gate_up, down, shared.output, shared.gate].map(|w| w.dtype());
     if dtypes.iter().any(|&d| d != x.dtype()) {
-        bail!("routed experts: weights, shared expert and activations differ in dtype")
+        bail!("routed experts: logits, weights, shared expert and activations differ in dtype")
     }
     Ok((t, h, e, i))
 }

@@ -84,8 +84,8 @@ __device__ void moe_route(const typename D::T* logits, unsigned* ids, float* wei
 // moe_align: ids [slots] → order [tiles · MOE_BM] (each expert's slots in a run of whole tiles,
 // MOE_NONE for padding) and tile_expert [tiles] (-1 past the last used tile). One block; the
 // caller sizes `tiles` ≥ ⌈slots / MOE_BM⌉ + min(experts, slots), which every routing fits.
-extern "C" __global__ void moe_align(const unsigned* ids, int slots, int experts, unsigned* order,
-                                     int* tile_expert, int tiles) {
+extern "C" __global__ void __launch_bounds__(MOE_ALIGN_THREADS)
+    moe_align(const unsigned* ids, int slots, int experts, unsigned* order, int* tile_expert, int tiles) {
     __shared__ int count[MOE_MAX_EXPERTS];
     __shared__ int first[MOE_MAX_EXPERTS + 1];
     for (int e = threadIdx.x; e < experts; e += blockDim.x) count[e] = 0;

@@ -70,6 +70,8 @@ pub(crate) const MOE_BN: usize = 128;
 pub(crate) const MOE_BK: usize = 32;
 pub(crate) const MOE_STAGES: usize = 3;
 pub(crate) const MOE_THREADS: u32 = 128;
+/// Threads of `moe_align`'s one block.
+pub(crate) const MOE_ALIGN_THREADS: u32 = 1024;
 /// The most routed experts and experts per token the routing kernels take (Qwen3.5's largest:
 /// 512 and 10).
 pub(crate) const MOE_MAX_EXPERTS: usize = 1024;
@@ -267,6 +269,7 @@ pub(crate) static MOE: Source = source(
     false,
     &[
         ("MOE_BM", Value::Int(MOE_BM as i64)),
+        ("MOE_ALIGN_THREADS", Value::Int(MOE_ALIGN_THREADS as i64)),
         ("MOE_MAX_EXPERTS", Value::Int(MOE_MAX_EXPERTS as i64)),
         ("MOE_MAX_K", Value::Int(MOE_MAX_K as i64)),
     ],
