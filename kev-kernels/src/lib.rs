@@ -135,7 +135,7 @@ pub use int8_gemm::{int8_gemm_available, quantize_block, PackedInt8, BLOCK as IN
 pub use layout::split::SplitBatch;
 pub use linear::{linear, tuning, MAX_TUNED_ROWS};
 pub use moe::{
-    moe_mlp, moe_mlp_ref, RoutedExperts, Routes, SharedExpert, CHUNK_TOKENS as MOE_CHUNK_TOKENS,
+    moe_mlp, moe_mlp_ref, routed_sum, RoutedExperts, SharedExpert, CHUNK_TOKENS as MOE_CHUNK_TOKENS,
 };
 pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref};
 pub use swiglu::{swiglu, swiglu_ref};

@@ -6,13 +6,13 @@
 //! On CUDA the routed experts stay on the device as two fused `[E, 2·I, H]` and `[E, H, I]`
 //! tensors, and [`kev_kernels::moe_mlp`] routes, groups and multiplies them there (no host
 //! round trip, so CUDA graphs replay the layer). On the CPU and Metal the routing is decided on
-//! the host ([`Routes`]), and each chosen expert multiplies only its own tokens with its own
-//! projections (gathered, then added back into place, expert by expert in index order as the
-//! reference does). Tokens that no expert was chosen for cost nothing.
+//! the host ([`kev_kernels::routed_sum`]), and each chosen expert multiplies only its own tokens
+//! with its own projections (gathered, then added back into place, expert by expert in index
+//! order as the reference does). Tokens that no expert was chosen for cost nothing.
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use kev_kernels::dispatch::{self, Backend};
-use kev_kernels::{swiglu, RoutedExperts, Routes, SharedExpert};
+use kev_kernels::{swiglu, RoutedExperts, SharedExpert};
 
 use super::config::ExpertsShape;
 use super::linear::{linear, linear_cat, Projection};
@@ -131,27 +131,18 @@ impl SparseMoe {
         .reshape(dims)
     }
 
-    /// The routed experts' sum with the routes picked on the host.
+    /// The routed experts' sum with the routes picked on the host, each expert on its own
+    /// projections.
     fn each(
         &self,
         x: &Tensor,
         logits: &Tensor,
         experts: &[(Projection, Projection)],
     ) -> Result<Tensor> {
-        let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let routes = Routes::pick(&logits, experts.len(), self.per_token);
-        let mut out = Tensor::zeros(x.dims(), x.dtype(), x.device())?;
-        for ((gate_up, down), (tokens, weights)) in experts.iter().zip(&routes.by_expert) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let index = Tensor::new(tokens.as_slice(), x.device())?;
-            let picked = x.index_select(&index, 0)?;
-            let y = down.forward(&swiglu(&gate_up.forward(&picked)?)?)?;
-            let weights = column(weights, x.dtype(), x.device())?;
-            out = out.index_add(&index, &y.broadcast_mul(&weights)?, 0)?;
-        }
-        Ok(out)
+        kev_kernels::routed_sum(x, logits, experts.len(), self.per_token, |e, rows| {
+            let (gate_up, down) = &experts[e];
+            down.forward(&swiglu(&gate_up.forward(rows)?)?)
+        })
     }
 }
 
@@ -188,10 +179,4 @@ fn fused_from_each(
         gate_up: join(&gate_up, (e, 2 * i, h))?,
         down: join(&down, (e, h, i))?,
     })
-}
-
-/// `values` as a `[N, 1]` column in `dtype` (the routing weights rounded to the activations'
-/// dtype, as the reference rounds them to the router's).
-fn column(values: &[f32], dtype: DType, device: &Device) -> Result<Tensor> {
-    Tensor::from_slice(values, (values.len(), 1), device)?.to_dtype(dtype)
 }

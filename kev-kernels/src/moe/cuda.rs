@@ -44,7 +44,7 @@ pub(crate) fn moe_mlp(
         down: &down,
         per_token: k,
     };
-    let chunks = (0..t.max(1))
+    let chunks = (0..t)
         .step_by(CHUNK_TOKENS)
         .map(|start| {
             let len = CHUNK_TOKENS.min(t - start);

@@ -8,7 +8,7 @@
 //! product with SwiGLU and one for every expert's down product (tensor cores for bf16 and f16),
 //! and the combine with the shared expert; so a CUDA graph replays a MoE layer like any other.
 //! Elsewhere [`moe_mlp_ref`] composes the same from candle ops, the routes picked on the host
-//! ([`Routes`]): kev-candle runs that form on the CPU and Metal with its own projections.
+//! ([`routed_sum`]), which kev-candle runs on the CPU and Metal with its own projections.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -18,15 +18,15 @@ use candle_core::{bail, DType, Result, Tensor};
 use crate::dispatch;
 
 /// Each expert's tokens and their routing weights, picked on the host.
-pub struct Routes {
+struct Routes {
     /// Per expert: its tokens in ascending order and their weights.
-    pub by_expert: Vec<(Vec<u32>, Vec<f32>)>,
+    by_expert: Vec<(Vec<u32>, Vec<f32>)>,
 }
 
 impl Routes {
     /// Per token (a row of router logits): the softmax over the experts, the `k` most probable
     /// (the lower index first among equals), their probabilities divided by their sum.
-    pub fn pick(logits: &[Vec<f32>], experts: usize, k: usize) -> Self {
+    fn pick(logits: &[Vec<f32>], experts: usize, k: usize) -> Self {
         let mut by_expert = vec![(Vec::new(), Vec::new()); experts];
         let mut order: Vec<usize> = Vec::with_capacity(experts);
         for (token, row) in logits.iter().enumerate() {
@@ -45,6 +45,35 @@ impl Routes {
         }
         Self { by_expert }
     }
+}
+
+/// The routed experts' sum `[T, H]` with the routes picked on the host ([`Routes`] on
+/// `logits: [T, experts]` as f32): each chosen expert's tokens (rows of `x: [T, H]`) gathered,
+/// `expert(e, rows)` giving their outputs, weighted (the weights rounded to the activations'
+/// dtype, as the reference rounds them to the router's) and added back into place expert by
+/// expert in index order, as transformers' eager loop does. Tokens no expert was chosen for
+/// cost nothing.
+pub fn routed_sum(
+    x: &Tensor,
+    logits: &Tensor,
+    experts: usize,
+    k: usize,
+    expert: impl Fn(usize, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let routes = Routes::pick(&rows, experts, k);
+    let mut out = Tensor::zeros(x.dims(), x.dtype(), x.device())?;
+    for (e, (tokens, weights)) in routes.by_expert.iter().enumerate() {
+        if tokens.is_empty() {
+            continue;
+        }
+        let index = Tensor::new(tokens.as_slice(), x.device())?;
+        let y = expert(e, &x.index_select(&index, 0)?)?;
+        let weights =
+            Tensor::from_slice(weights, (weights.len(), 1), x.device())?.to_dtype(x.dtype())?;
+        out = out.index_add(&index, &y.broadcast_mul(&weights)?, 0)?;
+    }
+    Ok(out)
 }
 
 /// A MoE layer's shared expert, as computed: its output `[T, H]` and its gate's logit `[T, 1]`.
@@ -139,10 +168,9 @@ pub fn moe_mlp(
     if dispatch::backend(x.device()) != dispatch::Backend::Cuda {
         return moe_mlp_ref(x, logits, experts, shared);
     }
-    let chunks = x.dim(0)?.div_ceil(CHUNK_TOKENS).max(1);
     dispatch::launch(
         "moe",
-        5 * chunks,
+        5 * t.div_ceil(CHUNK_TOKENS),
         x.device(),
         || {
             #[cfg(feature = "cuda")]
@@ -160,32 +188,43 @@ pub fn moe_mlp(
 /// H = 2048 in bf16: 0.5 GB of expert outputs) and keeps the tiles within a grid's 65,535 rows.
 pub const CHUNK_TOKENS: usize = 16384;
 
-/// [`moe_mlp`] composed from candle ops on any device: the routes picked on the host
-/// ([`Routes`] on the logits as f32), each chosen expert's tokens gathered, multiplied, weighted
-/// and added back into place expert by expert in index order, as transformers' eager loop does,
-/// then the gated shared expert.
+/// [`moe_mlp`] composed from candle ops on any device: [`routed_sum`] with each expert's
+/// products on its slice of the fused weights, then the gated shared expert.
 pub fn moe_mlp_ref(
     x: &Tensor,
     logits: &Tensor,
     experts: RoutedExperts,
     shared: SharedExpert,
 ) -> Result<Tensor> {
-    let (t, h, e, _) = check(x, logits, experts, shared)?;
-    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    let routes = Routes::pick(&rows, e, experts.per_token);
-    let RoutedExperts { gate_up, down, .. } = experts;
-    let mut out = Tensor::zeros((t, h), x.dtype(), x.device())?;
-    for (expert, (tokens, weights)) in routes.by_expert.iter().enumerate() {
-        if tokens.is_empty() {
-            continue;
-        }
-        let index = Tensor::new(tokens.as_slice(), x.device())?;
-        let picked = x.index_select(&index, 0)?;
-        let gu = picked.matmul(&gate_up.get(expert)?.t()?)?;
-        let y = crate::swiglu(&gu)?.matmul(&down.get(expert)?.t()?)?;
-        let weights =
-            Tensor::from_slice(weights, (weights.len(), 1), x.device())?.to_dtype(x.dtype())?;
-        out = out.index_add(&index, &y.broadcast_mul(&weights)?, 0)?;
+    let (_, _, e, _) = check(x, logits, experts, shared)?;
+    let RoutedExperts {
+        gate_up,
+        down,
+        per_token,
+    } = experts;
+    let routed = routed_sum(x, logits, e, per_token, |expert, rows| {
+        let gu = rows.matmul(&gate_up.get(expert)?.t()?)?;
+        crate::swiglu(&gu)?.matmul(&down.get(expert)?.t()?)
+    })?;
+    routed + shared.gated()?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Routes;
+
+    /// The top k by probability, weights renormalised over them; ties to the lower index.
+    #[test]
+    fn routes_pick_the_top_k_and_renormalise() {
+        let logits = vec![vec![0.0, 2.0, 1.0, -1.0], vec![3.0, 3.0, 0.0, 0.0]];
+        let routes = Routes::pick(&logits, 4, 2);
+        let tokens: Vec<&Vec<u32>> = routes.by_expert.iter().map(|r| &r.0).collect();
+        assert_eq!(tokens, [&vec![1], &vec![0, 1], &vec![0], &vec![]]);
+        let (p1, p2) = (2f32.exp(), 1f32.exp());
+        let w = &routes.by_expert;
+        assert!((w[1].1[0] - p1 / (p1 + p2)).abs() < 1e-6);
+        assert!((w[2].1[0] - p2 / (p1 + p2)).abs() < 1e-6);
+        // Equal logits: lower index first, half each.
+        assert!((w[0].1[0] - 0.5).abs() < 1e-6 && (w[1].1[1] - 0.5).abs() < 1e-6);
     }
-    out + shared.gated()?
 }
