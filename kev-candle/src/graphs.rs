@@ -121,7 +121,7 @@ mod cuda {
     impl PassShape {
         fn of(pass: &Pass, lengths_are_inputs: bool) -> Self {
             let rows = pass.rows.len();
-            let options = pass.rows.iter().map(|r| r.opts.len()).sum();
+            let options = pass.options();
             if lengths_are_inputs {
                 let dims = |p: &crate::plan::Piece| (p.lengths.len(), p.width);
                 return Self::Split {

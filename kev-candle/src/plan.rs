@@ -49,6 +49,10 @@ pub(crate) struct Pass {
     /// The state row (computed, then given) of each branch row.
     pub(crate) owners: Vec<usize>,
     pub(crate) rows: Vec<Row>,
+    /// Option reads added after the real ones (each at the first branch position, of the first
+    /// row; their logits are dropped), so that a padded pass's option count is a bucket
+    /// ([`bucket_width`]) and records with other option counts share its CUDA graph.
+    head_pad: usize,
     /// Per record of the pass: its state row, its branch rows and where its options' logits
     /// start in the pass's.
     slots: Vec<(usize, Range<usize>, usize)>,
@@ -163,6 +167,8 @@ impl Plan {
                 if crate::graphs::graph_sized(tokens, s + t) && pads(s, t) {
                     pass.state[0].pad_to(widths[0].1);
                     pass.branches[0].pad_to(widths[1].1);
+                    let options = pass.options();
+                    pass.head_pad = bucket_width(options, usize::MAX) - options;
                 }
             }
         }
@@ -197,6 +203,7 @@ impl Pass {
             branches: Vec::new(),
             owners: Vec::new(),
             rows: Vec::new(),
+            head_pad: 0,
             slots: Vec::new(),
         }
     }
@@ -219,12 +226,19 @@ impl Pass {
     }
 
     /// Where the head reads the branch rows (flat indices into their `B·width` positions,
-    /// [`Pass::branch_width`]): every row's `[DECIDE]`, then every option in row order; and
-    /// each option's row. The indices differ between passes of one shape, so a CUDA graph takes
+    /// [`Pass::branch_width`]): every row's `[DECIDE]`, then every option in row order, then
+    /// the padding's; and each option's row. The indices differ between passes of one shape, so a CUDA graph takes
     /// them as an input; each option's row depends on the shape alone.
     pub(crate) fn head_reads(&self) -> (Vec<usize>, Vec<u32>) {
-        let (decide, opts, owner) = head_positions(&self.rows, self.branch_width());
-        (decide.into_iter().chain(opts).collect(), owner)
+        let (decide, opts, mut owner) = head_positions(&self.rows, self.branch_width());
+        owner.resize(owner.len() + self.head_pad, 0);
+        let pad = std::iter::repeat_n(0, self.head_pad);
+        (decide.into_iter().chain(opts).chain(pad).collect(), owner)
+    }
+
+    /// The options the head reads: every row's, and the padding's.
+    pub(crate) fn options(&self) -> usize {
+        self.rows.iter().map(|r| r.opts.len()).sum::<usize>() + self.head_pad
     }
 
     /// The branch rows' width: their pieces' widths summed (the longest branch, padded).
@@ -366,7 +380,74 @@ pub(crate) fn split_logits(flat: &[f32], rows: &[Row]) -> Vec<Vec<f32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{bucket_width, length_buckets, pieces};
+    use kev_core::Row;
+
+    use super::{bucket_width, length_buckets, pieces, Plan};
+    use crate::encoded::EncodedRecord;
+
+    fn record(state: usize, options: &[usize]) -> EncodedRecord {
+        let rows = options
+            .iter()
+            .map(|&n| Row {
+                ids: (1..=n as u32 + 2).collect(),
+                decide: 1,
+                opts: (2..n + 2).collect(),
+            })
+            .collect();
+        EncodedRecord {
+            id: None,
+            state: String::new(),
+            state_ids: (1..=state as u32).collect(),
+            rows,
+        }
+    }
+
+    /// A padded pass reads its options where the unpadded one does, then padding that a
+    /// record's logits never include, up to a bucket; records of other option counts and
+    /// nearby lengths then have the same shape.
+    #[test]
+    fn padded_passes_share_shapes_and_keep_their_reads() {
+        let recs = [record(36, &[2, 3]), record(44, &[4, 6])];
+        let plain =
+            |r: &EncodedRecord| Plan::new(std::slice::from_ref(r), &[], false, 512, &|_, _| false);
+        let padded =
+            |r: &EncodedRecord| Plan::new(std::slice::from_ref(r), &[], false, 512, &|_, _| true);
+        let shape = |plan: &Plan| {
+            let p = &plan.passes[0];
+            (
+                p.state[0].width,
+                p.branches[0].width,
+                p.rows.len(),
+                p.options(),
+            )
+        };
+        assert_eq!(shape(&padded(&recs[0])), shape(&padded(&recs[1])));
+        assert_eq!(shape(&padded(&recs[0])), (48, 16, 2, 16));
+        assert_ne!(shape(&plain(&recs[0])), shape(&plain(&recs[1])));
+        for r in &recs {
+            let (a, b) = (plain(r), padded(r));
+            let ((reads, owner), (reads_p, owner_p)) =
+                (a.passes[0].head_reads(), b.passes[0].head_reads());
+            let options: usize = r.rows.iter().map(|row| row.opts.len()).sum();
+            assert_eq!((reads.len(), owner.len()), (2 + options, options));
+            // The branch width grows, so the real reads move to the padded rows' positions.
+            let (w, w_p) = (a.passes[0].branch_width(), b.passes[0].branch_width());
+            let moved: Vec<usize> = reads.iter().map(|&i| i / w * w_p + i % w).collect();
+            assert_eq!(reads_p[..reads.len()], moved[..]);
+            assert_eq!(owner_p[..owner.len()], owner[..]);
+            assert!(reads_p[reads.len()..].iter().all(|&i| i == 0));
+            assert!(owner_p[owner.len()..].iter().all(|&o| o == 0));
+            assert_eq!(owner_p.len(), 16);
+            // Each record's logits are its own options', whatever follows them.
+            let flat: Vec<f32> = (0..owner_p.len()).map(|i| i as f32).collect();
+            let got = &b.per_record(&[flat])[0].logits;
+            assert_eq!(got.iter().map(Vec::len).sum::<usize>(), options);
+            assert_eq!(
+                got.concat(),
+                (0..options).map(|i| i as f32).collect::<Vec<_>>()
+            );
+        }
+    }
 
     #[test]
     fn bucket_widths_bound_the_padding() {

@@ -485,10 +485,10 @@ fn graphs_stay_when_more_shapes_come_round() {
 }
 
 /// On CUDA in bf16 (where the split kernels read the rows' lengths from the split's table),
-/// records whose states differ in length but pad to the same width share one graph, and each
-/// replay reads its own record's lengths: every forward equals that record's eager forward (its
-/// first sight in a model of its own, padded the same) bit for bit. Elsewhere nothing pads and
-/// no graph is reported.
+/// records whose states differ in length but pad to the same width, and whose option counts
+/// pad to the same count, share one graph, and each replay reads its own record's lengths and
+/// options: every forward equals that record's eager forward (its first sight in a model of its
+/// own, padded the same) bit for bit. Elsewhere nothing pads and no graph is reported.
 #[test]
 fn graph_replays_read_each_records_lengths() {
     let opts = LoadOptions::default()
@@ -499,7 +499,8 @@ fn graph_replays_read_each_records_lengths() {
     let base = records().remove(0);
     let words: Vec<String> = (0..40).map(|i| format!("w{i}")).collect();
     let state_len = |r: &Record| graphs.encode(r).unwrap().rows().0.len();
-    // States of distinct lengths that pad to one width (64).
+    // States of distinct lengths that pad to one width (64); every other record with its first
+    // question's last option dropped (5 options or 4: both pad to 16).
     let mut recs: Vec<Record> = Vec::new();
     let mut lengths = std::collections::BTreeSet::new();
     for n in 1..=words.len() {
@@ -507,13 +508,24 @@ fn graph_replays_read_each_records_lengths() {
         r.state = words[..n].join(" ");
         let len = state_len(&r);
         if (49..=64).contains(&len) && lengths.insert(len) {
+            if recs.len() % 2 == 1 {
+                r.questions[0].options.pop();
+                r.questions[0].answer = None;
+            }
             recs.push(r);
         }
     }
     assert!(recs.len() >= 4, "{} state lengths in 49..=64", recs.len());
+    let branches = |r: &Record| graphs.encode(r).unwrap().rows().1;
+    let options = |r: &Record| branches(r).iter().map(|b| b.opts.len()).sum::<usize>();
+    assert_ne!(options(&recs[0]), options(&recs[1]));
+    // One branch width bucket (a multiple of 16) for all: only the option counts differ.
+    let width = |r: &Record| branches(r).iter().map(|b| b.ids.len().div_ceil(16)).max();
+    let widths: Vec<_> = recs.iter().map(width).collect();
+    assert!(widths.iter().all(|w| *w == widths[0]), "{widths:?}");
     let want: Vec<_> = recs.iter().map(|r| load().logits(r).unwrap()).collect();
     assert!(
-        max_delta(&want[0], &want[1]) > 1e-3,
+        max_delta(&want[0], &want[2]) > 1e-3,
         "records must score differently, or a replay with stale lengths would pass"
     );
     // The first round: the first record eager, the second captured, the rest replayed; the
