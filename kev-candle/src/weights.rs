@@ -18,6 +18,18 @@ use crate::safetensors_header::check_header;
 /// Prefixes of the text model in the published multimodal layout and the text-only layout.
 const LAYOUTS: [&str; 2] = ["model.language_model.", "model."];
 
+/// How the projections' weights are held once loaded, their LoRA folded in f32 first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantization {
+    /// In the projection dtype ([`Weights::projection_dtype`]).
+    None,
+    /// int8, a scale per output feature, on the CPU (the `int8` dtype,
+    /// [`kev_kernels::PackedInt8`]).
+    Int8,
+    /// e4m3 in 128 × 128 blocks, on a Hopper GPU (the `fp8` dtype, [`kev_kernels::Fp8Weight`]).
+    Fp8,
+}
+
 /// The base checkpoint's tensors with an optional adapter to fold in.
 pub struct Weights {
     files: Vec<PathBuf>,
@@ -28,8 +40,8 @@ pub struct Weights {
     dtype: DType,
     /// The dtype of the projections' weights and the embedding table (`dtype` unless set).
     projections: DType,
-    /// Whether the projections are quantized to int8 at load (the `int8` dtype).
-    int8: bool,
+    /// How the projections are quantized at load.
+    quantization: Quantization,
     /// FP8 weights' block (rows, columns), where the config gives one.
     fp8_block: Option<(usize, usize)>,
     device: Device,
@@ -113,7 +125,7 @@ impl Weights {
             lora_scale,
             dtype,
             projections: dtype,
-            int8: false,
+            quantization: Quantization::None,
             fp8_block: None,
             device,
             used: Mutex::default(),
@@ -151,15 +163,15 @@ impl Weights {
         self
     }
 
-    /// Quantizes the projections to int8 once loaded (the `int8` dtype, [`kev_kernels::PackedInt8`]).
-    pub fn with_int8_projections(mut self, int8: bool) -> Self {
-        self.int8 = int8;
+    /// Quantizes the projections once loaded (the `int8` and `fp8` dtypes).
+    pub fn with_quantization(mut self, quantization: Quantization) -> Self {
+        self.quantization = quantization;
         self
     }
 
-    /// Whether the projections are quantized to int8 once loaded.
-    pub fn int8_projections(&self) -> bool {
-        self.int8
+    /// How the projections are quantized once loaded.
+    pub fn quantization(&self) -> Quantization {
+        self.quantization
     }
 
     /// Reads FP8 weights' block scales as one per `block` (rows, columns): the config's
@@ -198,6 +210,18 @@ impl Weights {
     /// the adapter leaves alone is uploaded straight from the map. Either gives the bits of the
     /// copy-then-convert path below, which every other tensor takes.
     pub fn get_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        self.get_on(name, shape, dtype, &self.device)
+    }
+
+    /// [`Weights::get_as`] on `device` rather than the model's (the CPU, for a weight quantized
+    /// there before it moves).
+    pub fn get_on(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
         let times = &self.times;
         let full = self.mark_used(name);
         let view = self.st.get(&full).map_err(|_| self.missing(&full))?;
@@ -210,7 +234,7 @@ impl Weights {
         let touched = self.adapter.as_ref().filter(|a| a.touches(name));
         if view.dtype() == safetensors::Dtype::F8_E4M3 {
             let stored = StepTimes::time(&times.read, || self.dequantized(name, &full, shape))?;
-            return self.finish(name, stored, touched, dtype);
+            return self.finish(name, stored, touched, dtype, device);
         }
         if let (Some(adapter), Some(values)) = (touched, stored_values(&view)) {
             let folded = StepTimes::time(&times.fold, || {
@@ -218,23 +242,23 @@ impl Weights {
             })?;
             if let Some(folded) = folded {
                 let w = folded.map_err(|bad| self.unfit(name, bad, dtype))?;
-                return StepTimes::time(&times.upload, || w.to_device(&self.device))
+                return StepTimes::time(&times.upload, || w.to_device(device))
                     .map_err(|e| self.err(name, e));
             }
         }
         if touched.is_none() && stored_dtype(&view) == Some(dtype) {
             return StepTimes::time(&times.upload, || {
-                Tensor::from_raw_buffer(view.data(), dtype, shape, &self.device)
+                Tensor::from_raw_buffer(view.data(), dtype, shape, device)
             })
             .map_err(|e| self.err(name, e));
         }
         let stored = StepTimes::time(&times.read, || self.st.load(&full, &Device::Cpu))
             .map_err(|_| self.missing(&full))?;
-        self.finish(name, stored, touched, dtype)
+        self.finish(name, stored, touched, dtype, device)
     }
 
     /// `stored` (on the CPU) with the adapter folded in where it touches `name`, in `dtype`, on
-    /// the device. Only tensors the adapter changes are folded (in f32, rounded once to
+    /// `device`. Only tensors the adapter changes are folded (in f32, rounded once to
     /// `dtype`); the others go straight to their dtype (the same values: bf16 → f32 is exact,
     /// f32 → bf16 rounds once).
     fn finish(
@@ -243,6 +267,7 @@ impl Weights {
         stored: Tensor,
         touched: Option<&Adapter>,
         dtype: DType,
+        device: &Device,
     ) -> Result<Tensor> {
         let times = &self.times;
         let w = match touched {
@@ -256,7 +281,7 @@ impl Weights {
         };
         let w =
             StepTimes::time(&times.convert, || w.to_dtype(dtype)).map_err(|e| self.err(name, e))?;
-        StepTimes::time(&times.upload, || w.to_device(&self.device)).map_err(|e| self.err(name, e))
+        StepTimes::time(&times.upload, || w.to_device(device)).map_err(|e| self.err(name, e))
     }
 
     /// An FP8 weight (e4m3, `full`) dequantized to f32 on the CPU with its block scales

@@ -91,12 +91,17 @@ pub enum DType {
     /// at each product (a scale per block of 32 inputs); f32 otherwise; needs AVX-512 VNNI.
     /// Its drift from f32 is measured, not bounded (BENCHMARKS.md).
     Int8,
+    /// CUDA on Hopper (compute capability 9.0) only, opt-in, not exact: bf16, but the
+    /// projections' weights (LoRA folded in f32) quantized to e4m3 in 128 × 128 blocks at load
+    /// and multiplied on FP8 tensor cores against activations quantized at each product (a
+    /// scale per token and block of 128 inputs). Its drift from bf16 is measured, not bounded.
+    Fp8,
 }
 
 impl FromStr for DType {
     type Err = Error;
 
-    /// Parses `auto`, `f32`, `bf16`, `f16`, `int8` (case-insensitive).
+    /// Parses `auto`, `f32`, `bf16`, `f16`, `int8`, `fp8` (case-insensitive).
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(DType::Auto),
@@ -104,16 +109,17 @@ impl FromStr for DType {
             "bf16" => Ok(DType::BF16),
             "f16" => Ok(DType::F16),
             "int8" => Ok(DType::Int8),
+            "fp8" => Ok(DType::Fp8),
             _ => Err(Error::invalid_argument(
                 "dtype",
-                format!("`{s}`: expected `auto`, `f32`, `bf16`, `f16` or `int8`"),
+                format!("`{s}`: expected `auto`, `f32`, `bf16`, `f16`, `int8` or `fp8`"),
             )),
         }
     }
 }
 
 impl DType {
-    /// `auto`, `f32`, `bf16`, `f16`, `int8` (parses back with [`FromStr`]).
+    /// `auto`, `f32`, `bf16`, `f16`, `int8`, `fp8` (parses back with [`FromStr`]).
     pub fn as_str(&self) -> &'static str {
         match self {
             DType::Auto => "auto",
@@ -121,6 +127,7 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F16 => "f16",
             DType::Int8 => "int8",
+            DType::Fp8 => "fp8",
         }
     }
 }
@@ -294,6 +301,7 @@ mod tests {
             ("bf16", DType::BF16),
             ("F16", DType::F16),
             ("int8", DType::Int8),
+            ("FP8", DType::Fp8),
         ] {
             assert_eq!(s.parse::<DType>().unwrap(), d);
             assert_eq!(d.to_string().parse::<DType>().unwrap(), d);

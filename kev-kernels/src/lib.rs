@@ -94,6 +94,7 @@ mod causal_conv1d;
 mod cpu_tiles;
 pub mod dispatch;
 mod flash_attention;
+mod fp8;
 mod gated_delta_rule;
 mod gates;
 mod gather;
@@ -123,6 +124,10 @@ pub use causal_conv1d::{
     causal_conv1d_split,
 };
 pub use flash_attention::{flash_attention_fills_gpu, AttentionPast, FLASH_HEAD_DIM};
+pub use fp8::{
+    e4m3_from_f32, e4m3_to_f32, fp8_available, fp8_linear, fp8_linear_ref, quantize_rows,
+    Fp8Weight, FP8_BLOCK,
+};
 pub use gated_delta_rule::{
     conv_gated_delta_rule_split, conv_gated_delta_rule_split_keeping, gated_delta_rule,
     gated_delta_rule_as, gated_delta_rule_chunked, gated_delta_rule_ref, gated_delta_rule_split,

@@ -999,3 +999,61 @@ fn moe_mlp_on_device_matches_the_composed_form() -> Result<()> {
     }
     Ok(())
 }
+
+/// FP8 products ([`kev_kernels::fp8_linear`]) against their f32 reference: the same quantized
+/// operands, summed in another order and rounded to bf16. On a GPU of compute capability 9.0:
+/// token counts not a multiple of the padding, inputs of a partial last block and a weight
+/// whose block columns do not fill a row of four (the scales' padding), a row view of the
+/// weight (scales read past its first row), and a NaN input reaching its row only. Elsewhere
+/// the product is refused, naming why.
+#[test]
+fn fp8_linear_on_device_matches_its_reference() -> Result<()> {
+    use kev_kernels::{fp8_available, fp8_linear, fp8_linear_ref, Fp8Weight};
+    let dev = device();
+    let (n, k) = (328, 400);
+    let w = Fp8Weight::quantize(&patterned(&[n, k], 0.4, 0.05)?, &dev)?;
+    if !fp8_available(&dev) {
+        let x = patterned(&[3, k], 0.1, 1.0)?
+            .to_dtype(DType::BF16)?
+            .to_device(&dev)?;
+        let err = fp8_linear(&x, &w)
+            .expect_err("no FP8 products here")
+            .to_string();
+        assert!(err.contains("FP8 products"), "{err}");
+        println!("fp8 linear: refused on {dev:?} ({err})");
+        return Ok(());
+    }
+    for (m, weight) in [
+        (1, w.clone()),
+        (5, w.clone()),
+        (64, w.clone()),
+        (300, w.rows(128, 200)?),
+    ] {
+        let x = patterned(&[m, k], 0.1 * m as f32, 2.0)?.to_dtype(DType::BF16)?;
+        let ours = fp8_linear(&x.to_device(&dev)?, &weight)?.to_dtype(DType::F32)?;
+        let reference = fp8_linear_ref(&x, &weight)?;
+        let scale = reference.abs()?.max_all()?.to_scalar::<f32>()?;
+        // bf16 output: half a unit in its last place of the largest value, and the sum's order.
+        check(
+            &format!("fp8 linear m{m}"),
+            &ours,
+            &reference,
+            scale / 128.0,
+        )?;
+    }
+    let mut x = patterned(&[4, k], 0.3, 1.0)?;
+    x = x.slice_assign(
+        &[2..3, 7..8],
+        &Tensor::full(f32::NAN, (1, 1), &candle_core::Device::Cpu)?,
+    )?;
+    let ours = fp8_linear(&x.to_dtype(DType::BF16)?.to_device(&dev)?, &w)?;
+    let rows = ours.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    for (r, row) in rows.iter().enumerate() {
+        assert_eq!(
+            row.iter().any(|v| v.is_nan()),
+            r == 2,
+            "row {r}: a NaN input reaches its row only"
+        );
+    }
+    Ok(())
+}

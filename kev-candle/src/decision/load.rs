@@ -13,7 +13,7 @@ use crate::head::PointerHead;
 use crate::identity::{Fingerprint, ModelId};
 use crate::lora::Adapter;
 use crate::qwen35::{Config, Model};
-use crate::weights::{StepSeconds, Weights};
+use crate::weights::{Quantization, StepSeconds, Weights};
 
 /// What loading yields; the model around it is assembled by the caller.
 pub(super) struct Loaded {
@@ -131,6 +131,22 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
             "`int8` needs a CPU with AVX-512 VNNI, which this one lacks".to_string(),
         ));
     }
+    // The `fp8` dtype: bf16, the projections' f32 weights (the LoRA folded) quantized once to
+    // e4m3 for FP8 products.
+    let fp8 = options.dtype == kev_core::DType::Fp8;
+    if fp8 && !kev_kernels::fp8_available(&device) {
+        return Err(Error::invalid_argument(
+            "dtype",
+            format!(
+                "`fp8` runs on a CUDA GPU of compute capability 9.0 (H100, H200) only, not on {device:?}"
+            ),
+        ));
+    }
+    let quantization = match () {
+        _ if int8 => Quantization::Int8,
+        _ if fp8 => Quantization::Fp8,
+        _ => Quantization::None,
+    };
     // The CPU's bf16 mode where it has AVX512-BF16: the projections and the embedding table
     // in bf16, the activations in f32 between the matmuls (as llama.cpp's bf16 models),
     // since its bf16 matmul takes f32 rows and the rest of the forward is faster in f32.
@@ -160,7 +176,7 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
         device.clone(),
     )?
     .with_projection_dtype(weights_dtype)
-    .with_int8_projections(int8)
+    .with_quantization(quantization)
     .with_fp8_block(cfg.fp8_block);
     breakdown.open_weights_s = lap(&mut clock);
     let model = Model::new(&cfg, &weights)?;

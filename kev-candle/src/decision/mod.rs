@@ -26,6 +26,7 @@ use crate::graphs::GraphStats;
 use crate::head::{softmax, PointerHead};
 use crate::plan::Plan;
 use crate::qwen35::{Cache, Model};
+use crate::weights::Quantization;
 
 mod load;
 
@@ -95,7 +96,8 @@ impl DecisionModel {
     pub fn weights_dtype(&self) -> kev_core::DType {
         let model = self.exec.model();
         match model.weights_dtype() {
-            _ if model.int8_projections() => kev_core::DType::Int8,
+            _ if model.quantization() == Quantization::Int8 => kev_core::DType::Int8,
+            _ if model.quantization() == Quantization::Fp8 => kev_core::DType::Fp8,
             DType::BF16 => kev_core::DType::BF16,
             DType::F16 => kev_core::DType::F16,
             _ => kev_core::DType::F32,

@@ -1,11 +1,11 @@
 //! The backbone's bias-free projections, laid out for the backend that runs them.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::Linear;
 use kev_kernels::dispatch::{self, Backend};
-use kev_kernels::{bf16_gemm_available, PackedBf16, PackedInt8};
+use kev_kernels::{bf16_gemm_available, Fp8Weight, PackedBf16, PackedInt8};
 
-use crate::weights::Weights;
+use crate::weights::{Quantization, Weights};
 
 /// `x · Wᵀ` for a weight `W: [out, in]`.
 ///
@@ -23,6 +23,9 @@ use crate::weights::Weights;
 ///   bf16 mode, see `Weights::projection_dtype`).
 /// - On the CPU in the `int8` dtype, Kev's int8 matmul ([`PackedInt8`]): the f32 weight (LoRA
 ///   folded) quantized once, f32 activations in and out.
+/// - On a Hopper GPU in the `fp8` dtype, FP8 products ([`kev_kernels::fp8_linear`]): the f32
+///   weight (LoRA folded) quantized once on the CPU in 128 × 128 blocks, bf16 activations in
+///   and out.
 #[derive(Clone)]
 pub enum Projection {
     Candle(Linear),
@@ -30,6 +33,7 @@ pub enum Projection {
     Int8(PackedInt8),
     /// A CUDA weight `[out, in]` (or one counted as CUDA's, [`dispatch::backend`]).
     Cuda(Tensor),
+    Fp8(Fp8Weight),
 }
 
 impl Projection {
@@ -62,6 +66,7 @@ impl Projection {
             Self::Bf16(p) => Self::Bf16(p.rows(start, len)?),
             Self::Int8(p) => Self::Int8(p.rows(start, len)?),
             Self::Cuda(w) => Self::Cuda(w.narrow(0, start, len)?),
+            Self::Fp8(w) => Self::Fp8(w.rows(start, len)?),
         })
     }
 }
@@ -75,6 +80,7 @@ impl Module for Projection {
             Self::Bf16(p) => p.forward(&xs.contiguous()?),
             Self::Int8(p) => p.forward(&xs.contiguous()?),
             Self::Cuda(w) => kev_kernels::linear(xs, w),
+            Self::Fp8(w) => kev_kernels::fp8_linear(xs, w),
         }
     }
 }
@@ -86,25 +92,22 @@ pub(super) fn linear_cat(
     parts: &[(&str, usize)],
     in_dim: usize,
 ) -> kev_core::Result<Projection> {
+    let out: usize = parts.iter().map(|p| p.1).sum();
+    let fp8 = in_fp8(w, out, in_dim);
     let weights = parts
         .iter()
-        .map(|&(prefix, out)| {
-            w.get_as(
-                &format!("{prefix}.weight"),
-                &[out, in_dim],
-                w.projection_dtype(),
-            )
-        })
+        .map(|&(prefix, out)| weight(w, &format!("{prefix}.weight"), out, in_dim, fp8))
         .collect::<kev_core::Result<Vec<_>>>()?;
     let names = || parts.iter().map(|p| p.0).collect::<Vec<_>>();
     // Device-to-device copies on CUDA: candle's `cat` would launch a kernel of its own.
-    let weights: Vec<&candle_core::Tensor> = weights.iter().collect();
+    let weights: Vec<&Tensor> = weights.iter().collect();
     kev_kernels::join_rows(&weights)
-        .and_then(|weight| Projection::new(weight, w.int8_projections()))
+        .and_then(|weight| projection(w, weight, fp8))
         .map_err(|e| kev_core::Error::backend(format!("merging {:?}", names()), e))
 }
 
-/// A bias-free linear layer `{prefix}.weight: [out, in]`.
+/// A bias-free linear layer `{prefix}.weight: [out, in]`, quantized as the projections are
+/// ([`Weights::quantization`]).
 pub(super) fn linear(
     w: &Weights,
     prefix: &str,
@@ -112,6 +115,43 @@ pub(super) fn linear(
     out_dim: usize,
 ) -> kev_core::Result<Projection> {
     let key = format!("{prefix}.weight");
+    let fp8 = in_fp8(w, out_dim, in_dim);
+    let weight = weight(w, &key, out_dim, in_dim, fp8)?;
+    projection(w, weight, fp8).map_err(|e| kev_core::Error::backend(key, e))
+}
+
+/// [`linear`] in the projection dtype whatever the projections' quantization: the MoE router,
+/// whose picks quantization noise would move.
+pub(super) fn linear_unquantized(
+    w: &Weights,
+    prefix: &str,
+    in_dim: usize,
+    out_dim: usize,
+) -> kev_core::Result<Projection> {
+    let key = format!("{prefix}.weight");
     let weight = w.get_as(&key, &[out_dim, in_dim], w.projection_dtype())?;
-    Projection::new(weight, w.int8_projections()).map_err(|e| kev_core::Error::backend(key, e))
+    Projection::new(weight, false).map_err(|e| kev_core::Error::backend(key, e))
+}
+
+/// Whether a projection `[out, in]` is held in FP8: the `fp8` dtype and a shape FP8 products
+/// take.
+fn in_fp8(w: &Weights, out: usize, input: usize) -> bool {
+    w.quantization() == Quantization::Fp8 && out.is_multiple_of(8) && input.is_multiple_of(16)
+}
+
+/// Weight `key` as its projection needs it: in f32 on the CPU where it is quantized to FP8
+/// there, else in the projection dtype on the model's device.
+fn weight(w: &Weights, key: &str, out: usize, input: usize, fp8: bool) -> kev_core::Result<Tensor> {
+    if fp8 {
+        w.get_on(key, &[out, input], DType::F32, &Device::Cpu)
+    } else {
+        w.get_as(key, &[out, input], w.projection_dtype())
+    }
+}
+
+fn projection(w: &Weights, weight: Tensor, fp8: bool) -> Result<Projection> {
+    if fp8 {
+        return Ok(Projection::Fp8(Fp8Weight::quantize(&weight, w.device())?));
+    }
+    Projection::new(weight, w.quantization() == Quantization::Int8)
 }

@@ -15,7 +15,7 @@ use super::moe::SparseMoe;
 use super::norm::ZeroCenteredRmsNorm;
 use super::rope::Rope;
 use super::split::Outputs;
-use crate::weights::Weights;
+use crate::weights::{Quantization, Weights};
 
 enum Mixer {
     Attention(Attention),
@@ -305,8 +305,8 @@ pub struct Model {
     dtype: DType,
     /// Of the projections and the embedding table (`dtype` but in the CPU's bf16 mode).
     weights_dtype: DType,
-    /// Whether the projections are int8 ([`crate::weights::Weights::int8_projections`]).
-    int8_projections: bool,
+    /// How the projections are quantized ([`crate::weights::Weights::quantization`]).
+    quantization: Quantization,
     device: Device,
 }
 
@@ -353,7 +353,7 @@ impl Model {
             rope: Rope::new(cfg.rope_theta, rotary_dim),
             dtype: w.dtype(),
             weights_dtype: w.projection_dtype(),
-            int8_projections: w.int8_projections(),
+            quantization: w.quantization(),
             device: w.device().clone(),
         })
     }
@@ -374,10 +374,10 @@ impl Model {
         self.weights_dtype
     }
 
-    /// Whether the projections' weights are int8 (the `int8` dtype; the embedding table is in
-    /// [`Model::weights_dtype`]).
-    pub fn int8_projections(&self) -> bool {
-        self.int8_projections
+    /// How the projections' weights are quantized (the `int8` and `fp8` dtypes; the embedding
+    /// table is in [`Model::weights_dtype`]).
+    pub fn quantization(&self) -> Quantization {
+        self.quantization
     }
 
     /// The embeddings of every id of `ids`, one part after another, `[N, H]` in the

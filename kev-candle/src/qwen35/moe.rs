@@ -15,9 +15,9 @@ use kev_kernels::dispatch::{self, Backend};
 use kev_kernels::{swiglu, RoutedExperts, SharedExpert};
 
 use super::config::ExpertsShape;
-use super::linear::{linear, linear_cat, Projection};
+use super::linear::{linear, linear_cat, linear_unquantized, Projection};
 use super::mlp::Mlp;
-use crate::weights::Weights;
+use crate::weights::{Quantization, Weights};
 
 /// The routed experts' weights, as the backend multiplies them.
 enum Experts {
@@ -68,7 +68,9 @@ impl SparseMoe {
             } else {
                 let expert = |t: &Tensor, name: &str, x: usize| {
                     t.get(x)
-                        .and_then(|t| Projection::new(t.contiguous()?, w.int8_projections()))
+                        .and_then(|t| {
+                            Projection::new(t.contiguous()?, w.quantization() == Quantization::Int8)
+                        })
                         .map_err(|err| {
                             kev_core::Error::backend(format!("`{name}` expert {x}"), err)
                         })
@@ -97,10 +99,10 @@ impl SparseMoe {
             )
         };
         Ok(Self {
-            router: linear(w, &format!("{prefix}.gate"), h, e)?,
+            router: linear_unquantized(w, &format!("{prefix}.gate"), h, e)?,
             experts,
             shared: Mlp::new(w, &format!("{prefix}.shared_expert"), h, shape.shared_width)?,
-            shared_gate: linear(w, &format!("{prefix}.shared_expert_gate"), h, 1)?,
+            shared_gate: linear_unquantized(w, &format!("{prefix}.shared_expert_gate"), h, 1)?,
             per_token: shape.per_token,
         })
     }

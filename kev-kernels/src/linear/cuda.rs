@@ -148,14 +148,14 @@ fn choices() -> std::sync::MutexGuard<'static, Choices> {
 
 /// A cuBLASLt handle. It holds no stream (each call names its own), so threads share it.
 #[derive(Clone, Copy)]
-struct Handle(sys::cublasLtHandle_t);
+pub(crate) struct Handle(pub(crate) sys::cublasLtHandle_t);
 // SAFETY: cuBLASLt's calls may use one handle from several threads; it is never destroyed.
 unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 /// The handle for `dev`'s GPU, made on first use; `None` where cuBLASLt cannot start (then
 /// candle's matmul runs every product).
-fn handle(dev: &candle_core::CudaDevice) -> Option<Handle> {
+pub(crate) fn handle(dev: &candle_core::CudaDevice) -> Option<Handle> {
     static HANDLES: OnceLock<Mutex<HashMap<usize, Option<Handle>>>> = OnceLock::new();
     let stream = dev.cuda_stream();
     let ordinal = stream.context().ordinal();
@@ -177,7 +177,7 @@ fn data_type(dtype: DType) -> Result<sys::cudaDataType> {
     })
 }
 
-fn lt_err(e: lt::CublasError) -> candle_core::Error {
+pub(crate) fn lt_err(e: lt::CublasError) -> candle_core::Error {
     candle_core::Error::Msg(format!("cuBLASLt: {e}"))
 }
 

@@ -17,7 +17,7 @@
 //! 256-byte boundaries, shapes not timed or checked) this is candle's matmul.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 
 use candle_core::{bail, Result, Tensor};
 

@@ -12,6 +12,10 @@ const MMA: &str = include_str!("mma.cuh");
 /// The l2norm epsilon of the gated delta rule, added to Σx² (HF `l2norm`, FLA).
 pub(crate) const L2NORM_EPS: f32 = 1e-6;
 
+/// The side of an FP8 weight's scale block and the length of an activation's
+/// (`crate::fp8::FP8_BLOCK`).
+pub(crate) const FP8_BLOCK: usize = 128;
+
 /// Warps per block of the recurrent delta rule.
 pub(crate) const RECURRENT_WARPS: usize = 8;
 
@@ -251,6 +255,14 @@ pub(crate) static HEAD: Source = source(
     &[],
 );
 
+pub(crate) static FP8: Source = source(
+    "fp8.cu",
+    "kev_fp8",
+    include_str!("../../fp8/fp8.cu"),
+    false,
+    &[("FP8_BLOCK", Value::Int(FP8_BLOCK as i64))],
+);
+
 pub(crate) static LINEAR: Source = source(
     "linear.cu",
     "kev_linear",
@@ -293,7 +305,7 @@ pub(crate) static MOE_MM: Source = source(
 );
 
 /// Every source: the checks below, and compiling them all ahead of the first forward.
-pub(crate) const ALL: [&Source; 13] = [
+pub(crate) const ALL: [&Source; 14] = [
     &NORM,
     &GATES,
     &SWIGLU,
@@ -304,6 +316,7 @@ pub(crate) const ALL: [&Source; 13] = [
     &GDR_CHUNKED,
     &GATHER,
     &HEAD,
+    &FP8,
     &LINEAR,
     &MOE,
     &MOE_MM,
