@@ -56,6 +56,9 @@
 #                matmul peak and the copy bandwidth, the layers' weight bytes, transformers (+ fla)
 #                with its experts implementation (MOE_EXPERTS [default grouped_mm; eager too]),
 #                Kev again                                                   moe.jsonl
+#   fp8          per size of SIZES, Kev in bf16 and in the fp8 dtype alternating ROUNDS times (one
+#                record, 8 and 64: prefix and batch forms), then `score` in each dtype on the first
+#                256 varied records and the fp8 drift from bf16 (bench/dtype_drift.py)  fp8.jsonl
 #   probe        bench/gemm_probe.cu (nvcc) on the projections' shapes: every candidate with a
 #                32 MiB workspace, then the candidates Kev times (no workspace, no split-K)
 #                against them, two rounds                                     probe-*.jsonl
@@ -156,6 +159,24 @@ if has moe; then
     echo "transformers-fla-$x: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t )) s"
   done
   for b in $BINS; do kev moe $b --checkpoint $ck $W --form prefix,batch --repeats 3 --warmup 2 --label $b-r2; done
+fi
+
+if has fp8; then
+  varied_records
+  for s in $SIZES; do
+    gen $s
+    for r in $(seq $ROUNDS); do
+      for d in bf16 fp8; do
+        .gpu/$BIN --checkpoint $C/kev-$s $(recs one batch8 batch64) --form prefix,batch --repeats 3 --warmup 2 \
+          --backend cuda --dtype $d --label $s-$d-r$r 2>>$O/stderr.txt | tee -a $O/fp8.jsonl | summ
+      done
+    done
+    for d in bf16 fp8; do
+      .gpu/score --checkpoint $C/kev-$s --records $R/varied-256.jsonl --out /tmp/scored-$s-$d.jsonl --backend cuda \
+        --dtype $d 2>&1 | grep "records/s"
+    done
+    python3 bench/dtype_drift.py /tmp/scored-$s-bf16.jsonl /tmp/scored-$s-fp8.jsonl --label $s-fp8 | tee -a $O/fp8.jsonl
+  done
 fi
 
 if has report; then

@@ -52,7 +52,7 @@ struct Args {
     /// auto, cpu, cuda[:i] or metal[:i].
     #[arg(long, default_value = "auto")]
     backend: Backend,
-    /// auto, f32, bf16, f16 or int8.
+    /// auto, f32, bf16, f16, int8 or fp8.
     #[arg(long, default_value = "auto")]
     dtype: DType,
     /// prefix, row, batch, state (comma-separated or repeated; `all` for the first three).

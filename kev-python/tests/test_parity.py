@@ -169,6 +169,13 @@ def test_head_dtype_device(small):
     assert "kev-small" in repr(small)
 
 
+def test_fp8_is_refused_on_the_cpu_naming_the_dtype():
+    """`dtype="fp8"` runs on H100/H200 GPUs only (the Rust parity suite measures it there)."""
+    with pytest.raises(kev.ArgumentError) as err:
+        kev.DecisionModel.load(FIXTURES / "kev-small", backend="cpu", dtype="fp8")
+    assert "fp8" in str(err.value) and err.value.name == "dtype"
+
+
 def test_int8_runs_where_the_cpu_has_vnni_and_is_refused_elsewhere():
     """`dtype="int8"`: approximate (int8 projections, f32 activations) on a CPU with AVX-512
     VNNI, its drift from f32 measured in the Rust suite; elsewhere an ArgumentError naming it."""

@@ -90,7 +90,8 @@ pub(super) fn fp8_linear(dev: &CudaDevice, x: &Tensor, w: &Fp8Weight) -> Result<
             let (yp, _g5) = y.device_ptr_mut(stream);
             let d = Descriptors::new(out_type, (mp, n, k), sp, qsp)?;
             let (algo, workspace) = algorithm(h, &d, dev, dtype, (mp, n, k))?;
-            let mut space = dev.alloc_zeros::<u8>(workspace.max(1))?;
+            // SAFETY: cuBLASLt's scratch, which it writes before it reads.
+            let mut space = unsafe { dev.alloc::<u8>(workspace.max(1)) }?;
             let (space_p, _g6) = space.device_ptr_mut(stream);
             let (one, zero) = (1f32, 0f32);
             // SAFETY: the descriptors match the operands (A: W, n × k e4m3; B: the quantized input,
