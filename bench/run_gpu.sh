@@ -57,8 +57,8 @@
 #                with its experts implementation (MOE_EXPERTS [default grouped_mm; eager too]),
 #                Kev again                                                   moe.jsonl
 #   fp8          per size of SIZES, Kev in bf16 and in the fp8 dtype alternating ROUNDS times (one
-#                record, 8 and 64: prefix and batch forms), then `score` in each dtype on the first
-#                256 varied records and the fp8 drift from bf16 (bench/dtype_drift.py)  fp8.jsonl
+#                record, 8 and 64: prefix and batch forms), then `score` in each dtype on the 64
+#                records and the fp8 drift from bf16 (bench/dtype_drift.py)       fp8.jsonl
 #   probe        bench/gemm_probe.cu (nvcc) on the projections' shapes: every candidate with a
 #                32 MiB workspace, then the candidates Kev times (no workspace, no split-K)
 #                against them, two rounds                                     probe-*.jsonl
@@ -162,7 +162,6 @@ if has moe; then
 fi
 
 if has fp8; then
-  varied_records
   for s in $SIZES; do
     gen $s
     for r in $(seq $ROUNDS); do
@@ -172,7 +171,7 @@ if has fp8; then
       done
     done
     for d in bf16 fp8; do
-      .gpu/score --checkpoint $C/kev-$s --records $R/varied-256.jsonl --out /tmp/scored-$s-$d.jsonl --backend cuda \
+      .gpu/score --checkpoint $C/kev-$s --records $R/batch64.jsonl --out /tmp/scored-$s-$d.jsonl --backend cuda \
         --dtype $d 2>&1 | grep "records/s"
     done
     python3 bench/dtype_drift.py /tmp/scored-$s-bf16.jsonl /tmp/scored-$s-fp8.jsonl --label $s-fp8 | tee -a $O/fp8.jsonl
