@@ -24,47 +24,33 @@ const E4M3_MAX: f32 = 448.0;
 const SCALE_ROW_MULTIPLE: usize = 4;
 
 /// The e4m3 (`fn`: no infinities, one NaN per sign) byte nearest `x`: round to nearest even,
-/// magnitudes past 448 saturated to 448, NaN to NaN.
+/// magnitudes past 448 saturated to 448, NaN to NaN. From the f32's bits: a load quantizes
+/// every projection weight through it.
 pub fn e4m3_from_f32(x: f32) -> u8 {
-    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
-    if x.is_nan() {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let a = bits & 0x7fff_ffff;
+    if a > 0x7f80_0000 {
         return 0x7f | sign;
     }
-    let a = x.abs();
-    if a >= E4M3_MAX {
+    if a >= E4M3_MAX.to_bits() {
         return 0x7e | sign;
     }
-    // Below 2⁻⁶ the step is 2⁻⁹ (subnormals); above, 3 mantissa bits per binade (the
-    // exponent read from the bits: `a` is a normal f32 there).
-    let exp = if a < 2f32.powi(-6) {
-        -6
-    } else {
-        ((a.to_bits() >> 23) as i32) - 127
-    };
-    let step = 2f32.powi(exp - 3);
-    let units = round_half_even(a / step);
-    // `units` of `step`: 8..16 in a normal binade (16 is the next binade's 8).
-    let (exp, units) = if units >= 16.0 {
-        (exp + 1, 8.0)
-    } else {
-        (exp, units)
-    };
-    let bits = if units < 8.0 {
-        units as u8 // subnormal (exp = -6): 0.mmm × 2⁻⁶
-    } else {
-        (((exp + 7) as u8) << 3) | (units as u8 - 8)
-    };
+    if a < MIN_NORMAL.to_bits() {
+        // Subnormal: units of 2⁻⁹ (scaling by a power of two is exact); 8 units is the
+        // smallest normal, 0x08.
+        return (f32::from_bits(a) * 512.0).round_ties_even() as u8 | sign;
+    }
+    // Three mantissa bits kept, the 20 dropped rounded to nearest even (a carry moves the
+    // exponent); the exponent rebiased from 127 to 7.
+    let rounded = a + 0x7_ffff + ((a >> 20) & 1);
+    let exp = (rounded >> 23) - 127 + 7;
+    let bits = ((exp << 3) | ((rounded >> 20) & 7)) as u8;
     bits.min(0x7e) | sign
 }
 
-fn round_half_even(v: f32) -> f32 {
-    let r = v.round();
-    if (r - v).abs() == 0.5 && r % 2.0 != 0.0 {
-        r - v.signum()
-    } else {
-        r
-    }
-}
+/// e4m3's smallest normal magnitude, 2⁻⁶.
+const MIN_NORMAL: f32 = 0.015625;
 
 /// The value of the e4m3 byte `b`.
 pub fn e4m3_to_f32(b: u8) -> f32 {
@@ -281,6 +267,35 @@ mod tests {
             0,
             "below half the least subnormal"
         );
+    }
+
+    /// Against the nearest byte found by search (ties to the even byte), over magnitudes from
+    /// below the least subnormal to past 448.
+    #[test]
+    fn e4m3_matches_the_nearest_byte() {
+        let finite: Vec<(u8, f32)> = (0..0x7fu8).map(|b| (b, e4m3_to_f32(b))).collect();
+        let nearest = |a: f32| {
+            let mut best = (0u8, f32::MAX);
+            for &(b, v) in &finite {
+                let d = (v - a).abs();
+                if d < best.1 || (d == best.1 && b % 2 == 0) {
+                    best = (b, d);
+                }
+            }
+            best.0
+        };
+        let mut state = 0x9e37_79b9u32;
+        for i in 0..200_000 {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            // Exponents 2⁻¹² to 2⁹ and any mantissa.
+            let a = f32::from_bits((state & 0x007f_ffff) | ((115 + (state >> 24) % 22) << 23));
+            let x = if i % 2 == 0 { a } else { -a };
+            let want = if a >= E4M3_MAX { 0x7e } else { nearest(a) };
+            assert_eq!(e4m3_from_f32(x) & 0x7f, want, "{x}");
+            assert_eq!(e4m3_from_f32(x) & 0x80, if i % 2 == 0 { 0 } else { 0x80 });
+        }
     }
 
     /// A block's largest value maps to 448, so every value is within half a step of e4m3 of
