@@ -642,6 +642,27 @@ fn cpu_has_vnni() -> bool {
     false
 }
 
+/// `kev-small` loaded in the quantized `dtype` where it `runs` (its weights' dtype checked), or
+/// `None` after checking that the load is refused there, naming the dtype.
+fn quantized(dtype: DType, runs: bool) -> Option<DecisionModel> {
+    let opts = LoadOptions::default()
+        .with_dtype(dtype)
+        .with_backend(backend());
+    let loaded = DecisionModel::load(fixture("kev-small"), &opts);
+    if !runs {
+        let err = loaded.err().expect("loaded where it cannot run");
+        assert!(
+            matches!(&err, kev::Error::InvalidArgument { name, .. } if name == "dtype"),
+            "{err}"
+        );
+        println!("{dtype} refused here, as it should be: {err}");
+        return None;
+    }
+    let model = loaded.unwrap();
+    assert_eq!(model.weights_dtype(), dtype);
+    Some(model)
+}
+
 #[test]
 fn int8_weights_on_the_cpu() {
     // The `int8` dtype quantizes the projections' weights per output column and their inputs per
@@ -649,21 +670,12 @@ fn int8_weights_on_the_cpu() {
     // loosely: on the CPU max|Δp| 1.2e-1 and 1 argmax flip of 21, three times bf16's drift (the
     // fixture's peaked heads amplify it; flips are reported, not asserted). Where it cannot run
     // (a GPU backend, a CPU without AVX-512 VNNI) the load is refused, naming the dtype.
-    let opts = LoadOptions::default()
-        .with_dtype(DType::Int8)
-        .with_backend(backend());
-    let loaded = DecisionModel::load(fixture("kev-small"), &opts);
-    if backend() != kev::Backend::Cpu || !cpu_has_vnni() {
-        let err = loaded.err().expect("int8 loaded where it cannot run");
-        assert!(
-            matches!(&err, kev::Error::InvalidArgument { name, .. } if name == "dtype"),
-            "{err}"
-        );
-        println!("int8 refused here, as it should be: {err}");
+    let Some(model) = quantized(
+        DType::Int8,
+        backend() == kev::Backend::Cpu && cpu_has_vnni(),
+    ) else {
         return;
-    }
-    let model = loaded.unwrap();
-    assert_eq!(model.weights_dtype(), DType::Int8);
+    };
     let recs = records();
     let ours: Vec<_> = recs.iter().map(|r| model.probs(r).unwrap()).collect();
     let (dp, flips) = compare(&ours, &reference("kev-small")["1.0"], false);
@@ -684,21 +696,9 @@ fn int8_weights_on_the_cpu() {
 /// naming the dtype.
 #[test]
 fn fp8_products_on_hopper() {
-    let opts = LoadOptions::default()
-        .with_dtype(DType::Fp8)
-        .with_backend(backend());
-    let loaded = DecisionModel::load(fixture("kev-small"), &opts);
-    if !kev_kernels::fp8_available(&device()) {
-        let err = loaded.err().expect("fp8 loaded where it cannot run");
-        assert!(
-            matches!(&err, kev::Error::InvalidArgument { name, .. } if name == "dtype"),
-            "{err}"
-        );
-        println!("fp8 refused here, as it should be: {err}");
+    let Some(model) = quantized(DType::Fp8, kev_kernels::fp8_available(&device())) else {
         return;
-    }
-    let model = loaded.unwrap();
-    assert_eq!(model.weights_dtype(), DType::Fp8);
+    };
     let recs = records();
     let ours: Vec<_> = recs.iter().map(|r| model.probs(r).unwrap()).collect();
     let (dp, flips) = compare(&ours, &reference("kev-small")["1.0"], false);

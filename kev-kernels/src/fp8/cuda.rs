@@ -168,54 +168,38 @@ impl Descriptors {
             x: std::ptr::null_mut(),
             y: std::ptr::null_mut(),
         };
-        let set = |attr: A, value: *const std::ffi::c_void, size: usize| {
-            // SAFETY: `desc` is live; each value below has the attribute's type and size.
-            unsafe { lt::set_matmul_desc_attribute(d.desc, attr, value, size) }.map_err(lt_err)
-        };
-        let transposed: i32 = 1;
-        let block =
-            sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as i32;
-        let vector =
-            sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as i32;
-        let exact: i8 = 0;
-        let i32_size = std::mem::size_of::<i32>();
-        let ptr_size = std::mem::size_of::<u64>();
-        set(
-            A::CUBLASLT_MATMUL_DESC_TRANSA,
-            (&transposed as *const i32).cast(),
-            i32_size,
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-            (&block as *const i32).cast(),
-            i32_size,
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-            (&vector as *const i32).cast(),
-            i32_size,
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-            (&weight_scales as *const u64).cast(),
-            ptr_size,
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-            (&input_scales as *const u64).cast(),
-            ptr_size,
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
-            (&exact as *const i8).cast(),
-            1,
-        )?;
+        let block = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+        let vector = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+        // W transposed (1), its scales per block, the input's per token and 128 inputs, f32
+        // accumulation throughout (fast accumulation off, 0).
+        d.set(A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
+        d.set(A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &(block as i32))?;
+        d.set(A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &(vector as i32))?;
+        d.set(A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &weight_scales)?;
+        d.set(A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &input_scales)?;
+        d.set(A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &0i8)?;
         let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
         let (mp, n, k) = (mp as u64, n as u64, k as u64);
         d.w = lt::create_matrix_layout(e4m3, k, n, k as i64).map_err(lt_err)?;
         d.x = lt::create_matrix_layout(e4m3, k, mp, k as i64).map_err(lt_err)?;
         d.y = lt::create_matrix_layout(out, n, mp, n as i64).map_err(lt_err)?;
         Ok(d)
+    }
+}
+
+impl Descriptors {
+    /// Sets the matmul's attribute `attr` to `value`, of the type cuBLASLt gives that attribute.
+    fn set<T>(&self, attr: sys::cublasLtMatmulDescAttributes_t, value: &T) -> Result<()> {
+        // SAFETY: `desc` is live; `value` is one `T`, the attribute's type (the callers').
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                self.desc,
+                attr,
+                (value as *const T).cast(),
+                std::mem::size_of::<T>(),
+            )
+        }
+        .map_err(lt_err)
     }
 }
 
