@@ -125,8 +125,8 @@ pub use causal_conv1d::{
 };
 pub use flash_attention::{flash_attention_fills_gpu, AttentionPast, FLASH_HEAD_DIM};
 pub use fp8::{
-    e4m3_from_f32, e4m3_to_f32, fp8_available, fp8_linear, fp8_linear_ref, quantize_rows,
-    Fp8Weight, FP8_BLOCK,
+    e4m3_from_f32, e4m3_to_f32, fp8_available, fp8_check, fp8_linear, fp8_linear_ref,
+    quantize_rows, Fp8Weight, FP8_BLOCK,
 };
 pub use gated_delta_rule::{
     conv_gated_delta_rule_split, conv_gated_delta_rule_split_keeping, gated_delta_rule,

@@ -142,6 +142,14 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
             ),
         ));
     }
+    if fp8 {
+        kev_kernels::fp8_check(&device).map_err(|e| {
+            Error::invalid_argument(
+                "dtype",
+                format!("`fp8`: this GPU's cuBLASLt cannot run FP8 products ({e})"),
+            )
+        })?;
+    }
     let quantization = match () {
         _ if int8 => Quantization::Int8,
         _ if fp8 => Quantization::Fp8,

@@ -120,17 +120,18 @@ pub(super) fn linear(
     projection(w, weight, fp8).map_err(|e| kev_core::Error::backend(key, e))
 }
 
-/// [`linear`] in the projection dtype whatever the projections' quantization: the MoE router,
-/// whose picks quantization noise would move.
-pub(super) fn linear_unquantized(
+/// [`linear`], but never in FP8 (int8 in the `int8` dtype, as every projection): the MoE router
+/// and the shared expert's gate, whose picks and gate FP8 noise would move (Qwen's FP8
+/// releases keep them in bf16 too).
+pub(super) fn linear_router(
     w: &Weights,
     prefix: &str,
     in_dim: usize,
     out_dim: usize,
 ) -> kev_core::Result<Projection> {
     let key = format!("{prefix}.weight");
-    let weight = w.get_as(&key, &[out_dim, in_dim], w.projection_dtype())?;
-    Projection::new(weight, false).map_err(|e| kev_core::Error::backend(key, e))
+    let weight = weight(w, &key, out_dim, in_dim, false)?;
+    projection(w, weight, false).map_err(|e| kev_core::Error::backend(key, e))
 }
 
 /// Whether a projection `[out, in]` is held in FP8: the `fp8` dtype and a shape FP8 products

@@ -15,7 +15,7 @@ use kev_kernels::dispatch::{self, Backend};
 use kev_kernels::{swiglu, RoutedExperts, SharedExpert};
 
 use super::config::ExpertsShape;
-use super::linear::{linear, linear_cat, linear_unquantized, Projection};
+use super::linear::{linear, linear_cat, linear_router, Projection};
 use super::mlp::Mlp;
 use crate::weights::{Quantization, Weights};
 
@@ -99,10 +99,10 @@ impl SparseMoe {
             )
         };
         Ok(Self {
-            router: linear_unquantized(w, &format!("{prefix}.gate"), h, e)?,
+            router: linear_router(w, &format!("{prefix}.gate"), h, e)?,
             experts,
             shared: Mlp::new(w, &format!("{prefix}.shared_expert"), h, shape.shared_width)?,
-            shared_gate: linear_unquantized(w, &format!("{prefix}.shared_expert_gate"), h, 1)?,
+            shared_gate: linear_router(w, &format!("{prefix}.shared_expert_gate"), h, 1)?,
             per_token: shape.per_token,
         })
     }

@@ -15,9 +15,10 @@ __device__ __forceinline__ unsigned char to_e4m3(float v) {
 
 // fp8_quantize_rows_{bf16,f16}: x [m, k] → q [mp, k] e4m3 and scales [kb, mp] f32, token by token
 // (cuBLASLt's layout for one scale per token and block of FP8_BLOCK inputs), kb = ⌈k / FP8_BLOCK⌉.
-// A block's scale is its largest magnitude / 448 (1 for an all-zero block), its values divided
-// by it; rows m..mp are zeros of scale 1. One warp per (row, block), FP8_BLOCK / 32 values a
-// lane; NaN values are left out of the largest magnitude and stay NaN.
+// A block's scale is its largest magnitude / 448 (1 for an all-zero block, as the CPU's
+// `block_scale`), its values divided by it; rows m..mp are zeros of scale 1. One warp per
+// (row, block), FP8_BLOCK / 32 values a lane; NaN values are left out of the largest magnitude
+// and stay NaN.
 template <typename D>
 __device__ void fp8_quantize_rows(const typename D::T* x, unsigned char* q, float* scales, int m,
                                   int mp, int k) {
@@ -37,7 +38,8 @@ __device__ void fp8_quantize_rows(const typename D::T* x, unsigned char* q, floa
         }
         for (int off = 16; off > 0; off >>= 1)
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+        float s = amax / 448.0f;
+        s = s > 0.0f ? s : 1.0f;
 #pragma unroll
         for (int i = 0; i < FP8_BLOCK / 32; i++) {
             const int c = block * FP8_BLOCK + i * 32 + lane;

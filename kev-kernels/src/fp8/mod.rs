@@ -68,10 +68,12 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
 }
 
 /// The scale of a block whose largest magnitude is `amax`: its values divided by it fill
-/// e4m3's range. An all-zero block gets 1 (its values stay 0).
+/// e4m3's range. An all-zero block (or one too small for an f32 scale) gets 1; an infinite
+/// one an infinite scale, which makes its values NaN.
 fn block_scale(amax: f32) -> f32 {
-    if amax > 0.0 {
-        amax / E4M3_MAX
+    let scale = amax / E4M3_MAX;
+    if scale > 0.0 {
+        scale
     } else {
         1.0
     }
@@ -227,6 +229,19 @@ pub fn fp8_linear_ref(x: &Tensor, w: &Fp8Weight) -> Result<Tensor> {
 /// block-scaled FP8 matmul runs there only).
 pub fn fp8_available(device: &Device) -> bool {
     crate::backend::cuda::cuda_gpu(device).is_some_and(|g| g.compute_capability == (9, 0))
+}
+
+/// Runs one small FP8 product on `device` ([`fp8_available`] there): the error of the first
+/// call where this process's cuBLASLt lacks the block-scaled FP8 matmul (cuBLAS 12.9 and later),
+/// so a load can refuse the dtype rather than every forward fail.
+pub fn fp8_check(device: &Device) -> Result<()> {
+    let w = Fp8Weight::quantize(&Tensor::ones((8, 16), DType::F32, &Device::Cpu)?, device)?;
+    let x = Tensor::ones((1, 16), DType::BF16, device)?;
+    let y = fp8_linear(&x, &w)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    if y[0].iter().any(|&v| v != 16.0) {
+        bail!("fp8 linear: a product of ones gave {:?}, not 16", y[0])
+    }
+    Ok(())
 }
 
 #[cfg(test)]
