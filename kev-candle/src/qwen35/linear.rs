@@ -114,10 +114,7 @@ pub(super) fn linear(
     in_dim: usize,
     out_dim: usize,
 ) -> kev_core::Result<Projection> {
-    let key = format!("{prefix}.weight");
-    let fp8 = in_fp8(w, out_dim, in_dim);
-    let weight = weight(w, &key, out_dim, in_dim, fp8)?;
-    projection(w, weight, fp8).map_err(|e| kev_core::Error::backend(key, e))
+    layer(w, prefix, in_dim, out_dim, in_fp8(w, out_dim, in_dim))
 }
 
 /// [`linear`], but never in FP8 (int8 in the `int8` dtype, as every projection): the MoE router
@@ -129,9 +126,20 @@ pub(super) fn linear_router(
     in_dim: usize,
     out_dim: usize,
 ) -> kev_core::Result<Projection> {
+    layer(w, prefix, in_dim, out_dim, false)
+}
+
+/// The layer of `{prefix}.weight: [out, in]`, in FP8 where `fp8`.
+fn layer(
+    w: &Weights,
+    prefix: &str,
+    in_dim: usize,
+    out_dim: usize,
+    fp8: bool,
+) -> kev_core::Result<Projection> {
     let key = format!("{prefix}.weight");
-    let weight = weight(w, &key, out_dim, in_dim, false)?;
-    projection(w, weight, false).map_err(|e| kev_core::Error::backend(key, e))
+    let weight = weight(w, &key, out_dim, in_dim, fp8)?;
+    projection(w, weight, fp8).map_err(|e| kev_core::Error::backend(key, e))
 }
 
 /// Whether a projection `[out, in]` is held in FP8: the `fp8` dtype and a shape FP8 products
