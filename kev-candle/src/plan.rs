@@ -227,8 +227,8 @@ impl Pass {
 
     /// Where the head reads the branch rows (flat indices into their `B·width` positions,
     /// [`Pass::branch_width`]): every row's `[DECIDE]`, then every option in row order, then
-    /// the padding's; and each option's row. The indices differ between passes of one shape, so a CUDA graph takes
-    /// them as an input; each option's row depends on the shape alone.
+    /// the padding's; and each option's row. The indices differ between passes of one shape, so
+    /// a CUDA graph takes them as an input; each option's row depends on the shape alone.
     pub(crate) fn head_reads(&self) -> (Vec<usize>, Vec<u32>) {
         let (decide, opts, mut owner) = head_positions(&self.rows, self.branch_width());
         owner.resize(owner.len() + self.head_pad, 0);

@@ -142,18 +142,18 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
             ),
         ));
     }
-    if fp8 {
+    let quantization = if int8 {
+        Quantization::Int8
+    } else if fp8 {
         kev_kernels::fp8_check(&device).map_err(|e| {
             Error::invalid_argument(
                 "dtype",
                 format!("`fp8`: this GPU's cuBLASLt cannot run FP8 products ({e})"),
             )
         })?;
-    }
-    let quantization = match () {
-        _ if int8 => Quantization::Int8,
-        _ if fp8 => Quantization::Fp8,
-        _ => Quantization::None,
+        Quantization::Fp8
+    } else {
+        Quantization::None
     };
     // The CPU's bf16 mode where it has AVX512-BF16: the projections and the embedding table
     // in bf16, the activations in f32 between the matmuls (as llama.cpp's bf16 models),
