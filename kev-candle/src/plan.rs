@@ -24,8 +24,9 @@ pub(crate) struct Piece {
 }
 
 /// What scoring a batch of records runs: the records whose state is computed, grouped into
-/// passes by state length (`length_buckets`: a pass pads its states to its longest), each
-/// distinct state once; the records whose prefix is given join the last pass (or make one).
+/// passes by state length and branch length ([`state_groups`]: a pass pads its states to its
+/// longest and its branch rows to theirs), each distinct state once; the records whose prefix is
+/// given join the last pass (or make one).
 pub(crate) struct Plan {
     pub(crate) passes: Vec<Pass>,
     /// Each record's pass and its slot there.
@@ -95,10 +96,21 @@ impl Plan {
                 })
             })
             .collect();
-        let lengths: Vec<usize> = cold.iter().map(|s| s.len()).collect();
+        let mut loads: Vec<StateLoad> = cold
+            .iter()
+            .map(|s| StateLoad {
+                tokens: s.len(),
+                ..StateLoad::default()
+            })
+            .collect();
+        for (rec, j) in records.iter().zip(&cold_of) {
+            if let Some(j) = *j {
+                loads[j] = loads[j].with_rows(rec.questions(), rec.longest_branch());
+            }
+        }
         // Cold state j is row `cold_row[j].1` of pass `cold_row[j].0`.
         let mut cold_row = vec![(0, 0); cold.len()];
-        let mut passes: Vec<Pass> = length_buckets(&lengths)
+        let mut passes: Vec<Pass> = state_groups(&loads)
             .into_iter()
             .enumerate()
             .map(|(p, members)| {
@@ -307,47 +319,107 @@ pub(crate) fn pieces<S: AsRef<[u32]>>(seqs: &[S], chunk: usize) -> Vec<Piece> {
         .collect()
 }
 
-/// Padding a bucket's states to its longest may cost at most this fraction of its real tokens
-/// (plus [`PAD_SLACK`]) before a longer state starts a new bucket.
-const PAD_WASTE: f64 = 0.25;
-/// Padding always allowed per bucket, in tokens: short states are cheap to pad and a pass has a
-/// fixed cost of its own.
-const PAD_SLACK: usize = 64;
+/// A distinct computed state's load on a pass: its tokens, and the branch rows that continue it
+/// (how many, and the longest one's tokens).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateLoad {
+    pub tokens: usize,
+    pub rows: usize,
+    pub longest_row: usize,
+}
 
-/// Records grouped by state length (indices into `lengths`, each group one pass): a batch pads
-/// every state to its longest, so mixing a 10-token state with a 1,000-token one would make the
-/// batch slower than scoring one by one. Sorted by length, a record joins the current group while
-/// the group's padded tokens stay within [`PAD_WASTE`] of its real ones plus [`PAD_SLACK`].
-pub(crate) fn length_buckets(lengths: &[usize]) -> Vec<Vec<usize>> {
-    let mut order: Vec<usize> = (0..lengths.len()).collect();
-    order.sort_by_key(|&i| lengths[i]);
-    let mut buckets: Vec<Vec<usize>> = Vec::new();
-    let mut real = 0usize;
+impl StateLoad {
+    /// This state's load with `rows` more branch rows, the longest of them `longest` tokens.
+    pub fn with_rows(self, rows: usize, longest: usize) -> Self {
+        Self {
+            rows: self.rows + rows,
+            longest_row: self.longest_row.max(longest),
+            ..self
+        }
+    }
+
+    /// Its tokens as a pass of its own runs them: its branch rows padded to its longest.
+    fn alone(&self) -> usize {
+        self.tokens + self.rows * self.longest_row
+    }
+}
+
+/// Padding a pass's states to its longest and its branch rows to theirs may cost at most this
+/// fraction of the tokens its states would run alone ([`StateLoad::alone`]), plus [`PAD_SLACK`],
+/// before a longer state starts a new pass.
+const PAD_WASTE: f64 = 0.1;
+/// Padding always allowed per pass, in tokens: a pass has a fixed cost of its own (on a GPU, the
+/// host's launches of a short pass take as long as about this many tokens' work), so short states
+/// are worth padding into one.
+const PAD_SLACK: usize = 256;
+
+/// The padded tokens of a pass of these states: each state padded to the longest, each branch
+/// row to the longest row.
+fn pass_tokens<'a>(loads: impl IntoIterator<Item = &'a StateLoad>) -> usize {
+    let (mut states, mut longest, mut rows, mut longest_row) = (0, 0, 0, 0);
+    for l in loads {
+        states += 1;
+        longest = l.tokens.max(longest);
+        rows += l.rows;
+        longest_row = l.longest_row.max(longest_row);
+    }
+    states * longest + rows * longest_row
+}
+
+/// Computed states grouped into passes (indices into `loads`, each group one pass): a pass pads
+/// every state to its longest and every branch row to its longest, so mixing a 10-token state
+/// with a 1,000-token one, or a 200-token branch with 20-token ones, would make the pass slower
+/// than scoring them apart. Sorted by state length, a state joins the current group while the
+/// group's padded tokens stay within [`PAD_WASTE`] of what its states would run alone plus
+/// [`PAD_SLACK`].
+pub(crate) fn state_groups(loads: &[StateLoad]) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..loads.len()).collect();
+    // Equal states' loads are interchangeable, so the groups' tokens do not depend on the order
+    // the states came in (a batcher's count is the plan's).
+    order.sort_by_key(|&i| (loads[i].tokens, loads[i].longest_row, loads[i].rows));
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut alone = 0usize;
     for i in order {
-        let len = lengths[i];
-        if let Some(bucket) = buckets.last_mut() {
-            let padded = (bucket.len() + 1) * len;
-            let real_then = real + len;
-            if padded as f64 <= (1.0 + PAD_WASTE) * real_then as f64 + PAD_SLACK as f64 {
-                bucket.push(i);
-                real = real_then;
+        let load = &loads[i];
+        if let Some(group) = groups.last_mut() {
+            let padded = pass_tokens(group.iter().map(|&j| &loads[j]).chain([load]));
+            let alone_then = alone + load.alone();
+            if padded as f64 <= (1.0 + PAD_WASTE) * alone_then as f64 + PAD_SLACK as f64 {
+                group.push(i);
+                alone = alone_then;
                 continue;
             }
         }
-        buckets.push(vec![i]);
-        real = len;
+        groups.push(vec![i]);
+        alone = load.alone();
     }
-    buckets
+    groups
 }
 
-/// The tokens the state passes of states of these `lengths` run, padding included: each group
-/// of `length_buckets` padded to its longest. What a batch costs, for callers that budget
-/// batches (a server's batcher).
-pub fn state_pass_tokens(lengths: &[usize]) -> usize {
-    length_buckets(lengths)
+/// The tokens a batch runs, padding included, as [`Plan`] runs it: its computed states (`cold`,
+/// one load each distinct state) grouped into passes ([`state_groups`]), and the branch rows
+/// continuing given prefixes (`given`: how many rows, the longest's tokens) joining the last
+/// pass's rows (or a pass of their own). For callers that budget batches (a server's batcher).
+pub fn batch_tokens(cold: &[StateLoad], given: (usize, usize)) -> usize {
+    let groups = state_groups(cold);
+    let Some((last, rest)) = groups.split_last() else {
+        return given.0 * given.1;
+    };
+    let before: usize = rest
         .iter()
-        .map(|group| group.len() * group.iter().map(|&i| lengths[i]).max().unwrap_or(0))
-        .sum()
+        .map(|g| pass_tokens(g.iter().map(|&i| &cold[i])))
+        .sum();
+    // The given rows join the last pass's rows: its states as they are, its rows padded to
+    // the longest of both.
+    let states = last.len() * last.iter().map(|&i| cold[i].tokens).max().unwrap_or(0);
+    let rows = last.iter().map(|&i| cold[i].rows).sum::<usize>() + given.0;
+    let longest_row = last.iter().map(|&i| cold[i].longest_row).max().unwrap_or(0);
+    let longest_row = if given.0 > 0 {
+        longest_row.max(given.1)
+    } else {
+        longest_row
+    };
+    before + states + rows * longest_row
 }
 
 /// Where the head reads rows `rows` of width `width` (flat indices into their `B·width`
@@ -382,7 +454,7 @@ pub(crate) fn split_logits(flat: &[f32], rows: &[Row]) -> Vec<Vec<f32>> {
 mod tests {
     use kev_core::Row;
 
-    use super::{bucket_width, length_buckets, pieces, Plan};
+    use super::{batch_tokens, bucket_width, pieces, state_groups, Plan, StateLoad};
     use crate::encoded::EncodedRecord;
 
     fn record(state: usize, options: &[usize]) -> EncodedRecord {
@@ -476,24 +548,107 @@ mod tests {
         assert_eq!((piece.width, piece.lengths.clone()), (5, vec![3, 1]));
     }
 
-    #[test]
-    fn buckets_keep_padding_bounded_and_cover_every_record_once() {
-        assert!(length_buckets(&[]).is_empty());
-        assert_eq!(length_buckets(&[100, 100, 100]), vec![vec![0, 1, 2]]);
-        // Short states share a bucket (the slack); a long one does not join them.
-        assert_eq!(
-            length_buckets(&[10, 1000, 20, 30]),
-            vec![vec![0, 2, 3], vec![1]]
-        );
-        let lengths: Vec<usize> = (0..200).map(|i| (i * 37) % 1100).collect();
-        let buckets = length_buckets(&lengths);
-        let mut seen: Vec<usize> = buckets.iter().flatten().copied().collect();
-        seen.sort();
-        assert_eq!(seen, (0..200).collect::<Vec<_>>());
-        for b in &buckets {
-            let real: usize = b.iter().map(|&i| lengths[i]).sum();
-            let padded = b.len() * b.iter().map(|&i| lengths[i]).max().unwrap();
-            assert!(padded as f64 <= 1.25 * real as f64 + 64.0, "{b:?}");
+    fn load(tokens: usize, rows: usize, longest_row: usize) -> StateLoad {
+        StateLoad {
+            tokens,
+            rows,
+            longest_row,
         }
+    }
+
+    #[test]
+    fn groups_keep_padding_bounded_and_cover_every_state_once() {
+        assert!(state_groups(&[]).is_empty());
+        let same = [load(100, 2, 30); 3];
+        assert_eq!(state_groups(&same), vec![vec![0, 1, 2]]);
+        // Short states share a pass (the slack); a long one does not join them.
+        let mixed = [
+            load(10, 1, 20),
+            load(1000, 1, 20),
+            load(20, 1, 20),
+            load(30, 1, 20),
+        ];
+        assert_eq!(state_groups(&mixed), vec![vec![0, 2, 3], vec![1]]);
+        // Nor does a state whose branch rows are ten times theirs.
+        let rows = [
+            load(100, 4, 20),
+            load(100, 4, 20),
+            load(100, 4, 200),
+            load(100, 4, 20),
+        ];
+        assert_eq!(state_groups(&rows), vec![vec![0, 1, 3], vec![2]]);
+        let loads: Vec<StateLoad> = (0..300)
+            .map(|i| load((i * 37) % 1100 + 1, i % 6 + 1, (i * 13) % 90 + 5))
+            .collect();
+        let groups = state_groups(&loads);
+        let mut seen: Vec<usize> = groups.iter().flatten().copied().collect();
+        seen.sort();
+        assert_eq!(seen, (0..300).collect::<Vec<_>>());
+        for g in &groups {
+            let alone: usize = g.iter().map(|&i| loads[i].alone()).sum();
+            let padded = super::pass_tokens(g.iter().map(|&i| &loads[i]));
+            assert!(padded as f64 <= 1.1 * alone as f64 + 256.0, "{g:?}");
+        }
+    }
+
+    fn with_branches(state: usize, branches: &[usize]) -> EncodedRecord {
+        let rows = branches
+            .iter()
+            .map(|&n| Row {
+                ids: (1..=n as u32).collect(),
+                decide: n - 1,
+                opts: vec![0],
+            })
+            .collect();
+        EncodedRecord {
+            id: None,
+            state: String::new(),
+            state_ids: (1..=state as u32).collect(),
+            rows,
+        }
+    }
+
+    /// A batch's budget is what its plan runs: every piece's rows times its width.
+    #[test]
+    fn batch_tokens_count_what_the_plan_runs() {
+        let records: Vec<EncodedRecord> = (0..40)
+            .map(|i| {
+                let branches: Vec<usize> =
+                    (0..i % 5 + 1).map(|q| 5 + (i * 7 + q * 11) % 60).collect();
+                // Every fourth record shares the state of the one before it.
+                let state = if i % 4 == 3 {
+                    (i - 1) * 29 % 700 + 3
+                } else {
+                    i * 29 % 700 + 3
+                };
+                with_branches(state, &branches)
+            })
+            .collect();
+        let plan = Plan::new(&records, &[], false, 1 << 20, &|_, _| false);
+        let run: usize = plan
+            .passes
+            .iter()
+            .flat_map(|p| p.pieces())
+            .map(|p| p.lengths.len() * p.width)
+            .sum();
+        let mut cold: Vec<(&[u32], StateLoad)> = Vec::new();
+        for r in &records {
+            let at = match cold.iter().position(|(s, _)| *s == r.state_ids.as_slice()) {
+                Some(at) => at,
+                None => {
+                    cold.push((&r.state_ids, load(r.state_ids.len(), 0, 0)));
+                    cold.len() - 1
+                }
+            };
+            cold[at].1 = cold[at].1.with_rows(r.questions(), r.longest_branch());
+        }
+        let loads: Vec<StateLoad> = cold.iter().map(|c| c.1).collect();
+        assert!(plan.passes.len() > 1, "the records span several passes");
+        assert_eq!(batch_tokens(&loads, (0, 0)), run);
+        // Given rows join the last pass: its rows padded to the longest of both.
+        let two = [load(10, 2, 8), load(1000, 1, 20)];
+        assert_eq!(batch_tokens(&two, (0, 0)), 10 + 2 * 8 + 1000 + 20);
+        assert_eq!(batch_tokens(&two, (3, 30)), 10 + 2 * 8 + 1000 + 4 * 30);
+        assert_eq!(batch_tokens(&[], (3, 30)), 90);
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! A worker takes the oldest request, then every request already queued (and, for up to
 //! `max_wait`, those that arrive) while the batch stays within `max_batch_tokens`. A batch's
-//! tokens are what the model will run, padding included: its distinct uncached states in passes
-//! grouped by length (`kev::state_pass_tokens`), plus all its branch rows padded to the longest.
+//! tokens are what the model will run, padding included: its distinct uncached states and their
+//! branch rows in passes grouped by length, the rows continuing cached states joining the last
+//! (`kev::batch_tokens`).
 //! Records are taken one by one, so a request larger than the budget is split: the batch takes
 //! the records that fit and the rest start the worker's next batch (a single record larger than
 //! the budget runs alone). A batch's working memory is therefore bounded by the budget however
@@ -12,7 +13,7 @@
 //! every branch continuing its prefix, cached or computed) and the new prefixes go to the
 //! device's [`PrefixCache`]. Requests whose client has gone are dropped before they run (and
 //! between their parts).
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
-use kev::{state_pass_tokens, DecisionModel, EncodedRecord, Prefix, PrefixCache};
+use kev::{batch_tokens, DecisionModel, EncodedRecord, Prefix, PrefixCache, StateLoad};
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
@@ -150,26 +151,34 @@ impl Drop for Scheduler {
     }
 }
 
-/// What a batch runs, as the model pads it: its distinct cold states in passes grouped by
-/// length ([`state_pass_tokens`]), all its branch rows as one right-padded block. Padding is
-/// counted, so a long branch joining short ones costs its length times theirs.
+/// What a batch runs, as the model pads it ([`batch_tokens`]): its distinct cold states, each
+/// with its branch rows, and the rows continuing cached states (how many, the longest). Padding
+/// is counted, so a long branch joining short ones costs its length times theirs.
 #[derive(Default)]
 struct Shape {
-    cold: HashSet<Vec<u32>>,
-    rows: usize,
-    row_max: usize,
+    cold: HashMap<Vec<u32>, StateLoad>,
+    given: (usize, usize),
 }
 
 impl Shape {
     fn tokens(&self) -> usize {
-        tokens(self.cold.iter().map(Vec::len), self.rows, self.row_max)
+        batch_tokens(&self.cold.values().copied().collect::<Vec<_>>(), self.given)
     }
-}
 
-/// The padded tokens of cold states of these lengths and `rows` branch rows of at most
-/// `row_max` tokens.
-fn tokens(states: impl Iterator<Item = usize>, rows: usize, row_max: usize) -> usize {
-    state_pass_tokens(&states.collect::<Vec<_>>()) + rows * row_max
+    /// Adds `record`, whose state is computed in this batch (`cold`) or continues a cached one.
+    fn add(&mut self, record: &EncodedRecord, cold: bool) {
+        let (rows, longest) = (record.questions(), record.longest_branch());
+        if cold {
+            let ids = record.state_ids();
+            let load = self.cold.entry(ids.to_vec()).or_insert(StateLoad {
+                tokens: ids.len(),
+                ..StateLoad::default()
+            });
+            *load = load.with_rows(rows, longest);
+        } else {
+            self.given = (self.given.0 + rows, self.given.1.max(longest));
+        }
+    }
 }
 
 /// A job taken from the queue: its records `range` run in this batch, with the prefixes found
@@ -259,19 +268,32 @@ impl Worker {
     /// The padded tokens of `shape` with `record` added (no lookups counted).
     fn tokens_with(&self, shape: &Shape, record: &EncodedRecord) -> usize {
         let ids = record.state_ids();
-        let warm = shape.cold.contains(ids)
-            || self
+        let cached = !shape.cold.contains_key(ids)
+            && self
                 .device
                 .cache
                 .as_ref()
                 .is_some_and(|c| c.contains(self.device.model.id(), ids));
-        let new = (!warm).then_some(ids.len());
-        let states = shape.cold.iter().map(Vec::len).chain(new);
-        tokens(
-            states,
-            shape.rows + record.questions(),
-            shape.row_max.max(record.longest_branch()),
-        )
+        let (rows, longest) = (record.questions(), record.longest_branch());
+        let mut given = shape.given;
+        let mut cold: Vec<StateLoad> = shape
+            .cold
+            .iter()
+            .map(|(state, load)| match state.as_slice() == ids {
+                true => load.with_rows(rows, longest),
+                false => *load,
+            })
+            .collect();
+        if cached {
+            given = (given.0 + rows, given.1.max(longest));
+        } else if !shape.cold.contains_key(ids) {
+            cold.push(StateLoad {
+                tokens: ids.len(),
+                rows,
+                longest_row: longest,
+            });
+        }
+        batch_tokens(&cold, given)
     }
 
     /// Takes the records of `job` not run yet, in order, while they fit `shape`'s budget (the
@@ -290,7 +312,7 @@ impl Worker {
                 break;
             }
             let ids = r.state_ids();
-            let found = if shape.cold.contains(ids) {
+            let found = if shape.cold.contains_key(ids) {
                 None
             } else {
                 self.device
@@ -298,11 +320,7 @@ impl Worker {
                     .as_ref()
                     .and_then(|c| c.get(self.device.model.id(), ids))
             };
-            if found.is_none() {
-                shape.cold.insert(ids.to_vec());
-            }
-            shape.rows += r.questions();
-            shape.row_max = shape.row_max.max(r.longest_branch());
+            shape.add(r, found.is_none());
             prefixes.push(found);
         }
         if prefixes.is_empty() {

@@ -32,7 +32,7 @@ mod load;
 
 pub use crate::encoded::{EncodedRecord, Scored};
 pub use crate::identity::ModelId;
-pub use crate::plan::state_pass_tokens;
+pub use crate::plan::{batch_tokens, StateLoad};
 pub use crate::prefix::Prefix;
 pub use load::LoadBreakdown;
 
@@ -170,7 +170,7 @@ impl DecisionModel {
     /// `prefixes` is empty (every state is computed) or has one entry per record: `Some` a
     /// prefix of the record's state (the same token ids, from this model), whose state then does
     /// not run again. The computed states run in passes grouped by length, each distinct state
-    /// once ([`state_pass_tokens`] counts them), each pass with its records' branches; the
+    /// once ([`batch_tokens`] counts them), each pass with its records' branches; the
     /// records with a given prefix join the last pass, their branches continuing the prefixes'
     /// rows (or make a pass of their own where no state is computed). With `keep`, each
     /// computed state comes back as a prefix for reuse. On CUDA, a pass whose token shapes were
