@@ -243,6 +243,7 @@ if has eager; then
 fi
 
 if has ab; then
+  case "${AB_WORKLOADS:-}" in *varied*) varied_records ;; esac
   for s in $SIZES; do
     gen $s
     for r in $(seq $ROUNDS); do
