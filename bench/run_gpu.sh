@@ -285,6 +285,7 @@ if has capture; then
 fi
 
 if has ncu; then
+  case "${NCU_WORKLOADS:-}" in *varied*) varied_records ;; esac
   for s in $SIZES; do
     gen $s
     for w in ${NCU_WORKLOADS:-one}; do
