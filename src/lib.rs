@@ -32,8 +32,8 @@ pub mod score;
 
 pub use kev_candle::device::keep_freed_memory;
 pub use kev_candle::{
-    batch_tokens, qwen35, reference, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown,
-    ModelId, PointerHead, Prefix, PrefixCache, PrefixCacheStats, Scored, StateLoad,
+    qwen35, reference, DecisionModel, EncodedRecord, GraphStats, LoadBreakdown, ModelId,
+    PointerHead, Prefix, PrefixCache, PrefixCacheStats, Scored, StateLoad,
 };
 pub use kev_core::json;
 pub use kev_core::{

@@ -12,7 +12,7 @@ use kev_kernels::{gather_rows, RowIndex, SplitBatch};
 use crate::device::backend_err;
 use crate::graphs::GraphStats;
 use crate::head::PointerHead;
-use crate::plan::{head_positions, pieces, Pass, Piece, Plan};
+use crate::plan::{head_positions, pieces, Grouping, Pass, Piece, Plan};
 use crate::qwen35::{Cache, Model, SplitTables};
 
 /// A pass's inputs on the device: everything its forward reads that was built on the host from
@@ -89,6 +89,15 @@ impl Executor {
     /// Longest piece one forward pass runs.
     pub(crate) fn prefill_chunk(&self) -> usize {
         self.prefill_chunk
+    }
+
+    /// How far a plan pads states into one pass here: a GPU's pass has a fixed cost (its host's
+    /// launches) that padding short states together saves; a CPU's hardly any.
+    pub(crate) fn grouping(&self) -> Grouping {
+        match self.device() {
+            Device::Cpu => Grouping::CPU,
+            _ => Grouping::GPU,
+        }
     }
 
     /// Whether a plain pass in one pass over the layers pads its pieces to bucket widths `s`

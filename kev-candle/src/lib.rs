@@ -22,7 +22,7 @@ mod safetensors_header;
 pub mod weights;
 
 pub use decision::{
-    batch_tokens, DecisionModel, EncodedRecord, LoadBreakdown, ModelId, Prefix, Scored, StateLoad,
+    DecisionModel, EncodedRecord, LoadBreakdown, ModelId, Prefix, Scored, StateLoad,
 };
 pub use graphs::GraphStats;
 pub use head::PointerHead;

@@ -69,7 +69,8 @@ pub(crate) struct RecordOut {
 impl Plan {
     /// The plan scoring `records`, where `given[i]` (when `given` is not empty) is record i's
     /// prefix, already checked to be of its state; `keep`: the computed states' rows are kept.
-    /// Pieces are at most `chunk` steps. A plain pass in one pass over the layers pads its two
+    /// Pieces are at most `chunk` steps; computed states are grouped into passes by `grouping`
+    /// ([`state_groups`]). A plain pass in one pass over the layers pads its two
     /// pieces to [`bucket_width`]s where `pads` says so for those widths (a CUDA graph of it
     /// would take its lengths as inputs) and it stays graph-sized, so that records of nearby
     /// lengths share a graph.
@@ -78,6 +79,7 @@ impl Plan {
         given: &[Option<Arc<Prefix>>],
         keep: bool,
         chunk: usize,
+        grouping: Grouping,
         pads: &dyn Fn(usize, usize) -> bool,
     ) -> Self {
         let given_of = |i: usize| given.get(i).and_then(Option::as_ref);
@@ -110,7 +112,7 @@ impl Plan {
         }
         // Cold state j is row `cold_row[j].1` of pass `cold_row[j].0`.
         let mut cold_row = vec![(0, 0); cold.len()];
-        let mut passes: Vec<Pass> = state_groups(&loads)
+        let mut passes: Vec<Pass> = state_groups(&loads, grouping)
             .into_iter()
             .enumerate()
             .map(|(p, members)| {
@@ -344,14 +346,30 @@ impl StateLoad {
     }
 }
 
-/// Padding a pass's states to its longest and its branch rows to theirs may cost at most this
-/// fraction of the tokens its states would run alone ([`StateLoad::alone`]), plus [`PAD_SLACK`],
-/// before a longer state starts a new pass.
-const PAD_WASTE: f64 = 0.1;
-/// Padding always allowed per pass, in tokens: a pass has a fixed cost of its own (on a GPU, the
-/// host's launches of a short pass take as long as about this many tokens' work), so short states
-/// are worth padding into one.
-const PAD_SLACK: usize = 256;
+/// How far a backend pads states into one pass ([`state_groups`]): a pass's padded tokens (its
+/// states to its longest, its branch rows to theirs) may exceed what its states would run alone
+/// ([`StateLoad::alone`]) by `waste` of those plus `slack` tokens, before a longer state starts a
+/// new pass.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Grouping {
+    waste: f64,
+    slack: usize,
+}
+
+impl Grouping {
+    /// A GPU's: an eager pass there costs about 1,000 tokens' time of its own (its host's
+    /// launches; the H100 at 0.8B), so short states are worth padding into one pass.
+    pub(crate) const GPU: Self = Self {
+        waste: 0.1,
+        slack: 256,
+    };
+    /// A CPU's: a pass costs little beyond its tokens, so padding stays near the records' own
+    /// (on varied records 10 % faster than the GPU's rule; BENCHMARKS.md).
+    pub(crate) const CPU: Self = Self {
+        waste: 0.05,
+        slack: 32,
+    };
+}
 
 /// The padded tokens of a pass of these states: each state padded to the longest, each branch
 /// row to the longest row.
@@ -370,9 +388,8 @@ fn pass_tokens<'a>(loads: impl IntoIterator<Item = &'a StateLoad>) -> usize {
 /// every state to its longest and every branch row to its longest, so mixing a 10-token state
 /// with a 1,000-token one, or a 200-token branch with 20-token ones, would make the pass slower
 /// than scoring them apart. Sorted by state length, a state joins the current group while the
-/// group's padded tokens stay within [`PAD_WASTE`] of what its states would run alone plus
-/// [`PAD_SLACK`].
-pub(crate) fn state_groups(loads: &[StateLoad]) -> Vec<Vec<usize>> {
+/// group's padded tokens stay within `rule` ([`Grouping`]).
+pub(crate) fn state_groups(loads: &[StateLoad], rule: Grouping) -> Vec<Vec<usize>> {
     let mut order: Vec<usize> = (0..loads.len()).collect();
     // Equal states' loads are interchangeable, so the groups' tokens do not depend on the order
     // the states came in (a batcher's count is the plan's).
@@ -384,7 +401,7 @@ pub(crate) fn state_groups(loads: &[StateLoad]) -> Vec<Vec<usize>> {
         if let Some(group) = groups.last_mut() {
             let padded = pass_tokens(group.iter().map(|&j| &loads[j]).chain([load]));
             let alone_then = alone + load.alone();
-            if padded as f64 <= (1.0 + PAD_WASTE) * alone_then as f64 + PAD_SLACK as f64 {
+            if padded as f64 <= (1.0 + rule.waste) * alone_then as f64 + rule.slack as f64 {
                 group.push(i);
                 alone = alone_then;
                 continue;
@@ -397,11 +414,11 @@ pub(crate) fn state_groups(loads: &[StateLoad]) -> Vec<Vec<usize>> {
 }
 
 /// The tokens a batch runs, padding included, as [`Plan`] runs it: its computed states (`cold`,
-/// one load each distinct state) grouped into passes ([`state_groups`]), and the branch rows
-/// continuing given prefixes (`given`: how many rows, the longest's tokens) joining the last
-/// pass's rows (or a pass of their own). For callers that budget batches (a server's batcher).
-pub fn batch_tokens(cold: &[StateLoad], given: (usize, usize)) -> usize {
-    let groups = state_groups(cold);
+/// one load each distinct state) grouped into passes by `rule` ([`state_groups`]), and the
+/// branch rows continuing given prefixes (`given`: how many rows, the longest's tokens) joining
+/// the last pass's rows (or a pass of their own).
+pub(crate) fn batch_tokens(cold: &[StateLoad], given: (usize, usize), rule: Grouping) -> usize {
+    let groups = state_groups(cold, rule);
     let Some((last, rest)) = groups.split_last() else {
         return given.0 * given.1;
     };
@@ -454,7 +471,7 @@ pub(crate) fn split_logits(flat: &[f32], rows: &[Row]) -> Vec<Vec<f32>> {
 mod tests {
     use kev_core::Row;
 
-    use super::{batch_tokens, bucket_width, pieces, state_groups, Plan, StateLoad};
+    use super::{batch_tokens, bucket_width, pieces, state_groups, Grouping, Plan, StateLoad};
     use crate::encoded::EncodedRecord;
 
     fn record(state: usize, options: &[usize]) -> EncodedRecord {
@@ -480,10 +497,12 @@ mod tests {
     #[test]
     fn padded_passes_share_shapes_and_keep_their_reads() {
         let recs = [record(36, &[2, 3]), record(44, &[4, 6])];
-        let plain =
-            |r: &EncodedRecord| Plan::new(std::slice::from_ref(r), &[], false, 512, &|_, _| false);
-        let padded =
-            |r: &EncodedRecord| Plan::new(std::slice::from_ref(r), &[], false, 512, &|_, _| true);
+        let plain = |r: &EncodedRecord| {
+            Plan::new(std::slice::from_ref(r), &[], false, 512, GPU, &|_, _| false)
+        };
+        let padded = |r: &EncodedRecord| {
+            Plan::new(std::slice::from_ref(r), &[], false, 512, GPU, &|_, _| true)
+        };
         let shape = |plan: &Plan| {
             let p = &plan.passes[0];
             (
@@ -548,6 +567,8 @@ mod tests {
         assert_eq!((piece.width, piece.lengths.clone()), (5, vec![3, 1]));
     }
 
+    const GPU: Grouping = Grouping::GPU;
+
     fn load(tokens: usize, rows: usize, longest_row: usize) -> StateLoad {
         StateLoad {
             tokens,
@@ -558,9 +579,9 @@ mod tests {
 
     #[test]
     fn groups_keep_padding_bounded_and_cover_every_state_once() {
-        assert!(state_groups(&[]).is_empty());
+        assert!(state_groups(&[], GPU).is_empty());
         let same = [load(100, 2, 30); 3];
-        assert_eq!(state_groups(&same), vec![vec![0, 1, 2]]);
+        assert_eq!(state_groups(&same, GPU), vec![vec![0, 1, 2]]);
         // Short states share a pass (the slack); a long one does not join them.
         let mixed = [
             load(10, 1, 20),
@@ -568,7 +589,7 @@ mod tests {
             load(20, 1, 20),
             load(30, 1, 20),
         ];
-        assert_eq!(state_groups(&mixed), vec![vec![0, 2, 3], vec![1]]);
+        assert_eq!(state_groups(&mixed, GPU), vec![vec![0, 2, 3], vec![1]]);
         // Nor does a state whose branch rows are ten times theirs.
         let rows = [
             load(100, 4, 20),
@@ -576,19 +597,27 @@ mod tests {
             load(100, 4, 200),
             load(100, 4, 20),
         ];
-        assert_eq!(state_groups(&rows), vec![vec![0, 1, 3], vec![2]]);
+        assert_eq!(state_groups(&rows, GPU), vec![vec![0, 1, 3], vec![2]]);
         let loads: Vec<StateLoad> = (0..300)
             .map(|i| load((i * 37) % 1100 + 1, i % 6 + 1, (i * 13) % 90 + 5))
             .collect();
-        let groups = state_groups(&loads);
-        let mut seen: Vec<usize> = groups.iter().flatten().copied().collect();
-        seen.sort();
-        assert_eq!(seen, (0..300).collect::<Vec<_>>());
-        for g in &groups {
-            let alone: usize = g.iter().map(|&i| loads[i].alone()).sum();
-            let padded = super::pass_tokens(g.iter().map(|&i| &loads[i]));
-            assert!(padded as f64 <= 1.1 * alone as f64 + 256.0, "{g:?}");
+        let mut padded_by = Vec::new();
+        for (rule, bound) in [(GPU, (1.1, 256.0)), (Grouping::CPU, (1.05, 32.0))] {
+            let groups = state_groups(&loads, rule);
+            let mut seen: Vec<usize> = groups.iter().flatten().copied().collect();
+            seen.sort();
+            assert_eq!(seen, (0..300).collect::<Vec<_>>());
+            let mut total = 0;
+            for g in &groups {
+                let alone: usize = g.iter().map(|&i| loads[i].alone()).sum();
+                let padded = super::pass_tokens(g.iter().map(|&i| &loads[i]));
+                assert!(padded as f64 <= bound.0 * alone as f64 + bound.1, "{g:?}");
+                total += padded;
+            }
+            padded_by.push((groups.len(), total));
         }
+        // The CPU's rule runs more passes and fewer tokens.
+        assert!(padded_by[1].0 > padded_by[0].0 && padded_by[1].1 < padded_by[0].1);
     }
 
     fn with_branches(state: usize, branches: &[usize]) -> EncodedRecord {
@@ -624,7 +653,7 @@ mod tests {
                 with_branches(state, &branches)
             })
             .collect();
-        let plan = Plan::new(&records, &[], false, 1 << 20, &|_, _| false);
+        let plan = Plan::new(&records, &[], false, 1 << 20, GPU, &|_, _| false);
         let run: usize = plan
             .passes
             .iter()
@@ -644,11 +673,11 @@ mod tests {
         }
         let loads: Vec<StateLoad> = cold.iter().map(|c| c.1).collect();
         assert!(plan.passes.len() > 1, "the records span several passes");
-        assert_eq!(batch_tokens(&loads, (0, 0)), run);
+        assert_eq!(batch_tokens(&loads, (0, 0), GPU), run);
         // Given rows join the last pass: its rows padded to the longest of both.
         let two = [load(10, 2, 8), load(1000, 1, 20)];
-        assert_eq!(batch_tokens(&two, (0, 0)), 10 + 2 * 8 + 1000 + 20);
-        assert_eq!(batch_tokens(&two, (3, 30)), 10 + 2 * 8 + 1000 + 4 * 30);
-        assert_eq!(batch_tokens(&[], (3, 30)), 90);
+        assert_eq!(batch_tokens(&two, (0, 0), GPU), 10 + 2 * 8 + 1000 + 20);
+        assert_eq!(batch_tokens(&two, (3, 30), GPU), 10 + 2 * 8 + 1000 + 4 * 30);
+        assert_eq!(batch_tokens(&[], (3, 30), GPU), 90);
     }
 }

@@ -5,7 +5,7 @@
 //! `max_wait`, those that arrive) while the batch stays within `max_batch_tokens`. A batch's
 //! tokens are what the model will run, padding included: its distinct uncached states and their
 //! branch rows in passes grouped by length, the rows continuing cached states joining the last
-//! (`kev::batch_tokens`).
+//! (`DecisionModel::batch_tokens`).
 //! Records are taken one by one, so a request larger than the budget is split: the batch takes
 //! the records that fit and the rest start the worker's next batch (a single record larger than
 //! the budget runs alone). A batch's working memory is therefore bounded by the budget however
@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
-use kev::{batch_tokens, DecisionModel, EncodedRecord, Prefix, PrefixCache, StateLoad};
+use kev::{DecisionModel, EncodedRecord, Prefix, PrefixCache, StateLoad};
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
@@ -151,7 +151,7 @@ impl Drop for Scheduler {
     }
 }
 
-/// What a batch runs, as the model pads it ([`batch_tokens`]): its distinct cold states, each
+/// What a batch runs, as the model pads it ([`DecisionModel::batch_tokens`]): its distinct cold states, each
 /// with its branch rows, and the rows continuing cached states (how many, the longest). Padding
 /// is counted, so a long branch joining short ones costs its length times theirs.
 #[derive(Default)]
@@ -161,8 +161,8 @@ struct Shape {
 }
 
 impl Shape {
-    fn tokens(&self) -> usize {
-        batch_tokens(&self.cold.values().copied().collect::<Vec<_>>(), self.given)
+    fn tokens(&self, model: &DecisionModel) -> usize {
+        model.batch_tokens(&self.cold.values().copied().collect::<Vec<_>>(), self.given)
     }
 
     /// Adds `record`, whose state is computed in this batch (`cold`) or continues a cached one.
@@ -238,7 +238,7 @@ impl Worker {
         loop {
             let job = match next.take() {
                 Some(job) => job,
-                None if shape.tokens() >= self.policy.max_batch_tokens => break,
+                None if shape.tokens(&self.device.model) >= self.policy.max_batch_tokens => break,
                 None => match self.rx.try_recv() {
                     Ok(job) => job,
                     Err(_) if self.policy.max_wait.is_zero() => break,
@@ -293,7 +293,7 @@ impl Worker {
                 longest_row: longest,
             });
         }
-        batch_tokens(&cold, given)
+        self.device.model.batch_tokens(&cold, given)
     }
 
     /// Takes the records of `job` not run yet, in order, while they fit `shape`'s budget (the

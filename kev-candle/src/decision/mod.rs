@@ -32,7 +32,7 @@ mod load;
 
 pub use crate::encoded::{EncodedRecord, Scored};
 pub use crate::identity::ModelId;
-pub use crate::plan::{batch_tokens, StateLoad};
+pub use crate::plan::StateLoad;
 pub use crate::prefix::Prefix;
 pub use load::LoadBreakdown;
 
@@ -160,6 +160,14 @@ impl DecisionModel {
         encoded.into_iter().collect()
     }
 
+    /// The tokens [`DecisionModel::run`] computes for a batch, padding included: its computed
+    /// states (`cold`, one [`StateLoad`] per distinct state, with the branch rows that continue
+    /// it) in the passes this model groups them into, and the rows continuing given prefixes
+    /// (`given`: how many, the longest's tokens) joining the last. What a batcher budgets.
+    pub fn batch_tokens(&self, cold: &[StateLoad], given: (usize, usize)) -> usize {
+        crate::plan::batch_tokens(cold, given, self.exec.grouping())
+    }
+
     /// How the CUDA graphs have fared (all zero off CUDA).
     pub fn graph_stats(&self) -> GraphStats {
         self.exec.graph_stats()
@@ -170,7 +178,7 @@ impl DecisionModel {
     /// `prefixes` is empty (every state is computed) or has one entry per record: `Some` a
     /// prefix of the record's state (the same token ids, from this model), whose state then does
     /// not run again. The computed states run in passes grouped by length, each distinct state
-    /// once ([`batch_tokens`] counts them), each pass with its records' branches; the
+    /// once ([`DecisionModel::batch_tokens`] counts them), each pass with its records' branches; the
     /// records with a given prefix join the last pass, their branches continuing the prefixes'
     /// rows (or make a pass of their own where no state is computed). With `keep`, each
     /// computed state comes back as a prefix for reuse. On CUDA, a pass whose token shapes were
@@ -203,7 +211,14 @@ impl DecisionModel {
         }
         let exec = &self.exec;
         let pads = |s, t| exec.pads_widths(s, t);
-        let plan = Plan::new(records, prefixes, keep, exec.prefill_chunk(), &pads);
+        let plan = Plan::new(
+            records,
+            prefixes,
+            keep,
+            exec.prefill_chunk(),
+            exec.grouping(),
+            &pads,
+        );
         let outs = recovered(self.device(), self.exec.run(&plan))?;
         let (logits, kept): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.logits, o.kept)).unzip();
         // Each kept state's cache, made a prefix once for the records that share it.
