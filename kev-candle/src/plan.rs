@@ -475,14 +475,16 @@ mod tests {
     use crate::encoded::EncodedRecord;
 
     fn record(state: usize, options: &[usize]) -> EncodedRecord {
-        let rows = options
-            .iter()
-            .map(|&n| Row {
-                ids: (1..=n as u32 + 2).collect(),
-                decide: 1,
-                opts: (2..n + 2).collect(),
-            })
-            .collect();
+        let rows = options.iter().map(|&n| Row {
+            ids: (1..=n as u32 + 2).collect(),
+            decide: 1,
+            opts: (2..n + 2).collect(),
+        });
+        encoded(state, rows.collect())
+    }
+
+    /// A record of a `state`-token state and these branch rows.
+    fn encoded(state: usize, rows: Vec<Row>) -> EncodedRecord {
         EncodedRecord {
             id: None,
             state: String::new(),
@@ -580,24 +582,17 @@ mod tests {
     #[test]
     fn groups_keep_padding_bounded_and_cover_every_state_once() {
         assert!(state_groups(&[], GPU).is_empty());
-        let same = [load(100, 2, 30); 3];
-        assert_eq!(state_groups(&same, GPU), vec![vec![0, 1, 2]]);
+        let groups = |loads: &[(usize, usize, usize)]| {
+            let loads: Vec<StateLoad> = loads.iter().map(|&(t, r, l)| load(t, r, l)).collect();
+            state_groups(&loads, GPU)
+        };
+        assert_eq!(groups(&[(100, 2, 30); 3]), vec![vec![0, 1, 2]]);
         // Short states share a pass (the slack); a long one does not join them.
-        let mixed = [
-            load(10, 1, 20),
-            load(1000, 1, 20),
-            load(20, 1, 20),
-            load(30, 1, 20),
-        ];
-        assert_eq!(state_groups(&mixed, GPU), vec![vec![0, 2, 3], vec![1]]);
+        let mixed = [(10, 1, 20), (1000, 1, 20), (20, 1, 20), (30, 1, 20)];
+        assert_eq!(groups(&mixed), vec![vec![0, 2, 3], vec![1]]);
         // Nor does a state whose branch rows are ten times theirs.
-        let rows = [
-            load(100, 4, 20),
-            load(100, 4, 20),
-            load(100, 4, 200),
-            load(100, 4, 20),
-        ];
-        assert_eq!(state_groups(&rows, GPU), vec![vec![0, 1, 3], vec![2]]);
+        let rows = [(100, 4, 20), (100, 4, 20), (100, 4, 200), (100, 4, 20)];
+        assert_eq!(groups(&rows), vec![vec![0, 1, 3], vec![2]]);
         let loads: Vec<StateLoad> = (0..300)
             .map(|i| load((i * 37) % 1100 + 1, i % 6 + 1, (i * 13) % 90 + 5))
             .collect();
@@ -621,20 +616,12 @@ mod tests {
     }
 
     fn with_branches(state: usize, branches: &[usize]) -> EncodedRecord {
-        let rows = branches
-            .iter()
-            .map(|&n| Row {
-                ids: (1..=n as u32).collect(),
-                decide: n - 1,
-                opts: vec![0],
-            })
-            .collect();
-        EncodedRecord {
-            id: None,
-            state: String::new(),
-            state_ids: (1..=state as u32).collect(),
-            rows,
-        }
+        let rows = branches.iter().map(|&n| Row {
+            ids: (1..=n as u32).collect(),
+            decide: n - 1,
+            opts: vec![0],
+        });
+        encoded(state, rows.collect())
     }
 
     /// A batch's budget is what its plan runs: every piece's rows times its width.
