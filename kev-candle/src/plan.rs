@@ -325,8 +325,11 @@ pub(crate) fn pieces<S: AsRef<[u32]>>(seqs: &[S], chunk: usize) -> Vec<Piece> {
 /// (how many, and the longest one's tokens).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StateLoad {
+    /// The state's tokens.
     pub tokens: usize,
+    /// The branch rows that continue it.
     pub rows: usize,
+    /// The longest of those rows' tokens.
     pub longest_row: usize,
 }
 
@@ -372,17 +375,50 @@ impl Grouping {
     };
 }
 
-/// The padded tokens of a pass of these states: each state padded to the longest, each branch
-/// row to the longest row.
-fn pass_tokens<'a>(loads: impl IntoIterator<Item = &'a StateLoad>) -> usize {
-    let (mut states, mut longest, mut rows, mut longest_row) = (0, 0, 0, 0);
-    for l in loads {
-        states += 1;
-        longest = l.tokens.max(longest);
-        rows += l.rows;
-        longest_row = l.longest_row.max(longest_row);
+/// A pass's states and branch rows as it pads them: how many of each, and the longest of each.
+#[derive(Debug, Clone, Copy, Default)]
+struct Padded {
+    states: usize,
+    longest: usize,
+    rows: usize,
+    longest_row: usize,
+}
+
+impl Padded {
+    /// The pass with `load`'s state and its branch rows added.
+    fn with(self, load: &StateLoad) -> Self {
+        Self {
+            states: self.states + 1,
+            longest: self.longest.max(load.tokens),
+            ..self.with_rows(load.rows, load.longest_row)
+        }
     }
-    states * longest + rows * longest_row
+
+    /// The pass with `rows` more branch rows, the longest of them `longest` tokens.
+    fn with_rows(self, rows: usize, longest: usize) -> Self {
+        Self {
+            rows: self.rows + rows,
+            longest_row: if rows > 0 {
+                self.longest_row.max(longest)
+            } else {
+                self.longest_row
+            },
+            ..self
+        }
+    }
+
+    /// Its tokens: each state padded to the longest, each branch row to the longest row.
+    fn tokens(&self) -> usize {
+        self.states * self.longest + self.rows * self.longest_row
+    }
+}
+
+/// The padded tokens of a pass of these states ([`Padded::tokens`]).
+fn pass_tokens<'a>(loads: impl IntoIterator<Item = &'a StateLoad>) -> usize {
+    loads
+        .into_iter()
+        .fold(Padded::default(), |p, l| p.with(l))
+        .tokens()
 }
 
 /// Computed states grouped into passes (indices into `loads`, each group one pass): a pass pads
@@ -396,20 +432,21 @@ pub(crate) fn state_groups(loads: &[StateLoad], rule: Grouping) -> Vec<Vec<usize
     // the states came in (a batcher's count is the plan's).
     order.sort_by_key(|&i| (loads[i].tokens, loads[i].longest_row, loads[i].rows));
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    let mut alone = 0usize;
+    // The current group, padded, and what its states would run alone.
+    let (mut padded, mut alone) = (Padded::default(), 0usize);
     for i in order {
         let load = &loads[i];
         if let Some(group) = groups.last_mut() {
-            let padded = pass_tokens(group.iter().map(|&j| &loads[j]).chain([load]));
-            let alone_then = alone + load.alone();
-            if padded as f64 <= (1.0 + rule.waste) * alone_then as f64 + rule.slack as f64 {
+            let (padded_then, alone_then) = (padded.with(load), alone + load.alone());
+            let bound = (1.0 + rule.waste) * alone_then as f64 + rule.slack as f64;
+            if padded_then.tokens() as f64 <= bound {
                 group.push(i);
-                alone = alone_then;
+                (padded, alone) = (padded_then, alone_then);
                 continue;
             }
         }
         groups.push(vec![i]);
-        alone = load.alone();
+        (padded, alone) = (Padded::default().with(load), load.alone());
     }
     groups
 }
@@ -427,17 +464,12 @@ pub(crate) fn batch_tokens(cold: &[StateLoad], given: (usize, usize), rule: Grou
         .iter()
         .map(|g| pass_tokens(g.iter().map(|&i| &cold[i])))
         .sum();
-    // The given rows join the last pass's rows: its states as they are, its rows padded to
-    // the longest of both.
-    let states = last.len() * last.iter().map(|&i| cold[i].tokens).max().unwrap_or(0);
-    let rows = last.iter().map(|&i| cold[i].rows).sum::<usize>() + given.0;
-    let longest_row = last.iter().map(|&i| cold[i].longest_row).max().unwrap_or(0);
-    let longest_row = if given.0 > 0 {
-        longest_row.max(given.1)
-    } else {
-        longest_row
-    };
-    before + states + rows * longest_row
+    // The given rows join the last pass's: its states as they are, its rows padded to the
+    // longest of both.
+    let last = last
+        .iter()
+        .fold(Padded::default(), |p, &i| p.with(&cold[i]));
+    before + last.with_rows(given.0, given.1).tokens()
 }
 
 /// Where the head reads rows `rows` of width `width` (flat indices into their `B·width`
