@@ -457,15 +457,15 @@ pub(crate) fn state_groups(loads: &[StateLoad], rule: Grouping) -> Vec<Vec<usize
 /// the last pass's rows (or a pass of their own).
 pub(crate) fn batch_tokens(cold: &[StateLoad], given: (usize, usize), rule: Grouping) -> usize {
     let groups = state_groups(cold, rule);
-    let Some((last, rest)) = groups.split_last() else {
-        return given.0 * given.1;
-    };
+    let (last, rest) = groups
+        .split_last()
+        .map_or((&[][..], &[][..]), |(last, rest)| (&last[..], rest));
     let before: usize = rest
         .iter()
         .map(|g| pass_tokens(g.iter().map(|&i| &cold[i])))
         .sum();
-    // The given rows join the last pass's: its states as they are, its rows padded to the
-    // longest of both.
+    // The given rows join the last pass's (or, no state computed, make one): its states as they
+    // are, its rows padded to the longest of both.
     let last = last
         .iter()
         .fold(Padded::default(), |p, &i| p.with(&cold[i]));

@@ -151,33 +151,60 @@ impl Drop for Scheduler {
     }
 }
 
-/// What a batch runs, as the model pads it ([`DecisionModel::batch_tokens`]): its distinct cold states, each
-/// with its branch rows, and the rows continuing cached states (how many, the longest). Padding
-/// is counted, so a long branch joining short ones costs its length times theirs.
+/// What a batch runs, as the model pads it ([`DecisionModel::batch_tokens`]): its distinct cold
+/// states, each with its branch rows, and the rows continuing cached states (how many, the
+/// longest). Padding is counted, so a long branch joining short ones costs its length times theirs.
 #[derive(Default)]
 struct Shape {
-    cold: HashMap<Vec<u32>, StateLoad>,
+    /// Each distinct cold state's place in `loads`.
+    cold: HashMap<Vec<u32>, usize>,
+    loads: Vec<StateLoad>,
     given: (usize, usize),
 }
 
 impl Shape {
     fn tokens(&self, model: &DecisionModel) -> usize {
-        model.batch_tokens(&self.cold.values().copied().collect::<Vec<_>>(), self.given)
+        model.batch_tokens(&self.loads, self.given)
+    }
+
+    /// The padded tokens with `record` added, its state computed in this batch unless `cached`
+    /// (and not already cold here).
+    fn tokens_with(&self, model: &DecisionModel, record: &EncodedRecord, cached: bool) -> usize {
+        let (mut loads, mut given) = (self.loads.clone(), self.given);
+        let at = self.cold.get(record.state_ids()).copied();
+        add(&mut loads, &mut given, at, record, !cached);
+        model.batch_tokens(&loads, given)
     }
 
     /// Adds `record`, whose state is computed in this batch (`cold`) or continues a cached one.
     fn add(&mut self, record: &EncodedRecord, cold: bool) {
-        let (rows, longest) = (record.questions(), record.longest_branch());
-        if cold {
-            let ids = record.state_ids();
-            let load = self.cold.entry(ids.to_vec()).or_insert(StateLoad {
-                tokens: ids.len(),
-                ..StateLoad::default()
-            });
-            *load = load.with_rows(rows, longest);
-        } else {
-            self.given = (self.given.0 + rows, self.given.1.max(longest));
+        let ids = record.state_ids();
+        let at = self.cold.get(ids).copied();
+        add(&mut self.loads, &mut self.given, at, record, cold);
+        if cold && at.is_none() {
+            self.cold.insert(ids.to_vec(), self.loads.len() - 1);
         }
+    }
+}
+
+/// Adds `record`'s branch rows: to its state's load at `at` (already cold in the batch), to a
+/// new load after the others (`cold`), or to the rows continuing cached states.
+fn add(
+    loads: &mut Vec<StateLoad>,
+    given: &mut (usize, usize),
+    at: Option<usize>,
+    record: &EncodedRecord,
+    cold: bool,
+) {
+    let (rows, longest) = (record.questions(), record.longest_branch());
+    match at {
+        Some(at) => loads[at] = loads[at].with_rows(rows, longest),
+        None if cold => loads.push(StateLoad {
+            tokens: record.state_ids().len(),
+            rows,
+            longest_row: longest,
+        }),
+        None => *given = (given.0 + rows, given.1.max(longest)),
     }
 }
 
@@ -274,26 +301,7 @@ impl Worker {
                 .cache
                 .as_ref()
                 .is_some_and(|c| c.contains(self.device.model.id(), ids));
-        let (rows, longest) = (record.questions(), record.longest_branch());
-        let mut given = shape.given;
-        let mut cold: Vec<StateLoad> = shape
-            .cold
-            .iter()
-            .map(|(state, load)| match state.as_slice() == ids {
-                true => load.with_rows(rows, longest),
-                false => *load,
-            })
-            .collect();
-        if cached {
-            given = (given.0 + rows, given.1.max(longest));
-        } else if !shape.cold.contains_key(ids) {
-            cold.push(StateLoad {
-                tokens: ids.len(),
-                rows,
-                longest_row: longest,
-            });
-        }
-        self.device.model.batch_tokens(&cold, given)
+        shape.tokens_with(&self.device.model, record, cached)
     }
 
     /// Takes the records of `job` not run yet, in order, while they fit `shape`'s budget (the
