@@ -38,6 +38,14 @@ pub(crate) struct PassOut {
     pub(crate) kept: Vec<Cache>,
 }
 
+/// A pass issued to the device: its logits `[M]` still there (none: a pass with no branches),
+/// so that the host goes on to issue the next pass while the device works (reading them back
+/// waits for the device).
+struct Issued {
+    logits: Option<Tensor>,
+    kept: Vec<Cache>,
+}
+
 /// The backbone and the head, the longest piece one forward pass runs, and the CUDA graphs of
 /// its passes.
 pub(crate) struct Executor {
@@ -133,12 +141,43 @@ impl Executor {
         GraphStats::default()
     }
 
-    /// Runs every pass of `plan`: the only way a forward happens.
+    /// Runs every pass of `plan`: the only way a forward happens. Every pass is issued before
+    /// any logits are read back: a pass's host work (its launches) then overlaps the device's
+    /// work on the passes before it, where reading each back first would leave the device idle
+    /// while the host issues the next. They are issued last first (the plan's passes go from
+    /// the shortest states to the longest), so that the host is ahead of the device by a long
+    /// pass when it reaches the short ones, whose launches take longer than their kernels.
     pub(crate) fn run(&self, plan: &Plan) -> Result<Vec<PassOut>> {
-        plan.passes.iter().map(|pass| self.run_pass(pass)).collect()
+        let mut issued = plan
+            .passes
+            .iter()
+            .rev()
+            .map(|pass| self.issue(pass))
+            .collect::<Result<Vec<_>>>()?;
+        issued.reverse();
+        let outs = issued
+            .into_iter()
+            .map(|Issued { logits, kept }| {
+                let logits = match logits {
+                    Some(logits) => logits
+                        .to_vec1::<f32>()
+                        .map_err(backend_err("pointer head"))?,
+                    None => Vec::new(),
+                };
+                Ok(PassOut { logits, kept })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // Kept states become prefixes that other threads read on their own streams: their
+        // copies must have landed, whether or not a read-back came after them.
+        if plan.passes.iter().any(|p| p.keep) {
+            self.device()
+                .synchronize()
+                .map_err(backend_err("waiting for the kept states"))?;
+        }
+        Ok(outs)
     }
 
-    fn run_pass(&self, pass: &Pass) -> Result<PassOut> {
+    fn issue(&self, pass: &Pass) -> Result<Issued> {
         if !pass.is_plain() {
             return self.pass_keeping(pass);
         }
@@ -149,8 +188,8 @@ impl Executor {
         };
         #[cfg(not(feature = "cuda"))]
         let logits = self.pass_logits_eager(pass);
-        Ok(PassOut {
-            logits: logits?,
+        Ok(Issued {
+            logits: Some(logits?),
             kept: Vec::new(),
         })
     }
@@ -265,11 +304,9 @@ impl Executor {
         Ok(())
     }
 
-    /// [`Executor::pass_logits`] with fresh uploads, read back.
-    pub(crate) fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>> {
-        self.pass_logits(pass, &self.upload_inputs(pass, None)?)?
-            .to_vec1::<f32>()
-            .map_err(backend_err("pointer head"))
+    /// [`Executor::pass_logits`] with fresh uploads.
+    pub(crate) fn pass_logits_eager(&self, pass: &Pass) -> Result<Tensor> {
+        self.pass_logits(pass, &self.upload_inputs(pass, None)?)
     }
 
     /// Runs the plain `pass` ([`Pass::is_plain`]) with `inputs` ([`Executor::upload_inputs`])
@@ -356,7 +393,7 @@ impl Executor {
 
     /// A pass that keeps its computed states or continues given prefixes, in one pass over the
     /// layers where it fits ([`Executor::one_pass`]), else [`Executor::pass_with_prefixes`].
-    fn pass_keeping(&self, pass: &Pass) -> Result<PassOut> {
+    fn pass_keeping(&self, pass: &Pass) -> Result<Issued> {
         if !pass.is_one_piece() {
             return self.pass_with_prefixes(pass);
         }
@@ -379,15 +416,12 @@ impl Executor {
                 pass.keep,
             )
             .map_err(backend_err("backbone forward"))?;
-        let logits = self
-            .head_at_reads(pass, &hidden, &owner, &inputs.owner)?
-            .to_vec1::<f32>()
-            .map_err(backend_err("pointer head"))?;
+        let logits = Some(self.head_at_reads(pass, &hidden, &owner, &inputs.owner)?);
         let kept = match kept {
             Some(cache) => cut_rows(&cache, pass.computed)?,
             None => Vec::new(),
         };
-        Ok(PassOut { logits, kept })
+        Ok(Issued { logits, kept })
     }
 
     /// The given prefixes' rows of `pass` as one cache (none given: `None`).
@@ -406,7 +440,7 @@ impl Executor {
     /// branch): the states into a fresh cache (their rows cut out where kept), that cache's rows
     /// joined with the given prefixes', then the branches on copies of their rows, then the head.
     /// Given prefixes are only read, so one prefix can serve concurrent passes.
-    fn pass_with_prefixes(&self, pass: &Pass) -> Result<PassOut> {
+    fn pass_with_prefixes(&self, pass: &Pass) -> Result<Issued> {
         let computed = (pass.computed > 0)
             .then(|| {
                 let ids = self.upload_all(&pass.state)?;
@@ -418,10 +452,7 @@ impl Executor {
             _ => Vec::new(),
         };
         if pass.rows.is_empty() {
-            return Ok(PassOut {
-                logits: Vec::new(),
-                kept,
-            });
+            return Ok(Issued { logits: None, kept });
         }
         let parts: Vec<&Cache> = computed
             .iter()
@@ -437,11 +468,8 @@ impl Executor {
         };
         let ids = self.upload_all(&pass.branches)?;
         let hidden = self.branch_hidden(states, &pass.owners, &pass.branches, &ids)?;
-        let logits = self
-            .head_logits(&hidden, &pass.rows)?
-            .to_vec1::<f32>()
-            .map_err(backend_err("pointer head"))?;
-        Ok(PassOut { logits, kept })
+        let logits = Some(self.head_logits(&hidden, &pass.rows)?);
+        Ok(Issued { logits, kept })
     }
 
     /// A fresh cache of `rows` rows after `pieces` (the states; none: an empty state).
@@ -537,7 +565,7 @@ impl crate::graphs::Replays for Executor {
         Executor::pass_logits(self, pass, inputs)
     }
 
-    fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>> {
+    fn pass_logits_eager(&self, pass: &Pass) -> Result<Tensor> {
         Executor::pass_logits_eager(self, pass)
     }
 }

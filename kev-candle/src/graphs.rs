@@ -62,10 +62,11 @@ mod cuda {
     use std::collections::{HashMap, HashSet, VecDeque};
     use std::sync::{Arc, Mutex, PoisonError};
 
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
     use candle_core::cuda_backend::cudarc::driver::sys::{
         CUgraphInstantiate_flags, CUstreamCaptureMode,
     };
-    use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaStream};
+    use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaGraph, CudaStream};
     use candle_core::{CudaDevice, Tensor};
     use kev_core::{Error, Result};
     use kev_kernels::uploads::{self, UploadMemo};
@@ -85,7 +86,7 @@ mod cuda {
         /// not fix (else its shape holds its rows' lengths as well).
         fn lengths_are_inputs(&self, pass: &Pass) -> bool;
         fn pass_logits(&self, pass: &Pass, inputs: &Self::Inputs) -> Result<Tensor>;
-        fn pass_logits_eager(&self, pass: &Pass) -> Result<Vec<f32>>;
+        fn pass_logits_eager(&self, pass: &Pass) -> Result<Tensor>;
     }
 
     /// Every this many forwards of graph-sized passes a graph kept, every shape's count is
@@ -247,6 +248,10 @@ mod cuda {
         graph: CudaGraph,
         inputs: I,
         _uploads: UploadMemo,
+        /// Recorded once its last launch and the copy of its logits were issued: the next
+        /// replay, perhaps on another thread's stream, waits for it on the device before
+        /// rewriting the inputs that launch reads.
+        done: CudaEvent,
     }
 
     // SAFETY: CUDA graph objects may be used from any thread as long as no two threads use one
@@ -270,14 +275,15 @@ mod cuda {
             self.book.lock().unwrap_or_else(PoisonError::into_inner)
         }
 
-        /// All options' logits of `pass`: replayed, captured, or eager (a shape not worth a
-        /// graph yet, one whose graph another thread is running, or one that failed to capture).
+        /// All options' logits of `pass` on the device, issued on this thread's stream and not
+        /// waited for: replayed, captured, or eager (a shape not worth a graph yet, one whose
+        /// graph another thread is running, or one that failed to capture).
         pub(crate) fn logits(
             &self,
             exec: &impl Replays<Inputs = I>,
             pass: &Pass,
             dev: &CudaDevice,
-        ) -> Result<Vec<f32>> {
+        ) -> Result<Tensor> {
             if !super::graph_sized(tokens(pass), row_positions(pass)) {
                 return exec.pass_logits_eager(pass);
             }
@@ -287,8 +293,8 @@ mod cuda {
             let action = self.lock().action(&shape);
             match action {
                 Action::Eager => exec.pass_logits_eager(pass),
-                Action::Replay(graph) => {
-                    let out = graph.replay(exec, pass);
+                Action::Replay(mut graph) => {
+                    let out = graph.replay(exec, pass, &dev.cuda_stream());
                     // A graph that failed to run is not kept (its next launch would likely
                     // fail the same way); the error goes to the caller.
                     let mut book = self.lock();
@@ -394,23 +400,50 @@ mod cuda {
     }
 
     impl<I> Captured<I> {
-        fn replay(&self, exec: &impl Replays<Inputs = I>, pass: &Pass) -> Result<Vec<f32>> {
+        /// Rewrites the inputs with `pass`'s and launches the graph on `stream` (this thread's),
+        /// after its previous launch; returns a copy of the logits (the next launch frees the
+        /// graph's own).
+        fn replay(
+            &mut self,
+            exec: &impl Replays<Inputs = I>,
+            pass: &Pass,
+            stream: &Arc<CudaStream>,
+        ) -> Result<Tensor> {
+            stream
+                .wait(&self.done)
+                .map_err(|e| backend("waiting for the last launch", e))?;
             exec.write_inputs(pass, &self.inputs)?;
             self.graph.launch().map_err(|e| backend("launch", e))?;
-            self.logits
-                .to_vec1::<f32>()
-                .map_err(|e| backend("reading the logits", e))
+            let (logits, done) =
+                logits_copy(&self.logits, stream).map_err(|e| backend("launch", e))?;
+            self.done = done;
+            Ok(logits)
         }
     }
 
+    /// A copy of a graph's `logits`, issued on `stream` after its launch, and the event that
+    /// marks both issued.
+    fn logits_copy(
+        logits: &Tensor,
+        stream: &Arc<CudaStream>,
+    ) -> std::result::Result<(Tensor, CudaEvent), String> {
+        let copy = logits
+            .copy()
+            .map_err(|e| format!("copying the logits: {e}"))?;
+        let done = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| format!("recording an event: {e}"))?;
+        Ok((copy, done))
+    }
+
     /// Records `pass`'s uploads in an eager run, captures a second run, launches it once and
-    /// returns the graph and its logits; on failure, why, with the stream out of capture and the
-    /// errors the abandoned capture left on the context taken.
+    /// returns the graph and its logits (a copy, on the device); on failure, why, with the
+    /// stream out of capture and the errors the abandoned capture left on the context taken.
     fn capture<I>(
         exec: &impl Replays<Inputs = I>,
         pass: &Pass,
         dev: &CudaDevice,
-    ) -> std::result::Result<(Captured<I>, Vec<f32>), String> {
+    ) -> std::result::Result<(Captured<I>, Tensor), String> {
         let inputs = exec.upload_inputs(pass).map_err(|e| e.to_string())?;
         let stream = dev.cuda_stream();
         let (captured, memo, ended) = {
@@ -442,18 +475,15 @@ mod cuda {
             }
         };
         let first = graph.launch().map_err(|e| format!("first launch: {e}"));
-        let out = first.and_then(|()| {
-            logits
-                .to_vec1::<f32>()
-                .map_err(|e| format!("first launch: {e}"))
-        });
+        let out = first.and_then(|()| logits_copy(&logits, &stream));
         match out {
-            Ok(out) => Ok((
+            Ok((out, done)) => Ok((
                 Captured {
                     logits,
                     graph,
                     inputs,
                     _uploads: memo,
+                    done,
                 },
                 out,
             )),
