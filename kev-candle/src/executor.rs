@@ -99,8 +99,9 @@ impl Executor {
         self.prefill_chunk
     }
 
-    /// How far a plan pads states into one pass here: a GPU's pass has a fixed cost (its host's
-    /// launches) that padding short states together saves; a CPU's hardly any.
+    /// How far a plan pads states into one pass here: a GPU's pass has a fixed cost (its few
+    /// hundred kernels' own time, however few rows they take) that padding short states
+    /// together saves; a CPU's hardly any.
     pub(crate) fn grouping(&self) -> Grouping {
         match self.device() {
             Device::Cpu => Grouping::CPU,

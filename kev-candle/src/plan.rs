@@ -360,9 +360,10 @@ pub(crate) struct Grouping {
 }
 
 impl Grouping {
-    /// A GPU's: an eager pass there costs about 1,000 tokens' time of its own (its host's
-    /// launches; the H100 at 0.8B), so short states are worth padding into one pass (2 % faster
-    /// on varied records than a slack of 256; BENCHMARKS.md).
+    /// A GPU's: a pass there costs about 1,000 tokens' time of its own (its few hundred
+    /// kernels' time on small rows, which issuing passes ahead does not hide; the H100 at
+    /// 0.8B), so short states are worth padding into one pass (2 % faster on varied records
+    /// than a slack of 256, 14–26 % faster than the CPU's rule; BENCHMARKS.md).
     pub(crate) const GPU: Self = Self {
         waste: 0.1,
         slack: 1024,
