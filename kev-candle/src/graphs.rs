@@ -254,6 +254,14 @@ mod cuda {
         done: CudaEvent,
     }
 
+    impl<I> Drop for Captured<I> {
+        /// Waits for the last launch first: another thread's stream may still be running it,
+        /// and the memory it reads and writes is freed on this thread's.
+        fn drop(&mut self) {
+            let _ = self.done.synchronize();
+        }
+    }
+
     // SAFETY: CUDA graph objects may be used from any thread as long as no two threads use one
     // at a time. A `Captured` has one owner at a time: the list (behind the mutex), or the one
     // thread that took it from its place in the list to replay it. Its inputs are device
