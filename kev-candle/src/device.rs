@@ -85,6 +85,17 @@ pub(crate) fn recovered<T>(dev: &Device, result: Result<T>) -> Result<T> {
     result
 }
 
+/// Device memory a new allocation can take now, in bytes, where the backend says
+/// (`kev_kernels::free_device_memory` on CUDA); `None` elsewhere.
+pub fn free_memory(dev: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        return kev_kernels::free_device_memory(d).ok();
+    }
+    let _ = dev;
+    None
+}
+
 /// Waits until everything issued on `dev` so far has completed. candle's CUDA device issues
 /// work on the calling thread's per-thread stream, so weights uploaded while loading on one
 /// thread have no ordering with a forward started on another: the load ends with a context-wide

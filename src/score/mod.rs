@@ -108,7 +108,11 @@ impl Scorer for DecisionModel {
         if self.device().is_cpu() {
             CPU_BATCH_TOKENS
         } else {
-            GPU_BATCH_TOKENS
+            gpu_batch_tokens(
+                self.backbone().config().hidden_size,
+                self.activation_dtype().size_in_bytes(),
+                kev_candle::device::free_memory(self.device()),
+            )
         }
     }
 }
@@ -119,13 +123,32 @@ impl Scorer for DecisionModel {
 /// the few batches in flight.
 pub const CPU_BATCH_TOKENS: usize = 8192;
 
-/// The token budget of a batch on a GPU ([`Scorer::default_batch_tokens`]). A file's batches
-/// have shapes that rarely repeat, so they run eagerly, and an eager batch pays its host time
-/// and the gap between batches once per batch: on the H200, 10,000 records at 0.8B scored
-/// 1,317 records/s with 8,192 tokens a batch, 1,646 with 32,768 and 1,700 with 131,072, against
-/// 1,824 for the library's batch form on 256 of them (BENCHMARKS.md, "H200: score, load, cold start").
-/// Larger budgets gain little more and hold more working memory (a few GiB at 4B).
-pub const GPU_BATCH_TOKENS: usize = 32768;
+/// The token budget of a batch on a GPU ([`Scorer::default_batch_tokens`]) for a backbone of
+/// `hidden_size` whose activations take `dtype_bytes` a value, on a card with `free_bytes` free
+/// (`None`: not known): [`GPU_BATCH_VALUES`] hidden values, so that the batch's working memory
+/// is about the same at every size (~14 GiB), but no more than half the free memory holds, and
+/// from 8,192 to 262,144 tokens. A batch's states are grouped into passes of like lengths, and a
+/// GPU pass has a cost of its own, so the more states a batch holds, the fewer and fuller its
+/// passes: on the H100, 10,000 varied records (`bench/varied_records.py`) at 0.8B scored 277,
+/// 313 and 324 records/s with 32,768, 131,072 and 262,144 tokens a batch (BENCHMARKS.md).
+pub fn gpu_batch_tokens(hidden_size: usize, dtype_bytes: usize, free_bytes: Option<u64>) -> usize {
+    let hidden = hidden_size.max(1);
+    let per_token = (WORKING_VALUES * dtype_bytes.max(1) * hidden) as u64;
+    let fits = free_bytes.map_or(usize::MAX, |free| {
+        usize::try_from(free / 2 / per_token).unwrap_or(usize::MAX)
+    });
+    (GPU_BATCH_VALUES / hidden)
+        .min(fits)
+        .clamp(CPU_BATCH_TOKENS, 262_144)
+}
+
+/// Hidden values (tokens × hidden size) a GPU batch holds by default: 262,144 tokens at 0.8B.
+pub const GPU_BATCH_VALUES: usize = 1 << 28;
+
+/// Working memory of a batch on a GPU, in activation values per token and hidden unit: the
+/// batch form's pool high-water mark less the weights, per token, on the H200 (27 at 0.8B over
+/// 256 records, 25 at 4B over 64).
+const WORKING_VALUES: usize = 27;
 
 /// How [`score`] runs.
 #[derive(Debug, Clone)]
@@ -1083,7 +1106,7 @@ struct PreviousQuestion {
 
 #[cfg(test)]
 mod tests {
-    use super::batch_ranges;
+    use super::{batch_ranges, gpu_batch_tokens};
 
     #[test]
     fn batch_ranges_close_before_the_record_over_the_budget() {
@@ -1094,5 +1117,27 @@ mod tests {
         );
         assert_eq!(batch_ranges([1, 1, 1], 100, 2), vec![0..2, 2..3]);
         assert!(batch_ranges([], 6, 2).is_empty());
+    }
+
+    #[test]
+    fn gpu_batch_tokens_hold_the_working_memory_and_fit_the_card() {
+        const GB: u64 = 1_000_000_000;
+        // 0.8B (hidden 1,024) in bf16: 2^28 hidden values, far within half of 70 GB.
+        assert_eq!(gpu_batch_tokens(1024, 2, Some(70 * GB)), 262_144);
+        assert_eq!(gpu_batch_tokens(1024, 2, None), 262_144);
+        // 4B (2,560), nothing known of the card: the values alone.
+        assert_eq!(gpu_batch_tokens(2560, 2, None), (1 << 28) / 2560);
+        // 27B (5,120) with 26 GB left after its weights: half of it at 27 values a token and
+        // hidden unit, below the values' 52,428.
+        assert_eq!(gpu_batch_tokens(5120, 2, Some(26 * GB)), 47_019);
+        // f32 activations take twice the bytes.
+        assert_eq!(
+            gpu_batch_tokens(5120, 4, Some(26 * GB)),
+            (13 * GB / (27 * 4 * 5120)) as usize
+        );
+        // Within 8,192 and 262,144 tokens whatever the model or card.
+        assert_eq!(gpu_batch_tokens(4096, 2, Some(GB / 10)), 8192);
+        assert_eq!(gpu_batch_tokens(64, 4, None), 262_144);
+        assert_eq!(gpu_batch_tokens(0, 0, Some(0)), 8192);
     }
 }
