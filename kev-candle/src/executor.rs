@@ -147,7 +147,9 @@ impl Executor {
     /// work on the passes before it, where reading each back first would leave the device idle
     /// while the host issues the next. They are issued last first (the plan's passes go from
     /// the shortest states to the longest), so that the host is ahead of the device by a long
-    /// pass when it reaches the short ones, whose launches take longer than their kernels.
+    /// pass when it reaches the short ones, whose launches take longer than their kernels. (On
+    /// the H100 at 0.8B this gains about 1 % on varied records: what a short pass costs there
+    /// is mostly its kernels' own time.)
     pub(crate) fn run(&self, plan: &Plan) -> Result<Vec<PassOut>> {
         let mut issued = plan
             .passes
