@@ -50,7 +50,7 @@ struct Args {
     /// Report invalid records (with their line number) and go on without them.
     #[arg(long)]
     skip_invalid: bool,
-    /// Tokens scored together (a record's state plus its branches): a batch closes before the record that would take it over this budget; a longer record is a batch of its own. By default 8192 on the CPU; on a GPU 262,144 at 0.8B, fewer for wider models and to fit half the card's free memory (`kev::score::gpu_batch_tokens`).
+    /// Tokens scored together (a record's state plus its branches): a batch closes before the record that would take it over this budget; a longer record is a batch of its own. By default 8192 on the CPU; on a GPU 262,144 at 0.8B, fewer for wider models and within a quarter of the card's memory (`kev::score::gpu_batch_tokens`).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     batch_tokens: Option<u64>,
     /// Records scored together at most (by default, no cap: the token budget decides). A resumed run needs the same --batch-tokens and --batch-size.

@@ -85,12 +85,12 @@ pub(crate) fn recovered<T>(dev: &Device, result: Result<T>) -> Result<T> {
     result
 }
 
-/// Device memory a new allocation can take now, in bytes, where the backend says
-/// (`kev_kernels::free_device_memory` on CUDA); `None` elsewhere.
-pub fn free_memory(dev: &Device) -> Option<u64> {
+/// The device's memory in bytes, where the backend says (`kev_kernels::total_device_memory` on
+/// CUDA); `None` elsewhere.
+pub fn total_memory(dev: &Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
-        return kev_kernels::free_device_memory(d).ok();
+        return kev_kernels::total_device_memory(d).ok();
     }
     let _ = dev;
     None

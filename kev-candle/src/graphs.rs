@@ -255,8 +255,9 @@ mod cuda {
     }
 
     impl<I> Drop for Captured<I> {
-        /// Waits for the last launch first: another thread's stream may still be running it,
-        /// and the memory it reads and writes is freed on this thread's.
+        /// Waits for the launch `done` marks first: another thread's stream may still be
+        /// running it, and the memory it reads and writes is freed on this thread's. (A later
+        /// launch whose logits copy failed was this thread's own, so the frees follow it.)
         fn drop(&mut self) {
             let _ = self.done.synchronize();
         }
@@ -304,12 +305,22 @@ mod cuda {
                 Action::Replay(mut graph) => {
                     let out = graph.replay(exec, pass, &dev.cuda_stream());
                     // A graph that failed to run is not kept (its next launch would likely
-                    // fail the same way); the error goes to the caller.
+                    // fail the same way); the error goes to the caller. It is dropped once
+                    // the lock is released, since dropping waits for the device.
                     let mut book = self.lock();
-                    book.put_back(&shape, out.is_ok().then_some(graph));
-                    if out.is_ok() {
-                        book.stats.replayed += 1;
-                    }
+                    let failed = match &out {
+                        Ok(_) => {
+                            book.stats.replayed += 1;
+                            book.put_back(&shape, Some(graph));
+                            None
+                        }
+                        Err(_) => {
+                            book.put_back(&shape, None);
+                            Some(graph)
+                        }
+                    };
+                    drop(book);
+                    drop(failed);
                     out
                 }
                 Action::Capture(count) => {
@@ -319,7 +330,9 @@ mod cuda {
                     match captured {
                         Ok((graph, logits)) => {
                             book.stats.captured += 1;
-                            book.keep(shape, graph, count);
+                            let dropped = book.keep(shape, graph, count);
+                            drop(book);
+                            drop(dropped);
                             Ok(logits)
                         }
                         Err(why) => {
@@ -381,22 +394,31 @@ mod cuda {
         }
 
         /// Keeps a new graph of a shape that came `count` times at the most recent end, in
-        /// place of [`Book::victim`] once all are kept; or drops it, where the graphs
-        /// kept meanwhile (by other threads) leave no room for it.
-        fn keep(&mut self, shape: PassShape, graph: Captured<I>, count: u32) {
+        /// place of [`Book::victim`] once all are kept; or not, where the graphs kept
+        /// meanwhile (by other threads) leave no room for it. Returns the graph that goes (the
+        /// victim, or the new one), for the caller to drop once the lock is released.
+        fn keep(
+            &mut self,
+            shape: PassShape,
+            graph: Captured<I>,
+            count: u32,
+        ) -> Option<Captured<I>> {
             if !self.room_for(count) {
-                return;
+                return Some(graph);
             }
-            if self.graphs.len() >= self.keep {
-                if let Some(v) = self.victim() {
-                    self.graphs.remove(v);
-                }
-            }
+            let evicted = if self.graphs.len() >= self.keep {
+                self.victim()
+                    .and_then(|v| self.graphs.remove(v))
+                    .and_then(|k| k.graph)
+            } else {
+                None
+            };
             self.graphs.push_back(Kept {
                 shape,
                 graph: Some(graph),
                 count,
             });
+            evicted
         }
     }
 
@@ -423,7 +445,7 @@ mod cuda {
             exec.write_inputs(pass, &self.inputs)?;
             self.graph.launch().map_err(|e| backend("launch", e))?;
             let (logits, done) =
-                logits_copy(&self.logits, stream).map_err(|e| backend("launch", e))?;
+                logits_copy(&self.logits, stream).map_err(|e| backend("after the launch", e))?;
             self.done = done;
             Ok(logits)
         }

@@ -111,7 +111,7 @@ impl Scorer for DecisionModel {
             gpu_batch_tokens(
                 self.backbone().config().hidden_size,
                 self.activation_dtype().size_in_bytes(),
-                kev_candle::device::free_memory(self.device()),
+                kev_candle::device::total_memory(self.device()),
             )
         }
     }
@@ -124,18 +124,19 @@ impl Scorer for DecisionModel {
 pub const CPU_BATCH_TOKENS: usize = 8192;
 
 /// The token budget of a batch on a GPU ([`Scorer::default_batch_tokens`]) for a backbone of
-/// `hidden_size` whose activations take `dtype_bytes` a value, on a card with `free_bytes` free
-/// (`None`: not known): [`GPU_BATCH_VALUES`] hidden values, so that the batch's working memory
-/// is about the same at every size (~14 GiB), but no more than half the free memory holds, and
-/// from 8,192 to 262,144 tokens. A batch's states are grouped into passes of like lengths, and a
+/// `hidden_size` whose activations take `dtype_bytes` a value, on a card of `card_bytes` (`None`:
+/// not known): [`GPU_BATCH_VALUES`] hidden values, so that the batch's working memory is about
+/// the same at every size (~13.5 GiB), but no more than a quarter of the card holds, and from
+/// 8,192 to 262,144 tokens. It depends on the card's size, not on its free memory, so that a
+/// run's batches (and `resume`) do not change with what else runs there. A batch's states are grouped into passes of like lengths, and a
 /// GPU pass has a cost of its own, so the more states a batch holds, the fewer and fuller its
 /// passes: on the H100, 10,000 varied records (`bench/varied_records.py`) at 0.8B scored 277,
 /// 313 and 324 records/s with 32,768, 131,072 and 262,144 tokens a batch (BENCHMARKS.md).
-pub fn gpu_batch_tokens(hidden_size: usize, dtype_bytes: usize, free_bytes: Option<u64>) -> usize {
+pub fn gpu_batch_tokens(hidden_size: usize, dtype_bytes: usize, card_bytes: Option<u64>) -> usize {
     let hidden = hidden_size.max(1);
     let per_token = (WORKING_VALUES * dtype_bytes.max(1) * hidden) as u64;
-    let fits = free_bytes.map_or(usize::MAX, |free| {
-        usize::try_from(free / 2 / per_token).unwrap_or(usize::MAX)
+    let fits = card_bytes.map_or(usize::MAX, |card| {
+        usize::try_from(card / 4 / per_token).unwrap_or(usize::MAX)
     });
     (GPU_BATCH_VALUES / hidden)
         .min(fits)
@@ -156,7 +157,8 @@ pub struct ScoreOptions {
     /// Tokens per [`Scorer::score_batch`] call (at least 1), counted by [`Scorer::tokens`]:
     /// a batch closes before the record that would take it over this budget, and a record over
     /// the budget by itself is a batch of its own. `None`, the default, takes the scorer's
-    /// [`Scorer::default_batch_tokens`] (for a [`DecisionModel`], by its device). The batches follow from the records' token
+    /// [`Scorer::default_batch_tokens`] (for a [`DecisionModel`], by its device; on a GPU also by
+    /// its model and the card's memory). The batches follow from the records' token
     /// counts alone, so a run with the same input and options makes the same ones (which is
     /// what keeps `resume` byte-identical).
     pub batch_tokens: Option<usize>,
@@ -1122,18 +1124,18 @@ mod tests {
     #[test]
     fn gpu_batch_tokens_hold_the_working_memory_and_fit_the_card() {
         const GB: u64 = 1_000_000_000;
-        // 0.8B (hidden 1,024) in bf16: 2^28 hidden values, far within half of 70 GB.
-        assert_eq!(gpu_batch_tokens(1024, 2, Some(70 * GB)), 262_144);
+        // 0.8B (hidden 1,024) in bf16: 2^28 hidden values, far within a quarter of 80 GB.
+        assert_eq!(gpu_batch_tokens(1024, 2, Some(80 * GB)), 262_144);
         assert_eq!(gpu_batch_tokens(1024, 2, None), 262_144);
-        // 4B (2,560), nothing known of the card: the values alone.
-        assert_eq!(gpu_batch_tokens(2560, 2, None), (1 << 28) / 2560);
-        // 27B (5,120) with 26 GB left after its weights: half of it at 27 values a token and
-        // hidden unit, below the values' 52,428.
-        assert_eq!(gpu_batch_tokens(5120, 2, Some(26 * GB)), 47_019);
+        // 27B (5,120) on 80 GB: the values' 52,428, within the card's quarter.
+        assert_eq!(gpu_batch_tokens(5120, 2, Some(80 * GB)), (1 << 28) / 5120);
+        // 4B (2,560) on a 16 GB card: a quarter of it at 27 values a token and hidden unit,
+        // below the values' 104,857.
+        assert_eq!(gpu_batch_tokens(2560, 2, Some(16 * GB)), 28_935);
         // f32 activations take twice the bytes.
         assert_eq!(
-            gpu_batch_tokens(5120, 4, Some(26 * GB)),
-            (13 * GB / (27 * 4 * 5120)) as usize
+            gpu_batch_tokens(2560, 4, Some(16 * GB)),
+            (4 * GB / (27 * 4 * 2560)) as usize
         );
         // Within 8,192 and 262,144 tokens whatever the model or card.
         assert_eq!(gpu_batch_tokens(4096, 2, Some(GB / 10)), 8192);

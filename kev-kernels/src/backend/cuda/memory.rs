@@ -123,37 +123,11 @@ pub fn pool_peak_bytes(dev: &CudaDevice, reset: bool) -> Result<u64> {
     Ok(eager + graphs)
 }
 
-/// Device memory a new allocation can take now, in bytes: what the driver has free, plus what
-/// the pool keeps without using it. For sizing work to the card.
-pub fn free_device_memory(dev: &CudaDevice) -> Result<u64> {
-    use candle_core::cuda_backend::cudarc::driver::{result, sys};
-    let stream = dev.cuda_stream();
-    stream.context().bind_to_thread().w()?;
-    let (free, _) = result::mem_get_info().w()?;
-    let cu_dev = stream.context().cu_device();
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let (mut reserved, mut used) = (0u64, 0u64);
-    // SAFETY: plain driver calls on a valid device handle, with pointers to locals that outlive
-    // them; both attributes are u64.
-    let code = unsafe {
-        match sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev) {
-            sys::CUresult::CUDA_SUCCESS => match sys::cuMemPoolGetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-                (&mut reserved as *mut u64).cast(),
-            ) {
-                sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolGetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-                    (&mut used as *mut u64).cast(),
-                ),
-                other => other,
-            },
-            other => other,
-        }
-    };
-    match code {
-        sys::CUresult::CUDA_SUCCESS => Ok(free as u64 + reserved.saturating_sub(used)),
-        other => bail!("reading the device memory pool's use: {other:?}"),
-    }
+/// The device's memory in bytes: a size that does not change with what runs beside it, for
+/// sizing work to the card.
+pub fn total_device_memory(dev: &CudaDevice) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    dev.cuda_stream().context().bind_to_thread().w()?;
+    let (_, total) = result::mem_get_info().w()?;
+    Ok(total as u64)
 }
