@@ -85,12 +85,12 @@ pub(crate) fn recovered<T>(dev: &Device, result: Result<T>) -> Result<T> {
     result
 }
 
-/// The device's memory in bytes, where the backend says (`kev_kernels::total_device_memory` on
-/// CUDA); `None` elsewhere.
+/// The device's memory in bytes, where the backend says (the CUDA driver's total for the card);
+/// `None` elsewhere.
 pub fn total_memory(dev: &Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
-        return kev_kernels::total_device_memory(d).ok();
+        return d.cuda_stream().context().total_mem().ok().map(|b| b as u64);
     }
     let _ = dev;
     None

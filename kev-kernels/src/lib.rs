@@ -116,7 +116,7 @@ pub use attention::{
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
     keep_device_memory, kernel_seconds, pool_peak_bytes, prepare_kernels, profiler_range,
-    release_device_memory, release_device_memory_of, total_device_memory,
+    release_device_memory, release_device_memory_of,
 };
 pub use bf16_gemm::{bf16_gemm_available, PackedBf16};
 pub use causal_conv1d::{

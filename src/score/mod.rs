@@ -128,9 +128,9 @@ pub const CPU_BATCH_TOKENS: usize = 8192;
 /// not known): [`GPU_BATCH_VALUES`] hidden values, so that the batch's working memory is about
 /// the same at every size (~13.5 GiB), but no more than a quarter of the card holds, and from
 /// 8,192 to 262,144 tokens. It depends on the card's size, not on its free memory, so that a
-/// run's batches (and `resume`) do not change with what else runs there. A batch's states are grouped into passes of like lengths, and a
-/// GPU pass has a cost of its own, so the more states a batch holds, the fewer and fuller its
-/// passes: on the H100, 10,000 varied records (`bench/varied_records.py`) at 0.8B scored 277,
+/// run's batches (and `resume`) do not change with what else runs there. A batch's states are
+/// grouped into passes of like lengths, and a GPU pass has a cost of its own, so the more
+/// states a batch holds, the fewer and fuller its passes: on the H100, 10,000 varied records (`bench/varied_records.py`) at 0.8B scored 277,
 /// 313 and 324 records/s with 32,768, 131,072 and 262,144 tokens a batch (BENCHMARKS.md).
 pub fn gpu_batch_tokens(hidden_size: usize, dtype_bytes: usize, card_bytes: Option<u64>) -> usize {
     let hidden = hidden_size.max(1);

@@ -122,12 +122,3 @@ pub fn pool_peak_bytes(dev: &CudaDevice, reset: bool) -> Result<u64> {
     }
     Ok(eager + graphs)
 }
-
-/// The device's memory in bytes: a size that does not change with what runs beside it, for
-/// sizing work to the card.
-pub fn total_device_memory(dev: &CudaDevice) -> Result<u64> {
-    use candle_core::cuda_backend::cudarc::driver::result;
-    dev.cuda_stream().context().bind_to_thread().w()?;
-    let (_, total) = result::mem_get_info().w()?;
-    Ok(total as u64)
-}

@@ -17,7 +17,6 @@ pub use kernel::{kernel_seconds, prepare_kernels};
 #[cfg(feature = "cuda")]
 pub use memory::{
     keep_device_memory, pool_peak_bytes, release_device_memory, release_device_memory_of,
-    total_device_memory,
 };
 #[cfg(feature = "cuda")]
 pub use profiler::profiler_range;
