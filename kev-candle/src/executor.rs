@@ -13,7 +13,7 @@ use crate::device::backend_err;
 use crate::graphs::GraphStats;
 use crate::head::PointerHead;
 use crate::plan::{head_positions, pieces, Grouping, Pass, Piece, Plan};
-use crate::qwen35::{Cache, Model, SplitTables};
+use crate::qwen35::{Cache, Model, Packing, SplitTables};
 
 /// A pass's inputs on the device: everything its forward reads that was built on the host from
 /// more than its shape (token ids, head positions, lengths, owners), as copies of their own, so
@@ -228,14 +228,33 @@ impl Executor {
         pieces.into_iter().map(|p| self.upload_ids(p)).collect()
     }
 
-    /// Where `pass`'s head reads ([`Pass::head_reads`]) as u32, checked within the branch rows
-    /// here, since a graph's replay reads them without the gathers' own checks.
-    fn head_reads(pass: &Pass) -> Result<Vec<u32>> {
+    /// Where `pass`'s head reads ([`Pass::head_reads`]) among its branch rows as `split` holds
+    /// them (packed: [`Packing::branch_row`]).
+    fn held_reads(pass: &Pass, split: Option<&SplitTables>) -> Vec<usize> {
         let (reads, _) = pass.head_reads();
-        let positions: usize = pass
-            .branches
-            .first()
-            .map_or(0, |p| p.lengths.len() * pass.branch_width());
+        match split.and_then(SplitTables::packing) {
+            Some(packing) => {
+                let width = pass.branch_width();
+                reads
+                    .into_iter()
+                    .map(|p| packing.branch_row(p, width))
+                    .collect()
+            }
+            None => reads,
+        }
+    }
+
+    /// [`Executor::held_reads`] as u32, checked within the branch rows here, since a graph's
+    /// replay reads them without the gathers' own checks.
+    fn head_reads(pass: &Pass, split: Option<&SplitTables>) -> Result<Vec<u32>> {
+        let reads = Self::held_reads(pass, split);
+        let positions = match split.and_then(SplitTables::packing) {
+            Some(packing) => packing.branch_rows(),
+            None => pass
+                .branches
+                .first()
+                .map_or(0, |p| p.lengths.len() * pass.branch_width()),
+        };
         if let Some(bad) = reads.iter().find(|&&r| r >= positions) {
             return Err(kev_core::Error::Device {
                 message: format!("head position {bad} outside the {positions} branch positions"),
@@ -256,20 +275,22 @@ impl Executor {
     }
 
     /// `pass`'s inputs on the device, its given prefixes' rows `given` (one cache) where it has
-    /// some.
-    fn upload_inputs(&self, pass: &Pass, given: Option<&Cache>) -> Result<PassInputs> {
+    /// some; its branch rows packed between the layers where `pack` says so (never for a CUDA
+    /// graph) and it pays ([`Packing::pays`]).
+    fn upload_inputs(&self, pass: &Pass, given: Option<&Cache>, pack: bool) -> Result<PassInputs> {
         let (_, owner) = pass.head_reads();
         let split = match self.one_pass(pass)? {
-            Some(split) => Some(
+            Some(split) => Some({
+                let pack = pack && Packing::pays(&split);
                 self.model
-                    .split_tables(split, given)
-                    .map_err(backend_err("split tables"))?,
-            ),
+                    .split_tables(split, given, pack)
+                    .map_err(backend_err("split tables"))?
+            }),
             None => None,
         };
         Ok(PassInputs {
             ids: self.upload_all(pass.pieces())?,
-            heads: self.upload_u32(&Self::head_reads(pass)?, "head positions")?,
+            heads: self.upload_u32(&Self::head_reads(pass, split.as_ref())?, "head positions")?,
             owner: self.upload_u32(&owner, "option owners")?,
             split,
         })
@@ -285,7 +306,7 @@ impl Executor {
         for (slot, piece) in inputs.ids.iter().zip(pass.pieces()) {
             write(slot, self.upload_ids(piece)?, "writing the token ids")?;
         }
-        let reads = Self::head_reads(pass)?;
+        let reads = Self::head_reads(pass, inputs.split.as_ref())?;
         write(
             &inputs.heads,
             self.upload_u32(&reads, "head positions")?,
@@ -320,13 +341,14 @@ impl Executor {
 
     /// [`Executor::pass_logits`] with fresh uploads.
     pub(crate) fn pass_logits_eager(&self, pass: &Pass) -> Result<Tensor> {
-        self.pass_logits(pass, &self.upload_inputs(pass, None)?)
+        self.pass_logits(pass, &self.upload_inputs(pass, None, true)?)
     }
 
     /// Runs the plain `pass` ([`Pass::is_plain`]) with `inputs` ([`Executor::upload_inputs`])
     /// and returns all options' logits `[M]` on the device, waiting for nothing.
     pub(crate) fn pass_logits(&self, pass: &Pass, inputs: &PassInputs) -> Result<Tensor> {
-        let (reads, owner) = pass.head_reads();
+        let (_, owner) = pass.head_reads();
+        let reads = Self::held_reads(pass, inputs.split.as_ref());
         let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
             .map_err(backend_err("head positions"))?;
         let hidden = if let Some(tables) = &inputs.split {
@@ -412,11 +434,12 @@ impl Executor {
             return self.pass_with_prefixes(pass);
         }
         let given = self.given_rows(pass)?;
-        let inputs = self.upload_inputs(pass, given.as_ref())?;
+        let inputs = self.upload_inputs(pass, given.as_ref(), true)?;
         let Some(tables) = &inputs.split else {
             unreachable!("a one-piece pass has its split")
         };
-        let (reads, owner) = pass.head_reads();
+        let (_, owner) = pass.head_reads();
+        let reads = Self::held_reads(pass, Some(tables));
         let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
             .map_err(backend_err("head positions"))?;
         let (hidden, kept) = self
@@ -564,7 +587,7 @@ impl crate::graphs::Replays for Executor {
     type Inputs = PassInputs;
 
     fn upload_inputs(&self, pass: &Pass) -> Result<PassInputs> {
-        Executor::upload_inputs(self, pass, None)
+        Executor::upload_inputs(self, pass, None, false)
     }
 
     fn write_inputs(&self, pass: &Pass, inputs: &PassInputs) -> Result<()> {

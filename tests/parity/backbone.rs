@@ -170,7 +170,8 @@ fn split_fixture() -> SplitFixture {
 fn split_forward_equals_states_then_branches() {
     // One pass over packed states and branches against the states' forward, then the branches'
     // on copies of their owners' cache rows. Both kinds of last layer: the pass skips the last
-    // layer's state rows, which feed the branches only through that layer's cache.
+    // layer's state rows, which feed the branches only through that layer's cache. The branch
+    // rows held padded between the layers, and packed (their real steps only).
     let SplitFixture {
         full,
         w,
@@ -179,14 +180,20 @@ fn split_forward_equals_states_then_branches() {
         ..
     } = split_fixture();
     let (state_lengths, lengths, owners) = (vec![70, 41], vec![9, 5, 7], vec![1, 0, 1]);
-    for layers in [full.num_hidden_layers, full.num_hidden_layers - 1] {
+    for (layers, pack) in [
+        (full.num_hidden_layers, false),
+        (full.num_hidden_layers - 1, false),
+        (full.num_hidden_layers, true),
+        (full.num_hidden_layers - 1, true),
+    ] {
         let mut cfg = full.clone();
         cfg.num_hidden_layers = layers;
         cfg.layer_types.truncate(layers);
         let last = cfg.layer_types[layers - 1];
         let model = Model::new(&cfg, &w).unwrap();
         let split = fixture_split(owners.clone(), 0, w.device());
-        let tables = model.split_tables(split, None).unwrap();
+        let tables = model.split_tables(split, None, pack).unwrap();
+        assert_eq!(tables.packing().is_some(), pack);
         let (ours, _) = model
             .forward_split(&states, &branches, &tables, None, None, false)
             .unwrap();
@@ -201,12 +208,17 @@ fn split_forward_equals_states_then_branches() {
             .unwrap();
         for (row, &len) in lengths.iter().enumerate() {
             let real = |t: &Tensor| t.narrow(0, row, 1).unwrap().narrow(1, 0, len).unwrap();
-            let what = format!("{layers} layers (last {last:?}), branch row {row}");
+            let what = format!("{layers} layers (last {last:?}), packed {pack}, branch row {row}");
             check(&what, &real(&ours), &real(&theirs), 1e-5).unwrap();
         }
-        // Only some rows through the last layer's MLP (out of order, one twice): the same rows.
-        let picked = [17usize, 0, 8, 9, 25, 0];
-        let index = kev_kernels::RowIndex::new(&picked, &device()).unwrap();
+        // Only some real rows through the last layer's MLP (out of order, one twice): the same
+        // rows.
+        let picked = [12usize, 0, 8, 9, 24, 0];
+        let held: Vec<usize> = match tables.packing() {
+            Some(p) => picked.iter().map(|&r| p.branch_row(r, 9)).collect(),
+            None => picked.to_vec(),
+        };
+        let index = kev_kernels::RowIndex::new(&held, &device()).unwrap();
         let (some, _) = model
             .forward_split(&states, &branches, &tables, Some(&index), None, false)
             .unwrap();
@@ -219,7 +231,7 @@ fn split_forward_equals_states_then_branches() {
             0,
         )
         .unwrap();
-        let what = format!("{layers} layers (last {last:?}), picked rows");
+        let what = format!("{layers} layers (last {last:?}), packed {pack}, picked rows");
         check(&what, &some, &want, 1e-5).unwrap();
     }
 }
@@ -239,10 +251,12 @@ fn split_forward_continues_given_rows_and_keeps_its_states() {
         branches,
     } = split_fixture();
     let (state_lengths, lengths) = (vec![70, 41], vec![9, 5, 7]);
-    for (given_len, layers) in [
-        (40, full.num_hidden_layers),
-        (90, full.num_hidden_layers - 1),
-        (0, full.num_hidden_layers),
+    for (given_len, layers, pack) in [
+        (40, full.num_hidden_layers, false),
+        (90, full.num_hidden_layers - 1, false),
+        (0, full.num_hidden_layers, false),
+        (40, full.num_hidden_layers, true),
+        (90, full.num_hidden_layers - 1, true),
     ] {
         let mut cfg = full.clone();
         cfg.num_hidden_layers = layers;
@@ -256,7 +270,8 @@ fn split_forward_continues_given_rows_and_keeps_its_states() {
         }
         let owners = vec![2, 0, 2];
         let split = fixture_split(owners.clone(), 1, w.device());
-        let tables = model.split_tables(split, Some(&given)).unwrap();
+        let tables = model.split_tables(split, Some(&given), pack).unwrap();
+        assert_eq!(tables.packing().is_some(), pack);
         let (ours, kept) = model
             .forward_split(&states, &branches, &tables, None, Some(&given), true)
             .unwrap();
@@ -271,7 +286,7 @@ fn split_forward_continues_given_rows_and_keeps_its_states() {
         let theirs = model.forward(&branches, &mut rows, Some(&lengths)).unwrap();
         for (row, &len) in lengths.iter().enumerate() {
             let real = |t: &Tensor| t.narrow(0, row, 1).unwrap().narrow(1, 0, len).unwrap();
-            let what = format!("given {given_len}, {layers} layers, branch row {row}");
+            let what = format!("given {given_len}, {layers} layers, packed {pack}, row {row}");
             check(&what, &real(&ours), &real(&theirs), 1e-5).unwrap();
         }
         let (kept, cache) = (kept.rows_apart(2).unwrap(), cache.rows_apart(2).unwrap());

@@ -16,7 +16,7 @@ use kev_kernels::{
 use super::config::Config;
 use super::linear::{linear, linear_cat, Projection};
 use super::norm::ZeroCenteredRmsNorm;
-use super::split::Outputs;
+use super::split::{Outputs, SplitRows};
 use crate::weights::Weights;
 
 /// The keys and values a step's queries see before its own.
@@ -100,10 +100,10 @@ impl Attention {
         self.o_proj.forward(&attention_gate(&o, &gate)?)
     }
 
-    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitBatch`]), with each
+    /// State rows and their branch rows as the layers hold them ([`SplitRows`]), with each
     /// part's RoPE and key bias: every branch row attends to its state row's keys of this layer.
-    /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only (`[B·T, H]`):
-    /// then the state rows give only their keys and values.
+    /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only: then the
+    /// state rows give only their keys and values.
     ///
     /// With `given` (a cached prefix's keys and values, `[G, Hkv, L, hd]`), branch rows may also
     /// continue those rows (rows `R..R+G` of the split's owners): the past is the states' keys
@@ -113,23 +113,25 @@ impl Attention {
     pub fn forward_split(
         &self,
         xs: &Tensor,
-        split: &SplitBatch,
+        rows: SplitRows,
         (cos_sin_s, key_bias_s): (&Tensor, &Tensor),
         (cos_sin_b, key_bias_b): (&Tensor, &Tensor),
         outputs: Outputs,
         given: Option<(&Tensor, &Tensor)>,
         keep: bool,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let split = rows.split;
         let mut kv = None;
+        // The attention runs on the split's padded rows; its output is held as the rows are.
         let (proj_b, out_s) = match outputs {
             Outputs::All => {
-                let proj = self.qkv_proj.forward(xs)?;
+                let proj = rows.padded(&self.qkv_proj.forward(xs)?)?;
                 let (proj_s, proj_b) = split.parts(&proj)?;
                 let (o_s, _) = self.attend(&proj_s, cos_sin_s, key_bias_s, Past::Fresh(&mut kv))?;
                 (proj_b, Some((o_s, proj)))
             }
             Outputs::Branches => {
-                let (xs_s, xs_b) = split.parts(xs)?;
+                let (xs_s, xs_b) = rows.parts(xs)?;
                 let (r, s, _) = xs_s.dims3()?;
                 let kv_s = self.kv_proj.forward(&xs_s.counted_flatten(0, 1)?)?;
                 let heads = kv_s.counted_reshape((r, s, 2 * self.num_kv_heads, self.head_dim))?;
@@ -156,15 +158,20 @@ impl Attention {
         let past = Past::States(&k, &v, split);
         let (o_b, gate_b) = self.attend(&proj_b, cos_sin_b, key_bias_b, past)?;
         let out = match out_s {
-            // Both parts' gated heads written into one packed tensor (no join copy after).
+            // Both parts' gated heads written into one tensor of the padded rows (no join copy
+            // after).
             Some((o_s, proj)) => {
                 let gate = self.gates(&proj)?;
-                self.o_proj
-                    .forward(&attention_gate_join(&o_s, &o_b, &gate)?)?
+                let out = self
+                    .o_proj
+                    .forward(&attention_gate_join(&o_s, &o_b, &gate)?)?;
+                rows.kept_of_padded(outputs, &out)?
             }
-            None => self
-                .o_proj
-                .forward(&attention_gate(&o_b, &gate_b)?.counted_flatten(0, 1)?)?,
+            None => rows.held_branches(
+                &self
+                    .o_proj
+                    .forward(&attention_gate(&o_b, &gate_b)?.counted_flatten(0, 1)?)?,
+            )?,
         };
         Ok((out, kept))
     }

@@ -12,7 +12,7 @@ use kev_kernels::{
 use super::config::Config;
 use super::linear::{linear, linear_cat, Projection};
 use super::norm::GatedRmsNorm;
-use super::split::Outputs;
+use super::split::{Outputs, SplitRows};
 use crate::weights::{on_host, Weights};
 
 /// One Gated DeltaNet layer.
@@ -95,23 +95,19 @@ impl GatedDeltaNet {
         self.out(&o, &self.z(&proj)?)
     }
 
-    /// State rows and their branch rows packed as `xs: [R·S + B·T, H]` ([`SplitBatch`]): each
-    /// branch row continues from its state row's conv window and recurrent matrix of this layer.
-    /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only (`[B·T, H]`).
-    pub fn forward_split(
-        &self,
-        xs: &Tensor,
-        split: &SplitBatch,
-        outputs: Outputs,
-    ) -> Result<Tensor> {
+    /// State rows and their branch rows as the layers hold them ([`SplitRows`]): each branch
+    /// row continues from its state row's conv window and recurrent matrix of this layer.
+    /// Returns all rows' outputs, or with `Outputs::Branches` the branch rows' only.
+    pub fn forward_split(&self, xs: &Tensor, rows: SplitRows, outputs: Outputs) -> Result<Tensor> {
+        let split = rows.split;
         let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
-        let gates = self.gates(&proj)?; // [N, Hv, 2]
-        let (proj_s, proj_b) = split.parts(&proj)?;
+        let gates = rows.padded(&self.gates(&proj)?)?; // [R·S + B·T, Hv, 2]
+        let (proj_s, proj_b) = rows.parts(&proj)?;
         let (qkv_s, qkv_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
         let (w, dims) = (&self.conv1d, self.dims);
         let o = conv_gated_delta_rule_split(&qkv_s, &qkv_b, w, &gates, dims, split)?;
         let z = self.z(&proj)?;
-        self.out(&outputs.kept(split, &o)?, &outputs.kept(split, &z)?)
+        self.out(&rows.kept_of_padded(outputs, &o)?, &rows.kept(outputs, &z)?)
     }
 
     /// [`GatedDeltaNet::forward_split`] where branch rows may also continue `given` state rows
@@ -121,14 +117,15 @@ impl GatedDeltaNet {
     pub fn forward_split_with(
         &self,
         xs: &Tensor,
-        split: &SplitBatch,
+        rows: SplitRows,
         outputs: Outputs,
         given: Option<(&Tensor, &Tensor)>,
         keep: bool,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let split = rows.split;
         let proj = self.in_proj.forward(xs)?; // [N, C + Hv·Dv + 2·Hv]
-        let gates = self.gates(&proj)?; // [N, Hv, 2]
-        let (proj_s, proj_b) = split.parts(&proj)?;
+        let gates = rows.padded(&self.gates(&proj)?)?; // [R·S + B·T, Hv, 2]
+        let (proj_s, proj_b) = rows.parts(&proj)?;
         let (raw_s, raw_b) = (self.qkv(&proj_s)?, self.qkv(&proj_b)?);
         let window = self.conv1d.dim(1)? - 1;
         let (o, kept) = match given {
@@ -144,7 +141,7 @@ impl GatedDeltaNet {
             _ => self.composed_split(&raw_s, &raw_b, &gates, split, given)?,
         };
         let z = self.z(&proj)?;
-        let out = self.out(&outputs.kept(split, &o)?, &outputs.kept(split, &z)?)?;
+        let out = self.out(&rows.kept_of_padded(outputs, &o)?, &rows.kept(outputs, &z)?)?;
         Ok((out, keep.then_some(kept)))
     }
 
@@ -162,7 +159,7 @@ impl GatedDeltaNet {
 
     /// The split's conv and delta rule as their parts' calls: the states' from zero windows and
     /// matrices, then the branches' from copies of their owners' (computed or `given`). Returns
-    /// the packed output and the states' conv windows and final matrices.
+    /// the output (the split's padded rows) and the states' conv windows and final matrices.
     fn composed_split(
         &self,
         raw_s: &Tensor,

@@ -16,3 +16,4 @@ mod split;
 pub use cache::{Cache, LayerCache};
 pub use config::{Config, ExpertsShape, LayerType, MlpShape};
 pub use model::{Model, SplitHost, SplitTables};
+pub use split::Packing;

@@ -14,7 +14,7 @@ use super::mlp::Mlp;
 use super::moe::SparseMoe;
 use super::norm::ZeroCenteredRmsNorm;
 use super::rope::Rope;
-use super::split::Outputs;
+use super::split::{Outputs, Packing, SplitRows};
 use crate::weights::{Quantization, Weights};
 
 enum Mixer {
@@ -78,6 +78,9 @@ pub struct SplitHost {
 /// A split and its [`SplitHost`] on the device (always copies of their own: a graph's inputs).
 pub struct SplitTables {
     split: SplitBatch,
+    /// Its branch rows packed between the layers (never in a CUDA graph: the packed row count
+    /// is not a graph input).
+    packing: Option<Packing>,
     rope_index: Option<Tensor>,
     key_bias: Option<Tensor>,
     /// Each branch row's first position (its state's length): for the host's rotary rows.
@@ -87,13 +90,20 @@ pub struct SplitTables {
 }
 
 impl SplitHost {
-    /// The tables of `split` on `device`.
+    /// The tables of `split` on `device`, its branch rows packed where `pack` says so
+    /// ([`Packing::of`]).
     pub fn upload(
         self,
         split: SplitBatch,
         owner_lengths: Vec<usize>,
+        pack: bool,
         device: &Device,
     ) -> Result<SplitTables> {
+        let packing = if pack {
+            Packing::of(&split, device)?
+        } else {
+            None
+        };
         let rope_rows: Vec<usize> = self
             .rope_index
             .iter()
@@ -106,6 +116,7 @@ impl SplitHost {
         };
         Ok(SplitTables {
             split,
+            packing,
             rope_index: self.rope_index.map(put).transpose()?,
             key_bias: self
                 .key_bias
@@ -125,6 +136,19 @@ impl SplitTables {
     /// The split.
     pub fn split(&self) -> &SplitBatch {
         &self.split
+    }
+
+    /// Its branch rows' packing, where they are packed.
+    pub fn packing(&self) -> Option<&Packing> {
+        self.packing.as_ref()
+    }
+
+    /// Its rows as the layers hold them.
+    fn rows(&self) -> SplitRows<'_> {
+        SplitRows {
+            split: &self.split,
+            packing: self.packing.as_ref(),
+        }
     }
 
     /// Rewrites the tables with `host`'s (of a split of the same shape): a graph's next replay
@@ -151,7 +175,7 @@ impl SplitTables {
 /// Inputs every layer of one [`Model::forward_split`] shares: the states' and the branches' RoPE
 /// and key bias.
 struct SplitStep<'a> {
-    split: &'a SplitBatch,
+    rows: SplitRows<'a>,
     /// `[2, R, S, rotary_dim]`, `[2, B, T, rotary_dim]`.
     cos_sin: (Tensor, Tensor),
     /// `[R, S]`, `[B, W+T]` (with attention layers only; W the past's width: S, or the given
@@ -245,27 +269,27 @@ impl DecoderLayer {
                 };
                 let parts = ((cs_s, bias_s), (cs_b, bias_b));
                 let (out, kv) =
-                    attn.forward_split(h, step.split, parts.0, parts.1, outputs, given, step.keep)?;
+                    attn.forward_split(h, step.rows, parts.0, parts.1, outputs, given, step.keep)?;
                 *kept = kv.map(|(k, v)| LayerCache::Attention {
                     k: Some(k),
                     v: Some(v),
                 });
                 Ok(out)
             }
-            (Mixer::DeltaNet(gdn), None) if !step.keep => gdn.forward_split(h, step.split, outputs),
+            (Mixer::DeltaNet(gdn), None) if !step.keep => gdn.forward_split(h, step.rows, outputs),
             (Mixer::DeltaNet(gdn), None | Some(LayerCache::DeltaNet { .. })) => {
                 let given = match given {
                     Some(LayerCache::DeltaNet { conv, recurrent }) => Some((conv, recurrent)),
                     _ => None,
                 };
                 let (out, state) =
-                    gdn.forward_split_with(h, step.split, outputs, given, step.keep)?;
+                    gdn.forward_split_with(h, step.rows, outputs, given, step.keep)?;
                 *kept = state.map(|(conv, recurrent)| LayerCache::DeltaNet { conv, recurrent });
                 Ok(out)
             }
             _ => candle_core::bail!("given cache layer kind does not match the model layer"),
         };
-        self.around_mixer(xs, pending, mix, |xs| outputs.kept(step.split, &xs), pick)
+        self.around_mixer(xs, pending, mix, |xs| step.rows.kept(outputs, &xs), pick)
     }
 
     /// The input norm (with the pending add), `mix`, the post-attention norm (with its add) and
@@ -543,8 +567,9 @@ impl Model {
             }
             (true, None) => candle_core::bail!("split tables without the key bias"),
         };
+        let rows = tables.rows();
         let step = SplitStep {
-            split,
+            rows,
             cos_sin: (
                 self.rope
                     .at(&vec![0; states], s_len, self.dtype, &self.device)?,
@@ -553,7 +578,8 @@ impl Model {
             key_bias,
             keep,
         };
-        let mut xs = self.embed(&[state_ids, branch_ids])?; // [R·S + B·T, H]
+        // [R·S + B·T, H], the branch rows packed where they are.
+        let mut xs = rows.kept_of_padded(Outputs::All, &self.embed(&[state_ids, branch_ids])?)?;
         let mut pending = None;
         let mut kept_layers = Vec::with_capacity(if keep { self.layers.len() } else { 0 });
         let last = self.layers.len().saturating_sub(1);
@@ -585,7 +611,7 @@ impl Model {
             pending = Some(mlp_out);
         }
         if self.layers.is_empty() {
-            xs = split.branch_rows(&xs)?;
+            xs = rows.branch_rows(&xs)?;
             if let Some(rows) = picked {
                 xs = gather_rows(&xs, rows)?;
             }
@@ -593,7 +619,11 @@ impl Model {
         let hidden = self.final_norm(&xs, pending.as_ref())?;
         let hidden = match picked {
             Some(_) => hidden,
-            None => hidden.counted_reshape((b_rows, width, self.cfg.hidden_size))?,
+            None => rows.padded_branches(&hidden)?.counted_reshape((
+                b_rows,
+                width,
+                self.cfg.hidden_size,
+            ))?,
         };
         let kept = keep.then(|| {
             Cache::after_first_forward(kept_layers, s_len, split.state_lengths(), &self.device)
@@ -670,10 +700,16 @@ impl Model {
         rope && deltanet
     }
 
-    /// `split` with [`Model::split_host`] on the device.
-    pub fn split_tables(&self, split: SplitBatch, given: Option<&Cache>) -> Result<SplitTables> {
+    /// `split` with [`Model::split_host`] on the device, its branch rows packed between the
+    /// layers where `pack` says so ([`Packing::of`]).
+    pub fn split_tables(
+        &self,
+        split: SplitBatch,
+        given: Option<&Cache>,
+        pack: bool,
+    ) -> Result<SplitTables> {
         let (host, owner_lengths) = self.split_host(&split, given);
-        host.upload(split, owner_lengths, &self.device)
+        host.upload(split, owner_lengths, pack, &self.device)
     }
 
     /// Per-key additive f32 bias `[B, S+T]` for the attention layers' causal softmax: cached
