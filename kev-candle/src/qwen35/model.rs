@@ -506,8 +506,9 @@ impl Model {
 
     /// State rows `state_ids: [R, S]` and branch rows `branch_ids: [B, T]` that continue them,
     /// in one pass over the layers ([`SplitBatch`]); returns the branch rows' final-norm hidden states
-    /// `[B, T, H]`, or with `picked` (flat indices into the `B·T` branch positions) those rows
-    /// only, `[P, H]`: the last layer runs its post-attention norm and MLP on them alone. The
+    /// `[B, T, H]`, or with `picked` (flat indices into the branch rows as `tables` holds them:
+    /// the `B·T` positions, or where packed the real steps' rows, [`Packing::branch_row`]) those
+    /// rows only, `[P, H]`: the last layer runs its post-attention norm and MLP on them alone. The
     /// same as [`Model::forward`] on the states, then on the branches with copies of their state
     /// rows' cache, except for the order of sums inside the taller matrix products.
     ///
