@@ -229,25 +229,29 @@ impl Executor {
     }
 
     /// Where `pass`'s head reads ([`Pass::head_reads`]) among its branch rows as `split` holds
-    /// them (packed: [`Packing::branch_row`]).
-    fn held_reads(pass: &Pass, split: Option<&SplitTables>) -> Vec<usize> {
+    /// them (packed: [`Packing::branch_row`]); an error names a read that a packing does not hold.
+    fn held_reads(pass: &Pass, split: Option<&SplitTables>) -> Result<Vec<usize>> {
         let (reads, _) = pass.head_reads();
-        match split.and_then(SplitTables::packing) {
-            Some(packing) => {
-                let width = pass.branch_width();
-                reads
-                    .into_iter()
-                    .map(|p| packing.branch_row(p, width))
-                    .collect()
-            }
-            None => reads,
-        }
+        let Some(packing) = split.and_then(SplitTables::packing) else {
+            return Ok(reads);
+        };
+        let width = pass.branch_width();
+        reads
+            .into_iter()
+            .map(|p| {
+                packing
+                    .branch_row(p, width)
+                    .ok_or_else(|| kev_core::Error::Device {
+                        message: format!("head position {p} on a branch row's padding"),
+                    })
+            })
+            .collect()
     }
 
     /// [`Executor::held_reads`] as u32, checked within the branch rows here, since a graph's
     /// replay reads them without the gathers' own checks.
     fn head_reads(pass: &Pass, split: Option<&SplitTables>) -> Result<Vec<u32>> {
-        let reads = Self::held_reads(pass, split);
+        let reads = Self::held_reads(pass, split)?;
         let positions = match split.and_then(SplitTables::packing) {
             Some(packing) => packing.branch_rows(),
             None => pass
@@ -348,7 +352,7 @@ impl Executor {
     /// and returns all options' logits `[M]` on the device, waiting for nothing.
     pub(crate) fn pass_logits(&self, pass: &Pass, inputs: &PassInputs) -> Result<Tensor> {
         let (_, owner) = pass.head_reads();
-        let reads = Self::held_reads(pass, inputs.split.as_ref());
+        let reads = Self::held_reads(pass, inputs.split.as_ref())?;
         let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
             .map_err(backend_err("head positions"))?;
         let hidden = if let Some(tables) = &inputs.split {
@@ -439,7 +443,7 @@ impl Executor {
             unreachable!("a one-piece pass has its split")
         };
         let (_, owner) = pass.head_reads();
-        let reads = Self::held_reads(pass, Some(tables));
+        let reads = Self::held_reads(pass, Some(tables))?;
         let picked = RowIndex::on_device(inputs.heads.clone(), &reads)
             .map_err(backend_err("head positions"))?;
         let (hidden, kept) = self

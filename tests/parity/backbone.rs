@@ -215,7 +215,10 @@ fn split_forward_equals_states_then_branches() {
         // rows.
         let picked = [12usize, 0, 8, 9, 24, 0];
         let held: Vec<usize> = match tables.packing() {
-            Some(p) => picked.iter().map(|&r| p.branch_row(r, 9)).collect(),
+            Some(p) => picked
+                .iter()
+                .map(|&r| p.branch_row(r, 9).unwrap())
+                .collect(),
             None => picked.to_vec(),
         };
         let index = kev_kernels::RowIndex::new(&held, &device()).unwrap();

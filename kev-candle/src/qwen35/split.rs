@@ -40,8 +40,8 @@ pub struct Packing {
     padded: RowIndex,
     /// Each padded branch position's held branch row, `[B·T]`.
     padded_branches: RowIndex,
-    /// Each branch row's first held branch row.
-    starts: Vec<usize>,
+    /// Each branch row's first held branch row, and its length.
+    rows: Vec<(usize, usize)>,
 }
 
 impl Packing {
@@ -64,12 +64,12 @@ impl Packing {
         if real == lengths.len() * width || lengths.contains(&0) {
             return Ok(None);
         }
-        let mut starts = Vec::with_capacity(lengths.len());
+        let mut rows = Vec::with_capacity(lengths.len());
         let mut held_branches = Vec::with_capacity(real);
         let mut padded_branches = Vec::with_capacity(lengths.len() * width);
         for (b, &len) in lengths.iter().enumerate() {
             let start = held_branches.len();
-            starts.push(start);
+            rows.push((start, len));
             held_branches.extend((0..len).map(|t| b * width + t));
             padded_branches.extend((0..width).map(|t| start + t.min(len - 1)));
         }
@@ -84,13 +84,16 @@ impl Packing {
             held_branches: RowIndex::new(&held_branches, device)?,
             padded: RowIndex::new(&padded, device)?,
             padded_branches: RowIndex::new(&padded_branches, device)?,
-            starts,
+            rows,
         }))
     }
 
-    /// The held branch row of padded branch position `p` (a real step's).
-    pub fn branch_row(&self, p: usize, width: usize) -> usize {
-        self.starts[p / width] + p % width
+    /// The held branch row of padded branch position `p` (of rows `width` wide); none for a
+    /// position past its row's real steps, or past the rows (packed, it has no row of its own).
+    pub fn branch_row(&self, p: usize, width: usize) -> Option<usize> {
+        let (start, len) = *self.rows.get(p.checked_div(width)?)?;
+        let t = p % width;
+        (t < len).then_some(start + t)
     }
 
     /// The held branch rows' count.
@@ -182,5 +185,60 @@ impl SplitRows<'_> {
             Some(p) => gather_rows(t, &p.padded_branches),
             None => Ok(t.clone()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows_of(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn packed_branch_rows_hold_real_steps_and_pad_with_their_last() {
+        // Two states of 3 steps (one padded), branch rows of 2 and 1 real steps padded to 3.
+        let dev = Device::Cpu;
+        let split = SplitBatch::new(3, vec![3, 2], 3, vec![2, 1], vec![0, 1], &dev).unwrap();
+        let packing = Packing::of(&split, &dev)
+            .unwrap()
+            .expect("padded branch rows");
+        let rows = SplitRows {
+            split: &split,
+            packing: Some(&packing),
+        };
+        // Each padded row's own number: states 0..6, branch positions 6..12.
+        let padded = Tensor::arange(0f32, 12., &dev)
+            .unwrap()
+            .reshape((12, 1))
+            .unwrap();
+        let held = rows.kept_of_padded(Outputs::All, &padded).unwrap();
+        assert_eq!(rows_of(&held), [0., 1., 2., 3., 4., 5., 6., 7., 9.]);
+        let branches = rows.kept_of_padded(Outputs::Branches, &padded).unwrap();
+        assert_eq!(rows_of(&branches), [6., 7., 9.]);
+        assert_eq!(rows_of(&rows.branch_rows(&held).unwrap()), [6., 7., 9.]);
+        // Back to the padded rows: a pad repeats its row's last real step.
+        let (states, branches) = rows.parts(&held).unwrap();
+        assert_eq!(states.dims(), [2, 3, 1]);
+        assert_eq!(rows_of(&branches), [6., 7., 7., 9., 9., 9.]);
+        assert_eq!(
+            rows_of(&rows.padded(&held).unwrap()),
+            [0., 1., 2., 3., 4., 5., 6., 7., 7., 9., 9., 9.]
+        );
+        // The head's positions: real steps map to their held rows, pads and strays to none.
+        let held_rows: Vec<Option<usize>> = (0..7).map(|p| packing.branch_row(p, 3)).collect();
+        assert_eq!(
+            held_rows,
+            [Some(0), Some(1), None, Some(2), None, None, None]
+        );
+        assert_eq!(packing.branch_rows(), 3);
+        assert!(Packing::pays(&split), "3 pads of 12 rows");
+        // Unpadded branch rows, or an empty one, are not packed.
+        let full = SplitBatch::new(3, vec![3, 2], 2, vec![2, 2], vec![0, 1], &dev).unwrap();
+        assert!(Packing::of(&full, &dev).unwrap().is_none());
+        assert!(!Packing::pays(&full));
+        let empty = SplitBatch::new(3, vec![3, 2], 2, vec![2, 0], vec![0, 1], &dev).unwrap();
+        assert!(Packing::of(&empty, &dev).unwrap().is_none());
     }
 }
