@@ -235,12 +235,11 @@ impl Executor {
         let Some(packing) = split.and_then(SplitTables::packing) else {
             return Ok(reads);
         };
-        let width = pass.branch_width();
         reads
             .into_iter()
             .map(|p| {
                 packing
-                    .branch_row(p, width)
+                    .branch_row(p)
                     .ok_or_else(|| kev_core::Error::Device {
                         message: format!("head position {p} on a branch row's padding"),
                     })

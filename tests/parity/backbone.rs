@@ -197,6 +197,14 @@ fn split_forward_equals_states_then_branches() {
         let (ours, _) = model
             .forward_split(&states, &branches, &tables, None, None, false)
             .unwrap();
+        // Keeping the states (no given rows: the split kernels that hand back the matrices)
+        // changes nothing of the branches.
+        let (keeping, kept) = model
+            .forward_split(&states, &branches, &tables, None, None, true)
+            .unwrap();
+        assert!(kept.is_some());
+        let what = format!("{layers} layers (last {last:?}), packed {pack}, keeping");
+        check(&what, &keeping, &ours, 1e-5).unwrap();
 
         let mut cache = model.new_cache(2).unwrap();
         model
@@ -215,10 +223,7 @@ fn split_forward_equals_states_then_branches() {
         // rows.
         let picked = [12usize, 0, 8, 9, 24, 0];
         let held: Vec<usize> = match tables.packing() {
-            Some(p) => picked
-                .iter()
-                .map(|&r| p.branch_row(r, 9).unwrap())
-                .collect(),
+            Some(p) => picked.iter().map(|&r| p.branch_row(r).unwrap()).collect(),
             None => picked.to_vec(),
         };
         let index = kev_kernels::RowIndex::new(&held, &device()).unwrap();

@@ -152,8 +152,11 @@ impl SplitTables {
     }
 
     /// Rewrites the tables with `host`'s (of a split of the same shape): a graph's next replay
-    /// reads them.
+    /// reads them. Packed tables are not rewritten: their row count is their lengths'.
     pub fn write(&self, host: &SplitHost, device: &Device) -> Result<()> {
+        if self.packing.is_some() {
+            candle_core::bail!("packed split tables are not rewritten")
+        }
         fn put<T: candle_core::WithDType>(
             slot: Option<&Tensor>,
             values: Option<&Vec<T>>,

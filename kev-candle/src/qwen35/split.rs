@@ -42,6 +42,8 @@ pub struct Packing {
     padded_branches: RowIndex,
     /// Each branch row's first held branch row, and its length.
     rows: Vec<(usize, usize)>,
+    /// The padded branch rows' width (T).
+    width: usize,
 }
 
 impl Packing {
@@ -52,7 +54,7 @@ impl Packing {
     pub fn pays(split: &SplitBatch) -> bool {
         let real: usize = split.branch_lengths().iter().sum();
         let pads = split.branches() * split.branch_width() - real;
-        16 * pads >= split.tokens()
+        pads.saturating_mul(16) >= split.tokens()
     }
 
     /// The packing of `split`'s branch rows; none where they hold no padding or an empty row
@@ -85,14 +87,15 @@ impl Packing {
             padded: RowIndex::new(&padded, device)?,
             padded_branches: RowIndex::new(&padded_branches, device)?,
             rows,
+            width,
         }))
     }
 
-    /// The held branch row of padded branch position `p` (of rows `width` wide); none for a
-    /// position past its row's real steps, or past the rows (packed, it has no row of its own).
-    pub fn branch_row(&self, p: usize, width: usize) -> Option<usize> {
-        let (start, len) = *self.rows.get(p.checked_div(width)?)?;
-        let t = p % width;
+    /// The held branch row of padded branch position `p`; none for a position past its row's
+    /// real steps, or past the rows (packed, it has no row of its own).
+    pub fn branch_row(&self, p: usize) -> Option<usize> {
+        let (start, len) = *self.rows.get(p.checked_div(self.width)?)?;
+        let t = p % self.width;
         (t < len).then_some(start + t)
     }
 
@@ -227,7 +230,7 @@ mod tests {
             [0., 1., 2., 3., 4., 5., 6., 7., 7., 9., 9., 9.]
         );
         // The head's positions: real steps map to their held rows, pads and strays to none.
-        let held_rows: Vec<Option<usize>> = (0..7).map(|p| packing.branch_row(p, 3)).collect();
+        let held_rows: Vec<Option<usize>> = (0..7).map(|p| packing.branch_row(p)).collect();
         assert_eq!(
             held_rows,
             [Some(0), Some(1), None, Some(2), None, None, None]
