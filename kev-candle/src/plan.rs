@@ -107,7 +107,8 @@ impl Plan {
             .collect();
         for (rec, j) in records.iter().zip(&cold_of) {
             if let Some(j) = *j {
-                loads[j] = loads[j].with_rows(rec.questions(), rec.longest_branch());
+                loads[j] =
+                    loads[j].with_rows(rec.questions(), rec.longest_branch(), rec.branch_tokens());
             }
         }
         // Cold state j is row `cold_row[j].1` of pass `cold_row[j].0`.
@@ -322,7 +323,7 @@ pub(crate) fn pieces<S: AsRef<[u32]>>(seqs: &[S], chunk: usize) -> Vec<Piece> {
 }
 
 /// A distinct computed state's load on a pass: its tokens, and the branch rows that continue it
-/// (how many, and the longest one's tokens).
+/// (how many, the longest one's tokens, and all their tokens).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StateLoad {
     /// The state's tokens.
@@ -331,28 +332,38 @@ pub struct StateLoad {
     pub rows: usize,
     /// The longest of those rows' tokens.
     pub longest_row: usize,
+    /// All those rows' tokens.
+    pub branch_tokens: usize,
 }
 
 impl StateLoad {
-    /// This state's load with `rows` more branch rows, the longest of them `longest` tokens.
-    pub fn with_rows(self, rows: usize, longest: usize) -> Self {
+    /// This state's load with `rows` more branch rows of `tokens` tokens, the longest of them
+    /// `longest`.
+    pub fn with_rows(self, rows: usize, longest: usize, tokens: usize) -> Self {
         Self {
             rows: self.rows + rows,
             longest_row: self.longest_row.max(longest),
+            branch_tokens: self.branch_tokens + tokens,
             ..self
         }
     }
 
-    /// Its tokens as a pass of its own runs them: its branch rows padded to its longest.
+    /// Its tokens as a pass of its own holds them between the layers: its branch rows packed.
     fn alone(&self) -> usize {
-        self.tokens + self.rows * self.longest_row
+        self.tokens + self.branch_tokens
+    }
+
+    /// Its branch rows as a pass of its own pads them for the mixers.
+    fn padded_rows(&self) -> usize {
+        self.rows * self.longest_row
     }
 }
 
-/// How far a backend pads states into one pass ([`state_groups`]): a pass's padded tokens (its
-/// states to its longest, its branch rows to theirs) may exceed what its states would run alone
-/// ([`StateLoad::alone`]) by `waste` of those plus `slack` tokens, before a longer state starts a
-/// new pass.
+/// How far a backend pads states into one pass ([`state_groups`]): a pass's held tokens (its
+/// states padded to its longest, its branch rows packed: their own tokens) may exceed what its
+/// states would hold alone ([`StateLoad::alone`]) by `waste` of those plus `slack` tokens, and
+/// the branch rows padded for its mixers (each to the pass's longest) at most twice theirs
+/// padded alone plus `slack` (their memory), before a longer state starts a new pass.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Grouping {
     waste: f64,
@@ -362,14 +373,16 @@ pub(crate) struct Grouping {
 impl Grouping {
     /// A GPU's: a pass there costs about 1,000 tokens' time of its own (its few hundred
     /// kernels' time on small rows, which issuing passes ahead does not hide; the H100 at
-    /// 0.8B), so short states are worth padding into one pass (2 % faster on varied records
-    /// than a slack of 256, 14–26 % faster than the CPU's rule; BENCHMARKS.md).
+    /// 0.8B), so short states are worth padding into one pass (14–26 % faster on varied records
+    /// than the CPU's rule, 8–13 % than 25 % + 4,096; counting held tokens, not the branch rows
+    /// padded, 1.5–2 %; BENCHMARKS.md).
     pub(crate) const GPU: Self = Self {
         waste: 0.1,
         slack: 1024,
     };
     /// A CPU's: a pass costs little beyond its tokens, so padding stays near the records' own
-    /// (on varied records 10 % faster than the GPU's rule; BENCHMARKS.md).
+    /// (on varied records 1.29× the GPU's rule; counting the branch rows held rather than
+    /// padded measured within the noise on Zen 4; BENCHMARKS.md).
     pub(crate) const CPU: Self = Self {
         waste: 0.05,
         slack: 32,
@@ -410,7 +423,12 @@ impl Padded {
 
     /// Its tokens: each state padded to the longest, each branch row to the longest row.
     fn tokens(&self) -> usize {
-        self.states * self.longest + self.rows * self.longest_row
+        self.states * self.longest + self.padded_rows()
+    }
+
+    /// Its branch rows padded to the longest.
+    fn padded_rows(&self) -> usize {
+        self.rows * self.longest_row
     }
 }
 
@@ -423,31 +441,44 @@ fn pass_tokens<'a>(loads: impl IntoIterator<Item = &'a StateLoad>) -> usize {
 }
 
 /// Computed states grouped into passes (indices into `loads`, each group one pass): a pass pads
-/// every state to its longest and every branch row to its longest, so mixing a 10-token state
-/// with a 1,000-token one, or a 200-token branch with 20-token ones, would make the pass slower
-/// than scoring them apart. Sorted by state length, a state joins the current group while the
-/// group's padded tokens stay within `rule` ([`Grouping`]).
+/// every state to its longest and every branch row, for the mixers, to its longest, so mixing a
+/// 10-token state with a 1,000-token one, or a 2,000-token branch with 20-token ones, would make
+/// the pass slower, or larger, than scoring them apart. Sorted by state length, a state joins the
+/// current group while the group stays within `rule` ([`Grouping`]).
 pub(crate) fn state_groups(loads: &[StateLoad], rule: Grouping) -> Vec<Vec<usize>> {
     let mut order: Vec<usize> = (0..loads.len()).collect();
     // Equal states' loads are interchangeable, so the groups' tokens do not depend on the order
     // the states came in (a batcher's count is the plan's).
-    order.sort_by_key(|&i| (loads[i].tokens, loads[i].longest_row, loads[i].rows));
+    order.sort_by_key(|&i| {
+        let l = &loads[i];
+        (l.tokens, l.longest_row, l.rows, l.branch_tokens)
+    });
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    // The current group, padded, and what its states would run alone.
-    let (mut padded, mut alone) = (Padded::default(), 0usize);
+    // The current group, padded; what its states would hold alone; their branch rows padded
+    // alone; and the group's branch tokens.
+    let (mut padded, mut alone, mut rows_alone, mut branches) = (Padded::default(), 0, 0, 0);
     for i in order {
         let load = &loads[i];
+        let padded_then = padded.with(load);
+        let (alone_then, rows_then) = (alone + load.alone(), rows_alone + load.padded_rows());
+        let branches_then = branches + load.branch_tokens;
         if let Some(group) = groups.last_mut() {
-            let (padded_then, alone_then) = (padded.with(load), alone + load.alone());
+            let held = padded_then.states * padded_then.longest + branches_then;
             let bound = (1.0 + rule.waste) * alone_then as f64 + rule.slack as f64;
-            if padded_then.tokens() as f64 <= bound {
+            if held as f64 <= bound && padded_then.padded_rows() <= 2 * rows_then + rule.slack {
                 group.push(i);
-                (padded, alone) = (padded_then, alone_then);
+                (padded, alone, rows_alone, branches) =
+                    (padded_then, alone_then, rows_then, branches_then);
                 continue;
             }
         }
         groups.push(vec![i]);
-        (padded, alone) = (Padded::default().with(load), load.alone());
+        (padded, alone, rows_alone, branches) = (
+            Padded::default().with(load),
+            load.alone(),
+            load.padded_rows(),
+            load.branch_tokens,
+        );
     }
     groups
 }
@@ -605,11 +636,13 @@ mod tests {
 
     const GPU: Grouping = Grouping::GPU;
 
+    /// A state of `tokens` and `rows` branch rows of `longest_row` tokens each.
     fn load(tokens: usize, rows: usize, longest_row: usize) -> StateLoad {
         StateLoad {
             tokens,
             rows,
             longest_row,
+            branch_tokens: rows * longest_row,
         }
     }
 
@@ -624,11 +657,20 @@ mod tests {
         // Short states share a pass (the slack); a long one does not join them.
         let mixed = [(10, 1, 20), (1000, 1, 20), (20, 1, 20), (30, 1, 20)];
         assert_eq!(groups(&mixed), vec![vec![0, 2, 3], vec![1]]);
-        // Nor does a state whose branch rows are ten times theirs.
+        // Nor does a state whose branch rows are ten times theirs (padded for the mixers, theirs
+        // would more than double).
         let rows = [(100, 4, 20), (100, 4, 20), (100, 4, 200), (100, 4, 20)];
         assert_eq!(groups(&rows), vec![vec![0, 1, 3], vec![2]]);
         let loads: Vec<StateLoad> = (0..300)
-            .map(|i| load((i * 37) % 1100 + 1, i % 6 + 1, (i * 13) % 90 + 5))
+            .map(|i| {
+                let (rows, longest) = (i % 6 + 1, (i * 13) % 90 + 5);
+                // Ragged rows: one at the longest, the others shorter.
+                let branch_tokens = longest + (rows - 1) * (longest / (i % 3 + 1));
+                StateLoad {
+                    branch_tokens,
+                    ..load((i * 37) % 1100 + 1, rows, longest)
+                }
+            })
             .collect();
         let mut padded_by = Vec::new();
         for (rule, bound) in [(GPU, (1.1, 1024.0)), (Grouping::CPU, (1.05, 32.0))] {
@@ -639,9 +681,15 @@ mod tests {
             let mut total = 0;
             for g in &groups {
                 let alone: usize = g.iter().map(|&i| loads[i].alone()).sum();
-                let padded = super::pass_tokens(g.iter().map(|&i| &loads[i]));
-                assert!(padded as f64 <= bound.0 * alone as f64 + bound.1, "{g:?}");
-                total += padded;
+                let branches: usize = g.iter().map(|&i| loads[i].branch_tokens).sum();
+                let padded = g
+                    .iter()
+                    .fold(super::Padded::default(), |p, &i| p.with(&loads[i]));
+                let held = padded.states * padded.longest + branches;
+                assert!(held as f64 <= bound.0 * alone as f64 + bound.1, "{g:?}");
+                let rows_alone: usize = g.iter().map(|&i| loads[i].padded_rows()).sum();
+                assert!(padded.padded_rows() as f64 <= 2.0 * rows_alone as f64 + bound.1);
+                total += held;
             }
             padded_by.push((groups.len(), total));
         }
@@ -683,7 +731,9 @@ mod tests {
                     cold.len() - 1
                 }
             };
-            cold[at].1 = cold[at].1.with_rows(r.questions(), r.longest_branch());
+            cold[at].1 = cold[at]
+                .1
+                .with_rows(r.questions(), r.longest_branch(), r.branch_tokens());
         }
         let loads: Vec<StateLoad> = cold.iter().map(|c| c.1).collect();
         for rule in [GPU, Grouping::CPU] {
