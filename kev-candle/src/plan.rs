@@ -396,6 +396,8 @@ struct Padded {
     longest: usize,
     rows: usize,
     longest_row: usize,
+    /// The computed states' branch rows' own tokens.
+    branch_tokens: usize,
 }
 
 impl Padded {
@@ -404,6 +406,7 @@ impl Padded {
         Self {
             states: self.states + 1,
             longest: self.longest.max(load.tokens),
+            branch_tokens: self.branch_tokens + load.branch_tokens,
             ..self.with_rows(load.rows, load.longest_row)
         }
     }
@@ -430,6 +433,12 @@ impl Padded {
     fn padded_rows(&self) -> usize {
         self.rows * self.longest_row
     }
+
+    /// Its tokens between the layers: each state padded to the longest, the computed states'
+    /// branch rows packed.
+    fn held(&self) -> usize {
+        self.states * self.longest + self.branch_tokens
+    }
 }
 
 /// The padded tokens of a pass of these states ([`Padded::tokens`]).
@@ -454,30 +463,28 @@ pub(crate) fn state_groups(loads: &[StateLoad], rule: Grouping) -> Vec<Vec<usize
         (l.tokens, l.longest_row, l.rows, l.branch_tokens)
     });
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    // The current group, padded; what its states would hold alone; their branch rows padded
-    // alone; and the group's branch tokens.
-    let (mut padded, mut alone, mut rows_alone, mut branches) = (Padded::default(), 0, 0, 0);
+    // The current group, padded; what its states would hold alone; and their branch rows
+    // padded alone.
+    let (mut padded, mut alone, mut rows_alone) = (Padded::default(), 0, 0);
     for i in order {
         let load = &loads[i];
         let padded_then = padded.with(load);
         let (alone_then, rows_then) = (alone + load.alone(), rows_alone + load.padded_rows());
-        let branches_then = branches + load.branch_tokens;
         if let Some(group) = groups.last_mut() {
-            let held = padded_then.states * padded_then.longest + branches_then;
             let bound = (1.0 + rule.waste) * alone_then as f64 + rule.slack as f64;
-            if held as f64 <= bound && padded_then.padded_rows() <= 2 * rows_then + rule.slack {
+            if padded_then.held() as f64 <= bound
+                && padded_then.padded_rows() <= 2 * rows_then + rule.slack
+            {
                 group.push(i);
-                (padded, alone, rows_alone, branches) =
-                    (padded_then, alone_then, rows_then, branches_then);
+                (padded, alone, rows_alone) = (padded_then, alone_then, rows_then);
                 continue;
             }
         }
         groups.push(vec![i]);
-        (padded, alone, rows_alone, branches) = (
+        (padded, alone, rows_alone) = (
             Padded::default().with(load),
             load.alone(),
             load.padded_rows(),
-            load.branch_tokens,
         );
     }
     groups
@@ -681,11 +688,10 @@ mod tests {
             let mut total = 0;
             for g in &groups {
                 let alone: usize = g.iter().map(|&i| loads[i].alone()).sum();
-                let branches: usize = g.iter().map(|&i| loads[i].branch_tokens).sum();
                 let padded = g
                     .iter()
                     .fold(super::Padded::default(), |p, &i| p.with(&loads[i]));
-                let held = padded.states * padded.longest + branches;
+                let held = padded.held();
                 assert!(held as f64 <= bound.0 * alone as f64 + bound.1, "{g:?}");
                 let rows_alone: usize = g.iter().map(|&i| loads[i].padded_rows()).sum();
                 assert!(padded.padded_rows() as f64 <= 2.0 * rows_alone as f64 + bound.1);

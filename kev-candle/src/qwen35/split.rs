@@ -168,16 +168,17 @@ impl SplitRows<'_> {
     /// Held `t: [N, ..]` (rows contiguous) as the states `[R, S, ..]` (a view) and the branches
     /// padded, `[B, T, ..]` (a view, or a copy where packed).
     pub(crate) fn parts(&self, t: &Tensor) -> Result<(Tensor, Tensor)> {
-        let Some(p) = self.packing else {
+        if self.packing.is_none() {
             return self.split.parts(t);
-        };
+        }
         let split = self.split;
         let rest = &t.dims()[1..];
         let shape = |b: usize, w: usize| [&[b, w][..], rest].concat();
         let states = t
             .narrow(0, 0, self.state_tokens())?
             .counted_reshape(shape(split.states(), split.state_width()))?;
-        let branches = gather_rows(&self.branch_rows(t)?, &p.padded_branches)?
+        let branches = self
+            .padded_branches(&self.branch_rows(t)?)?
             .counted_reshape(shape(split.branches(), split.branch_width()))?;
         Ok((states, branches))
     }
