@@ -696,12 +696,12 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             None => None,
         };
         let s_len = past.as_ref().map_or(0, |p| p.0.dim(2).unwrap_or(0));
-        // Padding: row 0's last past key and every row's last own key but one (never a
-        // query's only key).
+        // Padding: row 0's last past key and every row's last own key (rows are right-padded:
+        // the last query is padding, its output zero on the kernel).
         let bias: Vec<f32> = (0..b)
             .flat_map(|row| {
                 (0..s_len + l).map(move |j| {
-                    let pad = (row == 0 && s_len > 0 && j == s_len - 1) || j == s_len + l - 2;
+                    let pad = (row == 0 && s_len > 0 && j == s_len - 1) || j == s_len + l - 1;
                     if pad {
                         f32::NEG_INFINITY
                     } else {
@@ -718,6 +718,13 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             &v,
             &bias,
             scale,
+        )?;
+        let want = Tensor::cat(
+            &[
+                want.narrow(2, 0, t - 1)?,
+                want.narrow(2, t - 1, 1)?.zeros_like()?,
+            ],
+            2,
         )?;
         let on = |t: &Tensor| t.to_device(&dev);
         let (q_d, k_d, v_d, bias_d) = (on(&q)?, on(&k)?, on(&v)?, on(&bias)?);

@@ -5,7 +5,8 @@
 // Keys and values of batch row b: first the S of a past (row owners[b] of kp/vp, the state row
 // a branch row continues; row b without owners), then the L of its own (kn/vn). Query t (of T,
 // the last T of those L) sees keys j ≤ S + L − T + t, plus the additive key bias [B, S + L]
-// (0 or −inf: padding). Each K/V source is [rows, Hkv, steps, 256] at its own strides (in
+// (0 or −inf: padding; rows are right-padded, so a query whose own key is masked is padding: it
+// reads no key and its output is zero). Each K/V source is [rows, Hkv, steps, 256] at its own strides (in
 // elements, steps at 16-byte multiples), so the values can stay a view of the projection.
 //
 // A block takes 64 query rows of one (b, kv head): the rep = Hq / Hkv query heads of a kv head
@@ -14,7 +15,7 @@
 // f32 (base 2, as flash attention), then O += P·V with P rounded to bf16. Shared memory holds
 // the Q, K and V tiles (101 KB: two blocks a multiprocessor, one loading while the other
 // computes: loading the next tile during this one's P·V measured slower). Causality ends a
-// block's key loop at its last row's last key; tiles wholly before a row's last key skip the
+// block's key loop at its last real row's last key; tiles wholly before a row's last key skip the
 // causal compare.
 #if __CUDA_ARCH__ >= 800
 
@@ -58,22 +59,29 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
             ok ? q + (((long)b * hq + kvh * rep + r / T) * T + r % T) * FLASH_HEAD_DIM + col : q;
         cp_async16(&q_s[rr * FLASH_PITCH + col], src, ok ? 16 : 0);
     }
-    // The key loop's end: the last row's keys (all T steps where the block spans two heads).
-    const int last = min(r0 + FLASH_ROWS, rows) - 1;
-    const int t_max = (r0 / T == last / T) ? last % T : T - 1;
-    const int kv_end = min(keys, seen0 + t_max + 1);
     // This thread's two rows (g, g + 8 of its warp's 16): the last key each sees (−1: a row past
-    // the block's end), and the fewest keys any row of the warp sees (tiles below need no mask).
+    // the block's end, or padding: a query whose own key is masked), the fewest keys any row of
+    // the warp sees (tiles below need no mask), and the most any row of the block sees (the key
+    // loop's end: a block of padding reads no key).
+    __shared__ int block_lim;
+    if (tid == 0) block_lim = -1;
     int lim[2];
     #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int r = r0 + 16 * warp + g + 8 * h;
-        lim[h] = r < rows ? seen0 + r % T : -1;
+        const int own = seen0 + r % T;
+        lim[h] = r < rows && bias[(long)b * keys + own] != FLASH_NEG_INF ? own : -1;
     }
-    int warp_lim = min(lim[0], lim[1]);
+    int warp_lim = min(lim[0], lim[1]), warp_max = max(lim[0], lim[1]);
     #pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
+    for (int off = 16; off > 0; off >>= 1) {
         warp_lim = min(warp_lim, __shfl_xor_sync(0xffffffffu, warp_lim, off));
+        warp_max = max(warp_max, __shfl_xor_sync(0xffffffffu, warp_max, off));
+    }
+    __syncthreads();
+    if (lane == 0) atomicMax(&block_lim, warp_max);
+    __syncthreads();
+    const int kv_end = block_lim + 1;
     // Each lane's column of key j's row: the past's (row owners[b]) before S, then its own.
     const bf16_t* kp0 = kp.p + past_row * kp.row + kvh * kp.head + col;
     const bf16_t* vp0 = vp.p + past_row * vp.row + kvh * vp.head + col;

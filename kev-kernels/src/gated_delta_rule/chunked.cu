@@ -770,6 +770,8 @@ __device__ void gdrc_prep_tc_at(const typename D::T* __restrict__ qkv, ConvIn<D>
     const int b = bh / hv, h = bh % hv, kh = h / (hv / hk);
     const int len = lengths ? min((int)lengths[b], T) : T;
     const int t0 = chunk * CHUNK;
+    // A chunk wholly past the row's length: the scan stops before it (gdrc_scan_tc).
+    if (t0 >= len) return;
     // The scan's operands, bf16 in the f32 scratch's parts (half of each part's floats).
     bf16_t *w16 = reinterpret_cast<bf16_t*>(wt), *q16 = reinterpret_cast<bf16_t*>(qt);
     bf16_t *k16 = reinterpret_cast<bf16_t*>(kd), *a16 = reinterpret_cast<bf16_t*>(atq);
@@ -1102,14 +1104,16 @@ __device__ __forceinline__ void scan_tc_out(const float* o_s, typename D::T* __r
 // `mode` (SCAN_*): whether the state is read first (else it starts at zero), written at the end,
 // and shared between rows (head h of row b reads row owners[b]'s, row 0's if owners is null:
 // branches continuing their records' states, none of them writing it back): SCAN_READ,
-// SCAN_WRITE, SCAN_SHARED.
+// SCAN_WRITE, SCAN_SHARED. `lengths` (null: every row nc_all chunks) ends each row's walk at its
+// last real chunk.
 template <typename D, int NCOL = 32>
 __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restrict__ u_,
                              const float* __restrict__ qt_, const float* __restrict__ kd_,
                              const float* __restrict__ atq_, const float* __restrict__ gtot,
                              float* __restrict__ state, const unsigned int* __restrict__ owners,
-                             typename D::T* __restrict__ out, int T, int hv, int dk, int dv, int nc,
-                             int mode) {
+                             const unsigned int* __restrict__ lengths,
+                             typename D::T* __restrict__ out, int T, int hv, int dk, int dv,
+                             int nc_all, int mode) {
     typedef ScanTc<NCOL> L;
     extern __shared__ __align__(16) unsigned char smb[];
     bf16_t* s_s = reinterpret_cast<bf16_t*>(smb + L::S);
@@ -1120,6 +1124,9 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
     const bf16_t* u = reinterpret_cast<const bf16_t*>(u_);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int bh = blockIdx.y, b = bh / hv, h = bh % hv;
+    // The row's own chunks: those past its length are padding, identity steps the preparation
+    // skipped; their output is zero (below), the state after them the state before.
+    const int nc = lengths ? min(nc_all, (min((int)lengths[b], T) + CHUNK - 1) / CHUNK) : nc_all;
     constexpr int NS = NCOL / 8;   // n-tiles of the block's columns (the state update)
     constexpr int NH = NCOL / 16;  // n-tiles of this warp's half (Δ, P, O)
     const int c0 = blockIdx.x * NCOL;
@@ -1129,7 +1136,7 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
     const int rs = 16 * warp;                      // its rows of S
     const int row = mode & SCAN_SHARED ? (owners ? (int)owners[b] : 0) : b;
     float* st = state + ((size_t)row * hv + h) * dk * dv;
-    const size_t first = (size_t)bh * nc;  // this (row, head)'s first scratch block
+    const size_t first = (size_t)bh * nc_all;  // this (row, head)'s first scratch block
     if (nc > 0) scan_tc_fetch<NCOL>(smb, wt, u, qt, kd, atq, first, c0, dv);
     // S rows rs + g (+8), columns 8·n + 2c (+1): accumulator element i of [n].
     float s[NS][4];
@@ -1205,6 +1212,11 @@ __device__ void gdrc_scan_tc(const float* __restrict__ wt_, const float* __restr
     }
     __syncthreads();
     if (nc > 0) scan_tc_out<D, NCOL>(o_s, out, nc - 1, b, h, T, hv, dv, c0);
+    // The padding's output: zeros, finite for the row-wise layers and attention keys after.
+    for (int e = nc * CHUNK * NCOL + tid; e < T * NCOL; e += MMA_THREADS) {
+        const int tt = e / NCOL, gc = c0 + e % NCOL;
+        if (gc < dv) D::store(out + (((size_t)b * T + tt) * hv + h) * dv + gc, 0.f);
+    }
     if (!(mode & SCAN_WRITE)) return;
     #pragma unroll
     for (int n = 0; n < NS; n++)
@@ -1241,10 +1253,11 @@ GDRC(f16, F16)
 #define GDRC_SCAN_TC(NAME, NCOL, D)                                                               \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2) NAME(                             \
         const float* wt, const float* u, const float* qt, const float* kd, const float* atq,      \
-        const float* gtot, float* state, const unsigned int* owners, D::T* out, int T, int hv,    \
-        int dk, int dv, int nc, int mode) {                                                       \
-        gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, owners, out, T, hv, dk, dv, nc,    \
-                              mode);                                                              \
+        const float* gtot, float* state, const unsigned int* owners,                              \
+        const unsigned int* lengths, D::T* out, int T, int hv, int dk, int dv, int nc,            \
+        int mode) {                                                                               \
+        gdrc_scan_tc<D, NCOL>(wt, u, qt, kd, atq, gtot, state, owners, lengths, out, T, hv, dk,   \
+                              dv, nc, mode);                                                      \
     }
 #define GDRC_TC(TAG, D)                                                                           \
     GDRC_PREP(gdrc_prep_tc_##TAG, gdrc_prep_tc, MMA_THREADS, 4, D)                                 \

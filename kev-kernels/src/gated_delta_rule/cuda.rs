@@ -186,7 +186,7 @@ fn gated_delta_rule_chunked(
         b.arg(&mut st);
         let no_owners = 0u64;
         if tc {
-            b.arg(&no_owners);
+            b.arg(&no_owners).arg(&lengths.ptr);
         }
         b.arg(&out);
         b.arg(&t).arg(&hv).arg(&dk).arg(&dv).arg(&nc);
@@ -374,13 +374,14 @@ pub(crate) fn gated_delta_rule_split(
         let out_b = out.slice(s_tokens * hv * dv..);
         let [wt_b, qt_b, kd_b, at_b, u_b, gtot_b] = layout.parts(&scratch, blocks_a);
         let no_owners = 0u64;
-        for (scan, cols, smem, parts, owners, o, t, nc, heads, mode) in [
+        for (scan, cols, smem, parts, owners, lens, o, t, nc, heads, mode) in [
             (
                 &scan_a,
                 cols_a,
                 smem_a,
                 [&wt, &u, &qt, &kd, &at, &gtot],
                 &no_owners,
+                &state_lengths.ptr,
                 &out_a,
                 s_len,
                 nc_a,
@@ -393,6 +394,7 @@ pub(crate) fn gated_delta_rule_split(
                 smem_b,
                 [&wt_b, &u_b, &qt_b, &kd_b, &at_b, &gtot_b],
                 &owners.ptr,
+                &lengths.ptr,
                 &out_b,
                 width,
                 nc_b,
@@ -405,7 +407,7 @@ pub(crate) fn gated_delta_rule_split(
             for p in parts {
                 b.arg(p);
             }
-            b.arg(&mut state).arg(owners).arg(o);
+            b.arg(&mut state).arg(owners).arg(lens).arg(o);
             b.arg(&t_i)
                 .arg(&hv_i)
                 .arg(&dk_i)
