@@ -193,6 +193,8 @@ __device__ void flash_attn(const bf16_t* __restrict__ q, FaSource kp, FaSource v
         }
     }
 
+    // A block of padding ran no tile: its query tile's copies land before the block ends.
+    cp_async_wait<0>();
     // O / l, stored as bf16 at [b, head, t, :] (rows with no key seen: zeros).
     #pragma unroll
     for (int h = 0; h < 2; h++) {
