@@ -69,7 +69,9 @@ struct Step<'a> {
 pub struct SplitHost {
     /// `[2·B·T]` (a GPU), or none (the host computes the rows).
     pub rope_index: Option<Vec<u32>>,
-    /// `[B, W+T]` (with attention layers only; W the past's width).
+    /// The states' `[R, S]`, then the branch rows' `[B, W+T]` (with attention layers only; W the
+    /// past's width): past keys a row may not see, and every row's own padding (no real query
+    /// sees it; a padded query whose own key is masked reads none on the flash kernel).
     pub key_bias: Option<Vec<f32>>,
     /// Positions the branch rows may reach: W + T.
     bound: usize,
@@ -562,11 +564,13 @@ impl Model {
         let key_bias = match (has_attention, &tables.key_bias) {
             (false, _) => None,
             (true, Some(bias)) => {
-                let zeros = vec![0f32; states * s_len];
                 let past_width = tables.bound - width;
+                let s_keys = states * s_len;
                 Some((
-                    kev_kernels::uploads::upload(zeros, (states, s_len), &self.device)?,
-                    bias.counted_reshape((b_rows, past_width + width))?,
+                    bias.narrow(0, 0, s_keys)?
+                        .counted_reshape((states, s_len))?,
+                    bias.narrow(0, s_keys, b_rows * (past_width + width))?
+                        .counted_reshape((b_rows, past_width + width))?,
                 ))
             }
             (true, None) => candle_core::bail!("split tables without the key bias"),
@@ -641,7 +645,9 @@ impl Model {
         let states = split.states();
         let (s_len, width) = (split.state_width(), split.branch_width());
         // A state's padding is seen only by its own later pads (causality); a branch row sees
-        // its state row's real keys (computed or given) and its own.
+        // its state row's real keys (computed or given) and its own. Each row's own padding is
+        // masked too (past its first step, so that no query sees no key): the flash kernel
+        // skips a padded query.
         let owner_lengths: Vec<usize> = split
             .owners()
             .iter()
@@ -657,19 +663,23 @@ impl Model {
                 None => p < split.state_lengths()[o],
                 Some(g) => given.is_some_and(|c| c.key_valid()[g].get(p) == Some(&true)),
             };
-            split
-                .owners()
+            let mask = |seen: bool| if seen { 0f32 } else { f32::NEG_INFINITY };
+            let states_bias = split
+                .state_lengths()
                 .iter()
-                .flat_map(|&o| {
-                    (0..past_width + width).map(move |p| {
-                        if p < past_width && !visible(o, p) {
-                            f32::NEG_INFINITY
-                        } else {
-                            0f32
-                        }
-                    })
-                })
-                .collect()
+                .flat_map(|&len| (0..s_len).map(move |p| mask(p < len.max(1))));
+            let branches_bias =
+                split
+                    .owners()
+                    .iter()
+                    .zip(split.branch_lengths())
+                    .flat_map(|(&o, &len)| {
+                        (0..past_width + width).map(move |p| match p.checked_sub(past_width) {
+                            None => mask(visible(o, p)),
+                            Some(t) => mask(t < len.max(1)),
+                        })
+                    });
+            states_bias.chain(branches_bias).collect()
         });
         let rope_index = self
             .rope
