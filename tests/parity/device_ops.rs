@@ -586,6 +586,8 @@ struct FlashCase {
     t: usize,
     l: usize,
     past: Option<(usize, usize, Vec<usize>)>,
+    /// Each row's own padding: its last keys masked (rows are right-padded).
+    pads: Vec<usize>,
 }
 
 /// `[rows, heads, steps, 256]` values as a strided view (a head-major transpose of a wider
@@ -653,7 +655,8 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
     let dev = device();
     let scale = 1.0 / 16.0;
     for case in [
-        // A state pass: 4 query heads a kv head, steps not a multiple of the 64-row tiles.
+        // A state pass: 4 query heads a kv head, steps not a multiple of the 64-row tiles; the
+        // second row mostly padding (whole blocks of padded queries).
         FlashCase {
             b: 2,
             hq: 8,
@@ -661,6 +664,7 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             t: 100,
             l: 100,
             past: None,
+            pads: vec![1, 90],
         },
         // Branch rows on their state rows' keys (out of order, one state row twice).
         FlashCase {
@@ -670,6 +674,7 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             t: 37,
             l: 37,
             past: Some((2, 70, vec![1, 0, 1])),
+            pads: vec![0, 17, 36],
         },
         // A cached continuation: more own keys than queries (the last T of L).
         FlashCase {
@@ -679,6 +684,7 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             t: 20,
             l: 90,
             past: None,
+            pads: vec![5],
         },
     ] {
         let FlashCase {
@@ -696,12 +702,14 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             None => None,
         };
         let s_len = past.as_ref().map_or(0, |p| p.0.dim(2).unwrap_or(0));
-        // Padding: row 0's last past key and every row's last own key (rows are right-padded:
-        // the last query is padding, its output zero on the kernel).
+        // Padding: row 0's last past key and each row's last own keys (a query whose own key
+        // is masked is padding: its output is zero on the kernel).
+        let pads = &case.pads;
         let bias: Vec<f32> = (0..b)
             .flat_map(|row| {
                 (0..s_len + l).map(move |j| {
-                    let pad = (row == 0 && s_len > 0 && j == s_len - 1) || j == s_len + l - 1;
+                    let pad =
+                        (row == 0 && s_len > 0 && j == s_len - 1) || j >= s_len + l - pads[row];
                     if pad {
                         f32::NEG_INFINITY
                     } else {
@@ -719,13 +727,11 @@ fn flash_attention_matches_f32_reference() -> Result<()> {
             &bias,
             scale,
         )?;
-        let want = Tensor::cat(
-            &[
-                want.narrow(2, 0, t - 1)?,
-                want.narrow(2, t - 1, 1)?.zeros_like()?,
-            ],
-            2,
-        )?;
+        // The padded queries (their own keys masked) read no key on the kernel: zeros.
+        let real: Vec<f32> = (0..b)
+            .flat_map(|row| (0..t).map(move |q| f32::from(u8::from(l - t + q < l - pads[row]))))
+            .collect();
+        let want = want.broadcast_mul(&Tensor::from_vec(real, (b, 1, t, 1), want.device())?)?;
         let on = |t: &Tensor| t.to_device(&dev);
         let (q_d, k_d, v_d, bias_d) = (on(&q)?, on(&k)?, on(&v)?, on(&bias)?);
         let past_d = match &past {
