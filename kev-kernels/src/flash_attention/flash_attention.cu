@@ -6,8 +6,9 @@
 // a branch row continues; row b without owners), then the L of its own (kn/vn). Query t (of T,
 // the last T of those L) sees keys j ≤ S + L − T + t, plus the additive key bias [B, S + L]
 // (0 or −inf: padding; rows are right-padded, so a query whose own key is masked is padding: it
-// reads no key and its output is zero). Each K/V source is [rows, Hkv, steps, 256] at its own strides (in
-// elements, steps at 16-byte multiples), so the values can stay a view of the projection.
+// reads no key and its output is zero). Each K/V source is [rows, Hkv, steps, 256] at its own
+// strides (in elements, steps at 16-byte multiples), so the values can stay a view of the
+// projection.
 //
 // A block takes 64 query rows of one (b, kv head): the rep = Hq / Hkv query heads of a kv head
 // are one run of rep·T rows, so GQA reads each key and value tile once for all of them. Its 4
