@@ -17,8 +17,13 @@
 # command. Where Kev runs an approximate dtype (int8), `score` then scores DRIFT_RECORDS in f32
 # and in it, and bench/dtype_drift.py gives its max |Δp| and argmax flips against f32.
 #
+# With ISA=avx2 both sides run as on a CPU with AVX2 but no AVX-512 (Haswell to Zen 3): llama.cpp
+# built without GGML_NATIVE for AVX2, FMA, F16C and BMI2 only (build-avx2/), Kev's int8 on its AVX2
+# kernel (KEV_INT8_ISA=avx2); Kev's f32 and bf16 would still use AVX-512, so only int8 runs.
+#
 # Environment knobs (defaults in brackets):
-#   KEV_TYPES ["f32 bf16", and int8 on a CPU with AVX-512 VNNI] (Kev's dtypes; bf16 on a CPU with
+#   ISA [native] (or avx2, above)
+#   KEV_TYPES ["f32 bf16 int8"; with ISA=avx2 "int8"] (Kev's dtypes; bf16 on a CPU with
 #   AVX512-BF16 is bf16 weights with f32 activations, as llama.cpp's bf16)  KEV_REPS [5] (Kev's
 #   repeats after one warm-up)  DRIFT_RECORDS [batch8 and 32 varied records, real tokenizer]
 #   SIZE [0.8b]  THREADS [2]  REPS [3]  TYPES ["f32 bf16 f16 q8_0 q4_0 q4_k_m"]  PYTHON [/work/pyenv/bin/python if
@@ -34,7 +39,15 @@ SIZE=${SIZE:-0.8b}
 THREADS=${THREADS:-2}
 REPS=${REPS:-3}
 TYPES=${TYPES:-"f32 bf16 f16 q8_0 q4_0 q4_k_m"}
-KEV_TYPES=${KEV_TYPES:-"f32 bf16$(grep -qw avx512_vnni /proc/cpuinfo && echo ' int8')"}
+ISA=${ISA:-native}
+case $ISA in
+  native) KEV_TYPES=${KEV_TYPES:-"f32 bf16 int8"}; BUILD=build
+          GGML_FLAGS=(-DGGML_NATIVE=ON) ;;
+  avx2) KEV_TYPES=${KEV_TYPES:-int8}; BUILD=build-avx2; export KEV_INT8_ISA=avx2
+        GGML_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                    -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
+  *) echo "ISA is native or avx2, not $ISA" >&2; exit 2 ;;
+esac
 KEV_REPS=${KEV_REPS:-5}
 JOBS=${JOBS:-2}
 VERSION=0.3.36
@@ -43,9 +56,9 @@ CACHE=bench/.cache
 CKPT=$CACHE/kev-$SIZE
 LLAMA=$CACHE/llama.cpp
 SRC=$LLAMA/llama_cpp_python-$VERSION/vendor/llama.cpp
-BENCH=$LLAMA/build/bin/llama-bench
-QUANTIZE=$LLAMA/build/bin/llama-quantize
-RESULTS=$CACHE/results-cpu-llamacpp-$SIZE.jsonl
+BENCH=$LLAMA/$BUILD/bin/llama-bench
+QUANTIZE=$LLAMA/$BUILD/bin/llama-quantize
+RESULTS=$CACHE/results-cpu-llamacpp-$SIZE$([ "$ISA" = native ] || echo "-$ISA").jsonl
 mkdir -p "$LLAMA" "$CACHE/gguf"
 
 [ -f "$CKPT/kev.json" ] || nice "$PYTHON" bench/make_checkpoint.py --size "$SIZE" --out "$CKPT"
@@ -68,10 +81,10 @@ if [ ! -x "$BENCH" ] || [ ! -x "$QUANTIZE" ]; then
   # PyPI's cmake lands in the Python environment's scripts folder, which need not be on PATH.
   CMAKE=$(command -v cmake || { "$PYTHON" -m pip install -q cmake >&2 &&
     "$PYTHON" -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))'; })
-  echo "== building llama-bench and llama-quantize (CPU, native)" >&2
-  "$CMAKE" -S "$SRC" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  echo "== building llama-bench and llama-quantize (CPU, $ISA)" >&2
+  "$CMAKE" -S "$SRC" -B "$LLAMA/$BUILD" -DCMAKE_BUILD_TYPE=Release "${GGML_FLAGS[@]}" -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
-  "$CMAKE" --build "$LLAMA/build" --target llama-bench llama-quantize -j "$JOBS" >&2
+  "$CMAKE" --build "$LLAMA/$BUILD" --target llama-bench llama-quantize -j "$JOBS" >&2
 fi
 
 : > "$RESULTS"

@@ -136,7 +136,9 @@ pub use gated_delta_rule::{
 pub use gates::{deltanet_gates, deltanet_gates_ref};
 pub use gather::{copy_rows, embed, gather_cat, gather_rows, join_rows, pack, RowIndex};
 pub use head::{pointer_logits, rows_f32};
-pub use int8_gemm::{int8_gemm_available, quantize_block, PackedInt8, BLOCK as INT8_BLOCK};
+pub use int8_gemm::{
+    int8_gemm_available, quantize_block, Int8Isa, PackedInt8, BLOCK as INT8_BLOCK,
+};
 pub use layout::split::SplitBatch;
 pub use linear::{linear, tuning, MAX_TUNED_ROWS};
 pub use moe::{

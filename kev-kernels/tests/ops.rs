@@ -394,14 +394,17 @@ fn fused_ops_match_references() -> Result<()> {
 /// The int8 matmul against its definition computed here in f64: `quantize_block` of each weight
 /// row (an output column) whole and of each input row per block of `INT8_BLOCK` inputs, integer
 /// products per block scaled by the input block's scale, their sum by the column's. The kernel
-/// sums each block exactly in i32 and the blocks in f32, so only f32 rounding separates them. Row counts across a micro-tile (6), none, k not a multiple of 4 nor
-/// of the block, n not a multiple of the 32-column block and over several tasks' blocks; a row
-/// range of the packed weight; an outlier confined to its block; a NaN input giving NaN outputs
-/// in its row only. Against the f32 matmul: within the quantization's error. On a CPU without
-/// AVX-512 VNNI the op refuses with an error (and the test says the kernel did not run).
+/// sums each block exactly in i32 and the blocks in f32, so only f32 rounding separates them.
+/// Row counts across both kernels' micro-tiles (6 and 4), none, k not a multiple of 4 nor of the
+/// block, n not a multiple of the 32-column block (nor of its 16-column half) and over several
+/// tasks' blocks; a row range of the packed weight; an outlier confined to its block; a NaN
+/// input giving NaN outputs in its row only. Against the f32 matmul: within the quantization's
+/// error. Each instruction set this CPU has runs it, and where it has both, their outputs are
+/// equal bit for bit (the same exact sums); one it lacks is refused with an error naming it
+/// (and the test says that kernel did not run).
 #[test]
 fn packed_int8_matmul_matches_its_blockwise_definition() -> Result<()> {
-    use kev_kernels::{int8_gemm_available, quantize_block, PackedInt8, INT8_BLOCK};
+    use kev_kernels::{int8_gemm_available, Int8Isa, PackedInt8};
     let empty = Tensor::zeros((4, 0), DType::F32, &Device::Cpu)?;
     assert!(
         PackedInt8::pack(&empty).is_err(),
@@ -409,21 +412,6 @@ fn packed_int8_matmul_matches_its_blockwise_definition() -> Result<()> {
     );
     let bad = Tensor::new(&[[1f32, f32::NAN]], &Device::Cpu)?;
     assert!(PackedInt8::pack(&bad).is_err(), "packed a NaN weight");
-    // Per row of `t: [rows, k]`, its blocks' (of `block` values) scales and integers.
-    type Blocks = Vec<(f32, Vec<i8>)>;
-    let quantized = |t: &Tensor, block: usize| -> Result<Vec<Blocks>> {
-        Ok(t.to_vec2::<f32>()?
-            .iter()
-            .map(|row| {
-                row.chunks(block)
-                    .map(|v| {
-                        let mut q = vec![0i8; v.len()];
-                        (quantize_block(v, &mut q), q)
-                    })
-                    .collect()
-            })
-            .collect())
-    };
     for (m, k, n) in [
         (13usize, 37usize, 70usize),
         (67, 1024, 96),
@@ -432,6 +420,7 @@ fn packed_int8_matmul_matches_its_blockwise_definition() -> Result<()> {
         (7, 300, 300),
         (5, 130, 2100),
         (0, 8, 40),
+        (9, 64, 48),
     ] {
         let mut xv = patterned(&[m, k], 0.3, 1.0)?
             .flatten_all()?
@@ -442,81 +431,129 @@ fn packed_int8_matmul_matches_its_blockwise_definition() -> Result<()> {
         let x = Tensor::from_vec(xv, (m, k), &Device::Cpu)?;
         let w = patterned(&[n, k], 1.7, 0.2)?;
         let packed = PackedInt8::pack(&w)?;
-        if !int8_gemm_available() {
-            let err = packed.forward(&x).expect_err("ran without AVX-512 VNNI");
-            assert!(err.to_string().contains("VNNI"), "unclear error: {err}");
-            println!("no AVX-512 VNNI here: only the refusal was checked, not the kernel");
-            continue;
-        }
-        let (qx, qw) = (quantized(&x, INT8_BLOCK)?, quantized(&w, k)?);
-        let want: Vec<f32> = qx
-            .iter()
-            .flat_map(|xr| {
-                qw.iter().map(move |wr| {
-                    let (sw, b) = &wr[0];
-                    let blocks: f64 = xr
-                        .iter()
-                        .zip(b.chunks(INT8_BLOCK))
-                        .map(|((sa, a), b)| {
-                            let dot: i64 =
-                                a.iter().zip(b).map(|(&a, &b)| a as i64 * b as i64).sum();
-                            *sa as f64 * dot as f64
-                        })
-                        .sum();
-                    (*sw as f64 * blocks) as f32
-                })
-            })
-            .collect();
-        let want = Tensor::from_vec(want, (m, n), &Device::Cpu)?;
-        let got = packed.forward(&x)?;
-        assert_eq!(got.dtype(), DType::F32);
-        assert_close(
-            &format!("int8 matmul {m}x{k}x{n}"),
-            &got,
-            &want,
-            1e-5 + 1e-6 * k as f32,
-        )?;
-        // Within the quantization's error of the f32 product (half a step of each operand per
-        // input, an outlier's block coarser), away from the outlier's row.
-        let exact = x.matmul(&w.t()?)?;
-        if m > 3 {
-            let rows = |t: &Tensor| t.narrow(0, 3, m - 3);
-            assert_close(
-                &format!("int8 matmul {m}x{k}x{n} against f32"),
-                &rows(&got)?,
-                &rows(&exact)?,
-                0.01 * k as f32 * 0.2,
-            )?;
-        }
-        if m == 0 {
-            continue; // (candle's `narrow` of an empty tensor panics)
-        }
-        let (start, len) = (3.min(n - 1), n - 3.min(n - 1));
-        assert_close(
-            &format!("int8 matmul {m}x{k}x{n}, rows {start}.."),
-            &packed.rows(start, len)?.forward(&x)?,
-            &got.narrow(1, start, len)?,
-            0.0,
-        )?;
-        // A NaN input makes its row's outputs NaN, the others' unchanged.
-        let mut xv = x.flatten_all()?.to_vec1::<f32>()?;
-        xv[k - 1] = f32::NAN;
-        let nan = packed.forward(&Tensor::from_vec(xv, (m, k), &Device::Cpu)?)?;
-        let rows = nan.to_vec2::<f32>()?;
-        assert!(
-            rows[0].iter().all(|v| v.is_nan()),
-            "a NaN input was not propagated"
+        assert_eq!(
+            packed.clone().on(Int8Isa::Avx2).is_ok(),
+            Int8Isa::Avx2.available()
         );
-        if m > 1 {
-            assert_close(
-                "int8 matmul, rows after a NaN",
-                &nan.narrow(0, 1, m - 1)?,
-                &got.narrow(0, 1, m - 1)?,
-                0.0,
-            )?;
+        let mut outputs = Vec::new();
+        for isa in [Int8Isa::Avx512Vnni, Int8Isa::Avx2] {
+            match packed.clone().on(isa) {
+                Ok(p) => outputs.push(int8_checked(&p, &x, &w, (m, k, n), isa)?),
+                Err(e) => {
+                    assert!(!isa.available(), "{isa:?} refused on a CPU with it: {e}");
+                    assert!(e.to_string().contains(&format!("{isa:?}")), "unclear: {e}");
+                    println!("no {isa:?} here: its kernel was not run");
+                }
+            }
+        }
+        if outputs.is_empty() {
+            let err = packed
+                .forward(&x)
+                .expect_err("ran without an instruction set");
+            assert!(err.to_string().contains("AVX2"), "unclear error: {err}");
+        }
+        if let [vnni, avx2] = &outputs[..] {
+            assert_close(&format!("int8 {m}x{k}x{n}: AVX2 = VNNI"), avx2, vnni, 0.0)?;
         }
     }
+    assert_eq!(int8_gemm_available(), Int8Isa::best().is_some());
     Ok(())
+}
+
+/// Per row of `t: [rows, k]`, its blocks' (of `block` values) scales and integers.
+type Int8Blocks = Vec<(f32, Vec<i8>)>;
+
+fn int8_quantized(t: &Tensor, block: usize) -> Result<Vec<Int8Blocks>> {
+    Ok(t.to_vec2::<f32>()?
+        .iter()
+        .map(|row| {
+            row.chunks(block)
+                .map(|v| {
+                    let mut q = vec![0i8; v.len()];
+                    (kev_kernels::quantize_block(v, &mut q), q)
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// [`packed_int8_matmul_matches_its_blockwise_definition`]'s checks of `packed` (run on `isa`)
+/// on `x: [m, k]` against `w: [n, k]`; its output.
+fn int8_checked(
+    packed: &kev_kernels::PackedInt8,
+    x: &Tensor,
+    w: &Tensor,
+    (m, k, n): (usize, usize, usize),
+    isa: kev_kernels::Int8Isa,
+) -> Result<Tensor> {
+    use kev_kernels::INT8_BLOCK;
+    let (qx, qw) = (int8_quantized(x, INT8_BLOCK)?, int8_quantized(w, k)?);
+    let want: Vec<f32> = qx
+        .iter()
+        .flat_map(|xr| {
+            qw.iter().map(move |wr| {
+                let (sw, b) = &wr[0];
+                let blocks: f64 = xr
+                    .iter()
+                    .zip(b.chunks(INT8_BLOCK))
+                    .map(|((sa, a), b)| {
+                        let dot: i64 = a.iter().zip(b).map(|(&a, &b)| a as i64 * b as i64).sum();
+                        *sa as f64 * dot as f64
+                    })
+                    .sum();
+                (*sw as f64 * blocks) as f32
+            })
+        })
+        .collect();
+    let want = Tensor::from_vec(want, (m, n), &Device::Cpu)?;
+    let got = packed.forward(x)?;
+    assert_eq!(got.dtype(), DType::F32);
+    assert_close(
+        &format!("int8 matmul {m}x{k}x{n} ({isa:?})"),
+        &got,
+        &want,
+        1e-5 + 1e-6 * k as f32,
+    )?;
+    // Within the quantization's error of the f32 product (half a step of each operand per
+    // input, an outlier's block coarser), away from the outlier's row.
+    let exact = x.matmul(&w.t()?)?;
+    if m > 3 {
+        let rows = |t: &Tensor| t.narrow(0, 3, m - 3);
+        assert_close(
+            &format!("int8 matmul {m}x{k}x{n} ({isa:?}) against f32"),
+            &rows(&got)?,
+            &rows(&exact)?,
+            0.01 * k as f32 * 0.2,
+        )?;
+    }
+    if m == 0 {
+        return Ok(got); // (candle's `narrow` of an empty tensor panics)
+    }
+    let (start, len) = (3.min(n - 1), n - 3.min(n - 1));
+    assert_close(
+        &format!("int8 matmul {m}x{k}x{n} ({isa:?}), rows {start}.."),
+        &packed.rows(start, len)?.forward(x)?,
+        &got.narrow(1, start, len)?,
+        0.0,
+    )?;
+    // A NaN input makes its row's outputs NaN, the others' unchanged.
+    let mut xv = x.flatten_all()?.to_vec1::<f32>()?;
+    xv[k - 1] = f32::NAN;
+    let nan = packed.forward(&Tensor::from_vec(xv, (m, k), &Device::Cpu)?)?;
+    let rows = nan.to_vec2::<f32>()?;
+    assert!(
+        rows[0].iter().all(|v| v.is_nan()),
+        "a NaN input was not propagated"
+    );
+    if m > 1 {
+        assert_close(
+            &format!("int8 matmul, rows after a NaN ({isa:?})"),
+            &nan.narrow(0, 1, m - 1)?,
+            &got.narrow(0, 1, m - 1)?,
+            0.0,
+        )?;
+    }
+    Ok(got)
 }
 
 /// The packed bf16 matmul against an f32 matmul of the same bf16-rounded operands: the products

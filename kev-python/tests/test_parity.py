@@ -176,9 +176,10 @@ def test_fp8_is_refused_on_the_cpu_naming_the_dtype():
     assert "fp8" in str(err.value) and err.value.name == "dtype"
 
 
-def test_int8_runs_where_the_cpu_has_vnni_and_is_refused_elsewhere():
-    """`dtype="int8"`: approximate (int8 projections, f32 activations) on a CPU with AVX-512
-    VNNI, its drift from f32 measured in the Rust suite; elsewhere an ArgumentError naming it."""
+def test_int8_runs_where_the_cpu_has_avx2_and_is_refused_elsewhere():
+    """`dtype="int8"`: approximate (int8 projections, f32 activations) on an x86-64 CPU with AVX2
+    (or AVX-512 VNNI), its drift from f32 measured in the Rust suite; elsewhere an ArgumentError
+    naming it."""
     try:
         model = kev.DecisionModel.load(FIXTURES / "kev-small", backend="cpu", dtype="int8")
     except kev.ArgumentError as err:

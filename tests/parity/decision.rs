@@ -632,16 +632,6 @@ fn reduced_precision() {
     }
 }
 
-/// Whether this machine's CPU runs the `int8` dtype (AVX-512 F, BW and VNNI).
-fn cpu_has_vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("avx512vnni");
-    #[allow(unreachable_code)]
-    false
-}
-
 /// `kev-small` loaded in the quantized `dtype` where it `runs` (its weights' dtype checked), or
 /// `None` after checking that the load is refused there, naming the dtype.
 fn quantized(dtype: DType, runs: bool) -> Option<DecisionModel> {
@@ -668,11 +658,13 @@ fn int8_weights_on_the_cpu() {
     // The `int8` dtype quantizes the projections' weights per output column and their inputs per
     // block of 32 values: not exact, so its drift from the reference is measured and bounded
     // loosely: on the CPU max|Δp| 1.2e-1 and 1 argmax flip of 21, three times bf16's drift (the
-    // fixture's peaked heads amplify it; flips are reported, not asserted). Where it cannot run
-    // (a GPU backend, a CPU without AVX-512 VNNI) the load is refused, naming the dtype.
+    // fixture's peaked heads amplify it; flips are reported, not asserted). Its AVX2 and AVX-512
+    // VNNI kernels give the same outputs bit for bit (`packed_int8_matmul_matches_its_blockwise_
+    // definition`). Where it cannot run (a GPU backend, a CPU with neither) the load is refused,
+    // naming the dtype.
     let Some(model) = quantized(
         DType::Int8,
-        backend() == kev::Backend::Cpu && cpu_has_vnni(),
+        backend() == kev::Backend::Cpu && kev_kernels::int8_gemm_available(),
     ) else {
         return;
     };

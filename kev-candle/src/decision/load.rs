@@ -128,7 +128,8 @@ pub(super) fn load(dir: &Path, options: &LoadOptions) -> Result<Loaded> {
     if int8 && !kev_kernels::int8_gemm_available() {
         return Err(Error::invalid_argument(
             "dtype",
-            "`int8` needs a CPU with AVX-512 VNNI, which this one lacks".to_string(),
+            "`int8` needs an x86-64 CPU with AVX2 and FMA (or AVX-512 VNNI), which this one lacks"
+                .to_string(),
         ));
     }
     // The `fp8` dtype: bf16, the projections' f32 weights (the LoRA folded) quantized once to
