@@ -82,6 +82,7 @@ impl Int8Isa {
 
     /// The byte an input's integer `q` is fed as: `q + 128` for `vpdpbusd`'s unsigned operand,
     /// `q` itself for AVX2 (whose sign trick takes signed inputs).
+    #[cfg(target_arch = "x86_64")]
     fn offset(self) -> i16 {
         match self {
             Self::Avx512Vnni => 128,
