@@ -41,7 +41,7 @@ struct Args {
     /// auto, cpu, cuda[:i] or metal[:i]. By default, auto: Metal on Apple Silicon, CUDA where built and present, else CPU.
     #[arg(long, default_value = "auto")]
     backend: Backend,
-    /// auto, f32, bf16, f16, int8 (x86-64 CPU with AVX2; approximate) or fp8 (H100/H200; approximate). By default, auto: f32 on the CPU, bf16 on GPUs.
+    /// auto, f32, bf16, f16, int8 (x86-64 CPU with AVX2 and FMA; approximate) or fp8 (H100/H200; approximate). By default, auto: f32 on the CPU, bf16 on GPUs.
     #[arg(long, default_value = "auto")]
     dtype: DType,
     /// Adapter interpolation: 0 = base model, 1 = fine-tuned (the default); checked by the loader.

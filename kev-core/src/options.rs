@@ -88,7 +88,8 @@ pub enum DType {
     F16,
     /// CPU only, opt-in, not exact: the projections' weights quantized to int8 at load (a scale
     /// per output feature) and multiplied with int8 dot products against activations quantized
-    /// at each product (a scale per block of 32 inputs); f32 otherwise; needs x86-64 with AVX2 (or AVX-512 VNNI: the same numbers).
+    /// at each product (a scale per block of 32 inputs); f32 otherwise; needs x86-64 with AVX2
+    /// and FMA, or AVX-512 VNNI (the same numbers).
     /// Its drift from f32 is measured, not bounded (BENCHMARKS.md).
     Int8,
     /// CUDA on Hopper (compute capability 9.0) only, opt-in, not exact: bf16, but the

@@ -395,13 +395,14 @@ fn fused_ops_match_references() -> Result<()> {
 /// row (an output column) whole and of each input row per block of `INT8_BLOCK` inputs, integer
 /// products per block scaled by the input block's scale, their sum by the column's. The kernel
 /// sums each block exactly in i32 and the blocks in f32, so only f32 rounding separates them.
-/// Row counts across both kernels' micro-tiles (6 and 4), none, k not a multiple of 4 nor of the
-/// block, n not a multiple of the 32-column block (nor of its 16-column half) and over several
-/// tasks' blocks; a row range of the packed weight; an outlier confined to its block; a NaN
-/// input giving NaN outputs in its row only. Against the f32 matmul: within the quantization's
-/// error. Each instruction set this CPU has runs it, and where it has both, their outputs are
-/// equal bit for bit (the same exact sums); one it lacks is refused with an error naming it
-/// (and the test says that kernel did not run).
+/// Row counts across both kernels' micro-tiles (6 and 4) and every partial tile, none, k not a
+/// multiple of 4 nor of the block, n not a multiple of the 32-column block (nor of its 16-column
+/// half) and over several tasks' blocks; a row range of the packed weight; an outlier confined
+/// to its block; a block of zeros and one too small to scale (zeros, as `quantize_block` gives);
+/// a NaN or infinite input giving NaN outputs in its row only. Against the f32 matmul: within
+/// the quantization's error. Each instruction set this CPU has runs it, and where it has both,
+/// their outputs are equal bit for bit (the same exact sums); one it lacks is refused with an
+/// error naming it (and the test says that kernel did not run).
 #[test]
 fn packed_int8_matmul_matches_its_blockwise_definition() -> Result<()> {
     use kev_kernels::{int8_gemm_available, Int8Isa, PackedInt8};
@@ -421,12 +422,22 @@ fn packed_int8_matmul_matches_its_blockwise_definition() -> Result<()> {
         (5, 130, 2100),
         (0, 8, 40),
         (9, 64, 48),
+        (8, 96, 40),
+        (10, 64, 33),
     ] {
         let mut xv = patterned(&[m, k], 0.3, 1.0)?
             .flatten_all()?
             .to_vec1::<f32>()?;
         if m > 2 && k > 1 {
             xv[2 * k + 1] = 300.0; // an outlier in row 2, block 0
+        }
+        if m > 3 && k >= 64 {
+            // Row 3: a block of zeros and a block too small for its reciprocal scale (both
+            // quantize to zeros).
+            xv[3 * k..3 * k + 32].fill(0.0);
+            for v in &mut xv[3 * k + 32..3 * k + 64] {
+                *v *= 1e-38;
+            }
         }
         let x = Tensor::from_vec(xv, (m, k), &Device::Cpu)?;
         let w = patterned(&[n, k], 1.7, 0.2)?;
@@ -536,22 +547,24 @@ fn int8_checked(
         &got.narrow(1, start, len)?,
         0.0,
     )?;
-    // A NaN input makes its row's outputs NaN, the others' unchanged.
-    let mut xv = x.flatten_all()?.to_vec1::<f32>()?;
-    xv[k - 1] = f32::NAN;
-    let nan = packed.forward(&Tensor::from_vec(xv, (m, k), &Device::Cpu)?)?;
-    let rows = nan.to_vec2::<f32>()?;
-    assert!(
-        rows[0].iter().all(|v| v.is_nan()),
-        "a NaN input was not propagated"
-    );
-    if m > 1 {
-        assert_close(
-            &format!("int8 matmul, rows after a NaN ({isa:?})"),
-            &nan.narrow(0, 1, m - 1)?,
-            &got.narrow(0, 1, m - 1)?,
-            0.0,
-        )?;
+    // A NaN or infinite input makes its row's outputs NaN, the others' unchanged.
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut xv = x.flatten_all()?.to_vec1::<f32>()?;
+        xv[k - 1] = bad;
+        let out = packed.forward(&Tensor::from_vec(xv, (m, k), &Device::Cpu)?)?;
+        let rows = out.to_vec2::<f32>()?;
+        assert!(
+            rows[0].iter().all(|v| v.is_nan()),
+            "an input {bad} did not give NaN ({isa:?})"
+        );
+        if m > 1 {
+            assert_close(
+                &format!("int8 matmul, rows after an input {bad} ({isa:?})"),
+                &out.narrow(0, 1, m - 1)?,
+                &got.narrow(0, 1, m - 1)?,
+                0.0,
+            )?;
+        }
     }
     Ok(got)
 }

@@ -59,7 +59,7 @@ impl PyDecisionModel {
     ///
     /// `backend`: "auto" (Metal on Apple Silicon, CUDA where built and present, else the CPU),
     /// "cpu", "cuda[:i]" or "metal[:i]". `dtype`: "auto" (f32 on the CPU, bf16 on GPUs), "f32",
-    /// "bf16", "f16", "int8" (x86-64 CPU with AVX2; approximate) or "fp8" (H100/H200;
+    /// "bf16", "f16", "int8" (x86-64 CPU with AVX2 and FMA; approximate) or "fp8" (H100/H200;
     /// approximate). `lora_scale` interpolates the base (0) and the fine-tune (1).
     /// `prefill_chunk`: the longest piece, in tokens, one forward pass runs (default 2048).
     /// `cuda_graphs`: replay repeated shapes as CUDA graphs (CUDA only; default True).

@@ -33,7 +33,7 @@ pub struct Config {
         default_value = "auto"
     )]
     pub devices: Vec<Backend>,
-    /// auto, f32, bf16, f16, int8 (x86-64 CPU with AVX2; approximate) or fp8 (H100/H200; approximate); auto: f32 on the CPU, bf16 on GPUs.
+    /// auto, f32, bf16, f16, int8 (x86-64 CPU with AVX2 and FMA; approximate) or fp8 (H100/H200; approximate); auto: f32 on the CPU, bf16 on GPUs.
     #[arg(long, env = "KEV_DTYPE", default_value = "auto")]
     pub dtype: DType,
     /// Adapter interpolation: 0 = base model, 1 = fine-tuned.

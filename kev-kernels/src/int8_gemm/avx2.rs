@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{quantize_short_block, Weights, BLOCK, QUADS};
+use super::{negligible, quantize_short_block, Weights, BLOCK, QUADS};
 use crate::cpu_tiles::COLS;
 
 /// Rows of the input per micro-tile: 2 × 4 i32 sums of the 16 registers, besides the weights,
@@ -44,7 +44,7 @@ pub(super) unsafe fn quantize_input_block(v: &[f32], out: &mut [u32]) -> f32 {
         std::ptr::write_bytes(bytes, 0, BLOCK);
         return f32::NAN;
     }
-    if amax == 0.0 {
+    if negligible(amax) {
         std::ptr::write_bytes(bytes, 0, BLOCK);
         return 0.0;
     }

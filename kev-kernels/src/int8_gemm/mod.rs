@@ -97,7 +97,8 @@ pub fn int8_gemm_available() -> bool {
 }
 
 /// `v`'s symmetric int8 quantization: its scale (`max|v| / 127`) and its integers in
-/// −127..=127, written to `out` (zeros for an all-zero `v`).
+/// −127..=127, written to `out` (zeros, scale 0, for a `v` whose largest magnitude is 0 or too
+/// small for `127 / max|v|` to be finite, below about 3.7e-37: [`negligible`]).
 pub fn quantize_block(v: &[f32], out: &mut [i8]) -> f32 {
     let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
     // A NaN is lost by `max`: found here so that its block's scale (and output) is NaN.
@@ -105,7 +106,7 @@ pub fn quantize_block(v: &[f32], out: &mut [i8]) -> f32 {
         out.fill(0);
         return f32::NAN;
     }
-    if amax == 0.0 {
+    if negligible(amax) {
         out.fill(0);
         return 0.0;
     }
@@ -118,6 +119,12 @@ pub fn quantize_block(v: &[f32], out: &mut [i8]) -> f32 {
         *o = ((y + MAGIC) - MAGIC) as i8;
     }
     amax / 127.0
+}
+
+/// Whether a block of largest magnitude `amax` quantizes to zeros: 0, or so small that the
+/// reciprocal scale `127 / amax` overflows (it would turn every value into ±127 or NaN).
+fn negligible(amax: f32) -> bool {
+    !(127.0 / amax).is_finite()
 }
 
 /// [`quantize_block`] of a block `v` shorter than [`BLOCK`], written as `q + offset` bytes at

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{quantize_short_block, Weights, BLOCK, QUADS};
+use super::{negligible, quantize_short_block, Weights, BLOCK, QUADS};
 use crate::cpu_tiles::{store_row, COLS};
 
 /// Rows of the input per micro-tile: 2 × 6 i32 and 2 × 6 f32 accumulators of the 32 registers.
@@ -34,7 +34,7 @@ pub(super) unsafe fn quantize_input_block(v: &[f32], out: &mut [u32]) -> f32 {
         std::ptr::write_bytes(bytes, 128, BLOCK);
         return f32::NAN;
     }
-    if amax == 0.0 {
+    if negligible(amax) {
         std::ptr::write_bytes(bytes, 128, BLOCK);
         return 0.0;
     }

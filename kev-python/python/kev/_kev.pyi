@@ -78,7 +78,8 @@ class DecisionModel:
         """Loads the checkpoint folder `path` (holding kev.json).
 
         backend: "auto", "cpu", "cuda[:i]" or "metal[:i]"; dtype: "auto", "f32", "bf16", "f16"
-        or "int8" (CPU with AVX-512 VNNI; approximate); lora_scale: 0 = base model, 1 = fine-tune."""
+        or "int8" (x86-64 CPU with AVX2 and FMA; approximate); lora_scale: 0 = base model,
+        1 = fine-tune."""
     def encode(self, record: RecordLike, *, line: Optional[int] = None) -> Encoding:
         """Token ids, segments and head positions; `line` is named by any error."""
     def forward(self, record: RecordLike) -> PerQuestion:
