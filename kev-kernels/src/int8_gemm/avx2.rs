@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{negligible, quantize_short_block, Weights, BLOCK, QUADS};
+use super::{negligible, quantize_short_block, Tile, BLOCK, QUADS};
 use crate::cpu_tiles::COLS;
 
 /// Rows of the input per micro-tile: 2 × 4 i32 sums of the 16 registers, besides the weights,
@@ -69,25 +69,16 @@ pub(super) unsafe fn quantize_input_block(v: &[f32], out: &mut [u32]) -> f32 {
 ///
 /// # Safety
 /// As [`tile`]'s.
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn tile_rows(
-    w: &Weights,
-    a: &[u32],
-    s: &[f32],
-    c: *mut f32,
-    n: usize,
-    kb: usize,
-    rows: usize,
-) {
+pub(super) unsafe fn tile_rows(t: &Tile, rows: usize) {
     for half in 0..2 {
-        if w.cols <= 16 * half {
+        if t.w.cols <= 16 * half {
             break;
         }
         match rows {
-            4 => tile::<4>(w, a, s, c, n, kb, half),
-            3 => tile::<3>(w, a, s, c, n, kb, half),
-            2 => tile::<2>(w, a, s, c, n, kb, half),
-            _ => tile::<1>(w, a, s, c, n, kb, half),
+            4 => tile::<4>(t, half),
+            3 => tile::<3>(t, half),
+            2 => tile::<2>(t, half),
+            _ => tile::<1>(t, half),
         }
     }
 }
@@ -97,18 +88,12 @@ pub(super) unsafe fn tile_rows(
 /// columns' scales, those of the first `w.cols` columns stored at `c` (row pitch `n`).
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `a` holds R rows of `kb × QUADS` groups, `s` R rows of `kb`
-/// scales, `w` `kb` blocks, and `c` R rows of `w.cols` floats.
+/// The CPU has AVX2 and FMA; `t.a` holds R rows of `kb × QUADS` groups, `t.s` R rows of `kb`
+/// scales, `t.w` `kb` blocks, and `t.c` R rows of `w.cols` floats.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile<const R: usize>(
-    w: &Weights,
-    a: &[u32],
-    s: &[f32],
-    c: *mut f32,
-    n: usize,
-    kb: usize,
-    half: usize,
-) {
+unsafe fn tile<const R: usize>(t: &Tile, half: usize) {
+    let Tile { w, a, s, c, n, kb } = t;
+    let (c, n, kb) = (*c, *n, *kb);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
     let rows = kb * QUADS;

@@ -346,20 +346,23 @@ impl PackedInt8 {
                 &a_scales[r0 * kb..][..rows * kb],
             )
         };
+        let tile = |b: usize, r0: usize, r: usize, c: *mut f32| {
+            let (a, s) = rows(r0, r);
+            let w = block(b);
+            Tile { w, a, s, c, n, kb }
+        };
         // SAFETY (both arms): the CPU has `isa`; each tile's `a` and `s` hold its rows, `w` the
         // block's `kb` blocks, `c` its rows of `w.cols` floats (`column_tiles`), as the tiles
         // store them.
         match isa {
             Int8Isa::Avx512Vnni => unsafe {
                 column_tiles(m, n, vnni::TILE, BLOCKS_PER_TASK, |b, r0, r, c| {
-                    let (a, s) = rows(r0, r);
-                    vnni::tile_rows(&block(b), a, s, c, n, kb, r)
+                    vnni::tile_rows(&tile(b, r0, r, c), r)
                 })
             },
             Int8Isa::Avx2 => unsafe {
                 column_tiles(m, n, avx2::TILE, BLOCKS_PER_TASK, |b, r0, r, c| {
-                    let (a, s) = rows(r0, r);
-                    avx2::tile_rows(&block(b), a, s, c, n, kb, r)
+                    avx2::tile_rows(&tile(b, r0, r, c), r)
                 })
             },
         }
@@ -370,6 +373,22 @@ impl PackedInt8 {
     fn matmul(&self, _: &[f32], _: Int8Isa) -> Vec<f32> {
         unreachable!("int8-linear runs on x86-64 only")
     }
+}
+
+/// A micro-tile's operands: a column block of the weight, its rows' quantized inputs and their
+/// scales, and where its outputs go.
+#[cfg(target_arch = "x86_64")]
+struct Tile<'a> {
+    w: Weights<'a>,
+    /// The rows' `kb` quantized blocks each ([`QUADS`] words a block).
+    a: &'a [u32],
+    /// The rows' `kb` scales each.
+    s: &'a [f32],
+    /// The tile's first output (rows `n` floats apart).
+    c: *mut f32,
+    n: usize,
+    /// Input blocks a row.
+    kb: usize,
 }
 
 /// One column block of the packed weight.

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{negligible, quantize_short_block, Weights, BLOCK, QUADS};
+use super::{negligible, quantize_short_block, Tile, BLOCK, QUADS};
 use crate::cpu_tiles::{store_row, COLS};
 
 /// Rows of the input per micro-tile: 2 × 6 i32 and 2 × 6 f32 accumulators of the 32 registers.
@@ -57,23 +57,14 @@ pub(super) unsafe fn quantize_input_block(v: &[f32], out: &mut [u32]) -> f32 {
 ///
 /// # Safety
 /// As [`tile`]'s.
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn tile_rows(
-    w: &Weights,
-    a: &[u32],
-    s: &[f32],
-    c: *mut f32,
-    n: usize,
-    kb: usize,
-    rows: usize,
-) {
+pub(super) unsafe fn tile_rows(t: &Tile, rows: usize) {
     match rows {
-        6 => tile::<6>(w, a, s, c, n, kb),
-        5 => tile::<5>(w, a, s, c, n, kb),
-        4 => tile::<4>(w, a, s, c, n, kb),
-        3 => tile::<3>(w, a, s, c, n, kb),
-        2 => tile::<2>(w, a, s, c, n, kb),
-        _ => tile::<1>(w, a, s, c, n, kb),
+        6 => tile::<6>(t),
+        5 => tile::<5>(t),
+        4 => tile::<4>(t),
+        3 => tile::<3>(t),
+        2 => tile::<2>(t),
+        _ => tile::<1>(t),
     }
 }
 
@@ -83,17 +74,12 @@ pub(super) unsafe fn tile_rows(
 /// scales, the first `w.cols` columns stored at `c` (row pitch `n`).
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and VNNI; `a` holds R rows of `kb × QUADS` groups, `s` R rows of
-/// `kb` scales, `w` `kb` blocks, and `c` R rows of `w.cols` floats.
+/// The CPU has AVX-512 F, BW and VNNI; `t.a` holds R rows of `kb × QUADS` groups, `t.s` R rows
+/// of `kb` scales, `t.w` `kb` blocks, and `t.c` R rows of `w.cols` floats.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile<const R: usize>(
-    w: &Weights,
-    a: &[u32],
-    s: &[f32],
-    c: *mut f32,
-    n: usize,
-    kb: usize,
-) {
+unsafe fn tile<const R: usize>(t: &Tile) {
+    let Tile { w, a, s, c, n, kb } = t;
+    let (c, n, kb) = (*c, *n, *kb);
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     let rows = kb * QUADS;
     for blk in 0..kb {
