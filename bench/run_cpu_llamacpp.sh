@@ -23,7 +23,7 @@
 #
 # Environment knobs (defaults in brackets):
 #   ISA [native] (or avx2, above)
-#   KEV_TYPES ["f32 bf16 int8"; with ISA=avx2 "int8"] (Kev's dtypes; bf16 on a CPU with
+#   KEV_TYPES ["f32 bf16", and int8 on a CPU with AVX2; with ISA=avx2 "int8"] (Kev's dtypes; bf16 on a CPU with
 #   AVX512-BF16 is bf16 weights with f32 activations, as llama.cpp's bf16)  KEV_REPS [5] (Kev's
 #   repeats after one warm-up)  DRIFT_RECORDS [batch8 and 32 varied records, real tokenizer]
 #   SIZE [0.8b]  THREADS [2]  REPS [3]  TYPES ["f32 bf16 f16 q8_0 q4_0 q4_k_m"]  PYTHON [/work/pyenv/bin/python if
@@ -41,7 +41,7 @@ REPS=${REPS:-3}
 TYPES=${TYPES:-"f32 bf16 f16 q8_0 q4_0 q4_k_m"}
 ISA=${ISA:-native}
 case $ISA in
-  native) KEV_TYPES=${KEV_TYPES:-"f32 bf16 int8"}; BUILD=build
+  native) KEV_TYPES=${KEV_TYPES:-"f32 bf16$(grep -qw avx2 /proc/cpuinfo && echo ' int8')"}; BUILD=build
           GGML_FLAGS=(-DGGML_NATIVE=ON) ;;
   avx2) KEV_TYPES=${KEV_TYPES:-int8}; BUILD=build-avx2; export KEV_INT8_ISA=avx2
         GGML_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON

@@ -334,22 +334,19 @@ impl PackedInt8 {
         let (n, kb) = (self.n, self.k.div_ceil(BLOCK));
         // SAFETY: `isa` is this CPU's (`PackedInt8::isa` is only ever an available one).
         let (a, a_scales, m) = unsafe { self.quantize_rows(x, isa) };
-        let block = |block: usize| Weights {
-            data: &self.data[block * kb * QUADS * COLS * 4..][..kb * QUADS * COLS * 4],
-            scales: &self.scales[block * COLS..][..COLS],
-            starts: &self.starts[block * kb * COLS..][..kb * COLS],
-            cols: COLS.min(n - block * COLS),
-        };
-        let rows = |r0: usize, rows: usize| {
-            (
-                &a[r0 * kb * QUADS..][..rows * kb * QUADS],
-                &a_scales[r0 * kb..][..rows * kb],
-            )
-        };
-        let tile = |b: usize, r0: usize, r: usize, c: *mut f32| {
-            let (a, s) = rows(r0, r);
-            let w = block(b);
-            Tile { w, a, s, c, n, kb }
+        // Column block `b`, rows `r0..r0 + r`.
+        let tile = |b: usize, r0: usize, r: usize, c: *mut f32| Tile {
+            w: Weights {
+                data: &self.data[b * kb * QUADS * COLS * 4..][..kb * QUADS * COLS * 4],
+                scales: &self.scales[b * COLS..][..COLS],
+                starts: &self.starts[b * kb * COLS..][..kb * COLS],
+                cols: COLS.min(n - b * COLS),
+            },
+            a: &a[r0 * kb * QUADS..][..r * kb * QUADS],
+            s: &a_scales[r0 * kb..][..r * kb],
+            c,
+            n,
+            kb,
         };
         // SAFETY (both arms): the CPU has `isa`; each tile's `a` and `s` hold its rows, `w` the
         // block's `kb` blocks, `c` its rows of `w.cols` floats (`column_tiles`), as the tiles
