@@ -278,7 +278,7 @@ impl Executor {
     }
 
     /// `pass`'s inputs on the device, its given prefixes' rows `given` (one cache) where it has
-    /// some; its rows packed between the layers where `pack` says so (never for a CUDA
+    /// some; its branch rows packed between the layers where `pack` says so (never for a CUDA
     /// graph) and it pays ([`Packing::pays`]).
     fn upload_inputs(&self, pass: &Pass, given: Option<&Cache>, pack: bool) -> Result<PassInputs> {
         let (_, owner) = pass.head_reads();

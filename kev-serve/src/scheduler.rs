@@ -197,12 +197,14 @@ fn add(
     cold: bool,
 ) {
     let (rows, longest) = (record.questions(), record.longest_branch());
+    let branch_tokens = record.branch_tokens();
     match at {
-        Some(at) => loads[at] = loads[at].with_rows(rows, longest),
+        Some(at) => loads[at] = loads[at].with_rows(rows, longest, branch_tokens),
         None if cold => loads.push(StateLoad {
             tokens: record.state_ids().len(),
             rows,
             longest_row: longest,
+            branch_tokens,
         }),
         None => *given = (given.0 + rows, given.1.max(longest)),
     }

@@ -80,7 +80,7 @@ pub struct SplitHost {
 /// A split and its [`SplitHost`] on the device (always copies of their own: a graph's inputs).
 pub struct SplitTables {
     split: SplitBatch,
-    /// Its rows packed between the layers (never in a CUDA graph: the packed row count
+    /// Its branch rows packed between the layers (never in a CUDA graph: the packed row count
     /// is not a graph input).
     packing: Option<Packing>,
     rope_index: Option<Tensor>,
@@ -92,7 +92,7 @@ pub struct SplitTables {
 }
 
 impl SplitHost {
-    /// The tables of `split` on `device`, its rows packed where `pack` says so
+    /// The tables of `split` on `device`, its branch rows packed where `pack` says so
     /// ([`Packing::of`]).
     pub fn upload(
         self,
@@ -140,7 +140,7 @@ impl SplitTables {
         &self.split
     }
 
-    /// Its rows' packing, where they are packed.
+    /// Its branch rows' packing, where they are packed.
     pub fn packing(&self) -> Option<&Packing> {
         self.packing.as_ref()
     }
@@ -586,7 +586,7 @@ impl Model {
             key_bias,
             keep,
         };
-        // [R·S + B·T, H], or packed: [N_s + N_b, H].
+        // [R·S + B·T, H], the branch rows packed where they are.
         let mut xs = rows.kept_of_padded(Outputs::All, &self.embed(&[state_ids, branch_ids])?)?;
         let mut pending = None;
         let mut kept_layers = Vec::with_capacity(if keep { self.layers.len() } else { 0 });
@@ -714,7 +714,7 @@ impl Model {
         rope && deltanet
     }
 
-    /// `split` with [`Model::split_host`] on the device, its rows packed between the
+    /// `split` with [`Model::split_host`] on the device, its branch rows packed between the
     /// layers where `pack` says so ([`Packing::of`]).
     pub fn split_tables(
         &self,
