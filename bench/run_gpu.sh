@@ -39,6 +39,11 @@
 #   ncu          ncu's kernel times (at the GPU's own clocks) over one timed pass per size and
 #                NCU_WORKLOADS; NCU_FULL="kernel:workload ..." adds ncu's full set on one launch
 #                                                                            ncu-W-SIZE.md, ncu-full-*.txt
+#   trace        every kernel's GPU time over one timed pass per size and TRACE_WORKLOADS
+#                [varied-256 batch256] (TRACE_ARGS [--form batch]), traced by CUPTI
+#                (bench/kernel_trace.cpp, built here with g++ against $CUPTI
+#                [/usr/local/cuda/extras/CUPTI]), not replayed as by ncu; with the GPU's idle
+#                time in the pass                                        trace-W-SIZE.md, trace.jsonl
 #   clocks       SM clock, power and throttle reasons every 50 ms through the 64-record batch
 #                (4B, 0.8B) and through 5 s of the matmul peak                 clocks-*.csv, clocks.jsonl
 #   coldstart    whole processes (load + one pass) with the driver's cache off (CUDA_CACHE_DISABLE=1,
@@ -67,6 +72,7 @@
 # [one batch8 batch64 batch256] at 0.8B, [one batch8 batch64] at 4B)  KEV_FORMS [prefix,batch]
 # PEERS ["plain fla"]  PEER_TIMEOUT [200]  AB_WORKLOADS ["one:prefix one:batch batch8:batch"]
 # SCORE_BINS [score]  SCORE_RECORDS [score]  LOADGEN_BINS [loadgen]  BATCH_TOKENS []  NCU_WORKLOADS [one]  NCU_ARGS [--form batch]  NCU_FULL []
+# TRACE_WORKLOADS [varied-256 batch256]  TRACE_ARGS [--form batch]  CUPTI [/usr/local/cuda/extras/CUPTI]
 set -uo pipefail
 case "${1:-}" in ""|-h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;; esac
 cd "$(dirname "$0")/.."
@@ -301,6 +307,26 @@ if has ncu; then
       --form batch --repeats 1 --warmup 0 --backend cuda --dtype bf16 >/dev/null 2>>$O/stderr.txt
     ncu -i /tmp/$k-$w.ncu-rep --page details > $O/ncu-full-$k-$w.txt 2>&1
     grep -E '^ +(Duration|Executed Ipc Active|Issue Slots Busy)' $O/ncu-full-$k-$w.txt
+  done
+fi
+
+if has trace; then
+  TW=${TRACE_WORKLOADS:-varied-256 batch256}
+  case "$TW" in *varied*) varied_records ;; esac
+  CUPTI=${CUPTI:-/usr/local/cuda/extras/CUPTI}
+  for v in 10 9; do  # the newest kernel record of CUDA 13's CUPTI, then of 12's
+    g++ -O2 -shared -fPIC -std=c++17 -DKEV_KERNEL_RECORD=CUpti_ActivityKernel$v -I$CUPTI/include \
+      -I/usr/local/cuda/include bench/kernel_trace.cpp -L$CUPTI/lib64 -lcupti -Wl,-rpath,$CUPTI/lib64 \
+      -o /tmp/kernel_trace.so 2>>$O/stderr.txt && break
+  done
+  [ -f /tmp/kernel_trace.so ] || { echo "trace: kernel_trace.so did not build (CUPTI at $CUPTI? stderr.txt)"; SIZES=; }
+  for s in $SIZES; do
+    gen $s
+    for w in $TW; do
+      CUDA_INJECTION64_PATH=/tmp/kernel_trace.so KEV_TRACE_OUT=/tmp/trace-$w-$s.csv kev trace $BIN \
+        --checkpoint $C/kev-$s $(recs $w) ${TRACE_ARGS:---form batch} --repeats 1 --warmup 2 --profile-timed --label trace-$s
+      python3 bench/trace_summary.py /tmp/trace-$w-$s.csv > $O/trace-$w-$s.md; head -16 $O/trace-$w-$s.md
+    done
   done
 fi
 
