@@ -29,7 +29,7 @@ use crate::backend::cuda::sources::ROPE_MAX_HEAD_DIM;
 use crate::dispatch::{self, backend, counted_cat, record, Backend, CountedTensor, UNCOUNTED};
 use crate::flash_attention::{self, flash_attention_fills_gpu, AttentionPast};
 use crate::gather::{copy_rows, gather_cat};
-use crate::layout::rows::{rounder, strided4, whole_f32};
+use crate::layout::rows::{rounder, strided4, sum_of_squares, whole_f32};
 
 pub use reference::{attention_gate_ref, causal_softmax_ref, qk_norm_rope_ref};
 
@@ -65,19 +65,19 @@ impl CustomOp3 for QkNormRope {
         out.par_chunks_mut(hd).enumerate().for_each(|(r, o)| {
             let (t, h, b) = (r % t_len, (r / t_len) % heads, r / (t_len * heads));
             let xr = &x[off + b * sb + t * st + h * sh..][..hd];
-            let ms = xr.iter().map(|&v| f64::from(v * v)).sum::<f64>() / hd as f64;
+            let ms = sum_of_squares(xr) / hd as f64;
             let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
             let n: Vec<f32> = xr
                 .iter()
                 .zip(w1.iter())
-                .map(|(v, w)| round(v * inv * w))
+                .map(|(v, w)| round.round(v * inv * w))
                 .collect();
             let rs = (b * t_len + t) * rot;
             for (c, o) in o.iter_mut().enumerate() {
                 *o = if c < rot {
                     let rotated = if c < half { -n[c + half] } else { n[c - half] };
                     let (cos, sin) = (cos_sin[rs + c], cos_sin[sin_at + rs + c]);
-                    round(round(n[c] * cos) + round(rotated * sin))
+                    round.round(round.round(n[c] * cos) + round.round(rotated * sin))
                 } else {
                     n[c]
                 };
@@ -151,7 +151,7 @@ impl CustomOp2 for CausalSoftmax {
                 let m = &bias[b * s_len..][..seen];
                 let p = &mut p[..seen];
                 for ((p, &v), &m) in p.iter_mut().zip(row).zip(m) {
-                    *p = round(v * self.scale) + m;
+                    *p = round.round(v * self.scale) + m;
                 }
                 let mx = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
@@ -215,7 +215,7 @@ impl CustomOp2 for AttentionGate {
             let gr = &g[off + b * sb + t * st + h * sh..][..hd];
             let or = &o[((b * heads + h) * t_len + t) * hd..][..hd];
             for ((out, &ov), &gv) in out.iter_mut().zip(or).zip(gr) {
-                *out = ov * round(1.0 / (1.0 + (-gv).exp()));
+                *out = ov * round.round(1.0 / (1.0 + (-gv).exp()));
             }
         });
         let shape = Shape::from((b_sz, t_len, heads * hd));

@@ -62,7 +62,7 @@ impl CustomOp3 for Gates {
             .for_each(|(out, row)| {
                 for h in 0..hv {
                     out[2 * h] = neg_a[h] * softplus(row[hv + h] + dt_bias[h]);
-                    out[2 * h + 1] = round(1.0 / (1.0 + (-row[h]).exp()));
+                    out[2 * h + 1] = round.round(1.0 / (1.0 + (-row[h]).exp()));
                 }
             });
         Ok((CpuStorage::F32(gates), out_shape(bal)?))

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 
 use crate::backend::cpu::{as_f32, from_f32, silu_in_place};
 use crate::dispatch::{record, CountedTensor};
-use crate::layout::rows::{as_row_view, rounder, row_view};
+use crate::layout::rows::{as_row_view, rounder, row_view, sum_of_squares};
 
 pub use reference::{gated_rms_norm_ref, rms_norm_ref};
 
@@ -34,7 +34,7 @@ impl RmsNorm {
         let cols = w1.len();
         let round = rounder(dtype);
         let norm_row = |o: &mut [f32], v: &[f32]| {
-            let ms = v.iter().map(|&a| f64::from(a * a)).sum::<f64>() / cols as f64;
+            let ms = sum_of_squares(v) / cols as f64;
             let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
             o.iter_mut()
                 .zip(v.iter().zip(w1))
@@ -56,7 +56,7 @@ impl RmsNorm {
             .for_each(|((s, o), (x, h))| {
                 s.iter_mut()
                     .zip(x.iter().zip(h))
-                    .for_each(|(s, (a, b))| *s = round(a + b));
+                    .for_each(|(s, (a, b))| *s = round.round(a + b));
                 norm_row(o, s);
             });
         out
@@ -192,12 +192,12 @@ impl CustomOp3 for GatedRmsNorm {
         out.par_chunks_mut(dv)
             .zip(x.par_chunks(dv).zip(z.par_chunks(dv)))
             .for_each(|(o, (x, z))| {
-                let ms = x.iter().map(|&a| f64::from(a * a)).sum::<f64>() / dv as f64;
+                let ms = sum_of_squares(x) / dv as f64;
                 let inv = (1.0 / (ms + f64::from(self.eps)).sqrt()) as f32;
                 o.copy_from_slice(z);
                 silu_in_place(o);
                 for ((o, &a), &w) in o.iter_mut().zip(x).zip(w.iter()) {
-                    *o *= round(round(a * inv) * w);
+                    *o *= round.round(round.round(a * inv) * w);
                 }
             });
         Ok((from_f32(out, xs.dtype())?, xl.shape().clone()))

@@ -45,7 +45,7 @@ impl CustomOp1 for SwiGlu {
                 o.copy_from_slice(gate);
                 silu_in_place(o);
                 for (o, &u) in o.iter_mut().zip(up) {
-                    *o = round(*o) * u;
+                    *o = round.round(*o) * u;
                 }
             });
         Ok((from_f32(out, s.dtype())?, out_shape(l)))
