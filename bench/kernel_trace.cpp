@@ -3,7 +3,7 @@
 // CUPTI's activity API between cuProfilerStart and cuProfilerStop (`bench --profile-timed`), and
 // writes them to $KEV_TRACE_OUT as CSV (name, start_ns, end_ns, stream). ncu serializes and
 // instruments each launch (~0.2 s a launch on the H100), which a varied pass of thousands of
-// launches cannot afford; bench/trace_summary.py sums the trace per kernel and gives the GPU's
+// launches cannot afford; bench/kernel_summary.py --trace sums the trace per kernel and gives the GPU's
 // idle time in the range.
 //
 // Built and run by `bench/run_gpu.sh trace` (g++ against the machine's CUDA and CUPTI headers;

@@ -298,7 +298,7 @@ if has ncu; then
       ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum --log-file /tmp/ncu-$w-$s.csv \
         .gpu/$BIN --checkpoint $C/kev-$s $(recs $w) ${NCU_ARGS:---form batch} --repeats 1 --warmup 2 --profile-timed \
         --backend cuda --dtype bf16 >/dev/null 2>>$O/stderr.txt
-      python3 bench/ncu_summary.py /tmp/ncu-$w-$s.csv > $O/ncu-$w-$s.md; head -16 $O/ncu-$w-$s.md
+      python3 bench/kernel_summary.py /tmp/ncu-$w-$s.csv > $O/ncu-$w-$s.md; head -16 $O/ncu-$w-$s.md
     done
   done
   for kw in ${NCU_FULL:-}; do
@@ -325,7 +325,7 @@ if has trace; then
     for w in $TW; do
       CUDA_INJECTION64_PATH=/tmp/kernel_trace.so KEV_TRACE_OUT=/tmp/trace-$w-$s.csv kev trace $BIN \
         --checkpoint $C/kev-$s $(recs $w) ${TRACE_ARGS:---form batch} --repeats 1 --warmup 2 --profile-timed --label trace-$s
-      python3 bench/trace_summary.py /tmp/trace-$w-$s.csv > $O/trace-$w-$s.md; head -16 $O/trace-$w-$s.md
+      python3 bench/kernel_summary.py --trace /tmp/trace-$w-$s.csv > $O/trace-$w-$s.md; head -16 $O/trace-$w-$s.md
     done
   done
 fi
