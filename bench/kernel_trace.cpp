@@ -14,7 +14,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -53,9 +52,7 @@ void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t val
   CUpti_Activity* record = nullptr;
   std::lock_guard<std::mutex> lock(mu);
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
-    if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL &&
-        record->kind != CUPTI_ACTIVITY_KIND_KERNEL)
-      continue;
+    if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
     auto* k = reinterpret_cast<const KEV_KERNEL_RECORD*>(record);
     kernels.push_back({k->name ? k->name : "?", k->start, k->end, k->streamId});
   }

@@ -314,6 +314,7 @@ if has trace; then
   TW=${TRACE_WORKLOADS:-varied-256 batch256}
   case "$TW" in *varied*) varied_records ;; esac
   CUPTI=${CUPTI:-/usr/local/cuda/extras/CUPTI}
+  rm -f /tmp/kernel_trace.so  # a warm machine's earlier build must not stand in for a failed one
   for v in 10 9; do  # the newest kernel record of CUDA 13's CUPTI, then of 12's
     g++ -O2 -shared -fPIC -std=c++17 -DKEV_KERNEL_RECORD=CUpti_ActivityKernel$v -I$CUPTI/include \
       -I/usr/local/cuda/include bench/kernel_trace.cpp -L$CUPTI/lib64 -lcupti -Wl,-rpath,$CUPTI/lib64 \
